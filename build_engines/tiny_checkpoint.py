@@ -126,6 +126,10 @@ def rerandomise_(model: torch.nn.Module, seed: int) -> None:
         elif tensor.dim() >= 2:
             fan_in = tensor[0].numel() if tensor.dim() != 3 or "experts" not in name else tensor.shape[-1]
             value = torch.randn(tensor.shape, generator=generator) / math.sqrt(max(fan_in, 1))
+            if name.startswith("code2wav.decoder.") and ".conv2." in name:
+                # 12 residual units (x + branch) compound the vocoder's gain ~2.5x per decoder block;
+                # damped branches keep the waveform in range instead of clamped to +-1
+                value = value * 0.1
         else:
             value = 0.02 * torch.randn(tensor.shape, generator=generator)
         with torch.no_grad():

@@ -23,15 +23,15 @@ BPE_VOCAB_SIZE = 512
 
 # The chat template of the released model, reduced to what this server sends: text and audio parts.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+    "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'audio' -%}<|audio_start|><|audio_pad|><|audio_end|>"
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 _CORPUS = """

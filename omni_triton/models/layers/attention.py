@@ -8,11 +8,17 @@ token's K/V goes. A model layer calls ``batch.attend(layer_idx, q, k, v)``; it n
 KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 a token at logical position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at
 offset ``p % block_size``, i.e. slot ``block * block_size + offset``.
+
+Two implementations of the same math: ``attend_paged`` (reference: one gather + masked SDPA per sequence)
+and the default ``attend_fast``, which avoids gathers where it can: a fresh prefill (no cached context)
+attends to its own new K/V with causal SDPA; all single-token decode rows run as one batched grouped-query
+attention over their gathered blocks (one gather for the whole decode batch per layer, K/V never repeated
+per query head); only chunked prefill with cached context gathers per sequence. Its per-batch plan is built once and shared by all layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +32,8 @@ class AttentionBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with -1
     kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
     block_size: int
+    use_reference: bool = False  # True: the per-sequence gather path (the oracle for the fast path)
+    _plan: "_AttentionPlan | None" = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +51,11 @@ class AttentionBatch:
         flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
         flat[0].index_copy_(0, self.slot_mapping, k.to(cache.dtype))
         flat[1].index_copy_(0, self.slot_mapping, v.to(cache.dtype))
-        return attend_paged(q, cache, self, scale)
+        if self.use_reference:
+            return attend_paged(q, cache, self, scale)
+        if self._plan is None:
+            self._plan = _AttentionPlan.build(self)
+        return attend_fast(q, k, v, cache, self._plan, scale)
 
 
 def attend_paged(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch, scale: float | None) -> torch.Tensor:
@@ -66,6 +78,86 @@ def attend_paged(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch, sc
         out[row:row + q_len] = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
         row += q_len
     return out
+
+
+@dataclass
+class _AttentionPlan:
+    """How attend_fast splits a batch; built from host ints once per batch, reused by every layer."""
+    decode_rows: torch.Tensor | None  # [Bd] rows (and sequences' tables below) of single-token decodes
+    decode_tables: torch.Tensor | None  # [Bd, max_blocks] int64, -1 replaced by 0 (masked anyway)
+    decode_valid: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool: key position < context
+    fresh_prefills: list[tuple[int, int]]  # (first row, length) of prefills with no cached context
+    chunked_prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, ctx_len, block ids)
+
+    @classmethod
+    def build(cls, batch: AttentionBatch) -> "_AttentionPlan":
+        device = batch.slot_mapping.device
+        decode_rows, decode_seqs, fresh, chunked = [], [], [], []
+        row = 0
+        for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            if q_len == 1 and ctx_len > 1:
+                decode_rows.append(row)
+                decode_seqs.append(i)
+            elif q_len == ctx_len:
+                fresh.append((row, q_len))
+            else:
+                n_blocks = -(-ctx_len // batch.block_size)
+                chunked.append((row, q_len, ctx_len, batch.block_tables[i, :n_blocks].long()))
+            row += q_len
+        if not decode_rows:
+            return cls(None, None, None, fresh, chunked)
+        ctx = _host_to_device([batch.context_lens[i] for i in decode_seqs], device)
+        max_blocks = -(-int(max(batch.context_lens[i] for i in decode_seqs)) // batch.block_size)
+        tables = batch.block_tables[_host_to_device(decode_seqs, device), :max_blocks].long().clamp_min(0)
+        valid = torch.arange(max_blocks * batch.block_size, device=device)[None, :] < ctx[:, None]
+        return cls(_host_to_device(decode_rows, device), tables, valid[:, None, None, :], fresh, chunked)
+
+
+def _host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Pinned, non-blocking copy: building the plan mid-forward must not make the host wait for the GPU."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def attend_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, plan: _AttentionPlan,
+                scale: float | None) -> torch.Tensor:
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    # round new K/V like the cache does, so results don't depend on whether they were read back from it
+    k, v = (t.to(cache.dtype).to(q.dtype) for t in (k, v))
+    for row, n in plan.fresh_prefills:
+        qi, ki, vi = (t[row:row + n].transpose(0, 1) for t in (q, k, v))
+        out[row:row + n] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                          enable_gqa=gqa).transpose(0, 1)
+    for row, q_len, ctx_len, blocks in plan.chunked_prefills:
+        keys = cache[0, blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
+        values = cache[1, blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(q.dtype)
+        # query j sits at position ctx_len - q_len + j: a bottom-right aligned causal mask
+        mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
+        out[row:row + q_len] = F.scaled_dot_product_attention(q[row:row + q_len].transpose(0, 1), keys, values,
+                                                              attn_mask=mask, scale=scale,
+                                                              enable_gqa=gqa).transpose(0, 1)
+    if plan.decode_rows is not None:
+        rows = plan.decode_rows
+        keys = cache[0, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
+        values = cache[1, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        out[rows] = _decode_attention(q[rows], keys, values, plan.decode_valid, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """q [B, Hq, D] (one token each), keys/values [B, Hkv, L, D], valid [B, 1, 1, L] -> [B, Hq, D].
+
+    Query heads are grouped onto their KV head as a matmul dimension, so K/V are read once per KV head
+    (no repeat_interleave copy); softmax in fp32."""
+    batch, num_heads, head_dim = q.shape
+    grouped = q.view(batch, keys.shape[1], num_heads // keys.shape[1], head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * (head_dim ** -0.5 if scale is None else scale)
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
 def contiguous_batch(seq_lens: list[int], num_layers: int, num_kv_heads: int, head_dim: int, *,

@@ -1,0 +1,79 @@
+"""Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks, left context cut off."""
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from omni_triton.models.code2wav_runtime import Code2WavRuntime
+from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
+from omni_triton.server.model_args import limit_torch_threads, model_parameters
+
+# launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
+RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path")}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        limit_torch_threads(int(params["torch_threads"]))
+        self.device = torch.device(params["device"] if params["device"] == "cpu"
+                                   else f"cuda:{args['model_instance_device_id']}")
+        kind, engine_argument = RUNTIMES[params["runtime"]]
+        engine = {engine_argument: params["engine_path"]} if engine_argument else {}
+        self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
+                                              dtype=getattr(torch, params["dtype"]), **engine)
+        self.codebook_size = self.vocoder.config.codebook_size
+        self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
+        # A MetricFamily must outlive its metrics: keep both.
+        self.metric_families = [
+            pb_utils.MetricFamily("omni_code2wav_batch_chunks", "chunks decoded together in the last vocoder call",
+                                  pb_utils.MetricFamily.GAUGE),
+            pb_utils.MetricFamily("omni_code2wav_decoded_frames_total",
+                                  "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER)]
+        self.batch_chunks, self.decoded_frames = (family.Metric({}) for family in self.metric_families)
+
+    @torch.inference_mode()
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.vocoder.decode(codes).float().cpu()
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        jobs, owners = [], []  # one job per batch row; owners[i]: index of the request it came from
+        for index, request in enumerate(requests):
+            try:
+                rows = self._jobs(request)
+            except ValueError as error:
+                responses[index] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+                continue
+            jobs.extend(rows)
+            owners.extend([index] * len(rows))
+        audio = self.decoder.decode(jobs)
+        self.batch_chunks.set(len(jobs))
+        self.decoded_frames.increment(sum(job.num_frames for job in jobs))
+        for index in sorted(set(owners)):
+            rows = [wav.numpy() for wav, owner in zip(audio, owners) if owner == index]
+            responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.stack(rows))])
+        return responses
+
+    def finalize(self):
+        del self.batch_chunks, self.decoded_frames  # metrics before their families
+        self.metric_families.clear()
+
+    def _jobs(self, request) -> list[ChunkJob]:
+        """CODES [b, G, N] + LEFT_CONTEXT [b, 1] -> b chunk jobs (raises ValueError naming the bad input)."""
+        codes = pb_utils.get_input_tensor_by_name(request, "CODES").as_numpy()
+        left_context = pb_utils.get_input_tensor_by_name(request, "LEFT_CONTEXT").as_numpy().reshape(-1)
+        num_frames, codebook_size = codes.shape[-1], self.codebook_size
+        if num_frames < 1:
+            raise ValueError("CODES must hold at least one frame")
+        if codes.min() < 0 or codes.max() >= codebook_size:
+            raise ValueError(f"CODES must be in [0, {codebook_size - 1}], got [{codes.min()}, {codes.max()}]")
+        jobs = []
+        for row, context in enumerate(left_context.tolist()):
+            if not 0 <= context < num_frames:
+                raise ValueError(f"LEFT_CONTEXT must be in [0, {num_frames - 1}] for {num_frames} frames, "
+                                 f"got {context}")
+            # Only "first chunk or not" matters for the cut: a chunk with context starts at frame >= context.
+            jobs.append(ChunkJob(torch.tensor(codes[row]), context, num_frames - context, start_frame=context))
+        return jobs

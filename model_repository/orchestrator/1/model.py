@@ -1,0 +1,27 @@
+"""Triton adapter for omni_triton.server.orchestrator.Orchestrator (BLS: thinker -> talker -> code2wav)."""
+
+import triton_python_backend_utils as pb_utils
+
+from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.orchestrator import Orchestrator
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        limit_torch_threads(int(params["torch_threads"]))
+        left_context = params["left_context_frames"]
+        policy = ChunkPolicy(first_chunk_frames=int(params["first_chunk_frames"]),
+                             chunk_frames=int(params["next_chunk_frames"]),
+                             left_context_frames=None if left_context == "exact" else int(left_context))
+        self.orchestrator = Orchestrator(pb_utils, params["checkpoint_dir"], params["device"], policy,
+                                         max_inflight=int(params["max_inflight_requests"]))
+
+    def execute(self, requests):
+        for request in requests:
+            self.orchestrator.submit(request)
+        return None
+
+    def finalize(self):
+        self.orchestrator.shutdown()

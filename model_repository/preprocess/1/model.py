@@ -1,0 +1,48 @@
+"""Triton adapter for omni_triton.pipeline.preprocess.Preprocessor (validation, chat template, features)."""
+
+import triton_python_backend_utils as pb_utils
+
+from omni_triton.pipeline.preprocess import Preprocessor
+from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
+from omni_triton.server.model_args import limit_torch_threads, model_parameters
+
+CLIENT_INPUTS = ("TEXT", "AUDIO_IN", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER", "TEMPERATURE", "TOP_P", "TOP_K",
+                 "REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
+                 "MIN_AUDIO_FRAMES", "SEQUENTIAL")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        limit_torch_threads(int(params["torch_threads"]))
+        limits = RequestLimits(
+            max_text_chars=int(params["max_text_chars"]), max_audio_seconds=float(params["max_audio_seconds"]),
+            max_tokens_cap=int(params["max_tokens_cap"]), default_max_tokens=int(params["default_max_tokens"]),
+            max_audio_frames_cap=int(params["max_audio_frames_cap"]))
+        self.preprocessor = Preprocessor(params["checkpoint_dir"], limits, int(params["kv_cache_tokens"]))
+        self.rejected = pb_utils.MetricFamily(
+            "omni_preprocess_rejected_requests_total", "requests refused with INVALID_ARG, by input",
+            pb_utils.MetricFamily.COUNTER)
+        self.rejected_by_field = {}
+
+    def execute(self, requests):
+        return [self._respond(request) for request in requests]
+
+    def finalize(self):
+        self.rejected_by_field.clear()  # metrics before their family
+        del self.rejected
+
+    def _respond(self, request):
+        inputs = {}
+        for name in CLIENT_INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            inputs[name] = None if tensor is None else tensor.as_numpy()
+        try:
+            outputs = self.preprocessor(inputs)
+        except InvalidRequest as error:
+            if error.field not in self.rejected_by_field:
+                self.rejected_by_field[error.field] = self.rejected.Metric({"input": error.field})
+            self.rejected_by_field[error.field].increment(1)
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+        return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])

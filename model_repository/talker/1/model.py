@@ -1,0 +1,63 @@
+"""Triton adapter for omni_triton.pipeline.talker_service.TalkerService (sequence-batched, decoupled)."""
+
+import triton_python_backend_utils as pb_utils
+
+from omni_triton.pipeline.stage_requests import talker_request
+from omni_triton.pipeline.talker_service import TalkerService
+from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.stage_io import (control_word, engine_config, host_array, input_arrays,
+                                         talker_output_tensors, thinker_output_from_request)
+
+START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        limit_torch_threads(int(params["torch_threads"]))
+        config, dtype = engine_config(params)
+        self.service = TalkerService(params["checkpoint_dir"], config, dtype)
+
+    def execute(self, requests):
+        for request in requests:
+            self._handle(request)
+        return None
+
+    def _handle(self, request):
+        sender = request.get_response_sender()
+        request_id = request.request_id() or f"sequence-{request.correlation_id()}"
+        if control_word(pb_utils, request) == "abort":
+            self.service.abort(request_id)
+            sender.send(flags=FINAL)
+            return
+        is_start = bool(host_array(pb_utils.get_input_tensor_by_name(request, "START")).reshape(-1)[0])
+        try:
+            chunk = thinker_output_from_request(pb_utils, request)
+            if is_start:
+                talker = talker_request({name: value.reshape(-1) for name, value in
+                                         input_arrays(pb_utils, request, START_INPUTS).items()})
+                # BLS exec() returns only with a first response, and the caller still has thinker chunks
+                # to append: acknowledge at once with an empty frame batch so it never waits on the talker.
+                sender.send(pb_utils.InferenceResponse(talker_output_tensors(pb_utils, self.service.no_frames())))
+                self.service.start(request_id, talker, chunk, self._sender(sender))
+            else:
+                self.service.append(request_id, chunk)
+                sender.send(flags=FINAL)
+        except (AttributeError, KeyError, ValueError) as error:
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"talker request {request_id}: {error}", pb_utils.TritonError.INVALID_ARG)),
+                flags=FINAL)
+
+    @staticmethod
+    def _sender(sender):
+        def on_output(out):
+            flags = FINAL if out.finished else 0
+            if out.error is not None:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=flags)
+            else:
+                sender.send(pb_utils.InferenceResponse(talker_output_tensors(pb_utils, out)), flags=flags)
+        return on_output
+
+    def finalize(self):
+        self.service.shutdown()

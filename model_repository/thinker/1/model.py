@@ -1,0 +1,54 @@
+"""Triton adapter for omni_triton.pipeline.thinker_service.ThinkerService (decoupled streaming)."""
+
+import itertools
+
+import triton_python_backend_utils as pb_utils
+
+from omni_triton.pipeline.stage_requests import thinker_request
+from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.stage_io import control_word, engine_config, input_arrays, thinker_output_tensors
+from omni_triton.pipeline.thinker_service import ThinkerService
+
+REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K",
+                  "REPETITION_PENALTY", "SEED", "IGNORE_EOS")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        limit_torch_threads(int(params["torch_threads"]))
+        config, dtype = engine_config(params)
+        self.service = ThinkerService(params["checkpoint_dir"], config, dtype)
+        self._anonymous = itertools.count()
+
+    def execute(self, requests):
+        for request in requests:
+            self._handle(request)
+        return None
+
+    def _handle(self, request):
+        sender = request.get_response_sender()
+        request_id = request.request_id() or f"anonymous-{next(self._anonymous)}"
+        if control_word(pb_utils, request) == "abort":
+            self.service.abort(request_id)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        try:
+            thinker = thinker_request(input_arrays(pb_utils, request, REQUEST_INPUTS), self.service.eos_token_ids)
+        except (KeyError, ValueError) as error:
+            message = f"missing input {error}" if isinstance(error, KeyError) else str(error)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+
+        def on_output(out):
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+            if out.error is not None:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=flags)
+            else:
+                sender.send(pb_utils.InferenceResponse(thinker_output_tensors(pb_utils, out)), flags=flags)
+
+        self.service.submit(request_id, thinker, on_output)
+
+    def finalize(self):
+        self.service.shutdown()

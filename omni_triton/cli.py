@@ -1,0 +1,186 @@
+"""omni-triton: serve the Qwen3-Omni pipeline on tritonserver, run a demo request, build checkpoints/engines.
+
+    omni-triton serve [--checkpoint DIR] [--device cpu|cuda] [--tritonserver PATH] ...
+    omni-triton demo  ["text"] [--out out.wav]      start a server, stream one request, stop
+    omni-triton build tiny|onnx|trt [builder options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import time
+from pathlib import Path
+
+from omni_triton.server.repository import CODE2WAV_RUNTIMES, STAGES, LaunchConfig, render_repository
+from omni_triton.server.tritonserver import (ServerOptions, TritonServer, TritonServerError, find_tritonserver,
+                                             process_tree_rss_bytes)
+
+DEFAULT_TINY_CHECKPOINT = Path("checkpoints/tiny")
+DEMO_TEXT = "Hello, how are you today?"
+# `omni-triton build KIND` runs the main() of these build_engines modules, with the remaining arguments.
+BUILDERS = {
+    "tiny": "build_engines.tiny_checkpoint",
+    "onnx": "build_engines.export_code2wav_onnx",
+    "trt": "build_engines.build_code2wav_trt",
+}
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = LaunchConfig(checkpoint_dir=Path("."))
+    launch = parser.add_argument_group("model repository")
+    launch.add_argument("--checkpoint", type=Path,
+                        help=f"checkpoint directory (default: build the tiny one at {DEFAULT_TINY_CHECKPOINT})")
+    launch.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    launch.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="default: float32 on cpu, bfloat16 on cuda")
+    launch.add_argument("--first-chunk-frames", type=int, default=defaults.first_chunk_frames)
+    launch.add_argument("--next-chunk-frames", type=int, default=defaults.next_chunk_frames)
+    launch.add_argument("--left-context-frames", type=int,
+                        help="code2wav left context per chunk (default: the vocoder's exact context)")
+    launch.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
+                        help="KV budget per engine (thinker, talker) in tokens (default: %(default)s)")
+    launch.add_argument("--max-inflight", type=int, default=defaults.max_inflight_requests,
+                        help="concurrent requests per stage (default: %(default)s)")
+    launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap)
+    launch.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars)
+    launch.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds)
+    launch.add_argument("--torch-threads", type=int, default=1, help="torch threads per stage (default: 1)")
+    launch.add_argument("--code2wav-runtime", choices=CODE2WAV_RUNTIMES, default="torch")
+    launch.add_argument("--code2wav-engine", type=Path, help="the .onnx / .plan file for --code2wav-runtime onnx|trt")
+    launch.add_argument("--models", help="comma-separated subset of models to serve (default: all)")
+    launch.add_argument("--run-dir", type=Path, default=Path("build/run"),
+                        help="where the rendered repository and server log go (default: %(default)s)")
+    server = parser.add_argument_group("tritonserver")
+    server.add_argument("--tritonserver", help="tritonserver binary (default: $TRITONSERVER, "
+                                               "/opt/tritonserver, then the nvidia-pytriton bundle)")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    server.add_argument("--http-port", type=int, default=8000)
+    server.add_argument("--grpc-port", type=int, default=8001)
+    server.add_argument("--metrics-port", type=int, default=8002)
+    server.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
+
+
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from build_engines.tiny_checkpoint import build
+
+        checkpoint = build(DEFAULT_TINY_CHECKPOINT)
+    return LaunchConfig(
+        checkpoint_dir=checkpoint, device=args.device, dtype=args.dtype,
+        first_chunk_frames=args.first_chunk_frames, next_chunk_frames=args.next_chunk_frames,
+        left_context_frames=args.left_context_frames, kv_cache_tokens=args.kv_cache_tokens,
+        max_inflight_requests=args.max_inflight, max_tokens_cap=args.max_tokens_cap,
+        max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
+        torch_threads={stage: args.torch_threads for stage in STAGES},
+        code2wav_runtime=args.code2wav_runtime, code2wav_engine_path=args.code2wav_engine,
+    )
+
+
+def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
+    config = launch_config(args)
+    models = args.models.split(",") if args.models else None
+    repository = render_repository(config, args.run_dir / "repository", models)
+    options = ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                            metrics_port=args.metrics_port, gpu=config.device == "cuda")
+    server = TritonServer(repository, find_tritonserver(args.tritonserver), options,
+                          log_path=args.run_dir / "tritonserver.log", echo_log=echo_log)
+    print(f"tritonserver ({server.install.origin}: {server.install.binary})\n"
+          f"  checkpoint {config.checkpoint_dir}, device {config.device}, repository {repository}", flush=True)
+    server.start()
+    try:
+        waited = server.wait_ready(timeout_s=args.ready_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    rss = process_tree_rss_bytes(server.process.pid) / 2**20
+    print(f"ready in {waited:.1f} s (server + stubs RSS {rss:.0f} MiB): grpc {server.grpc_url}, "
+          f"http {server.http_url}, metrics {server.metrics_url}", flush=True)
+    return server
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    server = start_server(args, echo_log=args.verbose)
+    # Ctrl-C, kill -INT (even from a shell that started us with SIGINT ignored), docker stop: all stop cleanly.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(0.5)
+        print(f"tritonserver exited with code {server.process.returncode}\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping tritonserver ...", flush=True)
+        return 0
+    finally:
+        server.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from omni_triton.client import run_request
+
+    server = start_server(args, echo_log=False)
+    try:
+        run_request(server.grpc_url, args.text, args, args.out)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    module_name = BUILDERS[args.kind]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        print(f"omni-triton build {args.kind}: {module_name} is not available in this checkout", file=sys.stderr)
+        return 2
+    module.main(args.builder_args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-triton", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="render the model repository and run tritonserver until Ctrl-C")
+    add_launch_arguments(serve)
+    serve.add_argument("--verbose", action="store_true", help="echo the server log to stderr")
+    serve.set_defaults(handler=cmd_serve)
+
+    from omni_triton.client import add_request_arguments
+
+    demo = commands.add_parser("demo", help="start a server, stream one request, write a WAV, print TTFA, stop")
+    demo.add_argument("text", nargs="?", default=DEMO_TEXT, help="user text (default: %(default)r)")
+    demo.add_argument("--out", type=Path, default=Path("out.wav"), help="WAV to write (default: %(default)s)")
+    add_request_arguments(demo)
+    add_launch_arguments(demo)
+    demo.set_defaults(handler=cmd_demo)
+
+    build = commands.add_parser("build", help="build a tiny checkpoint, the Code2Wav ONNX model or TRT engine")
+    build.add_argument("kind", choices=sorted(BUILDERS), help="what to build; options after it go to the builder")
+    build.add_argument("builder_args", nargs=argparse.REMAINDER, help="options for the builder (see KIND --help)")
+    build.set_defaults(handler=cmd_build)
+
+    args = parser.parse_args(argv)
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return args.handler(args)
+    except (TritonServerError, InferenceServerException) as error:
+        print(f"omni-triton: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Streaming gRPC client for the `omni` model: text (or speech) in, streamed text + 24 kHz audio out.
+
+Reports the latencies the project is judged on (DESIGN.md section 6): TTFT (request sent -> first text
+delta), TTFA (request sent -> first non-empty audio chunk) and RTF (generation wall time / audio duration).
+
+    python client/stream_client.py "Tell me a story" --out out.wav
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import time
+import uuid
+import wave
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+OUTPUT_SAMPLE_RATE = 24000
+INPUT_SAMPLE_RATE = 16000
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    audio_chunks: list[np.ndarray] = field(default_factory=list)
+    ttft_s: float | None = None
+    ttfa_s: float | None = None
+    total_s: float = 0.0
+    responses: int = 0
+    cancelled: bool = False
+
+    @property
+    def audio(self) -> np.ndarray:
+        return np.concatenate(self.audio_chunks) if self.audio_chunks else np.zeros(0, np.float32)
+
+    @property
+    def audio_seconds(self) -> float:
+        return sum(len(c) for c in self.audio_chunks) / OUTPUT_SAMPLE_RATE
+
+    @property
+    def rtf(self) -> float | None:
+        return self.total_s / self.audio_seconds if self.audio_seconds else None
+
+    def summary(self) -> str:
+        def ms(value: float | None) -> str:
+            return "n/a" if value is None else f"{value * 1000:.0f} ms"
+        rtf = "n/a" if self.rtf is None else f"{self.rtf:.3f}"
+        return (f"TTFT {ms(self.ttft_s)} | TTFA {ms(self.ttfa_s)} | RTF {rtf} | audio {self.audio_seconds:.2f} s "
+                f"| total {self.total_s:.2f} s | {self.responses} responses")
+
+
+def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> list:
+    """Client tensors for `omni`: TEXT, optional AUDIO_IN, and any of the optional scalar inputs
+    (max_tokens=..., speaker=..., temperature=..., seed=..., return_audio=..., ...); None values are omitted."""
+    import tritonclient.grpc as grpcclient
+
+    dtypes = {"MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "TOP_K": np.int32, "MAX_AUDIO_FRAMES": np.int32,
+              "MIN_AUDIO_FRAMES": np.int32, "SEED": np.int64, "TEMPERATURE": np.float32, "TOP_P": np.float32,
+              "REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_, "IGNORE_EOS": np.bool_,
+              "SEQUENTIAL": np.bool_, "SPEAKER": np.object_}
+    tensors = {"TEXT": np.array([text.encode("utf-8")], dtype=np.object_)}
+    if audio_in is not None:
+        tensors["AUDIO_IN"] = np.asarray(audio_in, dtype=np.float32).reshape(-1)
+    for key, value in scalars.items():
+        name = key.upper()
+        if name not in dtypes:
+            raise ValueError(f"unknown input {key!r}; known: {sorted(dtypes)}")
+        if value is not None:
+            value = value.encode("utf-8") if isinstance(value, str) else value
+            tensors[name] = np.array([value], dtype=dtypes[name])
+    inputs = []
+    for name, array in tensors.items():
+        datatype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class OmniStreamClient:
+    """One gRPC stream; ``stream()`` sends one request and gathers its responses as they arrive."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "omni"):
+        import tritonclient.grpc as grpcclient
+
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(url)
+        self._responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
+
+    def stream(self, text: str, audio_in: np.ndarray | None = None, *, timeout_s: float = 600.0,
+               on_text: Callable[[str], None] | None = None, on_audio: Callable[[np.ndarray], None] | None = None,
+               **scalars) -> StreamResult:
+        result = StreamResult()
+        request_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        self.client.async_stream_infer(self.model, build_inputs(text, audio_in, **scalars), request_id=request_id,
+                                       enable_empty_final_response=True)
+        while True:
+            try:
+                response, error = self._responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no response from {self.model} for {timeout_s:.0f} s") from None
+            if error is not None:
+                raise error
+            now = time.perf_counter() - start
+            result.responses += 1
+            delta = _text_delta(response)
+            if delta:
+                result.ttft_s = now if result.ttft_s is None else result.ttft_s
+                result.text += delta
+                if on_text:
+                    on_text(delta)
+            audio = response.as_numpy("AUDIO")
+            if audio is not None and audio.size:
+                result.ttfa_s = now if result.ttfa_s is None else result.ttfa_s
+                chunk = audio.reshape(-1).astype(np.float32)
+                result.audio_chunks.append(chunk)
+                if on_audio:
+                    on_audio(chunk)
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                result.total_s = now
+                return result
+
+    def cancel(self) -> None:
+        """Close the stream and cancel its in-flight requests on the server."""
+        self.client.stop_stream(cancel_requests=True)
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+    def __enter__(self) -> "OmniStreamClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _text_delta(response) -> str:
+    text = response.as_numpy("TEXT_DELTA")
+    if text is None or text.size == 0:
+        return ""
+    value = text.reshape(-1)[0]
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+# -- WAV files ------------------------------------------------------------------------------------
+
+def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int = OUTPUT_SAMPLE_RATE) -> None:
+    pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(pcm.tobytes())
+
+
+def read_wav(path: str | Path, sample_rate: int = INPUT_SAMPLE_RATE) -> np.ndarray:
+    """A PCM WAV file as float32 mono at ``sample_rate`` (channels averaged, linear resampling)."""
+    with wave.open(str(path), "rb") as source:
+        width, channels, rate = source.getsampwidth(), source.getnchannels(), source.getframerate()
+        raw = source.readframes(source.getnframes())
+    if width == 1:
+        audio = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width in (2, 4):
+        dtype = "<i2" if width == 2 else "<i4"
+        audio = np.frombuffer(raw, dtype).astype(np.float32) / float(2 ** (8 * width - 1))
+    else:
+        raise ValueError(f"{path}: {8 * width}-bit WAV is not supported (use 8, 16 or 32-bit PCM)")
+    audio = audio.reshape(-1, channels).mean(axis=1)
+    return resample(audio, rate, sample_rate)
+
+
+def resample(audio: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    if from_rate == to_rate or audio.size == 0:
+        return audio.astype(np.float32)
+    duration = audio.size / from_rate
+    target = np.arange(int(round(duration * to_rate))) / to_rate
+    return np.interp(target, np.arange(audio.size) / from_rate, audio).astype(np.float32)
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+def add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speaker", help="chelsie | ethan | aiden (default: the server's)")
+    parser.add_argument("--max-tokens", type=int, help="thinker max new tokens")
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--text-only", action="store_true", help="ask for text only (RETURN_AUDIO=false)")
+    parser.add_argument("--audio-in", type=Path, help="spoken input: a WAV file (resampled to 16 kHz)")
+
+
+def request_scalars(args: argparse.Namespace) -> dict:
+    return dict(speaker=args.speaker, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                return_audio=False if args.text_only else None)
+
+
+def run_request(url: str, text: str, args: argparse.Namespace, out: Path | None) -> StreamResult:
+    """Stream one request, printing text as it arrives; Ctrl-C cancels it on the server."""
+    audio_in = read_wav(args.audio_in) if args.audio_in else None
+    client = OmniStreamClient(url)
+    try:
+        result = client.stream(text, audio_in, on_text=lambda delta: print(delta, end="", flush=True),
+                               **request_scalars(args))
+    except KeyboardInterrupt:
+        client.cancel()
+        print("\ncancelled", file=sys.stderr)
+        raise
+    finally:
+        client.close()
+    print()
+    if out is not None and not args.text_only:
+        write_wav(out, result.audio)
+        print(f"wrote {out} ({result.audio_seconds:.2f} s at {OUTPUT_SAMPLE_RATE} Hz)")
+    print(result.summary())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Stream one request to the omni model and save the audio.")
+    parser.add_argument("text", nargs="?", default="", help="user text (may be empty with --audio-in)")
+    parser.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC address (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("out.wav"), help="WAV to write (default: %(default)s)")
+    add_request_arguments(parser)
+    args = parser.parse_args(argv)
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        run_request(args.url, args.text, args, args.out)
+    except KeyboardInterrupt:
+        return 130
+    except InferenceServerException as error:
+        print(f"request failed: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,320 @@
+"""LLMEngine: add / append / abort / step over one stage model (single-threaded, deterministic), and
+EngineLoop: the same behind a background step thread plus a response thread, for serving."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
+from omni_triton.engine.runner import ModelRunner
+from omni_triton.engine.sampling import SamplingParams
+from omni_triton.engine.scheduler import Scheduler
+from omni_triton.engine.sequence import Sequence, SequenceStatus
+from omni_triton.engine.stage import StageModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # or derived from kv_budget_bytes
+    kv_budget_bytes: int | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    device: str = "cpu"
+    kv_dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error: ..."
+    # Per computed position, streamed once each (thinker: "input_embeds", "accept_hidden" [n, H])
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    states_start: int = 0  # position of the first row of ``states`` in the sequence (prompt position 0 = 0)
+    # Per sampled token, from the stage's post-step hook (talker: "codes" [1, G])
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_input: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, stage: StageModel, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            if config.kv_budget_bytes is None:
+                raise ValueError("EngineConfig needs num_blocks or kv_budget_bytes")
+            num_blocks = num_blocks_for_budget(config.kv_budget_bytes, config.block_size, stage.num_layers,
+                                               stage.num_kv_heads, stage.head_dim, config.kv_dtype)
+        self.config = config
+        self.stage = stage
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(stage, num_blocks, config.block_size, device=config.device,
+                                  kv_dtype=config.kv_dtype)
+        self.requests: dict[str, Sequence] = {}
+        self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
+
+    # -- client API -----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, sampling_params: SamplingParams, *,
+                    prompt_token_ids: list[int] | None = None, prompt_embeds: torch.Tensor | None = None,
+                    prompt_positions: torch.Tensor | None = None, **stage_inputs) -> None:
+        """Thinker: ``prompt_token_ids`` (+ ``audio_embeds``). Talker: ``prompt_embeds`` [P, H]
+        (+ ``trailing_text_embeds``, ``thinker_finished``). ``prompt_positions`` [3, P] for M-RoPE prompts."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if prompt_token_ids is None and prompt_embeds is None:
+            raise ValueError(f"request {request_id!r}: give prompt_token_ids or prompt_embeds")
+        num_positions = len(prompt_token_ids) if prompt_token_ids is not None else prompt_embeds.shape[0]
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_positions + sampling_params.max_new_tokens > capacity:
+            raise ValueError(f"request {request_id!r}: {num_positions} prompt positions + max_new_tokens "
+                             f"{sampling_params.max_new_tokens} exceed the KV cache ({capacity} tokens)")
+        seq = Sequence(request_id, sampling_params, num_prompt_positions=num_positions,
+                       prompt_token_ids=prompt_token_ids, prompt_positions=prompt_positions,
+                       device=self.runner.device)
+        if prompt_embeds is not None:
+            stage_inputs["prompt_embeds"] = prompt_embeds
+        self.stage.init_sequence(seq, **stage_inputs)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def append(self, request_id: str, **inputs) -> None:
+        """More input for a running request (talker: ``trailing_text_embeds`` [n, H], ``finished``)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"append: unknown or finished request_id {request_id!r}")
+        self.stage.append_input(seq, **inputs)
+        self.scheduler.refresh_status(seq)
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Frees all of the request's blocks now. Returns its final output, or None if it is not known."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, reason)
+        return RequestOutput(request_id, finished=True, finish_reason=reason)
+
+    def abort_all(self, reason: str) -> list[RequestOutput]:
+        return [self.abort(request_id, reason) for request_id in list(self.requests)]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(s.count(SequenceStatus.RUNNING), s.count(SequenceStatus.WAITING),
+                           s.count(SequenceStatus.WAITING_FOR_INPUT), self.block_manager.num_used,
+                           self.block_manager.num_free, s.num_preemptions)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.last_step_size = len(batch)
+        if not batch:
+            return []
+        result = self.runner.run(batch)
+        outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in batch.seqs}
+        for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
+            seq.num_computed_tokens = end
+            first = max(start, seq.num_emitted_positions)
+            if result.captured and first < end:
+                rows = slice(offset + first - start, offset + end - start)
+                outputs[seq.request_id].states = {name: t[rows] for name, t in result.captured.items()}
+                outputs[seq.request_id].states_start = first
+                seq.num_emitted_positions = end
+
+        if result.sampled_seqs:
+            continuing = []
+            for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, result.sampled_token_ids.tolist())):
+                seq.append_output(token_id)
+                outputs[seq.request_id].new_token_ids.append(token_id)
+                reason = seq.check_stop(token_id)
+                if reason is None:
+                    continuing.append(i)
+                else:
+                    self._finish(seq, reason, outputs[seq.request_id])
+            if continuing:
+                index = torch.tensor(continuing, device=result.sampled_hidden.device)
+                seqs = [result.sampled_seqs[i] for i in continuing]
+                extras = self.stage.after_sample(seqs, result.sampled_hidden[index], result.sampled_token_ids[index])
+                for seq, extra in zip(seqs, extras):
+                    outputs[seq.request_id].extras = extra
+
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.scheduler.refresh_status(seq)
+        return [out for out in outputs.values()
+                if out.new_token_ids or out.states or out.extras or out.finished]
+
+    def _finish(self, seq: Sequence, reason: str, output: RequestOutput) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
+        output.finished = True
+        output.finish_reason = reason
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class RequestStream:
+    """A per-request output queue for consumers that prefer iterating to callbacks."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        return self._queue.get(timeout=timeout)
+
+    def __iter__(self):
+        while True:
+            output = self._queue.get()
+            yield output
+            if output.finished:
+                return
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a background thread; add / append / abort are thread-safe commands applied
+    between steps. Outputs go through an unbounded queue to a separate response thread that calls each
+    request's callback, so a slow consumer (Triton response sender) never stalls the step loop."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses: queue.SimpleQueue = queue.SimpleQueue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._callbacks_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stats = engine.stats()
+        self._step_thread = threading.Thread(target=self._step_loop, name="engine-step", daemon=True)
+        self._response_thread = threading.Thread(target=self._response_loop, name="engine-response", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._step_thread.start()
+        self._response_thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Aborts what is left, then stops both threads (after the response thread drained)."""
+        self._commands.put(("shutdown",))
+        self._step_thread.join(timeout)
+        self._responses.put(None)
+        self._response_thread.join(timeout)
+
+    # -- thread-safe client API -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, sampling_params: SamplingParams, callback: OutputCallback | None = None,
+                    **request_inputs) -> RequestStream | None:
+        """Queue a request; outputs go to ``callback`` (on the response thread) or to the returned stream.
+        Invalid requests get one final output with ``finish_reason`` "error: ..."."""
+        stream = None
+        if callback is None:
+            stream = RequestStream()
+            callback = stream.put
+        with self._callbacks_lock:
+            if request_id in self._callbacks:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            self._callbacks[request_id] = callback
+        self._commands.put(("add", request_id, sampling_params, request_inputs))
+        return stream
+
+    def append(self, request_id: str, **inputs) -> None:
+        self._commands.put(("append", request_id, inputs))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats  # snapshot taken by the step thread after each step
+
+    # -- threads --------------------------------------------------------------------------------------------
+    def _step_loop(self) -> None:
+        while not self._stop.is_set():
+            # block for commands when idle, or when everything runnable is stuck behind blocks held by
+            # requests waiting for input (only an append or abort can change that)
+            self._apply_commands(block=not self.engine.has_work() or self.engine.last_step_size == 0)
+            if self._stop.is_set() or not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # one bad step must not kill the server: fail the in-flight requests
+                logger.exception("engine step failed")
+                outputs = self.engine.abort_all(f"error: {exc}")
+            for output in outputs:
+                self._responses.put(output)
+            self._stats = self.engine.stats()
+        for output in self.engine.abort_all("abort"):
+            self._responses.put(output)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind, *args = command
+        if kind == "shutdown":
+            self._stop.set()
+            return
+        request_id = args[0]
+        try:
+            if kind == "add":
+                self.engine.add_request(request_id, args[1], **args[2])
+            elif kind == "append":
+                if request_id in self.engine.requests:  # appends racing a finish/abort are dropped
+                    self.engine.append(request_id, **args[1])
+            elif kind == "abort":
+                output = self.engine.abort(request_id)
+                if output is not None:
+                    self._responses.put(output)
+        except Exception as exc:
+            logger.warning("request %r: %s failed: %s", request_id, kind, exc)
+            output = self.engine.abort(request_id, f"error: {exc}")
+            self._responses.put(output or RequestOutput(request_id, finished=True, finish_reason=f"error: {exc}"))
+        self._stats = self.engine.stats()
+
+    def _response_loop(self) -> None:
+        while True:
+            output = self._responses.get()
+            if output is None:
+                return
+            with self._callbacks_lock:
+                callback = self._callbacks.get(output.request_id)
+                if output.finished:
+                    self._callbacks.pop(output.request_id, None)
+            if callback is None:
+                continue
+            try:
+                callback(output)
+            except Exception:
+                logger.exception("output callback for request %r failed", output.request_id)

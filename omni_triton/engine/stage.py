@@ -1,0 +1,237 @@
+"""The narrow hook that lets one engine serve both the thinker and the talker.
+
+The engine owns scheduling, KV blocks, batching and sampling; a ``StageModel`` owns what is model-specific:
+how a sequence's pending positions become input embeddings, which per-position states are streamed out,
+what happens after a token is sampled (the thinker feeds it back; the talker predicts the rest of the codec
+frame and adds the next trailing-text embedding), and what a client may append to a running request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from omni_triton.engine.sampling import SampleRow, SamplingParams, sample
+from omni_triton.engine.sequence import Sequence
+
+Chunk = tuple[Sequence, int, int]  # (sequence, first position, end position) computed this step
+
+
+class StageModel(Protocol):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+    def init_sequence(self, seq: Sequence, **stage_inputs) -> None:
+        """Attach per-request inputs (audio embeds, talker prefill embeds, ...) to ``seq.stage_state``."""
+
+    def embed_inputs(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Input embeddings [T, H] of every chunk's positions, concatenated in chunk order."""
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, batch
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """-> (final hidden [T, H], per-row states [T, ...] to stream out, by name)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32."""
+
+    def after_sample(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor
+                     ) -> list[dict[str, torch.Tensor]]:
+        """Unfinished rows that just sampled ``token_ids`` from ``hidden``: make their next input (or leave them
+        waiting for one). Returns per-row extra outputs."""
+
+    def append_input(self, seq: Sequence, **inputs) -> None:
+        """Client data for a running request (the talker's trailing text)."""
+
+
+class ThinkerStage:
+    """Token ids in, token ids out; optionally streams each position's input embedding and the hidden state
+    after ``accept_hidden_layer`` layers (what the talker is conditioned on)."""
+
+    def __init__(self, thinker, *, audio_token_id: int | None = None, accept_hidden_layer: int | None = None):
+        self.model = thinker
+        self.num_layers, self.num_kv_heads = thinker.num_layers, thinker.num_kv_heads
+        self.head_dim, self.hidden_size = thinker.head_dim, thinker.hidden_size
+        self.audio_token_id = audio_token_id
+        self.accept_hidden_layer = accept_hidden_layer
+
+    def init_sequence(self, seq: Sequence, audio_embeds: torch.Tensor | None = None) -> None:
+        """``audio_embeds`` [K, H]: encoder outputs for the K audio placeholder tokens of the prompt, in order."""
+        if len(seq.prompt_token_ids) != seq.num_prompt_positions:
+            raise ValueError(f"request {seq.request_id!r}: thinker needs one token id per prompt position")
+        if audio_embeds is None:
+            seq.stage_state = None
+            return
+        if self.audio_token_id is None:
+            raise ValueError("audio_embeds given but ThinkerStage has no audio_token_id")
+        where = [p for p, t in enumerate(seq.prompt_token_ids) if t == self.audio_token_id]
+        if len(where) != audio_embeds.shape[0]:
+            raise ValueError(f"request {seq.request_id!r}: {audio_embeds.shape[0]} audio embeds for "
+                             f"{len(where)} audio tokens (id {self.audio_token_id}) in the prompt")
+        seq.stage_state = (torch.tensor(where, dtype=torch.long), audio_embeds)
+
+    def embed_inputs(self, chunks: list[Chunk]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        ids = [tid for seq, start, end in chunks for tid in _token_ids(seq, start, end)]
+        embeds = self.model.embed(torch.tensor(ids, dtype=torch.long, device=device))
+        row = 0
+        for seq, start, end in chunks:
+            if seq.stage_state is not None:
+                where, audio = seq.stage_state
+                inside = (where >= start) & (where < end)
+                if inside.any():
+                    rows = (where[inside] - start + row).to(device)
+                    embeds[rows] = audio[inside.nonzero().squeeze(1)].to(device=device, dtype=embeds.dtype)
+            row += end - start
+        return embeds
+
+    def forward(self, inputs_embeds, positions, batch):
+        capture = () if self.accept_hidden_layer is None else (self.accept_hidden_layer,)
+        hidden, captured = self.model(inputs_embeds, positions, batch, capture_layers=capture)
+        if self.accept_hidden_layer is None:
+            return hidden, {}
+        return hidden, {"input_embeds": inputs_embeds, "accept_hidden": captured[self.accept_hidden_layer]}
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+    def after_sample(self, seqs, hidden, token_ids):
+        for seq in seqs:
+            seq.num_inputs += 1  # the sampled token is the next input
+        return [{} for _ in seqs]
+
+    def append_input(self, seq, **inputs):
+        raise ValueError(f"request {seq.request_id!r}: the thinker takes no appended input")
+
+
+def _token_ids(seq: Sequence, start: int, end: int) -> list[int]:
+    prompt = seq.prompt_token_ids
+    return [prompt[p] if p < len(prompt) else seq.output_token_ids[p - len(prompt)] for p in range(start, end)]
+
+
+class TrailingTextQueue:
+    """Trailing text pushed by the client: appended rows in order, then (once finished) tts_eos, then tts_pad.
+    Same ``next_trailing`` contract as ``pipeline.talker_inputs.TalkerInputs``, which can be used instead."""
+
+    def __init__(self, tts_eos_embed: torch.Tensor, tts_pad_embed: torch.Tensor):
+        self.tts_eos_embed, self.tts_pad_embed = tts_eos_embed, tts_pad_embed
+        self.rows: deque[torch.Tensor] = deque()
+        self.finished = False
+        self._eos_sent = False
+
+    def append(self, trailing_text_embeds: torch.Tensor | None, finished: bool) -> None:
+        if trailing_text_embeds is not None and len(trailing_text_embeds):
+            if self.finished:
+                raise ValueError("trailing text appended after finished=True")
+            self.rows.extend(trailing_text_embeds.reshape(-1, trailing_text_embeds.shape[-1]).unbind(0))
+        self.finished = self.finished or finished
+
+    def next_trailing(self) -> torch.Tensor | None:
+        if self.rows:
+            return self.rows.popleft()
+        if not self.finished:
+            return None
+        embed = self.tts_pad_embed if self._eos_sent else self.tts_eos_embed
+        self._eos_sent = True
+        return embed
+
+
+@dataclass
+class TalkerState:
+    input_embeds: list[torch.Tensor]  # per position [H] (prefill rows, then one row per fed frame)
+    predictor_row: SampleRow
+    trailing: object  # TrailingTextQueue or TalkerInputs: next_trailing() -> [H] | None
+    pending_codec_embeds: torch.Tensor | None = None  # last frame's codec embeds, waiting for trailing text
+
+
+class TalkerStage:
+    """Codec ids out. Each step's input = previous frame's summed codebook embeddings + the next trailing-text
+    embedding. Trailing text comes either from client appends of projected text rows
+    (``trailing_text_embeds`` [n, H], ``finished``) or from a per-request ``TalkerInputs`` fed with raw thinker
+    rows (``thinker_rows=(ids, input_embeds, accept_hidden)``, ``finished``); both are applied on the engine
+    thread, so the request's state is never touched concurrently."""
+
+    def __init__(self, talker, *, tts_eos_embed: torch.Tensor | None = None,
+                 tts_pad_embed: torch.Tensor | None = None):
+        """``tts_eos_embed``/``tts_pad_embed`` [H] (talker.project_text of the thinker embeddings of those ids)
+        are needed only for requests without their own ``TalkerInputs``."""
+        self.model = talker
+        self.num_layers, self.num_kv_heads = talker.num_layers, talker.num_kv_heads
+        self.head_dim, self.hidden_size = talker.head_dim, talker.hidden_size
+        self.tts_eos_embed = None if tts_eos_embed is None else tts_eos_embed.reshape(-1)
+        self.tts_pad_embed = None if tts_pad_embed is None else tts_pad_embed.reshape(-1)
+
+    @staticmethod
+    def default_predictor_params(params: SamplingParams) -> SamplingParams:
+        """The code predictor samples (top_k 50, top_p 0.8) when the talker samples, else it is greedy."""
+        if params.greedy:
+            return SamplingParams(temperature=0.0)
+        return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+    def init_sequence(self, seq: Sequence, prompt_embeds: torch.Tensor, talker_inputs=None,
+                      trailing_text_embeds: torch.Tensor | None = None, thinker_finished: bool = False) -> None:
+        """``prompt_embeds`` [P, H]: the talker prefill (user segments + assistant positions)."""
+        if prompt_embeds.shape != (seq.num_prompt_positions, self.hidden_size):
+            raise ValueError(f"request {seq.request_id!r}: prompt_embeds shape {tuple(prompt_embeds.shape)}, "
+                             f"expected ({seq.num_prompt_positions}, {self.hidden_size})")
+        if talker_inputs is None:
+            if self.tts_eos_embed is None or self.tts_pad_embed is None:
+                raise ValueError(f"request {seq.request_id!r}: no talker_inputs and the TalkerStage has no "
+                                 "tts_eos_embed/tts_pad_embed for a plain trailing-text queue")
+            talker_inputs = TrailingTextQueue(self.tts_eos_embed, self.tts_pad_embed)
+        predictor_params = seq.params.extra.get("predictor") or self.default_predictor_params(seq.params)
+        seq.stage_state = TalkerState(list(prompt_embeds.unbind(0)),
+                                      SampleRow(predictor_params, seq.sample_row.generator), talker_inputs)
+        self.append_input(seq, trailing_text_embeds=trailing_text_embeds, finished=thinker_finished)
+
+    def embed_inputs(self, chunks):
+        return torch.stack([row for seq, start, end in chunks for row in seq.stage_state.input_embeds[start:end]])
+
+    def forward(self, inputs_embeds, positions, batch):
+        return self.model(inputs_embeds, positions, batch), {}
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+    def after_sample(self, seqs, hidden, token_ids):
+        rows = [seq.stage_state.predictor_row for seq in seqs]
+        codes, next_embeds = self.model.predict_frame(hidden, token_ids, lambda logits, group: sample(logits, rows))
+        for seq, embeds in zip(seqs, next_embeds):
+            seq.stage_state.pending_codec_embeds = embeds
+            self._feed(seq)
+        return [{"codes": codes[i:i + 1]} for i in range(len(seqs))]
+
+    def append_input(self, seq, trailing_text_embeds: torch.Tensor | None = None, thinker_rows=None,
+                     finished: bool = False) -> None:
+        source = seq.stage_state.trailing
+        try:
+            if isinstance(source, TrailingTextQueue):
+                if thinker_rows is not None:
+                    raise ValueError("thinker_rows need a request added with talker_inputs")
+                source.append(trailing_text_embeds, finished)
+            else:
+                if trailing_text_embeds is not None:
+                    raise ValueError("trailing_text_embeds given for a request fed through talker_inputs")
+                if thinker_rows is not None:
+                    source.feed(*thinker_rows)
+                if finished and not source.finished:
+                    source.finish()
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"request {seq.request_id!r}: {exc}") from exc
+        self._feed(seq)
+
+    def _feed(self, seq: Sequence) -> None:
+        """Turn the pending codec embeds into the next input once its trailing-text embedding is known."""
+        state: TalkerState = seq.stage_state
+        if state.pending_codec_embeds is None:
+            return
+        text = state.trailing.next_trailing()
+        if text is None:
+            return  # WAITING_FOR_INPUT until the thinker sends more text
+        state.input_embeds.append(state.pending_codec_embeds + text.to(state.pending_codec_embeds))
+        state.pending_codec_embeds = None
+        seq.num_inputs += 1

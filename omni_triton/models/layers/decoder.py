@@ -1,0 +1,88 @@
+"""The Qwen3 decoder block shared by thinker, talker and code predictor.
+
+Pre-norm attention (q/k RMSNorm per head before RoPE, GQA through ``batch.attend``) and a feed-forward that
+is a SparseMoE or a dense GatedMLP per layer. Inputs are flat token batches ``[T, H]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omni_triton.models.config import TextModelConfig
+from omni_triton.models.layers.mlp import GatedMLP
+from omni_triton.models.layers.moe import SparseMoE
+from omni_triton.models.layers.norm import RMSNorm
+from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, layer_idx)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                                 cfg.shared_expert_intermediate_size, cfg.hidden_act)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Layers + final norm. Module names match the checkpoint's ``<component>.model.*``."""
+
+    def __init__(self, cfg: TextModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch,
+                capture_layers=()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x [T, H], positions [T] or [3, T] -> (normed final hidden, {k: hidden_states[k]}).
+
+        ``k`` follows transformers' ``hidden_states[k]``: 0 = inputs, k = output of layer k-1 (unnormed),
+        except k = num_layers, which transformers ties to the *normed* final output."""
+        num_layers = len(self.layers)
+        for k in capture_layers:
+            if not 0 <= k <= num_layers:
+                raise ValueError(f"capture layer {k} is outside 0..{num_layers}")
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        captured = {0: x} if 0 in capture_layers else {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch)
+            if i + 1 in capture_layers and i + 1 < num_layers:
+                captured[i + 1] = x
+        x = self.norm(x)
+        if num_layers in capture_layers:
+            captured[num_layers] = x
+        return x, captured

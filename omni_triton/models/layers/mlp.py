@@ -1,0 +1,43 @@
+"""Dense feed-forward blocks (names match the checkpoint)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"hidden_act={name!r} is not supported; use one of {sorted(ACTIVATIONS)}") from None
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): the dense MLP of the code predictor and the talker's shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ResizeMLP(nn.Module):
+    """fc2(act(fc1(x))) with biases: the talker's text/hidden projections from thinker width to talker width."""
+
+    def __init__(self, in_size: int, intermediate_size: int, out_size: int, act: str = "silu"):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(in_size, intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(intermediate_size, out_size, bias=True)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))

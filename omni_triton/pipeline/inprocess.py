@@ -1,0 +1,145 @@
+"""The whole pipeline in one process, without Triton: the same preprocess, stage services and Session
+the server runs, with stages called directly instead of through BLS.
+
+It is the baseline that shows what Triton costs, and the oracle the server's integration tests
+compare against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from omni_triton.engine import EngineConfig
+from omni_triton.models.code2wav import exact_left_context_frames
+from omni_triton.models.weights import load_code2wav
+from omni_triton.pipeline.code2wav_stream import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
+from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
+from omni_triton.pipeline.preprocess import Preprocessor
+from omni_triton.pipeline.request_params import RequestLimits
+from omni_triton.pipeline.session import Session, SessionParams, ThinkerChunk
+from omni_triton.pipeline.stage_requests import talker_request, thinker_request
+from omni_triton.pipeline.talker_service import TalkerService
+from omni_triton.pipeline.thinker_service import ThinkerService
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+class InProcessPipeline:
+    def __init__(self, checkpoint_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 engine_config: EngineConfig | None = None, policy: ChunkPolicy = ChunkPolicy(),
+                 limits: RequestLimits = RequestLimits()):
+        engine_config = engine_config or EngineConfig(num_blocks=1024, device=device, kv_dtype=dtype)
+        self.device = torch.device(device)
+        self.preprocessor = Preprocessor(checkpoint_dir, limits, engine_config.num_blocks * engine_config.block_size)
+        self.thinker = ThinkerService(checkpoint_dir, engine_config, dtype)
+        self.talker = TalkerService(checkpoint_dir, engine_config, dtype)
+        self.vocoder = load_code2wav(checkpoint_dir, self.device, dtype).eval()
+        self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
+        self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
+        self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
+        self._ids = itertools.count()
+
+    def stream(self, client_inputs: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Client tensors (as the ``omni`` model takes them) -> (text delta, audio or None) as produced."""
+        tensors = self.preprocessor({name: None if v is None else np.asarray(v) for name, v in client_inputs.items()})
+        request_id = f"inprocess-{next(self._ids)}"
+        clients = _DirectClients(self, tensors)
+        session = Session(request_id,
+                          SessionParams(return_audio=bool(tensors["RETURN_AUDIO"][0]),
+                                        sequential=bool(tensors["SEQUENTIAL"][0]), stage_params=None),
+                          clients, IncrementalDetokenizer(self.tokenizer),
+                          lambda: Code2WavStream(self.policy, self.vocoder.num_quantizers))
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        done = object()
+
+        def run() -> None:
+            try:
+                session.run(lambda text, audio: results.put((text, audio)))
+                results.put(done)
+            except BaseException as exc:
+                results.put(exc)
+
+        threading.Thread(target=run, name=request_id, daemon=True).start()
+        while (item := results.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def generate(self, client_inputs: Mapping[str, Any]) -> tuple[str, np.ndarray]:
+        """Whole text and waveform of one request."""
+        text, audio = [], []
+        for delta, samples in self.stream(client_inputs):
+            text.append(delta)
+            if samples is not None:
+                audio.append(samples.float().cpu().numpy())
+        return "".join(text), np.concatenate(audio) if audio else np.zeros(0, np.float32)
+
+    def close(self) -> None:
+        self.thinker.shutdown()
+        self.talker.shutdown()
+
+    @torch.inference_mode()
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.vocoder(codes.to(self.device))
+
+    def decode_chunk(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
+        """codes [G, N] -> the samples after the left context (what the code2wav model returns)."""
+        frames = codes.shape[-1]
+        job = ChunkJob(codes, left_context_frames, frames - left_context_frames, start_frame=left_context_frames)
+        return self.decoder.decode([job])[0]
+
+
+class _DirectClients:
+    """StageClients that call the services in this process."""
+
+    def __init__(self, pipeline: InProcessPipeline, tensors: Mapping[str, np.ndarray]):
+        self.pipeline = pipeline
+        self.tensors = tensors
+
+    def thinker(self, request_id: str, params: Any) -> Iterator[ThinkerChunk]:
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        service = self.pipeline.thinker
+        service.submit(request_id, thinker_request(self.tensors, service.eos_token_ids), outputs.put)
+        while True:
+            out = outputs.get()
+            if out.error is not None:
+                raise StageFailed(f"thinker: {out.error}")
+            yield ThinkerChunk(out.token_ids.tolist(), out.finished, payload=out)
+            if out.finished:
+                return
+
+    def talker_start(self, request_id: str, params: Any, chunk: ThinkerChunk) -> Iterator[torch.Tensor]:
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self.pipeline.talker.start(request_id, talker_request(self.tensors), chunk.payload, outputs.put)
+        return self._frames(outputs)
+
+    @staticmethod
+    def _frames(outputs: queue.SimpleQueue) -> Iterator[torch.Tensor]:
+        while True:
+            out = outputs.get()
+            if out.error is not None:
+                raise StageFailed(f"talker: {out.error}")
+            if out.codes.numel():
+                yield out.codes
+            if out.finished:
+                return
+
+    def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None:
+        self.pipeline.talker.append(request_id, chunk.payload)
+
+    def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
+        return self.pipeline.decode_chunk(codes, left_context_frames)
+
+    def abort(self, request_id: str) -> None:
+        self.pipeline.thinker.abort(request_id)
+        self.pipeline.talker.abort(request_id)

@@ -1,0 +1,142 @@
+"""The talker stage as a service: thinker chunks in (start, then appends), codec frames out.
+
+Used by the Triton talker model and by the in-process pipeline alike. A request enters the engine as
+soon as its prefill can be built (whole prompt + the first generated token's row); later thinker
+rows are appended while it runs, and when it has no trailing text yet it waits (WAITING_FOR_INPUT)
+without holding up the other requests' decoding.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, TalkerStage
+from omni_triton.models.config import OmniConfig
+from omni_triton.models.weights import load_talker, load_thinker_embedding_rows
+from omni_triton.pipeline.talker_inputs import TalkerInputs
+from omni_triton.pipeline.thinker_service import ThinkerOutput
+
+# The talker's sampling when the request samples (HF generate's talker defaults); greedy requests
+# keep the repetition penalty too, as HF does.
+TALKER_TEMPERATURE, TALKER_TOP_K, TALKER_REPETITION_PENALTY = 0.9, 50, 1.05
+
+
+@dataclass
+class TalkerOutput:
+    codes: torch.Tensor  # [n, G] complete codec frames
+    finished: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TalkerRequest:
+    speaker_id: int  # codec id of the speaker (config.speaker_id values)
+    greedy: bool
+    seed: int | None = None
+    max_frames: int = 4096
+    min_frames: int = 0
+    ignore_eos: bool = False
+
+
+class TalkerService:
+    def __init__(self, checkpoint_dir: str | Path, engine_config: EngineConfig, dtype: torch.dtype = torch.float32):
+        self.config = OmniConfig.from_pretrained(checkpoint_dir)
+        self.device = torch.device(engine_config.device)
+        self.model = load_talker(checkpoint_dir, self.device, dtype).eval().requires_grad_(False)
+        self.tts_token_embeds = load_thinker_embedding_rows(
+            checkpoint_dir, [self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id],
+            self.device, dtype)
+        self._speaker_names = {codec_id: name for name, codec_id in self.config.speaker_id.items()}
+        self._suppressed = tuple(self.model.suppressed_token_ids().tolist())
+        self.engine = LLMEngine(TalkerStage(self.model), engine_config)
+        self.loop = EngineLoop(self.engine).start()
+        # requests whose prefill is not complete yet (thinker rows still arriving), by request id
+        self._pending: dict[str, tuple[TalkerInputs, TalkerRequest, Callable[[TalkerOutput], None]]] = {}
+        self._lock = threading.Lock()
+
+    def no_frames(self, finished: bool = False) -> TalkerOutput:
+        return TalkerOutput(torch.zeros(0, self.model.num_code_groups, dtype=torch.long), finished)
+
+    def sampling_params(self, request: TalkerRequest) -> SamplingParams:
+        """Frames = talker tokens - 1 (the EOS step yields none), hence the +1s."""
+        common = dict(repetition_penalty=TALKER_REPETITION_PENALTY, seed=request.seed,
+                      max_new_tokens=request.max_frames + 1, min_new_tokens=min(request.min_frames, request.max_frames),
+                      stop_token_ids=(self.config.talker.codec_eos_token_id,), ignore_eos=request.ignore_eos,
+                      suppressed_token_ids=self._suppressed)
+        if request.greedy:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=TALKER_TEMPERATURE, top_k=TALKER_TOP_K, **common)
+
+    @torch.inference_mode()
+    def start(self, request_id: str, request: TalkerRequest, first_chunk: ThinkerOutput,
+              on_output: Callable[[TalkerOutput], None]) -> None:
+        speaker = self._speaker_names.get(request.speaker_id)
+        if speaker is None:
+            raise ValueError(f"SPEAKER_ID {request.speaker_id} is not a speaker of this checkpoint "
+                             f"({sorted(self._speaker_names)})")
+        prompt_ids = first_chunk.row_ids[:first_chunk.prompt_len].tolist()
+        inputs = TalkerInputs(self.model, self.config, prompt_ids, speaker, self.tts_token_embeds)
+        with self._lock:
+            self._pending[request_id] = (inputs, request, on_output)
+        self._feed_pending(request_id, first_chunk)
+
+    @torch.inference_mode()
+    def append(self, request_id: str, chunk: ThinkerOutput) -> None:
+        with self._lock:
+            pending = request_id in self._pending
+        if pending:
+            self._feed_pending(request_id, chunk)
+            return
+        rows = (chunk.row_ids.to(self.device), chunk.embeds.to(self.device), None)
+        self.loop.append(request_id, thinker_rows=rows, finished=chunk.finished)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending[2](self.no_frames(finished=True))
+        else:
+            self.loop.abort(request_id)
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+
+    def _feed_pending(self, request_id: str, chunk: ThinkerOutput) -> None:
+        with self._lock:
+            entry = self._pending.get(request_id)
+        if entry is None:
+            return
+        inputs, request, on_output = entry
+        p = chunk.prompt_len
+        inputs.feed(chunk.row_ids[:p].to(self.device), chunk.embeds[:p].to(self.device),
+                    chunk.hidden[:p].to(self.device) if p else None)
+        inputs.feed(chunk.row_ids[p:].to(self.device), chunk.embeds[p:].to(self.device))
+        if chunk.finished:
+            inputs.finish()
+        if not (inputs.prefill_ready or inputs.nothing_to_speak):
+            return
+        with self._lock:
+            self._pending.pop(request_id, None)
+        if inputs.nothing_to_speak:
+            on_output(self.no_frames(finished=True))
+            return
+        embeds, positions = inputs.take_prefill()
+        self.loop.add_request(request_id, self.sampling_params(request), callback=self._frames(on_output),
+                              prompt_embeds=embeds, prompt_positions=positions, talker_inputs=inputs)
+
+    def _frames(self, on_output: Callable[[TalkerOutput], None]) -> Callable[[RequestOutput], None]:
+        def deliver(output: RequestOutput) -> None:
+            codes = output.extras.get("codes")
+            if codes is None:
+                codes = self.no_frames().codes
+            reason = output.finish_reason or ""
+            error = reason[len("error: "):] if reason.startswith("error") else None
+            if codes.numel() or output.finished:
+                on_output(TalkerOutput(codes, output.finished, error))
+
+        return deliver

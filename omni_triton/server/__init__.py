@@ -1,0 +1,1 @@
+"""Launching tritonserver on a rendered model repository (see tritonserver.py and repository.py)."""

@@ -1,0 +1,151 @@
+"""StageClients over Triton BLS: how the orchestrator reaches thinker, talker and code2wav.
+
+Tensors returned by one stage are handed to the next as they are (``pb_utils.Tensor`` objects, on
+the GPU when the stages run there), so no stage-to-stage hop goes through host memory. The talker
+is a sequence-batched model: every chunk of one request carries the same correlation id, START on
+the first and END on the last, so they all reach the engine that holds that request's state.
+
+``pb_utils`` is passed in because it only exists inside the Python backend stub.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.utils.dlpack
+
+from omni_triton.pipeline.session import ThinkerChunk
+
+THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
+# Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
+TALKER_FORWARDED = ["ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN"]
+THINKER_PARAMS = ["MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "REPETITION_PENALTY", "SEED",
+                  "IGNORE_EOS"]
+TALKER_PARAMS = ["SPEAKER_ID", "TEMPERATURE", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES"]
+
+_correlation_ids = itertools.count(1)
+
+
+def _next_correlation_id() -> int:
+    # Unique across orchestrator instances (separate stub processes) without coordination.
+    return (os.getpid() << 32) | next(_correlation_ids)
+
+
+class StageError(RuntimeError):
+    """A downstream stage answered with an error; the message is the stage's own."""
+
+
+class BlsStageClients:
+    def __init__(self, pb_utils: Any, request_inputs: dict[str, Any], on_gpu: bool):
+        self._pb = pb_utils
+        self._inputs = request_inputs  # the orchestrator's own validated input tensors, by name
+        self._memory = (pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0) if on_gpu
+                        else pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
+        self._talker_correlation_id: int | None = None
+        self._talker_ended = False
+
+    # -- thinker -----------------------------------------------------------------------------------
+    def thinker(self, request_id: str, params: Any) -> Iterable[ThinkerChunk]:
+        inputs = [self._inputs[name] for name in ("INPUT_IDS", "AUDIO_FEATURES", *THINKER_PARAMS)]
+        request = self._request("thinker", inputs, THINKER_OUTPUTS, request_id=request_id)
+        for response in request.exec(decoupled=True):
+            outputs = self._outputs(response)
+            if outputs is None:
+                continue  # the empty final response that closes the stream
+            # ids and flags are read on the host (text goes to the client); embeddings stay where they are
+            token_ids = _host(outputs["TOKEN_IDS"]).reshape(-1).tolist()
+            finished = bool(_host(outputs["FINISHED"]).reshape(-1)[0])
+            yield ThinkerChunk(token_ids=token_ids, finished=finished, payload=outputs)
+
+    # -- talker --------------------------------------------------------------------------------------
+    def talker_start(self, request_id: str, params: Any, chunk: ThinkerChunk) -> Iterator[torch.Tensor]:
+        self._talker_correlation_id = _next_correlation_id()
+        extra = [self._pb.Tensor(name, _host(self._inputs[name]).reshape(1, -1)) for name in TALKER_PARAMS]
+        request = self._talker_request(request_id, chunk, start=True, extra=extra)
+        return self._frames(request.exec(decoupled=True))
+
+    def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None:
+        request = self._talker_request(request_id, chunk, start=False, extra=[])
+        for response in request.exec(decoupled=True):
+            self._outputs(response)  # raises on error; append requests carry no outputs
+
+    def _talker_request(self, request_id: str, chunk: ThinkerChunk, *, start: bool, extra: list) -> Any:
+        pb = self._pb
+        flags = pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0
+        if chunk.finished:
+            flags |= pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+            self._talker_ended = True
+        # the talker is sequence-batched, so every input carries a leading batch dim of 1
+        finished = pb.Tensor("THINKER_FINISHED", np.array([[chunk.finished]], dtype=bool))
+        inputs = [_batched(pb, chunk.payload[name], name) for name in TALKER_FORWARDED] + [finished, *extra]
+        return self._request("talker", inputs, ["CODES"], request_id=request_id,
+                             correlation_id=self._talker_correlation_id, flags=flags)
+
+    def _frames(self, responses: Iterable[Any]) -> Iterator[torch.Tensor]:
+        for response in responses:
+            outputs = self._outputs(response)
+            if outputs is not None and "CODES" in outputs:
+                codes = _to_torch(outputs["CODES"])  # [1, n, G], on the talker's device
+                codes = codes.reshape(-1, codes.shape[-1])
+                if codes.numel():
+                    yield codes
+
+    # -- code2wav ------------------------------------------------------------------------------------
+    def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
+        """codes [G, N] on the stage device -> new audio samples (left context trimmed) on that device."""
+        pb = self._pb
+        codes = codes.to(torch.int64).unsqueeze(0).contiguous()  # code2wav batches: [1, G, N]
+        inputs = [pb.Tensor.from_dlpack("CODES", torch.utils.dlpack.to_dlpack(codes)),
+                  pb.Tensor("LEFT_CONTEXT", np.array([[left_context_frames]], dtype=np.int32))]
+        response = self._request("code2wav", inputs, ["AUDIO"]).exec()
+        return _to_torch(self._outputs(response)["AUDIO"]).reshape(-1)
+
+    # -- cancellation --------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        """Tell thinker and talker to drop the request (frees its KV blocks and pending chunks)."""
+        pb = self._pb
+        control = pb.Tensor("CONTROL", np.array([b"abort"], dtype=np.object_))
+        try:
+            self._drain(self._request("thinker", [control], [], request_id=request_id))
+            if self._talker_correlation_id is not None:
+                # a fresh one-request sequence: the original one may already have ended
+                flags = pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START | pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+                batched_control = pb.Tensor("CONTROL", np.array([[b"abort"]], dtype=np.object_))
+                self._drain(self._request("talker", [batched_control], [], request_id=request_id,
+                                          correlation_id=_next_correlation_id(), flags=flags))
+        except StageError:
+            pass  # the stage already forgot the request: nothing left to free
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _request(self, model: str, inputs: list, outputs: list[str], **kwargs: Any) -> Any:
+        return self._pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,
+                                         preferred_memory=self._memory, **kwargs)
+
+    def _drain(self, request: Any) -> None:
+        for response in request.exec(decoupled=True):
+            self._outputs(response)
+
+    def _outputs(self, response: Any) -> dict[str, Any] | None:
+        if response.has_error():
+            raise StageError(response.error().message())
+        tensors = response.output_tensors()
+        return {t.name(): t for t in tensors} if tensors else None
+
+
+def _batched(pb: Any, tensor: Any, name: str) -> Any:
+    """The same memory with a leading batch dim (a DLPack view: no copy, on whatever device)."""
+    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(_to_torch(tensor).unsqueeze(0)))
+
+
+def _host(tensor: Any) -> np.ndarray:
+    """Small metadata tensors (ids, flags) read on the host."""
+    return tensor.as_numpy() if tensor.is_cpu() else _to_torch(tensor).cpu().numpy()
+
+
+def _to_torch(tensor: Any) -> torch.Tensor:
+    """Zero-copy view of a pb_utils.Tensor on whatever device it lives on."""
+    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())

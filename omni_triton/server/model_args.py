@@ -1,0 +1,22 @@
+"""Helpers every model_repository/*/1/model.py uses to read its launch configuration."""
+
+from __future__ import annotations
+
+import json
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The ``parameters`` block of the model's config.pbtxt as {key: string value}."""
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def limit_torch_threads(threads: int) -> None:
+    """Each stage is its own stub process: without a cap, every one of them spawns a thread per core."""
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set: only allowed once per process, before any parallel work
+        pass

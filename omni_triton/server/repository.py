@@ -1,0 +1,136 @@
+"""Render the model_repository/ templates into a runnable Triton model repository.
+
+Each template's config.pbtxt holds ``${name}`` placeholders (string.Template) for launch parameters;
+every model.py and other file is copied as-is. Python models read the values back from the config's
+``parameters`` (see omni_triton.server.model_args).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import string
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_repository"
+STAGES = ("preprocess", "orchestrator", "thinker", "talker", "code2wav")
+CODE2WAV_RUNTIMES = ("torch", "onnx", "trt")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything a deployer chooses at launch; rendered into every model's config.pbtxt."""
+
+    checkpoint_dir: Path
+    device: str = "cpu"                   # cpu | cuda
+    dtype: str | None = None              # None: float32 on cpu, bfloat16 on cuda
+    # Audio chunking: a small first chunk for a low time-to-first-audio, larger ones after it.
+    first_chunk_frames: int = 4
+    next_chunk_frames: int = 25
+    left_context_frames: int | None = None  # None: the vocoder's exact context (rendered "exact")
+    kv_cache_tokens: int = 16384          # KV budget of each engine (thinker, talker), in tokens
+    kv_block_size: int = 16
+    max_batched_tokens: int = 512         # per engine step: decode tokens + chunked-prefill tokens
+    max_inflight_requests: int = 16       # per stage: engine batch and sequence-batcher slots
+    max_text_chars: int = 8000
+    max_audio_seconds: float = 60.0
+    max_tokens_cap: int = 2048
+    default_max_tokens: int = 256
+    max_audio_frames_cap: int = 4096
+    torch_threads: dict[str, int] = field(default_factory=lambda: {stage: 1 for stage in STAGES})
+    code2wav_runtime: str = "torch"       # torch | onnx | trt
+    code2wav_engine_path: Path | None = None  # the .onnx file or TensorRT .plan for onnx | trt
+    code2wav_max_batch: int = 8
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.code2wav_runtime not in CODE2WAV_RUNTIMES:
+            raise ValueError(f"code2wav_runtime must be one of {CODE2WAV_RUNTIMES}, got {self.code2wav_runtime!r}")
+        if self.code2wav_runtime != "torch" and self.code2wav_engine_path is None:
+            raise ValueError(f"code2wav_runtime {self.code2wav_runtime} needs code2wav_engine_path")
+        for name in ("first_chunk_frames", "next_chunk_frames", "kv_cache_tokens", "kv_block_size",
+                     "max_batched_tokens", "max_inflight_requests", "max_tokens_cap", "default_max_tokens", "code2wav_max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.left_context_frames is not None and self.left_context_frames < 1:
+            raise ValueError(f"left_context_frames must be >= 1, got {self.left_context_frames}")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
+            raise ValueError(f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
+                             f"got {self.default_max_tokens}")
+
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    def template_values(self, model: str) -> dict[str, str]:
+        """The ${...} values for one model (torch_threads is that model's own)."""
+        checkpoint = Path(self.checkpoint_dir).resolve()
+        values = {k: v for k, v in asdict(self).items() if k not in ("torch_threads",)}
+        values.update(
+            checkpoint_dir=checkpoint,
+            dtype=self.resolved_dtype,
+            instance_kind="KIND_GPU" if self.device == "cuda" else "KIND_CPU",
+            # inter-stage states (thinker embeddings/hidden) travel in the engines' dtype
+            state_data_type={"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}[
+                self.resolved_dtype],
+            torch_threads=self.torch_threads.get(model, 1),
+            left_context_frames="exact" if self.left_context_frames is None else self.left_context_frames,
+            code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",
+            code_groups=_checkpoint_code_groups(checkpoint),
+        )
+        return {k: str(v) for k, v in values.items()}
+
+
+def _checkpoint_code_groups(checkpoint: Path) -> int:
+    config_path = checkpoint / "config.json"
+    try:
+        return int(json.loads(config_path.read_text())["talker_config"]["num_code_groups"])
+    except (OSError, KeyError, ValueError) as error:
+        raise ValueError(f"checkpoint {checkpoint}: cannot read talker_config.num_code_groups "
+                         f"from {config_path}: {error}") from None
+
+
+def available_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:
+    return sorted(p.name for p in Path(template_dir).iterdir() if (p / "config.pbtxt").is_file())
+
+
+def render_repository(config: LaunchConfig, out_dir: str | Path, models: list[str] | None = None,
+                      template_dir: str | Path = TEMPLATE_DIR) -> Path:
+    """Write the rendered repository to ``out_dir`` (replacing it) and return it."""
+    template_dir, out_dir = Path(template_dir), Path(out_dir)
+    models = available_models(template_dir) if models is None else list(models)
+    missing = [m for m in models if not (template_dir / m / "config.pbtxt").is_file()]
+    if missing:
+        raise ValueError(f"no model template for {missing} in {template_dir} "
+                         f"(have {available_models(template_dir)})")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    for model in models:
+        source, target = template_dir / model, out_dir / model
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
+        text, values = (source / "config.pbtxt").read_text(), config.template_values(model)
+        try:
+            rendered = string.Template(text).substitute(values)
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"{source / 'config.pbtxt'}: unknown or malformed placeholder {error}") from None
+        (target / "config.pbtxt").write_text(rendered)
+    _check_ensemble_steps(out_dir, models)
+    return out_dir
+
+
+def _check_ensemble_steps(out_dir: Path, models: list[str]) -> None:
+    """An ensemble whose step model is absent would only fail inside tritonserver's log: fail here."""
+    for model in models:
+        text = (out_dir / model / "config.pbtxt").read_text()
+        if 'platform: "ensemble"' not in text:
+            continue
+        steps = set(re.findall(r'model_name:\s*"([^"]+)"', text))
+        absent = sorted(steps - set(models))
+        if absent:
+            raise ValueError(f"ensemble {model!r} needs models {absent}, which are not rendered")

@@ -1,0 +1,93 @@
+"""Triton tensors <-> the stage services' types, shared by the thinker and talker model files.
+
+Large tensors (embeddings, hidden states, codes) cross as DLPack views, so on the GPU they stay on
+the GPU; small metadata (ids, flags, lengths) goes through numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.utils.dlpack
+
+from omni_triton.engine import EngineConfig
+from omni_triton.pipeline.talker_service import TalkerOutput
+from omni_triton.pipeline.thinker_service import ThinkerOutput
+
+THINKER_ROW_TENSORS = ("ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN")
+
+
+def engine_config(params: Mapping[str, str]) -> tuple[EngineConfig, torch.dtype]:
+    """The engine settings every AR stage reads from its config.pbtxt parameters."""
+    device = params["device"]
+    dtype = getattr(torch, params["dtype"])
+    block_size = int(params["kv_block_size"])
+    config = EngineConfig(block_size=block_size, num_blocks=max(1, int(params["kv_cache_tokens"]) // block_size),
+                          max_num_batched_tokens=int(params["max_batched_tokens"]),
+                          max_num_seqs=int(params["max_inflight_requests"]),
+                          device="cpu" if device == "cpu" else "cuda", kv_dtype=dtype)
+    return config, dtype
+
+
+def to_torch(tensor: Any) -> torch.Tensor:
+    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+
+
+def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
+    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor.contiguous()))
+
+
+def host_array(tensor: Any) -> np.ndarray:
+    return tensor.as_numpy() if tensor.is_cpu() else to_torch(tensor).cpu().numpy()
+
+
+def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Small scalar inputs of a request, on the host; absent optional inputs are left out."""
+    arrays = {}
+    for name in names:
+        tensor = pb.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = host_array(tensor)
+    return arrays
+
+
+def control_word(pb: Any, request: Any) -> str | None:
+    tensor = pb.get_input_tensor_by_name(request, "CONTROL")
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)
+    return value[0].decode() if len(value) and isinstance(value[0], bytes) else str(value[0]) if len(value) else None
+
+
+def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
+    return [
+        pb.Tensor("TOKEN_IDS", out.token_ids.cpu().numpy().astype(np.int64)),
+        pb.Tensor("ROW_IDS", out.row_ids.cpu().numpy().astype(np.int64)),
+        from_torch(pb, "EMBEDS", out.embeds),
+        from_torch(pb, "HIDDEN", out.hidden),
+        pb.Tensor("PROMPT_LEN", np.array([out.prompt_len], dtype=np.int32)),
+        pb.Tensor("FINISHED", np.array([out.finished], dtype=bool)),
+    ]
+
+
+def thinker_output_from_request(pb: Any, request: Any) -> ThinkerOutput:
+    """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped)."""
+    def get(name: str) -> Any:
+        return pb.get_input_tensor_by_name(request, name)
+
+    embeds = to_torch(get("EMBEDS"))
+    hidden_size = embeds.shape[-1]
+    return ThinkerOutput(
+        token_ids=torch.zeros(0, dtype=torch.long),
+        row_ids=torch.from_numpy(host_array(get("ROW_IDS")).reshape(-1).astype(np.int64)),
+        embeds=embeds.reshape(-1, hidden_size),
+        hidden=to_torch(get("HIDDEN")).reshape(-1, hidden_size),
+        prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
+        finished=bool(host_array(get("THINKER_FINISHED")).reshape(-1)[0]),
+    )
+
+
+def talker_output_tensors(pb: Any, out: TalkerOutput) -> list[Any]:
+    return [from_torch(pb, "CODES", out.codes.to(torch.int64).unsqueeze(0))]  # [1, n, G]: batch dim

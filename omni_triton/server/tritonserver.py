@@ -1,0 +1,327 @@
+"""Find a tritonserver binary, launch it on a rendered model repository, wait until it serves, stop it.
+
+Three installs are recognised, in this order: an explicit path (``--tritonserver`` or $TRITONSERVER),
+the NGC image's /opt/tritonserver, and the binary bundled in the nvidia-pytriton wheel (the embedded
+default: no Docker, CPU-only machines included).
+
+    with TritonServer(repository, find_tritonserver()) as server:
+        client = server.grpc_client()
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
+STUB_NAME = "triton_python_backend_stub"
+# The project root, so every Python-backend stub imports this checkout's omni_triton.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class TritonServerError(RuntimeError):
+    """The server could not be found, started, or did not become ready."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path
+    lib_dirs: tuple[Path, ...]
+    origin: str  # "explicit", "ngc" or "pytriton": says where it came from in logs and errors
+
+    @functools.cached_property
+    def help_text(self) -> str:
+        result = subprocess.run([str(self.binary), "--help"], capture_output=True, text=True,
+                                env=self.environment(), timeout=60)
+        return result.stdout + result.stderr
+
+    def supports(self, flag: str) -> bool:
+        """Whether this build knows a command-line flag (flags come and go between Triton releases)."""
+        return f"{flag} " in self.help_text
+
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The server's environment: the Python-backend stubs must embed *this* interpreter.
+
+        The stub links libpython3.X dynamically and takes its packages from the first python on PATH, so
+        the running interpreter's bin dir goes first on PATH and its LIBDIR first on LD_LIBRARY_PATH;
+        otherwise a system libpython is loaded under this interpreter's stdlib and `import ssl` fails.
+        """
+        env = dict(os.environ if base is None else base)
+        interpreter_bin = str(Path(sys.executable).parent)
+        env["PATH"] = os.pathsep.join(p for p in (interpreter_bin, env.get("PATH", "")) if p)
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        ld_paths = [libdir, *map(str, self.lib_dirs), env.get("LD_LIBRARY_PATH", "")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in ld_paths if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+        return env
+
+
+def find_tritonserver(explicit: str | os.PathLike | None = None) -> TritonInstall:
+    """Locate a usable tritonserver: explicit path / $TRITONSERVER, then NGC, then the pytriton bundle."""
+    explicit = explicit or os.environ.get("TRITONSERVER")
+    if explicit:
+        binary = Path(explicit).expanduser().resolve()
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            raise TritonServerError(f"--tritonserver {explicit}: not an executable file")
+        return _install_from_binary(binary, "explicit")
+    if NGC_BINARY.is_file():
+        return _install_from_binary(NGC_BINARY, "ngc")
+    try:
+        import pytriton
+    except ImportError:
+        raise TritonServerError(
+            "no tritonserver found: pass --tritonserver PATH, run inside the NGC tritonserver image, "
+            "or install the embedded default (pip install 'omni-triton[embedded]')") from None
+    binary = Path(pytriton.__file__).parent / "tritonserver" / "bin" / "tritonserver"
+    if not binary.is_file():
+        raise TritonServerError(f"nvidia-pytriton is installed but has no tritonserver at {binary}")
+    return _install_from_binary(binary, "pytriton")
+
+
+def _install_from_binary(binary: Path, origin: str) -> TritonInstall:
+    root = binary.parent.parent  # <root>/bin/tritonserver, <root>/backends, <root>/lib
+    backend_dir = Path(os.environ.get("TRITON_BACKEND_DIR", root / "backends"))
+    lib_dirs = [d for d in (root / "lib", root.parent.parent / "nvidia_pytriton.libs") if d.is_dir()]
+    stubs = root / "python_backend_stubs"
+    if stubs.is_dir():  # the pytriton bundle ships one stub per Python version, none installed
+        backend_dir = _install_python_stub(backend_dir, stubs)
+    return TritonInstall(binary, backend_dir, tuple(lib_dirs), origin)
+
+
+def _install_python_stub(backend_dir: Path, stubs: Path) -> Path:
+    """Put the stub for the running interpreter into backends/python/ (a cache copy if read-only)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = stubs / version / STUB_NAME
+    if not stub.is_file():
+        available = sorted(p.name for p in stubs.iterdir())
+        raise TritonServerError(f"the tritonserver bundle has no Python backend stub for Python {version} "
+                                f"(has {available})")
+    for candidate in (backend_dir, _cache_dir() / "backends"):
+        target = candidate / "python" / STUB_NAME
+        try:
+            if candidate != backend_dir and not (candidate / "python").is_dir():
+                shutil.copytree(backend_dir, candidate, dirs_exist_ok=True)
+            if not target.is_file() or target.stat().st_size != stub.stat().st_size:
+                shutil.copy2(stub, target)
+            target.chmod(0o755)
+            return candidate
+        except OSError:
+            continue
+    raise TritonServerError(f"cannot install the Python backend stub into {backend_dir} or {_cache_dir()}")
+
+
+def _cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "omni-triton" / f"tritonserver-py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    gpu: bool = False
+    cuda_memory_pool_bytes: int = 256 << 20  # GPU tensors cross stub processes through this pool
+    log_verbose: int = 0
+    exit_timeout_s: int = 10
+    extra_args: list[str] = field(default_factory=list)
+
+
+class TritonServer:
+    """A tritonserver process serving ``repository``; a context manager that always stops it."""
+
+    def __init__(self, repository: str | os.PathLike, install: TritonInstall | None = None,
+                 options: ServerOptions | None = None, log_path: str | os.PathLike | None = None,
+                 echo_log: bool = False):
+        self.repository = Path(repository).resolve()
+        self.install = install or find_tritonserver()
+        self.options = options or ServerOptions()
+        self.log_path = Path(log_path) if log_path else self.repository.parent / "tritonserver.log"
+        self.echo_log = echo_log
+        self.process: subprocess.Popen | None = None
+        self._stop_echo = threading.Event()
+
+    # -- addresses -------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    def grpc_client(self):
+        import tritonclient.grpc as grpcclient
+        return grpcclient.InferenceServerClient(self.grpc_url)
+
+    def http_client(self):
+        import tritonclient.http as httpclient
+        return httpclient.InferenceServerClient(self.http_url)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        o = self.options
+        args = [
+            str(self.install.binary),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={self.install.backend_dir}",
+            "--model-control-mode=none",
+            f"--http-address={o.host}", f"--http-port={o.http_port}",
+            f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
+            f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
+            f"--log-verbose={o.log_verbose}",
+            f"--exit-timeout-secs={o.exit_timeout_s}",
+            # Python-backend shared-memory names are global: keep two servers on one host apart.
+            f"--backend-config=python,shm-region-prefix-name=omni{os.getpid()}_{o.grpc_port}_",
+        ]
+        if o.gpu:
+            args.append(f"--cuda-memory-pool-byte-size=0:{o.cuda_memory_pool_bytes}")
+        if self.install.supports("--allow-client-shm"):  # Triton >= 2.69 refuses client shm otherwise
+            args.append("--allow-client-shm=true")
+        return args + list(o.extra_args)
+
+    def start(self) -> "TritonServer":
+        if not self.repository.is_dir():
+            raise TritonServerError(f"model repository {self.repository} does not exist")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            # A new session makes the server and its stub processes one process group to signal.
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=self.install.environment(),
+                                            start_new_session=True)
+        if self.echo_log:
+            threading.Thread(target=self._echo_log, daemon=True).start()
+        return self
+
+    def wait_ready(self, models: list[str] | None = None, timeout_s: float = 120.0) -> float:
+        """Block until the server and every model are ready; returns seconds waited."""
+        models = self.repository_models() if models is None else models
+        start = time.monotonic()
+        while True:
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise TritonServerError(f"tritonserver exited with code {code} before it was ready\n"
+                                        f"{self.log_tail()}")
+            if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in models):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s "
+                                        f"(models {models})\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def _ready(self, path: str) -> bool:
+        """HTTP 200 from a KServe health endpoint (plain urllib: no client library needed to launch)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as response:
+                return response.status == 200
+        except OSError:  # refused while starting, or 400 (not ready yet)
+            return False
+
+    def repository_models(self) -> list[str]:
+        return sorted(p.name for p in self.repository.iterdir() if (p / "config.pbtxt").is_file())
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGINT (graceful: Triton drains requests), then SIGTERM, then SIGKILL, to the whole group."""
+        self._stop_echo.set()
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if process.poll() is not None:
+                break
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        self._kill_leftover_group(process.pid)
+        return process.returncode
+
+    @staticmethod
+    def _kill_leftover_group(pgid: int) -> None:
+        """Stubs outliving the server would hold shared memory and cores: kill what is left."""
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The log's error lines, then its last lines: what a failed start needs to be understood."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return f"(no server log at {self.log_path})"
+        errors = [line for line in text if line.startswith("E") or "error" in line.lower()][-lines:]
+        return (f"--- errors in {self.log_path} ---\n" + "\n".join(errors)
+                + f"\n--- last {min(lines, len(text))} lines ---\n" + "\n".join(text[-lines:]))
+
+    def _echo_log(self) -> None:
+        with open(self.log_path, "r", errors="replace") as log:
+            while not self._stop_echo.is_set():
+                line = log.readline()
+                if line:
+                    sys.stderr.write(line)
+                else:
+                    time.sleep(0.2)
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def process_tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and all its descendants (tritonserver + its stub processes), from /proc."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            statm = (entry / "statm").read_text().split()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+        rss[int(entry.name)] = int(statm[1]) * page
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        total += rss.get(current, 0)
+        todo.extend(children.get(current, []))
+    return total

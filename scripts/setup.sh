@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create ./.venv (Python 3.11) with the project, the embedded tritonserver (nvidia-pytriton) and the test
+# tools. Both README commands start here. Re-running is quick: pip runs again only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3.11}
+VENV=${VENV:-.venv}
+if ! command -v "$PYTHON" >/dev/null; then
+  echo "setup: $PYTHON not found (Python 3.11 is needed: torch 2.13 CPU wheel, nvidia-pytriton stubs)" >&2
+  exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+
+stamp="$VENV/.omni-triton-installed"
+wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # The CPU build first: a bare `torch` requirement would otherwise pull a multi-GB CUDA build.
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e ".[embedded,test]"
+  echo "$wanted" > "$stamp"
+fi
+echo "setup: $("$VENV/bin/python" -c 'import sys, torch, tritonclient; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")') in $VENV"

@@ -1,0 +1,35 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # tests run from a checkout, installed or not
+    sys.path.insert(0, str(ROOT))
+
+from omni_triton.server.repository import STAGES, LaunchConfig  # noqa: E402
+
+# Launch limits the server tests probe: small, so "too long" inputs stay cheap to send.
+TEST_LIMITS = dict(max_text_chars=500, max_audio_seconds=3.0, max_tokens_cap=64, default_max_tokens=16,
+                   kv_cache_tokens=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    from build_engines.tiny_checkpoint import build
+
+    return build(tmp_path_factory.mktemp("checkpoint") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def triton_server(tiny_checkpoint, tmp_path_factory):
+    """A real tritonserver serving every model template written so far, on the tiny checkpoint."""
+    from server_fixture import start_server
+
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
+                          **TEST_LIMITS)
+    handle = start_server(config, tmp_path_factory.mktemp("triton"))
+    try:
+        yield handle
+    finally:
+        handle.server.stop()

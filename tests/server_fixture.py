@@ -1,0 +1,68 @@
+"""A real tritonserver for integration tests: tiny checkpoint, rendered repository, free ports, always stopped."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_triton.server.repository import TEMPLATE_DIR, LaunchConfig, available_models, render_repository
+from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
+                                             process_tree_rss_bytes)
+
+
+@dataclass
+class ServerHandle:
+    server: TritonServer
+    config: LaunchConfig
+    models: list[str]
+    ready_s: float
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.config.checkpoint_dir)
+
+    @property
+    def grpc_url(self) -> str:
+        return self.server.grpc_url
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.server.metrics_url
+
+    def grpc_client(self):
+        return self.server.grpc_client()
+
+    def rss_bytes(self) -> int:
+        return process_tree_rss_bytes(self.server.process.pid)
+
+
+def servable_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:
+    """Every model template, less an ensemble whose step models are not written yet."""
+    models = available_models(template_dir)
+    servable = []
+    for model in models:
+        text = (template_dir / model / "config.pbtxt").read_text()
+        steps = set(re.findall(r'model_name:\s*"([^"]+)"', text)) if 'platform: "ensemble"' in text else set()
+        if steps <= set(models):
+            servable.append(model)
+    return servable
+
+
+def start_server(config: LaunchConfig, run_dir: Path, models: list[str] | None = None,
+                 ready_timeout_s: float = 180.0) -> ServerHandle:
+    models = servable_models() if models is None else models
+    repository = render_repository(config, run_dir / "repository", models)
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = TritonServer(repository, find_tritonserver(), options, log_path=run_dir / "tritonserver.log")
+    server.start()
+    try:
+        ready_s = server.wait_ready(models, timeout_s=ready_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return ServerHandle(server, config, models, ready_s)

@@ -1,0 +1,92 @@
+"""Code2Wav ONNX export (dynamic batch/frames) vs torch, and the runtime switch over its backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _code2wav_helpers import calibrate_output_gain_, one_torch_thread  # noqa: F401 (fixture)
+from build_engines.build_code2wav_trt import build_engine, profile_shapes
+from build_engines.build_code2wav_trt import main as build_trt_main
+from build_engines.export_code2wav_onnx import check_onnx, compare_with_torch, export_code2wav_onnx
+from build_engines.tiny_checkpoint import build
+from omni_triton.models.audio_weights import load_code2wav
+from omni_triton.models.code2wav_runtime import Code2WavRuntime, tensorrt_available
+from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The tiny checkpoint with its Code2Wav gain calibrated (out of the clamp) and that model's ONNX export.
+    The calibrated weights are saved back so every backend below runs the same model."""
+    root = tmp_path_factory.mktemp("code2wav_onnx")
+    checkpoint = build(root / "tiny", "tiny")
+    model = calibrate_output_gain_(load_code2wav(checkpoint))
+    _overwrite_code2wav_weights(checkpoint, model)
+    onnx_path = export_code2wav_onnx(model, root / "code2wav.onnx")
+    return checkpoint, model, onnx_path
+
+
+def _overwrite_code2wav_weights(checkpoint, model):
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint / "model.safetensors"
+    tensors = load_file(path)
+    tensors.update({f"code2wav.{name}": value.contiguous() for name, value in model.state_dict().items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_onnx_runtime_matches_torch(exported):
+    _, model, onnx_path = exported
+    check_onnx(onnx_path)
+    window = model.sliding_window
+    errors = compare_with_torch(onnx_path, model, [1, window - 1, window, window + 1, 2 * window + 6])
+    assert max(errors.values()) <= 1e-4, errors
+
+
+def test_runtime_switch_torch_equals_onnxruntime(exported):
+    checkpoint, model, onnx_path = exported
+    torch_runtime = Code2WavRuntime.create("torch", checkpoint)
+    ort_runtime = Code2WavRuntime.create("onnxruntime", checkpoint, onnx_path=onnx_path)
+    auto = Code2WavRuntime.create("auto", checkpoint, onnx_path=onnx_path, plan_path=onnx_path.with_suffix(".plan"))
+    assert (torch_runtime.kind, ort_runtime.kind, auto.kind) == ("torch", "onnxruntime", "onnxruntime")
+    codes = torch.randint(0, model.config.codebook_size, (3, model.num_quantizers, 30),
+                          generator=torch.Generator().manual_seed(0))
+    expected = torch_runtime.decode(codes)
+    assert expected.shape == (3, torch_runtime.output_length(30))
+    assert (ort_runtime.decode(codes) - expected).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="codes must be"):
+        ort_runtime.decode(codes[:, :-1])
+
+
+def test_runtime_rejects_unknown_kind_and_missing_files(exported):
+    checkpoint, _, _ = exported
+    with pytest.raises(ValueError, match="not one of"):
+        Code2WavRuntime.create("tflite", checkpoint)
+    with pytest.raises(ValueError, match="onnx_path"):
+        Code2WavRuntime.create("onnxruntime", checkpoint, onnx_path=checkpoint / "missing.onnx")
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="tensorrt is importable here")
+def test_trt_builder_explains_missing_tensorrt(exported, tmp_path, capsys):
+    checkpoint, _, onnx_path = exported
+    with pytest.raises(SystemExit, match="tensorrt"):
+        build_trt_main(["--onnx", str(onnx_path), "--out", str(tmp_path / "c.plan"), "--checkpoint", str(checkpoint)])
+    assert "trtexec --onnx=" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not tensorrt_available() or not torch.cuda.is_available(),
+                    reason="needs the tensorrt Python package and a CUDA GPU")
+def test_tensorrt_matches_torch(exported, tmp_path):
+    checkpoint, model, onnx_path = exported
+    policy = ChunkPolicy(4, 25, 30)
+    shapes = profile_shapes(model.num_quantizers, policy, opt_batch=2, max_batch=4)
+    plan = build_engine(onnx_path, tmp_path / "code2wav.plan", shapes, "fp32", workspace_mib=1024)
+    trt_runtime = Code2WavRuntime.create("auto", checkpoint, onnx_path=onnx_path, plan_path=plan, device="cuda")
+    assert trt_runtime.kind == "tensorrt"
+    torch_runtime = Code2WavRuntime.create("torch", checkpoint, device="cuda")
+    for num_frames in (1, 30, policy.max_frames_per_call()):
+        codes = torch.randint(0, model.config.codebook_size, (2, model.num_quantizers, num_frames), device="cuda")
+        assert (trt_runtime.decode(codes) - torch_runtime.decode(codes)).abs().max().item() <= 1e-3

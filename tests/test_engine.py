@@ -1,0 +1,377 @@
+"""The AR engine on tiny stand-in models: batching, chunked prefill, preemption, abort, talker input waits,
+seeded sampling, the threaded loop, and the fast attention path against the reference one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine_toy_model import ToyTalker, ToyThinker, reference_greedy
+from omni_triton.engine import (EngineConfig, EngineLoop, LLMEngine, SamplingParams, SequenceStatus, TalkerStage,
+                                ThinkerStage)
+from omni_triton.engine.block_manager import kv_bytes_per_block, num_blocks_for_budget
+from omni_triton.engine.sampling import SampleRow, make_generator, sample
+from omni_triton.models.layers.attention import AttentionBatch, contiguous_batch
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11, list(range(20, 2, -1)), [9, 8, 7, 6, 5, 4, 3]]
+MAX_NEW = [12, 7, 20, 15, 9]
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    return ToyThinker().eval()
+
+
+@pytest.fixture(scope="module")
+def expected(thinker):
+    """Greedy ids of PROMPTS, each run alone without any KV reuse."""
+    return [reference_greedy(thinker, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def greedy(max_new_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kw)
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return tokens
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError(f"engine did not finish in {max_steps} steps: {engine.stats()}")
+
+
+def thinker_engine(model, **config) -> LLMEngine:
+    return LLMEngine(ThinkerStage(model), EngineConfig(**{"block_size": 4, "num_blocks": 256, **config}))
+
+
+def test_batched_greedy_matches_reference_token_for_token(thinker, expected):
+    # a small token budget forces chunked prefills mixed with other requests' decodes
+    engine = thinker_engine(thinker, max_num_batched_tokens=16)
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        engine.add_request(f"r{i}", greedy(n), prompt_token_ids=prompt)
+    got = run_to_completion(engine)
+    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_preemption_by_recompute_keeps_outputs_identical(thinker, expected):
+    # 18 blocks x 4 slots: the longest request alone needs 12 blocks, so running all five must preempt
+    engine = thinker_engine(thinker, num_blocks=18, max_num_batched_tokens=32)
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        engine.add_request(f"r{i}", greedy(n), prompt_token_ids=prompt)
+    got = run_to_completion(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_captured_states_are_streamed_once_per_position_even_after_preemption(thinker):
+    engine = LLMEngine(ThinkerStage(thinker, accept_hidden_layer=2),
+                       EngineConfig(block_size=4, num_blocks=18, max_num_batched_tokens=32))
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+        engine.add_request(f"r{i}", greedy(n), prompt_token_ids=prompt)
+    rows: dict[str, list[torch.Tensor]] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.states:
+                rows.setdefault(out.request_id, []).append(out.states["input_embeds"])
+    assert engine.scheduler.num_preemptions > 0
+    for i, prompt in enumerate(PROMPTS):
+        embeds = torch.cat(rows[f"r{i}"])
+        fed = prompt + tokens[f"r{i}"][:-1]  # the last sampled token is never fed back
+        assert embeds.shape[0] == len(fed)
+        torch.testing.assert_close(embeds, thinker.embed(torch.tensor(fed)))
+
+
+def test_audio_embeds_replace_audio_placeholders_across_prefill_chunks(thinker):
+    audio_id, prompt = 3, [1, 2, 3, 3, 3, 3, 3, 9, 10]
+    audio = torch.randn(5, thinker.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected_embeds = thinker.embed(torch.tensor(prompt))
+    expected_embeds[2:7] = audio
+    batch = contiguous_batch([len(prompt)], thinker.num_layers, thinker.num_kv_heads, thinker.head_dim,
+                             dtype=torch.float32)
+    with torch.no_grad():
+        hidden, _ = thinker(expected_embeds, torch.arange(len(prompt)), batch)
+    engine = LLMEngine(ThinkerStage(thinker, audio_token_id=audio_id, accept_hidden_layer=1),
+                       EngineConfig(block_size=4, num_blocks=16, max_num_batched_tokens=4))
+    engine.add_request("a", greedy(1), prompt_token_ids=prompt, audio_embeds=audio)
+    outputs = [out for _ in range(3) for out in engine.step()]
+    torch.testing.assert_close(torch.cat([o.states["input_embeds"] for o in outputs]), expected_embeds)
+    assert outputs[-1].new_token_ids == [int(thinker.compute_logits(hidden[-1:]).argmax())]
+    with pytest.raises(ValueError, match="4 audio embeds for 5 audio tokens"):
+        engine.add_request("b", greedy(1), prompt_token_ids=prompt, audio_embeds=audio[:4])
+
+
+def test_abort_frees_every_block_in_any_state(thinker):
+    engine = thinker_engine(thinker, num_blocks=18, max_num_batched_tokens=8)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", greedy(30), prompt_token_ids=prompt)
+    for _ in range(6):
+        engine.step()
+    states = {seq.status for seq in engine.requests.values()}
+    assert SequenceStatus.RUNNING in states and SequenceStatus.WAITING in states
+    assert engine.block_manager.num_used > 0
+    for request_id in list(engine.requests):
+        out = engine.abort(request_id)
+        assert out.finished and out.finish_reason == "abort"
+    assert engine.abort("r0") is None
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert not engine.has_work() and engine.requests == {}
+
+
+def test_stop_ids_min_and_max_new_tokens(thinker):
+    free_run = reference_greedy(thinker, PROMPTS[1], 20)
+    stop = free_run[3]
+    first_stop = free_run.index(stop)
+    engine = thinker_engine(thinker)
+    engine.add_request("stop", greedy(20, stop_token_ids=(stop,)), prompt_token_ids=PROMPTS[1])
+    engine.add_request("ignore", greedy(20, stop_token_ids=(stop,), ignore_eos=True), prompt_token_ids=PROMPTS[1])
+    engine.add_request("min", greedy(20, stop_token_ids=(stop,), min_new_tokens=first_stop + 2),
+                       prompt_token_ids=PROMPTS[1])
+    finals = {}
+    got = {}
+    while engine.has_work():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+    assert got["stop"] == free_run[:first_stop + 1] and finals["stop"] == "stop"
+    assert got["ignore"] == free_run and finals["ignore"] == "length"
+    assert stop not in got["min"][:first_stop + 2]
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(thinker):
+    params = dict(temperature=1.3, top_k=20, top_p=0.9, repetition_penalty=1.1, max_new_tokens=15)
+
+    def run(requests):
+        engine = thinker_engine(thinker, max_num_batched_tokens=24)
+        for request_id, prompt, seed in requests:
+            engine.add_request(request_id, SamplingParams(seed=seed, **params), prompt_token_ids=prompt)
+        return run_to_completion(engine)
+
+    alone = run([("a", PROMPTS[0], 123)])["a"]
+    crowded = run([("x", PROMPTS[1], 5), ("a", PROMPTS[0], 123), ("y", PROMPTS[2], 6), ("z", PROMPTS[0], 7)])
+    assert crowded["a"] == alone
+    assert crowded["z"] != alone  # same prompt, another seed: sampling really happens
+
+
+def test_sampling_processors_match_transformers():
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=gen) * 3
+    history = [[1, 2, 3, 3], [4, 40], [7]]
+    rows = [SampleRow(SamplingParams(temperature=0.7, top_k=10, top_p=0.8, repetition_penalty=1.3),
+                      make_generator(0, "cpu"), seen_ids=set(h)) for h in history]
+    from omni_triton.engine.sampling import apply_penalties, warp
+    ours = warp(apply_penalties(logits.clone(), rows), rows)
+    ids = torch.tensor([h + [h[-1]] * (4 - len(h)) for h in history])  # padding repeats an id: no effect
+    hf = transformers.RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    for warper in (transformers.TemperatureLogitsWarper(0.7), transformers.TopKLogitsWarper(10),
+                   transformers.TopPLogitsWarper(0.8)):
+        hf = warper(ids, hf)
+    torch.testing.assert_close(ours, hf.softmax(-1))
+    # suppressed ids are never drawn; top_k=1 is greedy
+    row = SampleRow(SamplingParams(temperature=1.0, suppressed_token_ids=tuple(range(25))), make_generator(1, "cpu"))
+    draws = sample(logits[:1].expand(200, -1).clone(), [row] * 200)
+    assert draws.min() >= 25
+    row = SampleRow(SamplingParams(temperature=2.0, top_k=1), make_generator(1, "cpu"))
+    assert sample(logits.clone(), [row] * 3).tolist() == logits.argmax(-1).tolist()
+
+
+def test_kv_budget_sets_block_count():
+    per_block = kv_bytes_per_block(16, 48, 4, 128, torch.bfloat16)
+    assert per_block == 2 * 48 * 16 * 4 * 128 * 2
+    assert num_blocks_for_budget(10 * per_block + 1, 16, 48, 4, 128, torch.bfloat16) == 10
+    with pytest.raises(ValueError, match="below one block"):
+        num_blocks_for_budget(per_block - 1, 16, 48, 4, 128, torch.bfloat16)
+
+
+def test_request_longer_than_the_cache_is_rejected(thinker):
+    engine = thinker_engine(thinker, num_blocks=4)
+    with pytest.raises(ValueError, match="exceed the KV cache"):
+        engine.add_request("big", greedy(10), prompt_token_ids=list(range(10)))
+
+
+# -- talker -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def talker():
+    return ToyTalker().eval()
+
+
+def talker_engine(talker, **config):
+    hidden = talker.hidden_size
+    stage = TalkerStage(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
+    return LLMEngine(stage, EngineConfig(**{"block_size": 4, "num_blocks": 128, **config}))
+
+
+def talker_inputs(seed: int, prefill: int, text: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(prefill, 32, generator=gen), torch.randn(text, 32, generator=gen)
+
+
+def collect(outputs, tokens, frames):
+    for out in outputs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if "codes" in out.extras:
+            frames.setdefault(out.request_id, []).append(out.extras["codes"])
+
+
+def test_talker_waiting_for_input_never_delays_the_others(talker):
+    prefill_a, text_a = talker_inputs(0, 9, 6)
+    prefill_b, text_b = talker_inputs(1, 12, 3)
+    params = greedy(14)
+
+    # oracle: both requests alone with all their text given up front
+    alone_tokens, alone_frames = {}, {}
+    for request_id, prefill, text in (("a", prefill_a, text_a), ("b", prefill_b, text_b)):
+        engine = talker_engine(talker)
+        engine.add_request(request_id, params, prompt_embeds=prefill, trailing_text_embeds=text, thinker_finished=True)
+        while engine.has_work():
+            collect(engine.step(), alone_tokens, alone_frames)
+
+    engine = talker_engine(talker)
+    engine.add_request("a", params, prompt_embeds=prefill_a, trailing_text_embeds=text_a[:2])
+    engine.add_request("b", params, prompt_embeds=prefill_b, trailing_text_embeds=text_b, thinker_finished=True)
+    tokens, frames = {}, {}
+    collect(engine.step(), tokens, frames)  # both prefills
+    for _ in range(5):  # a consumes its 2 text rows, then waits; b decodes every step regardless
+        before = len(tokens.get("b", []))
+        collect(engine.step(), tokens, frames)
+        assert len(tokens["b"]) == before + 1
+    assert engine.requests["a"].status == SequenceStatus.WAITING_FOR_INPUT
+    assert engine.stats().num_waiting_for_input == 1 and len(tokens["a"]) == 3
+    engine.append("a", trailing_text_embeds=text_a[2:], finished=True)
+    assert engine.requests["a"].status == SequenceStatus.RUNNING
+    while engine.has_work():
+        collect(engine.step(), tokens, frames)
+    assert tokens == alone_tokens
+    for request_id in ("a", "b"):
+        torch.testing.assert_close(torch.cat(frames[request_id]), torch.cat(alone_frames[request_id]))
+        assert len(frames[request_id]) == len(tokens[request_id]) - 1  # the last code0 makes no frame
+        assert (torch.cat(frames[request_id])[:, 0] == torch.tensor(tokens[request_id][:-1])).all()
+
+
+def test_talker_preempted_while_waiting_for_input_resumes_identically(talker):
+    prefill_a, text_a = talker_inputs(2, 10, 5)
+    prefill_b, text_b = talker_inputs(3, 14, 2)
+    params_a = SamplingParams(temperature=0.9, top_k=20, seed=11, max_new_tokens=12)
+    params_b = greedy(18)
+    ref_tokens, ref_frames = {}, {}
+    for request_id, params, prefill, text in (("a", params_a, prefill_a, text_a), ("b", params_b, prefill_b, text_b)):
+        engine = talker_engine(talker)
+        engine.add_request(request_id, params, prompt_embeds=prefill, trailing_text_embeds=text, thinker_finished=True)
+        while engine.has_work():
+            collect(engine.step(), ref_tokens, ref_frames)
+
+    # 8 blocks x 4 slots: b alone grows to all 8, so a (newer, waiting for text) must be preempted
+    engine = talker_engine(talker, num_blocks=8)
+    engine.add_request("b", params_b, prompt_embeds=prefill_b, trailing_text_embeds=text_b, thinker_finished=True)
+    engine.add_request("a", params_a, prompt_embeds=prefill_a, trailing_text_embeds=text_a[:1])
+    tokens, frames = {}, {}
+    for _ in range(40):
+        collect(engine.step(), tokens, frames)
+        if engine.scheduler.num_preemptions:
+            break
+    assert engine.scheduler.num_preemptions == 1
+    assert engine.requests["a"].status == SequenceStatus.WAITING and engine.requests["a"].num_generated == 2
+    engine.append("a", trailing_text_embeds=text_a[1:], finished=True)
+    while engine.has_work():
+        collect(engine.step(), tokens, frames)
+    assert tokens == ref_tokens
+    for request_id in ("a", "b"):
+        torch.testing.assert_close(torch.cat(frames[request_id]), torch.cat(ref_frames[request_id]))
+
+
+# -- threaded loop ------------------------------------------------------------------------------------------
+def test_engine_loop_streams_outputs_and_never_waits_on_a_slow_consumer(thinker, expected):
+    loop = EngineLoop(thinker_engine(thinker, max_num_batched_tokens=16)).start()
+    try:
+        release = threading.Event()
+        slow_outputs = []
+
+        def slow_consumer(output):  # blocks the response thread until released
+            release.wait(10)
+            slow_outputs.append(output)
+
+        loop.add_request("slow", greedy(10), callback=slow_consumer, prompt_token_ids=PROMPTS[0])
+        streams = [loop.add_request(f"r{i}", greedy(n), prompt_token_ids=p)
+                   for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
+        deadline = time.time() + 30
+        while loop.engine.requests and time.time() < deadline:  # the engine finishes everything meanwhile
+            time.sleep(0.01)
+        assert not loop.engine.requests
+        release.set()
+        got = [[t for out in stream for t in out.new_token_ids] for stream in streams]
+        assert got == expected
+        aborted = loop.add_request("abort-me", greedy(900), prompt_token_ids=PROMPTS[1])
+        loop.abort("abort-me")
+        outputs = list(aborted)
+        assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+        bad = list(loop.add_request("bad", greedy(5), prompt_token_ids=[]))
+        assert bad[-1].finished and bad[-1].finish_reason.startswith("error")
+        while slow_outputs == [] or not slow_outputs[-1].finished:
+            time.sleep(0.01)
+        assert loop.stats().kv_blocks_used == 0
+    finally:
+        loop.shutdown()
+
+
+def test_engine_loop_talker_appends_from_another_thread(talker):
+    prefill, text = talker_inputs(4, 8, 4)
+    params = greedy(10)
+    ref_tokens, ref_frames = {}, {}
+    engine = talker_engine(talker)
+    engine.add_request("a", params, prompt_embeds=prefill, trailing_text_embeds=text, thinker_finished=True)
+    while engine.has_work():
+        collect(engine.step(), ref_tokens, ref_frames)
+
+    loop = EngineLoop(talker_engine(talker)).start()
+    try:
+        stream = loop.add_request("a", params, prompt_embeds=prefill, trailing_text_embeds=text[:1])
+        deadline = time.time() + 10
+        while loop.stats().num_waiting_for_input != 1 and time.time() < deadline:
+            time.sleep(0.005)
+        assert loop.stats().num_waiting_for_input == 1
+        for row in text[1:]:  # text trickles in one row at a time, as the thinker produces it
+            loop.append("a", trailing_text_embeds=row[None])
+        loop.append("a", finished=True)
+        tokens, frames = {}, {}
+        collect(list(stream), tokens, frames)
+    finally:
+        loop.shutdown()
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.cat(frames["a"]), torch.cat(ref_frames["a"]))
+
+
+# -- attention fast path ------------------------------------------------------------------------------------
+def test_fast_attention_path_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    block_size, kv_heads, heads, dim = 4, 2, 6, 8
+    query_lens, context_lens = [5, 1, 3, 1, 7], [5, 9, 11, 2, 7]  # fresh, decode, chunked, decode, fresh
+    num_blocks = 40
+    perm = torch.randperm(num_blocks, generator=gen).int()
+    tables, slots, used = [], [], 0
+    for q_len, ctx in zip(query_lens, context_lens):
+        n = -(-ctx // block_size)
+        table = perm[used:used + n]
+        used += n
+        tables.append(torch.cat([table, torch.full((5 - n,), -1, dtype=torch.int32)]))
+        slots += [int(table[p // block_size]) * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+    outs = []
+    for use_reference in (True, False):
+        cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=torch.Generator().manual_seed(1))
+        batch = AttentionBatch(query_lens, context_lens, torch.tensor(slots), torch.stack(tables), [cache],
+                               block_size, use_reference=use_reference)
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(sum(query_lens), h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+        outs.append(batch.attend(0, q, k, v, scale=0.3))
+    torch.testing.assert_close(outs[1], outs[0])
