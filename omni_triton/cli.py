@@ -42,6 +42,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="code2wav left context per chunk (default: the vocoder's exact context)")
     launch.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
                         help="KV budget per engine (thinker, talker) in tokens (default: %(default)s)")
+    launch.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
+                        help="tokens per engine step, decode + chunked prefill (default: %(default)s)")
     launch.add_argument("--max-inflight", type=int, default=defaults.max_inflight_requests,
                         help="concurrent requests per stage (default: %(default)s)")
     launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap)
@@ -73,6 +75,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         checkpoint_dir=checkpoint, device=args.device, dtype=args.dtype,
         first_chunk_frames=args.first_chunk_frames, next_chunk_frames=args.next_chunk_frames,
         left_context_frames=args.left_context_frames, kv_cache_tokens=args.kv_cache_tokens,
+        max_batched_tokens=args.max_batched_tokens,
         max_inflight_requests=args.max_inflight, max_tokens_cap=args.max_tokens_cap,
         max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
         torch_threads={stage: args.torch_threads for stage in STAGES},

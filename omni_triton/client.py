@@ -91,16 +91,27 @@ class OmniStreamClient:
         self.model = model
         self.client = grpcclient.InferenceServerClient(url)
         self._responses: queue.Queue = queue.Queue()
+        self._request_id: str | None = None  # the request in flight, for cancel()
         self.client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
 
     def stream(self, text: str, audio_in: np.ndarray | None = None, *, timeout_s: float = 600.0,
                on_text: Callable[[str], None] | None = None, on_audio: Callable[[np.ndarray], None] | None = None,
                **scalars) -> StreamResult:
         result = StreamResult()
-        request_id = uuid.uuid4().hex
+        request_id = self._request_id = uuid.uuid4().hex
         start = time.perf_counter()
-        self.client.async_stream_infer(self.model, build_inputs(text, audio_in, **scalars), request_id=request_id,
-                                       enable_empty_final_response=True)
+        try:
+            self.client.async_stream_infer(self.model, build_inputs(text, audio_in, **scalars),
+                                           request_id=request_id, enable_empty_final_response=True)
+        except Exception:
+            # a broken stream (server down, refused) reports its cause through the callback: raise that one
+            try:
+                _, cause = self._responses.get(timeout=1.0)
+            except queue.Empty:
+                cause = None
+            if cause is None:
+                raise
+            raise cause from None
         while True:
             try:
                 response, error = self._responses.get(timeout=timeout_s)
@@ -128,8 +139,13 @@ class OmniStreamClient:
                 return result
 
     def cancel(self) -> None:
-        """Close the stream and cancel its in-flight requests on the server."""
+        """Cancel the request in flight. Closing the stream cancels what Triton has not scheduled yet; an
+        ``omni`` request already inside the orchestrator is cancelled by a control request with its id
+        (Triton does not pass an ensemble's cancellation to a step that is running)."""
         self.client.stop_stream(cancel_requests=True)
+        if self._request_id is not None:
+            send_cancel(self.client, self._request_id)
+            self._request_id = None
 
     def close(self) -> None:
         self.client.stop_stream()
@@ -140,6 +156,23 @@ class OmniStreamClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def send_cancel(client, request_id: str, timeout_s: float = 10.0) -> None:
+    """Ask the orchestrator to cancel request ``request_id`` (a control request on a stream of its own)."""
+    import tritonclient.grpc as grpcclient
+
+    done: queue.Queue = queue.Queue()
+    control = grpcclient.InferInput("CONTROL", [1], "BYTES")
+    control.set_data_from_numpy(np.array([b"cancel"], dtype=np.object_))
+    client.start_stream(callback=lambda result, error: done.put(error))
+    try:
+        client.async_stream_infer("orchestrator", [control], request_id=request_id, enable_empty_final_response=True)
+        error = done.get(timeout=timeout_s)
+        if error is not None:
+            raise error
+    finally:
+        client.stop_stream()
 
 
 def _text_delta(response) -> str:

@@ -232,3 +232,22 @@ def test_stages_export_prometheus_metrics(triton_server, client, vocoder):
     code2wav(client, random_codes(vocoder, 6, seed=4), left_context=2)
     assert metric_value(triton_server.metrics_url, "omni_code2wav_decoded_frames_total") == frames_before + 6
     assert metric_value(triton_server.metrics_url, "omni_code2wav_batch_chunks") >= 1
+
+
+def test_client_streams_text_and_audio_through_the_omni_ensemble(triton_server):
+    from omni_triton.client import OmniStreamClient
+
+    if "omni" not in triton_server.models:
+        pytest.skip("the omni ensemble's models are not all written yet")
+    with OmniStreamClient(triton_server.grpc_url) as stream_client:
+        with pytest.raises(InferenceServerException) as raised:
+            stream_client.stream("hi", max_tokens=0)
+        # a streamed error carries only its message (tritonclient's stream callback drops the status code)
+        assert "MAX_TOKENS must be in [1, " in raised.value.message()
+        deltas = []
+        result = stream_client.stream("Hello there", max_tokens=6, temperature=0.0, seed=0, max_audio_frames=12,
+                                      on_text=deltas.append)
+    assert result.text and "".join(deltas) == result.text
+    assert result.audio.size > 0 and np.abs(result.audio).max() <= 1.0
+    assert 0 < result.ttft_s <= result.total_s and 0 < result.ttfa_s <= result.total_s
+    assert result.rtf == pytest.approx(result.total_s / result.audio_seconds)

@@ -38,7 +38,7 @@ class TalkerRequest:
     speaker_id: int  # codec id of the speaker (config.speaker_id values)
     greedy: bool
     seed: int | None = None
-    max_frames: int = 4096
+    max_frames: int = 0  # 0: until the talker emits EOS (or the KV cache is full)
     min_frames: int = 0
     ignore_eos: bool = False
 
@@ -59,13 +59,25 @@ class TalkerService:
         self._pending: dict[str, tuple[TalkerInputs, TalkerRequest, Callable[[TalkerOutput], None]]] = {}
         self._lock = threading.Lock()
 
+    @property
+    def num_pending(self) -> int:
+        """Requests started but still waiting for the thinker rows that complete their prefill."""
+        return len(self._pending)
+
     def no_frames(self, finished: bool = False) -> TalkerOutput:
         return TalkerOutput(torch.zeros(0, self.model.num_code_groups, dtype=torch.long), finished)
 
-    def sampling_params(self, request: TalkerRequest) -> SamplingParams:
-        """Frames = talker tokens - 1 (the EOS step yields none), hence the +1s."""
+    def sampling_params(self, request: TalkerRequest, prompt_len: int) -> SamplingParams:
+        """Frames = talker tokens - 1 (the EOS step yields none), hence the +1s. ``max_frames`` 0 means
+        "until the talker stops", bounded by what the KV cache can hold next to the prompt."""
+        cache = self.engine.block_manager
+        most_frames = cache.num_blocks * cache.block_size - prompt_len - 1
+        max_frames = request.max_frames or most_frames
+        if max_frames > most_frames:
+            raise ValueError(f"MAX_AUDIO_FRAMES {max_frames} does not fit the talker's KV cache "
+                             f"({most_frames} frames after a {prompt_len}-position prompt)")
         common = dict(repetition_penalty=TALKER_REPETITION_PENALTY, seed=request.seed,
-                      max_new_tokens=request.max_frames + 1, min_new_tokens=min(request.min_frames, request.max_frames),
+                      max_new_tokens=max_frames + 1, min_new_tokens=min(request.min_frames, max_frames),
                       stop_token_ids=(self.config.talker.codec_eos_token_id,), ignore_eos=request.ignore_eos,
                       suppressed_token_ids=self._suppressed)
         if request.greedy:
@@ -126,7 +138,12 @@ class TalkerService:
             on_output(self.no_frames(finished=True))
             return
         embeds, positions = inputs.take_prefill()
-        self.loop.add_request(request_id, self.sampling_params(request), callback=self._frames(on_output),
+        try:
+            sampling = self.sampling_params(request, embeds.shape[0])
+        except ValueError as error:
+            on_output(TalkerOutput(self.no_frames().codes, True, str(error)))
+            return
+        self.loop.add_request(request_id, sampling, callback=self._frames(on_output),
                               prompt_embeds=embeds, prompt_positions=positions, talker_inputs=inputs)
 
     def _frames(self, on_output: Callable[[TalkerOutput], None]) -> Callable[[RequestOutput], None]:

@@ -4,6 +4,11 @@ The Triton model file only parses its config and hands requests here. Each reque
 thread because BLS decoupled calls in this Triton version return blocking iterators: one slow stage
 must not stall the other streams. Admission is bounded: past ``max_inflight`` requests a new one is
 refused at once with UNAVAILABLE instead of queueing without limit.
+
+Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
+request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
+orchestrator is scheduled at once. So a request with ``CONTROL="cancel"`` and the client's request id
+cancels that request here; ``omni_triton.client`` sends it along with the stream cancel.
 """
 
 from __future__ import annotations
@@ -45,12 +50,25 @@ class Orchestrator:
         self._max_inflight = max_inflight
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._request_counter = 0
-        self._counter_lock = threading.Lock()
-        self.active_requests = 0
+        self._lock = threading.Lock()
+        self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
+        self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
+
+    def snapshot(self) -> dict[str, float]:
+        """Gauge values: requests in flight and codec frames they hold that are not decoded yet."""
+        with self._lock:
+            streams = [stream for stream in self._active.values() if stream is not None]
+            active = len(self._active)
+        return {"omni_active_requests": active,
+                "omni_pending_audio_frames": sum(stream.pending_frames for stream in streams)}
 
     def submit(self, request: Any) -> None:
         """Start streaming ``request``; every response goes out through its response sender."""
         sender = request.get_response_sender()
+        control = self._pb.get_input_tensor_by_name(request, "CONTROL")
+        if control is not None:
+            self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
+            return
         if not self._slots.acquire(blocking=False):
             error = self._pb.TritonError(f"server busy: {self._max_inflight} requests in flight "
                                          "(max_inflight_requests); retry later", self._pb.TritonError.UNAVAILABLE)
@@ -58,22 +76,45 @@ class Orchestrator:
                         flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         inputs = {name: self._pb.get_input_tensor_by_name(request, name) for name in REQUEST_INPUTS}
+        missing = [name for name, tensor in inputs.items() if tensor is None]
+        if missing:
+            self._slots.release()
+            error = self._pb.TritonError(f"missing inputs {missing}", self._pb.TritonError.INVALID_ARG)
+            sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        cancelled = threading.Event()
+        client_id = request.request_id()
+        with self._lock:
+            self._cancel_events.setdefault(client_id, set()).add(cancelled)
         request_id = self._request_id(request)
-        self._pool.submit(self._run, request, sender, inputs, request_id)
+        self._pool.submit(self._run, request, sender, inputs, request_id, client_id, cancelled)
+
+    def _control(self, client_id: str, word: bytes, sender: Any) -> None:
+        pb = self._pb
+        if word != b"cancel":
+            error = pb.TritonError(f"CONTROL must be 'cancel', got {word!r}", pb.TritonError.INVALID_ARG)
+            sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        with self._lock:
+            for event in self._cancel_events.get(client_id, ()):
+                event.set()
+        sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _request_id(self, request: Any) -> str:
         # Triton's own id may be empty or reused by clients; stages key their state on this one.
-        with self._counter_lock:
+        with self._lock:
             self._request_counter += 1
             return f"{request.request_id() or 'req'}#{self._request_counter}"
 
-    def _run(self, request: Any, sender: Any, inputs: dict[str, Any], request_id: str) -> None:
+    def _run(self, request: Any, sender: Any, inputs: dict[str, Any], request_id: str, client_id: str,
+             cancelled: threading.Event) -> None:
         pb = self._pb
         send_lock = threading.Lock()
-        self.active_requests += 1
+        with self._lock:
+            self._active[request_id] = None
 
         def emit(text: str, audio: torch.Tensor | None) -> None:
             outputs = [pb.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], dtype=np.object_))]
@@ -92,21 +133,38 @@ class Orchestrator:
                               stage_params=None),
                 BlsStageClients(pb, inputs, self._on_gpu),
                 IncrementalDetokenizer(self._tokenizer),
-                lambda: Code2WavStream(self._policy, self._num_quantizers),
-                is_cancelled=request.is_cancelled,
+                lambda: self._open_audio_stream(request_id),
+                is_cancelled=lambda: cancelled.is_set() or request.is_cancelled(),
             )
             session.run(emit)
-            final = pb.InferenceResponse([])
+            error = None
         except Cancelled:
-            final = pb.InferenceResponse(error=pb.TritonError("request cancelled", pb.TritonError.CANCELLED))
+            error = pb.TritonError("request cancelled", pb.TritonError.CANCELLED)
         except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
             logger.exception("request %s failed", request_id)
-            final = pb.InferenceResponse(error=pb.TritonError(f"{type(exc).__name__}: {exc}"))
+            error = pb.TritonError(f"{type(exc).__name__}: {exc}")
         finally:
-            self.active_requests -= 1
+            with self._lock:
+                del self._active[request_id]
+                events = self._cancel_events[client_id]
+                events.discard(cancelled)
+                if not events:
+                    del self._cancel_events[client_id]
             self._slots.release()
         with send_lock:
-            sender.send(final, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            try:
+                if error is None:
+                    sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                else:
+                    sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:  # the client is gone: nothing left to tell it
+                logger.info("request %s: final response not delivered", request_id)
+
+    def _open_audio_stream(self, request_id: str) -> Code2WavStream:
+        stream = Code2WavStream(self._policy, self._num_quantizers)
+        with self._lock:
+            self._active[request_id] = stream
+        return stream
 
 
 def _flag(tensor: Any) -> bool:

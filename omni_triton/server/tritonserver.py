@@ -115,7 +115,8 @@ def _install_python_stub(backend_dir: Path, stubs: Path) -> Path:
                 shutil.copytree(backend_dir, candidate, dirs_exist_ok=True)
             if not target.is_file() or target.stat().st_size != stub.stat().st_size:
                 shutil.copy2(stub, target)
-            target.chmod(0o755)
+            if not os.access(target, os.X_OK):
+                target.chmod(0o755)
             return candidate
         except OSError:
             continue
@@ -199,6 +200,8 @@ class TritonServer:
         ]
         if o.gpu:
             args.append(f"--cuda-memory-pool-byte-size=0:{o.cuda_memory_pool_bytes}")
+        else:  # no CUDA driver: don't try to pin host memory
+            args.append("--pinned-memory-pool-byte-size=0")
         if self.install.supports("--allow-client-shm"):  # Triton >= 2.69 refuses client shm otherwise
             args.append("--allow-client-shm=true")
         return args + list(o.extra_args)

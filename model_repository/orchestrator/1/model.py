@@ -3,6 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.server.metrics import StageMetrics
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
 from omni_triton.server.orchestrator import Orchestrator
 
@@ -17,6 +18,7 @@ class TritonPythonModel:
                              left_context_frames=None if left_context == "exact" else int(left_context))
         self.orchestrator = Orchestrator(pb_utils, params["checkpoint_dir"], params["device"], policy,
                                          max_inflight=int(params["max_inflight_requests"]))
+        self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot)
 
     def execute(self, requests):
         for request in requests:
@@ -25,3 +27,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.orchestrator.shutdown()
+        self.metrics.stop()

@@ -4,6 +4,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
+from omni_triton.server.metrics import StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
 from omni_triton.server.stage_io import (control_word, engine_config, host_array, input_arrays,
                                          talker_output_tensors, thinker_output_from_request)
@@ -18,6 +19,8 @@ class TritonPythonModel:
         limit_torch_threads(int(params["torch_threads"]))
         config, dtype = engine_config(params)
         self.service = TalkerService(params["checkpoint_dir"], config, dtype)
+        self.metrics = StageMetrics(pb_utils, "talker", lambda: engine_snapshot(
+            self.service.loop.stats(), extra_active=self.service.num_pending))
 
     def execute(self, requests):
         for request in requests:
@@ -61,3 +64,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        self.metrics.stop()

@@ -5,6 +5,7 @@ import itertools
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.stage_requests import thinker_request
+from omni_triton.server.metrics import StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
 from omni_triton.server.stage_io import control_word, engine_config, input_arrays, thinker_output_tensors
 from omni_triton.pipeline.thinker_service import ThinkerService
@@ -19,6 +20,7 @@ class TritonPythonModel:
         limit_torch_threads(int(params["torch_threads"]))
         config, dtype = engine_config(params)
         self.service = ThinkerService(params["checkpoint_dir"], config, dtype)
+        self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()))
         self._anonymous = itertools.count()
 
     def execute(self, requests):
@@ -52,3 +54,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        self.metrics.stop()

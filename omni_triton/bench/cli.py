@@ -1,0 +1,197 @@
+"""`omni-triton bench`: the fixed workload over every system at every concurrency, one report.
+
+    omni-triton bench --start-server --checkpoint CKPT --quick --out benchmarks/results/cpu-tiny
+    omni-triton bench --url 127.0.0.1:8001 --checkpoint CKPT --concurrency 1,4,8,16,32,64
+
+Systems: `server` (streaming, the system under test), `server-sequential` (same server, SEQUENTIAL=true),
+`inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate, concurrency 1). The report gives
+each as a ratio to `server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from omni_triton.bench import report as reporting
+from omni_triton.bench.driver import run_level
+from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
+from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
+
+SYSTEMS = ("server", "server-sequential", "inprocess", "transformers")
+REFERENCE = "server"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="omni-triton bench", description=__doc__.split("\n\n")[0])
+    target = parser.add_argument_group("target")
+    target.add_argument("--url", default="127.0.0.1:8001", help="running server's gRPC address (default %(default)s)")
+    target.add_argument("--start-server", action="store_true",
+                        help="render the repository for --checkpoint and launch tritonserver for the run")
+    target.add_argument("--checkpoint", type=Path,
+                        help="checkpoint dir: needed by --start-server, inprocess, transformers and exact prompt length")
+    target.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    target.add_argument("--tritonserver", help="tritonserver binary for --start-server (default: found)")
+    load = parser.add_argument_group("workload (defaults: DESIGN.md section 6, or --quick)")
+    load.add_argument("--quick", action="store_true", help="CPU/CI preset: 16-token prompt, 16 tokens, 25 frames, "
+                                                           "concurrency 1,2,4")
+    load.add_argument("--concurrency", type=_int_list, help="comma-separated levels, e.g. 1,4,8")
+    load.add_argument("--prompt-tokens", type=int)
+    load.add_argument("--thinker-tokens", type=int)
+    load.add_argument("--audio-frames", type=int)
+    load.add_argument("--requests-per-level", type=int, help="default: 2 x concurrency, at least 4")
+    load.add_argument("--warmup", type=int, dest="warmup_requests", help="uncounted requests per system")
+    parser.add_argument("--systems", type=lambda text: text.split(","), default=list(SYSTEMS),
+                        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch threads in this process for inprocess/transformers (the server's stages "
+                             "use 1 each by default)")
+    parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results/<UTC time>)")
+    parser.add_argument("--label", help="report title (default: the output dir's name)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    if args.start_server and args.checkpoint is None:
+        parser.error("--start-server needs --checkpoint")
+    return args
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+@contextlib.contextmanager
+def served(args: argparse.Namespace, workload: Workload, out_dir: Path) -> Iterator[str]:
+    """The server's gRPC address: --url, or a tritonserver launched here for the run and stopped after."""
+    if not args.start_server:
+        yield args.url
+        return
+    from omni_triton.server.repository import LaunchConfig, available_models, render_repository
+    from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+
+    # Enough engine slots for the highest level, so the launch config never caps the measured concurrency.
+    config = LaunchConfig(checkpoint_dir=args.checkpoint.resolve(), device=args.device,
+                          max_inflight_requests=max(16, *workload.concurrencies))
+    models = available_models()
+    repository = render_repository(config, out_dir / "run" / "repository", models)
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            gpu=args.device == "cuda")
+    server = TritonServer(repository, find_tritonserver(args.tritonserver), options,
+                          log_path=out_dir / "run" / "tritonserver.log")
+    server.start()
+    try:
+        print(f"tritonserver ready in {server.wait_ready(models, timeout_s=600):.1f} s at {server.grpc_url}",
+              file=sys.stderr)
+        yield server.grpc_url
+    finally:
+        server.stop()
+
+
+def make_runner(system: str, args: argparse.Namespace, url: str):
+    if system in ("server", "server-sequential"):
+        from omni_triton.bench.runners.triton_stream import TritonStreamRunner
+        return TritonStreamRunner(url, sequential=system == "server-sequential")
+    if system == "inprocess":
+        from omni_triton.bench.runners.inprocess import InProcessRunner
+        return InProcessRunner(args.checkpoint, args.device)
+    from omni_triton.bench.runners.transformers_generate import TransformersRunner
+    return TransformersRunner(args.checkpoint, args.device)
+
+
+def bench_system(runner, workload: Workload, text: str) -> list[LevelSummary]:
+    from tqdm import tqdm
+
+    tensors = client_tensors(workload, text, sequential=runner.sequential)
+    levels = [c for c in workload.concurrencies if runner.max_concurrency is None or c <= runner.max_concurrency]
+    if workload.warmup_requests:
+        run_level(runner, tensors, 1, workload.warmup_requests)
+    summaries = []
+    with tqdm(total=sum(workload.requests_at(c) for c in levels), desc=runner.name, unit="req") as progress:
+        for concurrency in levels:
+            progress.set_postfix(concurrency=concurrency)
+            timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
+                                        on_done=lambda _: progress.update())
+            summaries.append(summarize(runner.name, concurrency, timings, wall_s))
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    base = PRESETS["quick" if args.quick else "full"]
+    workload = with_overrides(base, concurrencies=args.concurrency, prompt_tokens=args.prompt_tokens,
+                              thinker_tokens=args.thinker_tokens, audio_frames=args.audio_frames,
+                              requests_per_level=args.requests_per_level, warmup_requests=args.warmup_requests)
+    systems = [s for s in SYSTEMS if s in args.systems]
+    if args.checkpoint is None:
+        local = [s for s in systems if s in ("inprocess", "transformers")]
+        if local:
+            print(f"skipping {local}: they need --checkpoint", file=sys.stderr)
+        systems = [s for s in systems if s not in local]
+    out_dir = args.out or Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.checkpoint is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)  # the baselines run in this process
+    tokenizer = args.checkpoint / "tokenizer.json" if args.checkpoint is not None else None
+    text = prompt_text(workload.prompt_tokens, tokenizer)
+
+    summaries: list[LevelSummary] = []
+    server_systems = [s for s in systems if s.startswith("server")]
+    if server_systems:
+        with served(args, workload, out_dir) as url:
+            for system in server_systems:
+                summaries += bench_system(make_runner(system, args, url), workload, text)
+    for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
+        runner = make_runner(system, args, args.url)
+        try:
+            summaries += bench_system(runner, workload, text)
+        finally:
+            runner.close()
+
+    report = {
+        "label": args.label or out_dir.name,
+        "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "machine": reporting.machine_description(),
+        "workload": {**workload.__dict__, "prompt_text": text},
+        "prompt_ids": _prompt_ids(args.checkpoint, text),
+        "torch_threads": args.torch_threads,
+        "results": [s.to_dict() for s in summaries],
+        "ratios_to": REFERENCE,
+        "ratios": ratios_to(REFERENCE, summaries),
+        "notes": ["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]
+        if "transformers" in systems else [],
+    }
+    plots = reporting.plot(summaries, out_dir)
+    if isinstance(plots, str):
+        report["notes"].append(plots)
+        print(plots, file=sys.stderr)
+    reporting.write_json(out_dir / "results.json", report)
+    table = reporting.markdown(report, summaries, report["ratios"], REFERENCE)
+    (out_dir / "results.md").write_text(table)
+    print(table)
+    print(f"wrote {out_dir}/results.json, results.md" + ("" if isinstance(plots, str) else ", ttfa.png, throughput.png"),
+          file=sys.stderr)
+    return 1 if any(s.failed for s in summaries) else 0
+
+
+def _prompt_ids(checkpoint: Path | None, text: str) -> int | str:
+    """Prompt length after the chat template (what the thinker prefills), when the checkpoint is at hand."""
+    if checkpoint is None:
+        return "unknown"
+    from omni_triton.pipeline.chat import ChatTokenizer
+
+    return len(ChatTokenizer.from_checkpoint(checkpoint).encode_prompt(text, 0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

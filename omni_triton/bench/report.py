@@ -1,0 +1,130 @@
+"""The benchmark's outputs: results.json (everything), results.md (tables), PNG plots when matplotlib is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+from omni_triton.bench.metrics import RATIO_METRICS, LevelSummary
+
+
+def machine_description() -> dict:
+    """What the numbers were measured on: CPU, cores, memory, accelerator, library versions."""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        memory_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                         if line.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        memory_kb = 0
+    description = {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(memory_kb / 2**20, 1),
+                   "os": platform.platform(), "python": platform.python_version()}
+    try:
+        import torch
+
+        description["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            description["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        description["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                                   cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return description
+
+
+def write_json(path: Path, report: dict) -> None:
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], reference: str) -> str:
+    workload = report["workload"]
+    lines = [
+        f"# omni-triton benchmark: {report['label']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "Machine: " + ", ".join(f"{key} {value}" for key, value in report["machine"].items()),
+        "",
+        f"Workload: {workload['prompt_tokens']}-token prompt ({report['prompt_ids']} ids after the chat template), "
+        f"{workload['thinker_tokens']} thinker tokens, {workload['audio_frames']} audio frames "
+        f"({workload['audio_frames'] / 12.5:.1f} s), greedy, IGNORE_EOS; closed loop, "
+        f"{workload['warmup_requests']} warm-up request(s) per system not counted.",
+        "",
+        "| system | conc | reqs | failed | TTFT p50 ms | TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | RTF mean | RTF p95 "
+        "| req/s | audio s/s | continuity |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        lines.append(f"| {s.system} | {s.concurrency} | {s.requests} | {s.failed} | {_ms(s.ttft_p50)} | "
+                     f"{_ms(s.ttfa_p50)} | {_ms(s.ttfa_p95)} | {_ms(s.ttfa_p99)} | {_num(s.rtf_mean, 3)} | "
+                     f"{_num(s.rtf_p95, 3)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
+                     f"{_num(s.continuity)} |")
+    if ratios:
+        lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
+                      "audio s/s: <1 is less throughput):", "",
+                  "| system | conc | " + " | ".join(RATIO_METRICS) + " |",
+                  "|---|---:|" + "---:|" * len(RATIO_METRICS)]
+        for row in ratios:
+            lines.append(f"| {row['system']} | {row['concurrency']} | "
+                         + " | ".join(_num(row[m]) for m in RATIO_METRICS) + " |")
+    errors = [(s.system, s.concurrency, e) for s in summaries for e in s.errors]
+    if errors:
+        lines += ["", "Errors:", ""] + [f"- {system} @ {conc}: {error}" for system, conc, error in errors]
+    for note in report.get("notes", []):
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summaries: list[LevelSummary], out_dir: Path) -> list[Path] | str:
+    """ttfa.png and throughput.png vs concurrency, one line per system; a message instead when matplotlib
+    is not installed (pip install 'omni-triton[bench]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plots skipped: matplotlib is not installed (pip install 'omni-triton[bench]')"
+    systems = list(dict.fromkeys(s.system for s in summaries))
+    charts = {"ttfa.png": (("ttfa_p50", "p50"), ("ttfa_p95", "p95")), "throughput.png": (("audio_s_per_s", ""),)}
+    labels = {"ttfa.png": "TTFA (ms)", "throughput.png": "audio seconds / second"}
+    paths = []
+    for filename, metrics in charts.items():
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for system in systems:
+            rows = [s for s in summaries if s.system == system]
+            for metric, suffix in metrics:
+                points = [(s.concurrency, getattr(s, metric)) for s in rows if getattr(s, metric) is not None]
+                if not points:
+                    continue
+                x, y = zip(*points)
+                y = [v * 1000 for v in y] if filename == "ttfa.png" else y
+                axes.plot(x, y, marker="o", linestyle="-" if suffix in ("", "p50") else "--",
+                          label=f"{system} {suffix}".strip())
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("concurrency")
+        axes.set_ylabel(labels[filename])
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(out_dir / filename, dpi=100)
+        plt.close(figure)
+        paths.append(out_dir / filename)
+    return paths

@@ -1,0 +1,49 @@
+"""The served pipeline: `omni` over gRPC streams, one stream per worker (streaming or SEQUENTIAL mode)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from omni_triton.bench.metrics import RequestTiming
+from omni_triton.client import OmniStreamClient
+
+
+class TritonStreamRunner:
+    max_concurrency = None
+
+    def __init__(self, url: str, *, sequential: bool = False, model: str = "omni", timeout_s: float = 600.0):
+        self.name = "server-sequential" if sequential else "server"
+        self.sequential = sequential
+        self.url, self.model, self.timeout_s = url, model, timeout_s
+
+    def open_worker(self) -> "TritonStreamWorker":
+        return TritonStreamWorker(OmniStreamClient(self.url, self.model), self.timeout_s)
+
+    def close(self) -> None:
+        pass
+
+
+class TritonStreamWorker:
+    def __init__(self, client: OmniStreamClient, timeout_s: float):
+        self.client, self.timeout_s = client, timeout_s
+
+    def request(self, tensors: dict[str, np.ndarray]) -> RequestTiming:
+        text = tensors["TEXT"].reshape(-1)[0].decode("utf-8")
+        scalars = {name.lower(): value.reshape(-1)[0].item() for name, value in tensors.items() if name != "TEXT"}
+        timing = RequestTiming()
+        start = time.perf_counter()
+        try:
+            self.client.stream(
+                text, timeout_s=self.timeout_s,
+                on_text=lambda delta: timing.text_times.append(time.perf_counter() - start),
+                on_audio=lambda chunk: timing.audio_chunks.append((time.perf_counter() - start, chunk.size)),
+                **scalars)
+        except Exception as error:  # a failed request is a result to report, not a crash of the benchmark
+            timing.error = f"{type(error).__name__}: {error}"
+        timing.total_s = time.perf_counter() - start
+        return timing
+
+    def close(self) -> None:
+        self.client.close()

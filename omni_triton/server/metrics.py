@@ -1,0 +1,65 @@
+"""Prometheus gauges on Triton's metrics port (8002), one set per stage.
+
+Each stage reports a snapshot of its own state (engine stats, sessions in flight) every
+``interval_s`` from a small daemon thread, so no request path pays for metrics. Names:
+
+    omni_active_requests{stage}      requests the stage holds (running + waiting + waiting for input)
+    omni_waiting_requests{stage}     requests queued for admission (engine waiting queue)
+    omni_waiting_for_input{stage}    talker requests waiting for thinker text
+    omni_kv_blocks_used{stage}       paged-KV blocks held
+    omni_kv_blocks_free{stage}       paged-KV blocks free
+    omni_pending_audio_frames{stage} codec frames received but not yet decoded (orchestrator)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+GAUGES = {
+    "omni_active_requests": "Requests the stage currently holds",
+    "omni_waiting_requests": "Requests queued for admission to the stage's engine",
+    "omni_waiting_for_input": "Talker requests waiting for thinker text",
+    "omni_kv_blocks_used": "Paged KV-cache blocks in use",
+    "omni_kv_blocks_free": "Paged KV-cache blocks free",
+    "omni_pending_audio_frames": "Codec frames received but not yet decoded to audio",
+}
+
+
+def engine_snapshot(stats: Any, extra_active: int = 0) -> dict[str, float]:
+    """An EngineStats as gauge values (``extra_active``: requests held outside the engine)."""
+    return {
+        "omni_active_requests": stats.num_running + stats.num_waiting + stats.num_waiting_for_input + extra_active,
+        "omni_waiting_requests": stats.num_waiting,
+        "omni_waiting_for_input": stats.num_waiting_for_input,
+        "omni_kv_blocks_used": stats.kv_blocks_used,
+        "omni_kv_blocks_free": stats.kv_blocks_free,
+    }
+
+
+class StageMetrics:
+    def __init__(self, pb_utils: Any, stage: str, snapshot: Callable[[], dict[str, float]],
+                 interval_s: float = 0.1):
+        self._snapshot = snapshot
+        self._interval_s = interval_s
+        names = snapshot().keys()
+        # families are process-wide in the stub; keep them alive as long as their metrics
+        self._families = {name: pb_utils.MetricFamily(name=name, description=GAUGES[name],
+                                                      kind=pb_utils.MetricFamily.GAUGE) for name in names}
+        self._gauges = {name: family.Metric(labels={"stage": stage}) for name, family in self._families.items()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{stage}-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.update()
+
+    def update(self) -> None:
+        for name, value in self._snapshot().items():
+            self._gauges[name].set(float(value))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.update()
