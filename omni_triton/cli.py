@@ -111,9 +111,6 @@ def _interrupt(signum, frame):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     server = start_server(args, echo_log=args.verbose)
-    # Ctrl-C, kill -INT (even from a shell that started us with SIGINT ignored), docker stop: all stop cleanly.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while server.process is not None and server.process.poll() is None:
             time.sleep(0.5)
@@ -132,8 +129,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     server = start_server(args, echo_log=False)
     try:
         run_request(server.grpc_url, args.text, args, args.out)
-    except KeyboardInterrupt:
-        return 130
     finally:
         server.stop()
     return 0
@@ -178,8 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tritonclient.utils import InferenceServerException
 
+    # Ctrl-C, kill -INT (even from a shell that started us with SIGINT ignored) and SIGTERM (docker stop) all
+    # unwind through KeyboardInterrupt, so a started tritonserver is always stopped.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.handler(args)
+    except KeyboardInterrupt:
+        return 130
     except (TritonServerError, InferenceServerException) as error:
         print(f"omni-triton: {error}", file=sys.stderr)
         return 1

@@ -4,10 +4,19 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-PYTHON=${PYTHON:-python3.11}
 VENV=${VENV:-.venv}
-if ! command -v "$PYTHON" >/dev/null; then
-  echo "setup: $PYTHON not found (Python 3.11 is needed: torch 2.13 CPU wheel, nvidia-pytriton stubs)" >&2
+# Python 3.11: the torch 2.13 CPU wheel on this machine is built for it. $PYTHON overrides the search.
+PYTHON=${PYTHON:-}
+if [ -z "$PYTHON" ]; then
+  for candidate in python3.11 python3; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PYTHON=$candidate
+      break
+    fi
+  done
+fi
+if [ -z "$PYTHON" ]; then
+  echo "setup: no Python 3.11 found (set PYTHON=/path/to/python3.11)" >&2
   exit 1
 fi
 if [ ! -x "$VENV/bin/python" ]; then
@@ -17,7 +26,6 @@ fi
 stamp="$VENV/.omni-triton-installed"
 wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip
   # The CPU build first: a bare `torch` requirement would otherwise pull a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   "$VENV/bin/python" -m pip install -q -e ".[embedded,test]"

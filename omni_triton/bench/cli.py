@@ -70,7 +70,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def served(args: argparse.Namespace, workload: Workload, out_dir: Path) -> Iterator[str]:
+def served(args: argparse.Namespace, workload: Workload) -> Iterator[str]:
     """The server's gRPC address: --url, or a tritonserver launched here for the run and stopped after."""
     if not args.start_server:
         yield args.url
@@ -82,11 +82,12 @@ def served(args: argparse.Namespace, workload: Workload, out_dir: Path) -> Itera
     config = LaunchConfig(checkpoint_dir=args.checkpoint.resolve(), device=args.device,
                           max_inflight_requests=max(16, *workload.concurrencies))
     models = available_models()
-    repository = render_repository(config, out_dir / "run" / "repository", models)
+    run_dir = Path("build/bench-run")  # the rendered repository and the server log: not results
+    repository = render_repository(config, run_dir / "repository", models)
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda")
     server = TritonServer(repository, find_tritonserver(args.tritonserver), options,
-                          log_path=out_dir / "run" / "tritonserver.log")
+                          log_path=run_dir / "tritonserver.log")
     server.start()
     try:
         print(f"tritonserver ready in {server.wait_ready(models, timeout_s=600):.1f} s at {server.grpc_url}",
@@ -112,6 +113,9 @@ def bench_system(runner, workload: Workload, text: str) -> list[LevelSummary]:
 
     tensors = client_tensors(workload, text, sequential=runner.sequential)
     levels = [c for c in workload.concurrencies if runner.max_concurrency is None or c <= runner.max_concurrency]
+    if not levels:
+        print(f"skipping {runner.name}: it runs at concurrency <= {runner.max_concurrency} only", file=sys.stderr)
+        return []
     if workload.warmup_requests:
         run_level(runner, tensors, 1, workload.warmup_requests)
     summaries = []
@@ -145,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = args.checkpoint / "tokenizer.json" if args.checkpoint is not None else None
     text = prompt_text(workload.prompt_tokens, tokenizer)
 
+    machine = reporting.machine_description()  # before the run: its load average is the other jobs'
     summaries: list[LevelSummary] = []
     server_systems = [s for s in systems if s.startswith("server")]
     if server_systems:
-        with served(args, workload, out_dir) as url:
+        with served(args, workload) as url:
             for system in server_systems:
                 summaries += bench_system(make_runner(system, args, url), workload, text)
     for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "label": args.label or out_dir.name,
         "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "machine": reporting.machine_description(),
+        "machine": machine,
         "workload": {**workload.__dict__, "prompt_text": text},
         "prompt_ids": _prompt_ids(args.checkpoint, text),
         "torch_threads": args.torch_threads,

@@ -86,6 +86,7 @@ class LevelSummary:
     ttfa_p99: float | None
     rtf_mean: float | None
     rtf_p95: float | None
+    audio_s_per_request: float | None  # systems may not return exactly the frames asked for
     requests_per_s: float
     audio_s_per_s: float
     continuity: float | None
@@ -113,6 +114,7 @@ def summarize(system: str, concurrency: int, timings: list[RequestTiming], wall_
         ttfa_p50=percentile(first_audio, 50), ttfa_p95=percentile(first_audio, 95),
         ttfa_p99=percentile(first_audio, 99),
         rtf_mean=mean(rtfs), rtf_p95=percentile(rtfs, 95),
+        audio_s_per_request=mean([audio_seconds(t, sample_rate) for t in done]),
         requests_per_s=len(done) / wall_s,
         audio_s_per_s=sum(audio_seconds(t, sample_rate) for t in done) / wall_s,
         continuity=sum(continuous) / len(continuous) if continuous else None,

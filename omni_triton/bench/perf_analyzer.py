@@ -164,20 +164,31 @@ def summarize_export(model: str, mode: str, value: float, export: dict, audio_re
 
 def run_point(binary: Path, model: str, url: str, input_data: Path, out_dir: Path, *,
               concurrency: int | None = None, request_rate: float | None = None, requests: int = 16,
-              extra: list[str] = (), timeout_s: float = 600.0) -> tuple[PointSummary, Path]:
-    """One perf_analyzer run at one load point; its stdout goes to <export>.log next to the export."""
+              extra: list[str] = (), timeout_s: float = 600.0, attempts: int = 3) -> tuple[PointSummary, Path]:
+    """One perf_analyzer run at one load point; its stdout goes to <export>.log next to the export.
+
+    perf_analyzer 2.50 now and then exits 0 with its multi-MB export cut at a 64 KiB boundary (seen in about
+    1 run of 8 with audio outputs here): such a run is repeated, up to ``attempts`` runs in all."""
     mode, value = ("concurrency", concurrency) if concurrency is not None else ("request_rate", request_rate)
     export_file = out_dir / f"{model}-{mode}-{value}.json"
-    export_file.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite an export
     command = perf_analyzer_command(binary, model, url, input_data, export_file, concurrency=concurrency,
                                     request_rate=request_rate, requests=requests, extra=list(extra))
-    result = subprocess.run(command, capture_output=True, text=True, env=perf_analyzer_env(), timeout=timeout_s)
-    export_file.with_suffix(".log").write_text(" ".join(command) + "\n\n" + result.stdout + result.stderr)
-    if result.returncode != 0 or not export_file.is_file():
-        lines = (result.stdout + result.stderr).strip().splitlines()
-        # A usage error prints the whole --help after the one line that matters.
-        errors = [line for line in lines if "error" in line.lower()]
-        tail = "\n".join(errors[:10] or lines[-15:])
-        raise RuntimeError(f"perf_analyzer failed (exit {result.returncode}) on {model} {mode}={value}:\n{tail}")
-    export = json.loads(export_file.read_text())
-    return summarize_export(model, mode, value, export), export_file
+    truncated = None
+    for _ in range(attempts):
+        export_file.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite an export
+        result = subprocess.run(command, capture_output=True, text=True, env=perf_analyzer_env(),
+                                timeout=timeout_s)
+        export_file.with_suffix(".log").write_text(" ".join(command) + "\n\n" + result.stdout + result.stderr)
+        if result.returncode != 0 or not export_file.is_file():
+            lines = (result.stdout + result.stderr).strip().splitlines()
+            # A usage error prints the whole --help after the one line that matters.
+            errors = [line for line in lines if "error" in line.lower()]
+            tail = "\n".join(errors[:10] or lines[-15:])
+            raise RuntimeError(f"perf_analyzer failed (exit {result.returncode}) on {model} {mode}={value}:\n{tail}")
+        try:
+            export = json.loads(export_file.read_text())
+        except json.JSONDecodeError as error:
+            truncated = error
+            continue
+        return summarize_export(model, mode, value, export), export_file
+    raise RuntimeError(f"perf_analyzer wrote a truncated export {export_file} {attempts} times ({truncated})")

@@ -24,6 +24,7 @@ def machine_description() -> dict:
     except (OSError, StopIteration):
         memory_kb = 0
     description = {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(memory_kb / 2**20, 1),
+                   "load_average_1m_at_start": round(os.getloadavg()[0], 2),  # other jobs on a shared machine
                    "os": platform.platform(), "python": platform.python_version()}
     try:
         import torch
@@ -68,13 +69,13 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
         f"{workload['warmup_requests']} warm-up request(s) per system not counted.",
         "",
         "| system | conc | reqs | failed | TTFT p50 ms | TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | RTF mean | RTF p95 "
-        "| req/s | audio s/s | continuity |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| audio s/req | req/s | audio s/s | continuity |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         lines.append(f"| {s.system} | {s.concurrency} | {s.requests} | {s.failed} | {_ms(s.ttft_p50)} | "
                      f"{_ms(s.ttfa_p50)} | {_ms(s.ttfa_p95)} | {_ms(s.ttfa_p99)} | {_num(s.rtf_mean, 3)} | "
-                     f"{_num(s.rtf_p95, 3)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
+                     f"{_num(s.rtf_p95, 3)} | {_num(s.audio_s_per_request)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
                      f"{_num(s.continuity)} |")
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
@@ -108,7 +109,7 @@ def plot(summaries: list[LevelSummary], out_dir: Path) -> list[Path] | str:
     paths = []
     for filename, metrics in charts.items():
         figure, axes = plt.subplots(figsize=(6, 4))
-        for system in systems:
+        for index, system in enumerate(systems):
             rows = [s for s in summaries if s.system == system]
             for metric, suffix in metrics:
                 points = [(s.concurrency, getattr(s, metric)) for s in rows if getattr(s, metric) is not None]
@@ -116,9 +117,11 @@ def plot(summaries: list[LevelSummary], out_dir: Path) -> list[Path] | str:
                     continue
                 x, y = zip(*points)
                 y = [v * 1000 for v in y] if filename == "ttfa.png" else y
-                axes.plot(x, y, marker="o", linestyle="-" if suffix in ("", "p50") else "--",
+                axes.plot(x, y, marker="o", color=f"C{index}", linestyle="-" if suffix in ("", "p50") else "--",
                           label=f"{system} {suffix}".strip())
+        levels = sorted({s.concurrency for s in summaries})
         axes.set_xscale("log", base=2)
+        axes.set_xticks(levels, [str(c) for c in levels])
         axes.set_xlabel("concurrency")
         axes.set_ylabel(labels[filename])
         axes.grid(True, alpha=0.3)

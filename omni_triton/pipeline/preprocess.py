@@ -50,7 +50,7 @@ class Preprocessor:
 
         if self._log_mel is None:
             self._log_mel = LogMelExtractor()
-        features, lengths = self._log_mel(torch.from_numpy(audio))
+        features, lengths = self._log_mel(torch.tensor(audio))  # a copy: Triton input buffers are read-only
         frames = int(lengths[0])
         return features[0, :, :frames].numpy().astype(np.float32), int(num_audio_tokens(frames, self.audio_window))
 

@@ -65,7 +65,7 @@ class TalkerService:
         return len(self._pending)
 
     def no_frames(self, finished: bool = False) -> TalkerOutput:
-        return TalkerOutput(torch.zeros(0, self.model.num_code_groups, dtype=torch.long), finished)
+        return TalkerOutput(torch.zeros(0, self.model.num_code_groups, dtype=torch.long, device=self.device), finished)
 
     def sampling_params(self, request: TalkerRequest, prompt_len: int) -> SamplingParams:
         """Frames = talker tokens - 1 (the EOS step yields none), hence the +1s. ``max_frames`` 0 means

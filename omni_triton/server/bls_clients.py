@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.utils.dlpack
 
 from omni_triton.pipeline.session import ThinkerChunk
+from omni_triton.server.stage_io import from_torch
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
 # Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
@@ -40,8 +41,10 @@ class StageError(RuntimeError):
 
 
 class BlsStageClients:
-    def __init__(self, pb_utils: Any, request_inputs: dict[str, Any], on_gpu: bool):
+    def __init__(self, pb_utils: Any, request_inputs: dict[str, Any], on_gpu: bool,
+                 check_device: Callable[..., None] = lambda *tensors: None):
         self._pb = pb_utils
+        self._check_device = check_device  # counts inter-stage tensors that came back in host memory
         self._inputs = request_inputs  # the orchestrator's own validated input tensors, by name
         self._memory = (pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0) if on_gpu
                         else pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
@@ -57,6 +60,7 @@ class BlsStageClients:
             if outputs is None:
                 continue  # the empty final response that closes the stream
             # ids and flags are read on the host (text goes to the client); embeddings stay where they are
+            self._check_device(outputs["EMBEDS"], outputs["HIDDEN"])
             token_ids = _host(outputs["TOKEN_IDS"]).reshape(-1).tolist()
             finished = bool(_host(outputs["FINISHED"]).reshape(-1)[0])
             yield ThinkerChunk(token_ids=token_ids, finished=finished, payload=outputs)
@@ -89,6 +93,7 @@ class BlsStageClients:
         for response in responses:
             outputs = self._outputs(response)
             if outputs is not None and "CODES" in outputs:
+                self._check_device(outputs["CODES"])
                 codes = _to_torch(outputs["CODES"])  # [1, n, G], on the talker's device
                 codes = codes.reshape(-1, codes.shape[-1])
                 if codes.numel():
@@ -98,11 +103,12 @@ class BlsStageClients:
     def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] on the stage device -> new audio samples (left context trimmed) on that device."""
         pb = self._pb
-        codes = codes.to(torch.int64).unsqueeze(0).contiguous()  # code2wav batches: [1, G, N]
-        inputs = [pb.Tensor.from_dlpack("CODES", torch.utils.dlpack.to_dlpack(codes)),
+        codes = codes.to(torch.int64).unsqueeze(0)  # code2wav batches: [1, G, N]
+        inputs = [from_torch(pb, "CODES", codes),
                   pb.Tensor("LEFT_CONTEXT", np.array([[left_context_frames]], dtype=np.int32))]
-        response = self._request("code2wav", inputs, ["AUDIO"]).exec()
-        return _to_torch(self._outputs(response)["AUDIO"]).reshape(-1)
+        audio = self._outputs(self._request("code2wav", inputs, ["AUDIO"]).exec())["AUDIO"]
+        self._check_device(audio)
+        return _to_torch(audio).reshape(-1)
 
     # -- cancellation --------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
@@ -138,7 +144,7 @@ class BlsStageClients:
 
 def _batched(pb: Any, tensor: Any, name: str) -> Any:
     """The same memory with a leading batch dim (a DLPack view: no copy, on whatever device)."""
-    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(_to_torch(tensor).unsqueeze(0)))
+    return from_torch(pb, name, _to_torch(tensor).unsqueeze(0))
 
 
 def _host(tensor: Any) -> np.ndarray:

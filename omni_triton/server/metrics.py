@@ -63,3 +63,27 @@ class StageMetrics:
         self._stop.set()
         self._thread.join()
         self.update()
+
+
+class HostHopCounter:
+    """Counts inter-stage tensors that arrived in host memory although the stages run on a GPU.
+
+    On a GPU deployment every stage-to-stage tensor (thinker states, codec frames, audio) must stay in
+    device memory; ``omni_interstage_host_tensors_total{stage}`` stays 0 when they do. On a CPU
+    deployment host memory is where they belong, so nothing is counted.
+    """
+
+    def __init__(self, pb_utils: Any, stage: str, on_gpu: bool):
+        self.on_gpu = on_gpu
+        self._family = pb_utils.MetricFamily(
+            name="omni_interstage_host_tensors_total",
+            description="Inter-stage tensors received in host memory on a GPU deployment (should be 0)",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self._counter = self._family.Metric(labels={"stage": stage})
+
+    def check(self, *tensors: Any) -> None:
+        """``tensors``: pb_utils.Tensor objects that came from another stage."""
+        if self.on_gpu:
+            hops = sum(1 for tensor in tensors if tensor.is_cpu() and 0 not in tensor.shape())
+            if hops:
+                self._counter.increment(hops)

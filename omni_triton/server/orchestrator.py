@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.dlpack
 from tokenizers import Tokenizer
 
 from omni_triton.models.code2wav import Code2WavConfig, exact_left_context_frames
@@ -30,6 +29,8 @@ from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams
 from omni_triton.server.bls_clients import BlsStageClients
+from omni_triton.server.metrics import HostHopCounter
+from omni_triton.server.stage_io import from_torch
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "SP
 class Orchestrator:
     def __init__(self, pb_utils: Any, checkpoint_dir: str, device: str, policy: ChunkPolicy, max_inflight: int):
         self._pb = pb_utils
+        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device != "cpu")
         self._tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         code2wav_config = Code2WavConfig.from_pretrained(checkpoint_dir)
         self._num_quantizers = code2wav_config.num_quantizers
@@ -121,8 +123,7 @@ class Orchestrator:
             if audio is None:
                 outputs.append(pb.Tensor("AUDIO", np.zeros(0, dtype=np.float32)))
             else:
-                audio = audio.to(torch.float32).contiguous()
-                outputs.append(pb.Tensor.from_dlpack("AUDIO", torch.utils.dlpack.to_dlpack(audio)))
+                outputs.append(from_torch(pb, "AUDIO", audio.to(torch.float32)))
             with send_lock:
                 sender.send(pb.InferenceResponse(outputs))
 
@@ -131,7 +132,7 @@ class Orchestrator:
                 request_id,
                 SessionParams(return_audio=_flag(inputs["RETURN_AUDIO"]), sequential=_flag(inputs["SEQUENTIAL"]),
                               stage_params=None),
-                BlsStageClients(pb, inputs, self._on_gpu),
+                BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check),
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
                 is_cancelled=lambda: cancelled.is_set() or request.is_cancelled(),

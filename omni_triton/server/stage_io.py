@@ -36,7 +36,11 @@ def to_torch(tensor: Any) -> torch.Tensor:
 
 
 def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
-    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor.contiguous()))
+    if tensor.numel() == 0:
+        tensor = tensor.cpu()  # an empty GPU tensor has no device buffer to hand over
+    elif tensor.storage_offset() or not tensor.is_contiguous():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)  # DLPack consumers may ignore offsets
+    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor))
 
 
 def host_array(tensor: Any) -> np.ndarray:

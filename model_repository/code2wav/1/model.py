@@ -1,12 +1,13 @@
 """Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks, left context cut off."""
 
-import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
+from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.stage_io import from_torch, host_array, to_torch
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path")}
@@ -31,10 +32,11 @@ class TritonPythonModel:
             pb_utils.MetricFamily("omni_code2wav_decoded_frames_total",
                                   "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER)]
         self.batch_chunks, self.decoded_frames = (family.Metric({}) for family in self.metric_families)
+        self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda")
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.vocoder.decode(codes).float().cpu()
+        return self.vocoder.decode(codes.to(self.device)).float()  # stays on the stage's device
 
     def execute(self, requests):
         responses = [None] * len(requests)
@@ -52,8 +54,8 @@ class TritonPythonModel:
         self.batch_chunks.set(len(jobs))
         self.decoded_frames.increment(sum(job.num_frames for job in jobs))
         for index in sorted(set(owners)):
-            rows = [wav.numpy() for wav, owner in zip(audio, owners) if owner == index]
-            responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.stack(rows))])
+            rows = [wav for wav, owner in zip(audio, owners) if owner == index]
+            responses[index] = pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", torch.stack(rows))])
         return responses
 
     def finalize(self):
@@ -62,18 +64,21 @@ class TritonPythonModel:
 
     def _jobs(self, request) -> list[ChunkJob]:
         """CODES [b, G, N] + LEFT_CONTEXT [b, 1] -> b chunk jobs (raises ValueError naming the bad input)."""
-        codes = pb_utils.get_input_tensor_by_name(request, "CODES").as_numpy()
-        left_context = pb_utils.get_input_tensor_by_name(request, "LEFT_CONTEXT").as_numpy().reshape(-1)
+        codes_tensor = pb_utils.get_input_tensor_by_name(request, "CODES")
+        self.host_hops.check(codes_tensor)
+        codes = to_torch(codes_tensor)  # on the device the talker produced it on
+        left_context = host_array(pb_utils.get_input_tensor_by_name(request, "LEFT_CONTEXT")).reshape(-1)
         num_frames, codebook_size = codes.shape[-1], self.codebook_size
         if num_frames < 1:
             raise ValueError("CODES must hold at least one frame")
-        if codes.min() < 0 or codes.max() >= codebook_size:
-            raise ValueError(f"CODES must be in [0, {codebook_size - 1}], got [{codes.min()}, {codes.max()}]")
+        low, high = int(codes.min()), int(codes.max())
+        if low < 0 or high >= codebook_size:
+            raise ValueError(f"CODES must be in [0, {codebook_size - 1}], got [{low}, {high}]")
         jobs = []
         for row, context in enumerate(left_context.tolist()):
             if not 0 <= context < num_frames:
                 raise ValueError(f"LEFT_CONTEXT must be in [0, {num_frames - 1}] for {num_frames} frames, "
                                  f"got {context}")
             # Only "first chunk or not" matters for the cut: a chunk with context starts at frame >= context.
-            jobs.append(ChunkJob(torch.tensor(codes[row]), context, num_frames - context, start_frame=context))
+            jobs.append(ChunkJob(codes[row], context, num_frames - context, start_frame=context))
         return jobs

@@ -4,7 +4,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
-from omni_triton.server.metrics import StageMetrics, engine_snapshot
+from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
 from omni_triton.server.stage_io import (control_word, engine_config, host_array, input_arrays,
                                          talker_output_tensors, thinker_output_from_request)
@@ -19,6 +19,7 @@ class TritonPythonModel:
         limit_torch_threads(int(params["torch_threads"]))
         config, dtype = engine_config(params)
         self.service = TalkerService(params["checkpoint_dir"], config, dtype)
+        self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=params["device"] != "cpu")
         self.metrics = StageMetrics(pb_utils, "talker", lambda: engine_snapshot(
             self.service.loop.stats(), extra_active=self.service.num_pending))
 
@@ -36,6 +37,7 @@ class TritonPythonModel:
             return
         is_start = bool(host_array(pb_utils.get_input_tensor_by_name(request, "START")).reshape(-1)[0])
         try:
+            self.host_hops.check(*(pb_utils.get_input_tensor_by_name(request, name) for name in ("EMBEDS", "HIDDEN")))
             chunk = thinker_output_from_request(pb_utils, request)
             if is_start:
                 talker = talker_request({name: value.reshape(-1) for name, value in

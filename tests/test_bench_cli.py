@@ -1,0 +1,34 @@
+"""`omni-triton bench` end to end on the tiny checkpoint: the streaming server and the in-process baseline,
+one report with every level, ratios and (when matplotlib is installed) plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omni_triton.bench.cli import main
+from omni_triton.bench.workload import QUICK
+
+pytestmark = pytest.mark.server
+
+
+def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_checkpoint, tmp_path):
+    out = tmp_path / "report"
+    code = main(["--url", triton_server.grpc_url, "--checkpoint", str(tiny_checkpoint), "--quick",
+                 "--systems", "server,inprocess", "--concurrency", "1,2", "--requests-per-level", "2",
+                 "--warmup", "0", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    rows = {(r["system"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {("server", 1), ("server", 2), ("inprocess", 1), ("inprocess", 2)}
+    frames_seconds = QUICK.audio_frames / 12.5
+    for row in rows.values():
+        assert row["requests"] == 2 and row["failed"] == 0
+        assert row["ttft_p50"] > 0 and row["ttfa_p50"] > 0
+        # lengths pinned by the workload: the frames asked for, less the vocoder's edge trim (< 1 frame)
+        assert frames_seconds - 1 / 12.5 < row["audio_s_per_request"] <= frames_seconds
+    assert {(r["system"], r["concurrency"]) for r in report["ratios"]} == {("inprocess", 1), ("inprocess", 2)}
+    assert "| server | 1 | 2 | 0 |" in (out / "results.md").read_text()
+    if not any("plots skipped" in note for note in report["notes"]):
+        assert (out / "ttfa.png").is_file() and (out / "throughput.png").is_file()
