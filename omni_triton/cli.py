@@ -147,7 +147,16 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from omni_triton.bench.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help): hand it everything after "bench"
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     parser = argparse.ArgumentParser(prog="omni-triton", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -169,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("kind", choices=sorted(BUILDERS), help="what to build; options after it go to the builder")
     build.add_argument("builder_args", nargs=argparse.REMAINDER, help="options for the builder (see KIND --help)")
     build.set_defaults(handler=cmd_build)
+
+    bench = commands.add_parser("bench", add_help=False,
+                                help="TTFA/RTF/throughput sweep against baselines (see bench --help)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options for the benchmark")
+    bench.set_defaults(handler=cmd_bench)
 
     args = parser.parse_args(argv)
     from tritonclient.utils import InferenceServerException

@@ -23,6 +23,16 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
+# perf_analyzer (from tritonclient[all]) links libb64; Debian/Ubuntu ship it as libb64-0d.
+if ! ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d) >/dev/null \
+      || echo "setup: could not install libb64-0d: perf_analyzer tests will be skipped" >&2
+  else
+    echo "setup: libb64-0d missing (sudo apt-get install libb64-0d): perf_analyzer tests will be skipped" >&2
+  fi
+fi
+
 stamp="$VENV/.omni-triton-installed"
 wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then

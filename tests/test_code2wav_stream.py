@@ -79,7 +79,12 @@ def test_streaming_equals_one_pass(checkpoint, model, first, chunk):
 
 def test_exact_left_context_is_exact_and_tight(checkpoint):
     """In float64 (rounding ~1e-12): the exact context reproduces the one-pass samples, one frame less does not."""
-    model64 = calibrate_output_gain_(load_code2wav(checkpoint, dtype=torch.float64))
+    model64 = load_code2wav(checkpoint, dtype=torch.float64)
+    with torch.no_grad():  # the tiny builder damps the decoder's residual branches 10x, which pushes the far
+        for name, param in model64.named_parameters():  # edge of the receptive field down to rounding: undo it
+            if name.startswith("decoder.") and ".conv2." in name:
+                param.mul_(10.0)
+    model64 = calibrate_output_gain_(model64)
     exact = exact_left_context_frames(model64.config)
     frames = random_codes(model64, exact + 30, seed=1)
     reference = one_pass(model64, frames)

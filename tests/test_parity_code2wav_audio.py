@@ -15,7 +15,8 @@ from _code2wav_helpers import one_torch_thread  # noqa: F401 (fixture)
 from build_engines.tiny_checkpoint import build
 from omni_triton.models.audio_encoder import num_audio_tokens, num_audio_tokens_for_samples, scatter_audio_embeddings
 from omni_triton.models.audio_features import LogMelExtractor
-from omni_triton.models.audio_weights import CODE2WAV_PREFIX, load_audio_encoder, load_code2wav, load_prefixed_
+from omni_triton.models.audio_weights import CODE2WAV_PREFIX, load_audio_encoder, load_code2wav
+from omni_triton.models.weights import load_component_
 from omni_triton.models.code2wav import Code2Wav
 
 pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_torch_thread")]
@@ -69,7 +70,7 @@ def test_code2wav_loading_is_strict(checkpoint):
     model = Code2Wav(load_code2wav(checkpoint[0]).config)
     model.extra = torch.nn.Linear(2, 2)  # a tensor the checkpoint does not have
     with pytest.raises(ValueError, match="missing.*code2wav.extra.weight"):
-        load_prefixed_(model, checkpoint[0], CODE2WAV_PREFIX)
+        load_component_(model, checkpoint[0], CODE2WAV_PREFIX)
 
 
 def test_log_mel_matches_whisper_feature_extractor():

@@ -9,11 +9,18 @@ Cancellation: Triton cancels a request sent to the orchestrator directly, but an
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
 orchestrator is scheduled at once. So a request with ``CONTROL="cancel"`` and the client's request id
 cancels that request here; ``omni_triton.client`` sends it along with the stream cancel.
+
+A client that vanishes without cancelling (killed, network gone) is not seen by the running
+orchestrator step for the same reason: its request runs to its natural end. The optional request
+parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes to every step)
+bounds that: past it the request is cancelled at the next chunk and every stage frees its state.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -79,9 +86,13 @@ class Orchestrator:
             return
         inputs = {name: self._pb.get_input_tensor_by_name(request, name) for name in REQUEST_INPUTS}
         missing = [name for name, tensor in inputs.items() if tensor is None]
-        if missing:
+        try:
+            if missing:
+                raise ValueError(f"missing inputs {missing}")
+            deadline = _deadline(request)
+        except ValueError as exc:
             self._slots.release()
-            error = self._pb.TritonError(f"missing inputs {missing}", self._pb.TritonError.INVALID_ARG)
+            error = self._pb.TritonError(str(exc), self._pb.TritonError.INVALID_ARG)
             sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         cancelled = threading.Event()
@@ -89,7 +100,7 @@ class Orchestrator:
         with self._lock:
             self._cancel_events.setdefault(client_id, set()).add(cancelled)
         request_id = self._request_id(request)
-        self._pool.submit(self._run, request, sender, inputs, request_id, client_id, cancelled)
+        self._pool.submit(self._run, request, sender, inputs, request_id, client_id, cancelled, deadline)
 
     def _control(self, client_id: str, word: bytes, sender: Any) -> None:
         pb = self._pb
@@ -112,7 +123,7 @@ class Orchestrator:
             return f"{request.request_id() or 'req'}#{self._request_counter}"
 
     def _run(self, request: Any, sender: Any, inputs: dict[str, Any], request_id: str, client_id: str,
-             cancelled: threading.Event) -> None:
+             cancelled: threading.Event, deadline: float) -> None:
         pb = self._pb
         send_lock = threading.Lock()
         with self._lock:
@@ -135,12 +146,13 @@ class Orchestrator:
                 BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check),
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
-                is_cancelled=lambda: cancelled.is_set() or request.is_cancelled(),
+                is_cancelled=lambda: cancelled.is_set() or request.is_cancelled() or time.monotonic() > deadline,
             )
             session.run(emit)
             error = None
         except Cancelled:
-            error = pb.TritonError("request cancelled", pb.TritonError.CANCELLED)
+            reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
+            error = pb.TritonError(reason, pb.TritonError.CANCELLED)
         except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
             logger.exception("request %s failed", request_id)
             error = pb.TritonError(f"{type(exc).__name__}: {exc}")
@@ -166,6 +178,16 @@ class Orchestrator:
         with self._lock:
             self._active[request_id] = stream
         return stream
+
+
+def _deadline(request: Any) -> float:
+    """The monotonic time by which ``request`` must end: now + its ``deadline_s`` parameter, else never."""
+    value = json.loads(request.parameters() or "{}").get("deadline_s")
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
+    return time.monotonic() + value
 
 
 def _flag(tensor: Any) -> bool:

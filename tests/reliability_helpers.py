@@ -1,0 +1,127 @@
+"""Helpers for tests/test_reliability.py: gauge polling, raw gRPC streams, and a client to kill.
+
+Run as a script it is the "victim" client: it streams one long request, prints ``first-audio`` when the
+first audio chunk arrives and then waits, so the test can SIGKILL it mid-stream:
+
+    python tests/reliability_helpers.py GRPC_URL [DEADLINE_S]
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HELD_GAUGES = ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames")
+# the victim's request: long enough (~3 s here) that it is still running well after its first audio
+VICTIM_REQUEST = dict(max_tokens=60, max_audio_frames=240, min_audio_frames=240, ignore_eos=True, temperature=0.0)
+
+
+def read_gauges(metrics_url: str) -> dict[tuple[str, str], float]:
+    """omni_* gauges from the metrics port, keyed by (name, stage)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {(name, stage): float(value)
+            for name, stage, value in re.findall(r'^(omni_\w+)\{stage="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def held_state(gauges: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """The gauges that say some stage still holds a request, KV blocks or audio frames."""
+    return {key: value for key, value in gauges.items() if key[0] in HELD_GAUGES and value}
+
+
+def seconds_until_idle(metrics_url: str, timeout_s: float, poll_s: float = 0.05) -> float:
+    """Poll the gauges until no stage holds anything; the seconds that took (AssertionError past timeout)."""
+    start = time.monotonic()
+    while True:
+        gauges = read_gauges(metrics_url)
+        held = held_state(gauges)
+        if gauges and not held:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"stages still hold state after {timeout_s:.1f} s: {held}")
+        time.sleep(poll_s)
+
+
+@dataclass
+class StreamOutcome:
+    """How one raw stream ended: ``error`` is None for a completed stream."""
+
+    error: str | None = None
+    text: bytes = b""
+    audio: list[np.ndarray] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def raw_stream(grpc_url: str, inputs: list, timeout_s: float, parameters: dict | None = None,
+               model: str = "omni") -> StreamOutcome:
+    """Send ready-made InferInputs on a stream of their own; gather it until FINAL or an error.
+
+    Unlike OmniStreamClient this never raises for what the server answers (errors become the outcome);
+    it raises TimeoutError when the server goes silent for ``timeout_s``, i.e. a hang.
+    """
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    outcome, start = StreamOutcome(), time.monotonic()
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            client.async_stream_infer(model, inputs, request_id=f"raw-{time.monotonic_ns()}",
+                                      parameters=parameters, enable_empty_final_response=True)
+            while True:
+                try:
+                    result, error = responses.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise TimeoutError(f"{model}: no response for {timeout_s} s") from None
+                if error is not None:
+                    outcome.error = error.message() if hasattr(error, "message") else str(error)
+                    break
+                text, audio = result.as_numpy("TEXT_DELTA"), result.as_numpy("AUDIO")
+                if text is not None and text.size:
+                    outcome.text += text.reshape(-1)[0]
+                if audio is not None and audio.size:
+                    outcome.audio.append(audio.reshape(-1))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            client.stop_stream()
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def victim_command(grpc_url: str, deadline_s: float | None = None) -> list[str]:
+    command = [sys.executable, str(Path(__file__).resolve()), grpc_url]
+    return command + ([str(deadline_s)] if deadline_s is not None else [])
+
+
+def _victim(grpc_url: str, deadline_s: float | None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tritonclient.grpc as grpcclient
+
+    from omni_triton.client import build_inputs
+
+    announced = []
+
+    def on_response(result, error) -> None:
+        if error is not None:
+            print(f"error {error}", flush=True)
+        elif not announced and result.as_numpy("AUDIO") is not None and result.as_numpy("AUDIO").size:
+            announced.append(True)
+            print("first-audio", flush=True)
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=on_response)
+    parameters = None if deadline_s is None else {"deadline_s": deadline_s}
+    client.async_stream_infer("omni", build_inputs("Tell me a very long story.", **VICTIM_REQUEST),
+                              request_id="victim", parameters=parameters, enable_empty_final_response=True)
+    time.sleep(300)  # the test kills this process long before
+
+
+if __name__ == "__main__":
+    _victim(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else None)

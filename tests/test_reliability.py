@@ -1,0 +1,353 @@
+"""Reliability of the served pipeline on a real tritonserver (tiny checkpoint): admission under a burst,
+cancellation and vanished clients, request deadlines, bad-input fuzzing, and a short soak.
+
+The server here is this module's own, with a small admission limit (MAX_INFLIGHT) so that a burst is cheap.
+``OMNI_SOAK_SECONDS`` sets the soak's length (default 60 s: CI-sized).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import TEST_LIMITS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reliability_helpers import (VICTIM_REQUEST, raw_stream, read_gauges, seconds_until_idle, victim_command)
+from tritonclient.utils import InferenceServerException
+
+from omni_triton.client import OmniStreamClient, build_inputs
+from omni_triton.server.repository import STAGES, LaunchConfig
+
+pytestmark = pytest.mark.reliability
+
+MAX_INFLIGHT = 4
+# greedy and fixed-length: a request's output does not depend on what else the server is doing
+BURST_REQUEST = dict(temperature=0.0, repetition_penalty=1.0, max_tokens=12, max_audio_frames=64,
+                     min_audio_frames=64, ignore_eos=True)
+PROMPTS = [f"Burst request number {i}: say something." for i in range(4 * MAX_INFLIGHT)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    from server_fixture import start_server
+
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
+                          max_inflight_requests=MAX_INFLIGHT, **TEST_LIMITS)
+    handle = start_server(config, tmp_path_factory.mktemp("reliability"))
+    try:
+        yield handle
+    finally:
+        handle.server.stop()
+
+
+def stream(server, text: str, **scalars):
+    with OmniStreamClient(server.grpc_url) as client:
+        return client.stream(text, timeout_s=60, **scalars)
+
+
+def assert_serves(server) -> None:
+    """The server is ready and a small request still streams text and audio."""
+    with server.grpc_client() as client:
+        assert client.is_server_ready()
+    result = stream(server, "still there?", max_tokens=4, max_audio_frames=4, temperature=0.0)
+    assert result.text and result.audio.size
+
+
+# -- 1. admission / backpressure ---------------------------------------------------------------------
+
+def test_burst_past_the_limit_is_refused_at_once_and_admitted_streams_are_exact(server):
+    """4x the admission limit at once: MAX_INFLIGHT streams run, each with the output it has when run
+    alone; every other one is refused at once with UNAVAILABLE naming the limit; nothing is held after."""
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def send(prompt: str):
+        with OmniStreamClient(server.grpc_url) as client:  # stream opened before the barrier: a tight burst
+            barrier.wait()
+            start = time.perf_counter()
+            try:
+                return prompt, client.stream(prompt, timeout_s=60, **BURST_REQUEST), time.perf_counter() - start
+            except InferenceServerException as error:
+                return prompt, error, time.perf_counter() - start
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outcomes = list(pool.map(send, PROMPTS))
+    accepted = [(p, r, s) for p, r, s in outcomes if not isinstance(r, InferenceServerException)]
+    refused = [(p, r, s) for p, r, s in outcomes if isinstance(r, InferenceServerException)]
+    print(f"\nburst of {len(PROMPTS)}: {len(accepted)} accepted, {len(refused)} refused; refusals within "
+          f"{max(s for *_, s in refused) * 1e3:.0f} ms, accepted streams took "
+          f"{min(s for *_, s in accepted):.2f}-{max(s for *_, s in accepted):.2f} s")
+    # the admitted streams outlast the burst by far, so no slot frees up before the last refusal
+    assert len(accepted) == MAX_INFLIGHT, [(p, s, str(r)[:80]) for p, r, s in outcomes]
+    for _, error, seconds in refused:
+        assert "max_inflight_requests" in error.message() and "busy" in error.message(), error.message()
+        assert seconds < min(s for *_, s in accepted), "a refusal must not wait for a slot"
+    seconds_until_idle(server.metrics_url, timeout_s=5.0)
+    for prompt, result, _ in accepted:
+        alone = stream(server, prompt, **BURST_REQUEST)
+        assert result.text == alone.text, prompt
+        assert result.audio.size == 64 * 1920 - 555, prompt
+        # code2wav may batch chunks of concurrent requests together: equal up to float32 rounding
+        np.testing.assert_allclose(result.audio, alone.audio, atol=1e-4, err_msg=prompt)
+    seconds_until_idle(server.metrics_url, timeout_s=2.0)  # a stage may free its blocks just after FINAL
+
+
+# -- 2. cancellation, vanished clients, deadlines ----------------------------------------------------
+
+def test_client_cancel_frees_every_stage_within_a_second(server):
+    client = OmniStreamClient(server.grpc_url)
+    cancelled_at = []
+
+    def cancel_on_first_audio(chunk):
+        if not cancelled_at:
+            client.cancel()
+            cancelled_at.append(time.monotonic())
+
+    try:
+        with pytest.raises(Exception):
+            client.stream("Tell me a very long story.", timeout_s=5, on_audio=cancel_on_first_audio,
+                          **VICTIM_REQUEST)
+    finally:
+        client.client.close()
+    assert cancelled_at, "the request ended before its first audio"
+    idle_s = seconds_until_idle(server.metrics_url, timeout_s=1.0)
+    print(f"\nidle {time.monotonic() - cancelled_at[0]:.2f} s after cancel() returned (poll said {idle_s:.2f} s)")
+    assert_serves(server)
+
+
+def _kill_after_first_audio(server, deadline_s: float | None) -> tuple[float, float]:
+    """Start the victim client, SIGKILL it at its first audio; (seconds from start to the kill, seconds from
+    the kill until no stage holds anything)."""
+    start = time.monotonic()
+    victim = subprocess.Popen(victim_command(server.grpc_url, deadline_s), stdout=subprocess.PIPE, text=True)
+    try:
+        line = victim.stdout.readline().strip()
+        assert line == "first-audio", f"victim client said {line!r}"
+    finally:
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+    killed = time.monotonic()
+    return killed - start, seconds_until_idle(server.metrics_url, timeout_s=30.0)
+
+
+def test_killed_client_is_released_when_its_request_ends(server):
+    """A client killed mid-stream (SIGKILL: no cancel, the TCP connection just drops).
+
+    Actual behaviour (Triton 2.51): the gRPC frontend cancels the ``omni`` ensemble request, but the ensemble
+    only checks cancellation before scheduling a step, and the orchestrator step is already running; nothing
+    tells it the client is gone (its responses are dropped by the frontend without an error). So the request
+    runs to its natural end (here ~3 s of generation), holding its admission slot and KV blocks until then,
+    and is released completely afterwards. A request parameter ``deadline_s`` bounds that time (next test).
+    """
+    _, idle_s = _kill_after_first_audio(server, deadline_s=None)
+    print(f"\nkilled client without deadline: stages idle {idle_s:.2f} s after the kill")
+    assert_serves(server)
+
+
+def test_deadline_bounds_a_killed_client(server):
+    deadline_s = 1.5
+    to_kill_s, idle_s = _kill_after_first_audio(server, deadline_s)
+    print(f"\nkilled client with deadline_s={deadline_s}: stages idle {idle_s:.2f} s after the kill")
+    # the request reached the server before the victim printed its first audio, so its deadline is earlier
+    # than kill + deadline_s; 1 s of slack for the next chunk boundary and the gauges' refresh
+    assert idle_s < deadline_s + 1.0
+    assert_serves(server)
+
+
+def test_deadline_ends_a_live_request_with_an_error_naming_it(server):
+    outcome = raw_stream(server.grpc_url, build_inputs("Tell me a very long story.", **VICTIM_REQUEST),
+                         timeout_s=30, parameters={"deadline_s": 1.0})
+    assert outcome.error is not None and "deadline_s exceeded" in outcome.error, outcome.error
+    assert outcome.audio, "audio streams until the deadline"
+    assert outcome.seconds < 1.0 + 1.5
+    for bad in ("soon", -1, 0):
+        outcome = raw_stream(server.grpc_url, build_inputs("hi", max_tokens=2), timeout_s=30,
+                             parameters={"deadline_s": bad})
+        assert outcome.error is not None and "deadline_s" in outcome.error, (bad, outcome.error)
+    seconds_until_idle(server.metrics_url, timeout_s=2.0)
+
+
+# -- 3. bad-input fuzz -------------------------------------------------------------------------------
+
+def _tensor(name: str, array: np.ndarray):
+    import tritonclient.grpc as grpcclient
+
+    datatype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _shaped(draw, values: list, dtype) -> np.ndarray:
+    """``values`` as the expected shape [1] mostly, else a wrong one ([], [0], [2], [1, 1])."""
+    shape = draw(st.sampled_from([(1,)] * 4 + [(0,), (2,), (1, 1)]))
+    size = int(np.prod(shape))
+    return np.array((values * max(size, 1))[:size], dtype=dtype).reshape(shape)
+
+
+@st.composite
+def _text(draw) -> np.ndarray:
+    unicode_text = st.text(st.characters(codec="utf-8"), max_size=40)  # control characters, NUL, emoji, ...
+    raw = draw(st.one_of(unicode_text.map(lambda t: t.encode("utf-8")),
+                         st.binary(max_size=40),  # mostly invalid UTF-8
+                         st.just("x" * (TEST_LIMITS["max_text_chars"] + 1)).map(str.encode)))
+    return _shaped(draw, [raw], np.object_)
+
+
+NUMBER_DTYPES = [np.int32, np.int64, np.float32, np.float64, np.bool_, np.uint8]
+SCALARS = {"MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "TOP_K": np.int32, "MAX_AUDIO_FRAMES": np.int32,
+           "MIN_AUDIO_FRAMES": np.int32, "SEED": np.int64, "TEMPERATURE": np.float32, "TOP_P": np.float32,
+           "REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_, "IGNORE_EOS": np.bool_,
+           "SEQUENTIAL": np.bool_}
+
+
+@st.composite
+def _scalar(draw, dtype) -> np.ndarray | None:
+    """Absent, or a value of the right dtype (small, extreme, NaN/inf), or of a wrong dtype."""
+    if draw(st.booleans()):
+        return None
+    if draw(st.integers(0, 4)) == 0:
+        dtype = draw(st.sampled_from([d for d in NUMBER_DTYPES if d is not dtype] + [np.object_]))
+    if dtype is np.object_:
+        value = draw(st.sampled_from([b"1", b"ethan", b"\xff\xfe", b""]))
+    elif dtype is np.bool_:
+        value = draw(st.booleans())
+    elif np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        value = draw(st.one_of(st.integers(-2, 12), st.sampled_from([int(info.min), int(info.max)])))
+    else:
+        value = draw(st.one_of(st.floats(-2, 2, width=32), st.sampled_from([np.nan, np.inf, -np.inf, 1e38]),
+                               st.floats(allow_nan=True, width=32)))
+    return _shaped(draw, [value], dtype)
+
+
+@st.composite
+def _audio(draw) -> np.ndarray | None:
+    kind = draw(st.sampled_from(["absent", "absent", "noise", "noise", "non-finite", "float64", "int16"]))
+    if kind == "absent":
+        return None
+    size = draw(st.sampled_from([0, 1, 1599, 1600, 8000, int(TEST_LIMITS["max_audio_seconds"] * 16000) + 1]))
+    audio = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).normal(0, draw(st.sampled_from([0.1, 1e6])),
+                                                                             size)
+    if kind == "non-finite" and size:
+        audio[draw(st.integers(0, size - 1))] = draw(st.sampled_from([np.nan, np.inf]))
+    return audio.astype({"float64": np.float64, "int16": np.int16}.get(kind, np.float32))
+
+
+@st.composite
+def client_inputs(draw) -> list:
+    tensors = {"TEXT": draw(_text())}
+    if draw(st.integers(0, 9)) == 0:
+        tensors["SPEAKER"] = _shaped(draw, [draw(st.sampled_from([b"chelsie", b"AIDEN ", b"nobody", b"\x00"]))],
+                                     np.object_)
+    audio = draw(_audio())
+    if audio is not None:
+        tensors["AUDIO_IN"] = audio
+    for name, dtype in SCALARS.items():
+        value = draw(_scalar(dtype))
+        if value is not None:
+            tensors[name] = value
+    return [_tensor(name, array) for name, array in tensors.items()]
+
+
+# A request the fuzz leaves without MAX_AUDIO_FRAMES speaks until the talker stops (random weights: until
+# its KV budget is full, several seconds here): the deadline keeps such examples short. An error
+# "deadline_s exceeded" is a clean end too.
+FUZZ_DEADLINE_S = 3.0
+FUZZ_EXAMPLES = 40
+
+
+def test_bad_input_fuzz_always_ends_cleanly(server):
+    errors: dict[str, int] = {}
+    completed = []
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(inputs=client_inputs())
+    def one_request(inputs):
+        outcome = raw_stream(server.grpc_url, inputs, timeout_s=30, parameters={"deadline_s": FUZZ_DEADLINE_S})
+        if outcome.error is None:
+            completed.append(outcome)
+            outcome.text.decode("utf-8")  # the detokenizer only ever sends whole characters
+            for chunk in outcome.audio:
+                assert np.isfinite(chunk).all() and np.abs(chunk).max() <= 1.0
+        else:
+            assert outcome.error.strip(), "an error must say something"
+            # a crashed stub or an exception escaping a model surfaces as one of these
+            for crash in ("stub process", "Traceback", "not healthy", "Failed to process the request"):
+                assert crash not in outcome.error, outcome.error
+            key = outcome.error.split(":")[0][:70]
+            errors[key] = errors.get(key, 0) + 1
+        with server.grpc_client() as client:
+            assert client.is_server_live() and client.is_server_ready()
+
+    one_request()
+    print(f"\nfuzz: {len(completed)} streams completed, {sum(errors.values())} errors:")
+    for message, count in sorted(errors.items(), key=lambda kv: -kv[1]):
+        print(f"  {count:3d} x {message}")
+    seconds_until_idle(server.metrics_url, timeout_s=5.0)
+    assert_serves(server)
+
+
+# -- 4. soak -----------------------------------------------------------------------------------------
+
+SOAK_SECONDS = float(os.environ.get("OMNI_SOAK_SECONDS", "60"))
+SOAK_STREAMS = MAX_INFLIGHT
+
+
+def test_soak_no_errors_bounded_memory_and_kv_back_to_idle(server):
+    stop = threading.Event()
+    errors: list[str] = []
+    counts = [0] * SOAK_STREAMS
+
+    def loop(index: int) -> None:
+        with OmniStreamClient(server.grpc_url) as client:
+            request = 0
+            while not stop.is_set():
+                prompt = f"Soak stream {index}, request {request}: tell me something."
+                try:
+                    result = client.stream(prompt, timeout_s=60, temperature=0.0, max_tokens=8 + request % 5,
+                                           max_audio_frames=16 + 4 * (request % 5))
+                    assert result.audio.size and result.text, prompt
+                except Exception as error:  # noqa: BLE001 - every failure is counted, not just the first
+                    errors.append(f"{prompt}: {error}")
+                request += 1
+                counts[index] = request
+
+    samples = []  # (seconds since start, RSS bytes, thinker KV used, talker KV used)
+    start = time.monotonic()
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(SOAK_STREAMS)]
+    for thread in threads:
+        thread.start()
+    while (elapsed := time.monotonic() - start) < SOAK_SECONDS:
+        gauges = read_gauges(server.metrics_url)
+        samples.append((elapsed, server.rss_bytes(), gauges[("omni_kv_blocks_used", "thinker")],
+                        gauges[("omni_kv_blocks_used", "talker")]))
+        time.sleep(1.0)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    idle_s = seconds_until_idle(server.metrics_url, timeout_s=5.0)
+    final_rss = server.rss_bytes()
+
+    # warm-up: the first quarter (allocator pools, first-use code paths); then compare window medians
+    quarter = max(len(samples) // 4, 1)
+    warm = float(np.median([rss for _, rss, *_ in samples[quarter:2 * quarter]]))
+    late = float(np.median([rss for _, rss, *_ in samples[-quarter:]]))
+    mib = 2 ** 20
+    print(f"\nsoak {SOAK_SECONDS:.0f} s x {SOAK_STREAMS} streams: {sum(counts)} requests, {len(errors)} errors; "
+          f"RSS start {samples[0][1] / mib:.0f} MiB, after warm-up {warm / mib:.0f} MiB, end window "
+          f"{late / mib:.0f} MiB, final {final_rss / mib:.0f} MiB ({(late / warm - 1) * 100:+.1f}%); "
+          f"peak KV blocks thinker {max(s[2] for s in samples):.0f} talker {max(s[3] for s in samples):.0f}; "
+          f"idle {idle_s:.2f} s after the last request")
+    assert not errors, errors[:5]
+    assert sum(counts) >= SOAK_STREAMS, "the soak ran no requests"
+    assert late < 1.2 * warm, f"RSS grew from {warm / mib:.0f} MiB to {late / mib:.0f} MiB"
+    gauges = read_gauges(server.metrics_url)
+    assert gauges[("omni_kv_blocks_used", "thinker")] == 0 and gauges[("omni_kv_blocks_used", "talker")] == 0
