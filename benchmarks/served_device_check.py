@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = build(workdir / "tiny")
     config = LaunchConfig(checkpoint_dir=Path(checkpoint), device=args.device, max_inflight_requests=64)
     repository = render_repository(config, workdir / "repository")
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            gpu=args.device == "cuda")
     server = TritonServer(repository, find_tritonserver(), options, log_path=workdir / "tritonserver.log")
     server.start()
     try:

@@ -16,10 +16,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
-import torch.utils.dlpack
 
 from omni_triton.pipeline.session import ThinkerChunk
-from omni_triton.server.stage_io import from_torch
+from omni_triton.server.stage_io import from_torch, host_array, to_torch
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
 # Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
@@ -61,14 +60,14 @@ class BlsStageClients:
                 continue  # the empty final response that closes the stream
             # ids and flags are read on the host (text goes to the client); embeddings stay where they are
             self._check_device(outputs["EMBEDS"], outputs["HIDDEN"])
-            token_ids = _host(outputs["TOKEN_IDS"]).reshape(-1).tolist()
-            finished = bool(_host(outputs["FINISHED"]).reshape(-1)[0])
+            token_ids = host_array(outputs["TOKEN_IDS"]).reshape(-1).tolist()
+            finished = bool(host_array(outputs["FINISHED"]).reshape(-1)[0])
             yield ThinkerChunk(token_ids=token_ids, finished=finished, payload=outputs)
 
     # -- talker --------------------------------------------------------------------------------------
     def talker_start(self, request_id: str, params: Any, chunk: ThinkerChunk) -> Iterator[torch.Tensor]:
         self._talker_correlation_id = _next_correlation_id()
-        extra = [self._pb.Tensor(name, _host(self._inputs[name]).reshape(1, -1)) for name in TALKER_PARAMS]
+        extra = [self._pb.Tensor(name, host_array(self._inputs[name]).reshape(1, -1)) for name in TALKER_PARAMS]
         request = self._talker_request(request_id, chunk, start=True, extra=extra)
         return self._frames(request.exec(decoupled=True))
 
@@ -94,7 +93,7 @@ class BlsStageClients:
             outputs = self._outputs(response)
             if outputs is not None and "CODES" in outputs:
                 self._check_device(outputs["CODES"])
-                codes = _to_torch(outputs["CODES"])  # [1, n, G], on the talker's device
+                codes = to_torch(outputs["CODES"])  # [1, n, G], on the talker's device
                 codes = codes.reshape(-1, codes.shape[-1])
                 if codes.numel():
                     yield codes
@@ -108,7 +107,7 @@ class BlsStageClients:
                   pb.Tensor("LEFT_CONTEXT", np.array([[left_context_frames]], dtype=np.int32))]
         audio = self._outputs(self._request("code2wav", inputs, ["AUDIO"]).exec())["AUDIO"]
         self._check_device(audio)
-        return _to_torch(audio).reshape(-1)
+        return to_torch(audio).reshape(-1)
 
     # -- cancellation --------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
@@ -144,14 +143,4 @@ class BlsStageClients:
 
 def _batched(pb: Any, tensor: Any, name: str) -> Any:
     """The same memory with a leading batch dim (a DLPack view: no copy, on whatever device)."""
-    return from_torch(pb, name, _to_torch(tensor).unsqueeze(0))
-
-
-def _host(tensor: Any) -> np.ndarray:
-    """Small metadata tensors (ids, flags) read on the host."""
-    return tensor.as_numpy() if tensor.is_cpu() else _to_torch(tensor).cpu().numpy()
-
-
-def _to_torch(tensor: Any) -> torch.Tensor:
-    """Zero-copy view of a pb_utils.Tensor on whatever device it lives on."""
-    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+    return from_torch(pb, name, to_torch(tensor).unsqueeze(0))

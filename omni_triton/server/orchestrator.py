@@ -134,7 +134,8 @@ class Orchestrator:
             if audio is None:
                 outputs.append(pb.Tensor("AUDIO", np.zeros(0, dtype=np.float32)))
             else:
-                outputs.append(from_torch(pb, "AUDIO", audio.to(torch.float32)))
+                # the client-facing hop: gRPC sends from host memory, so copy here, once, off the GPU
+                outputs.append(from_torch(pb, "AUDIO", audio.to(device="cpu", dtype=torch.float32)))
             with send_lock:
                 sender.send(pb.InferenceResponse(outputs))
 

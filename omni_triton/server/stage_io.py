@@ -1,7 +1,8 @@
 """Triton tensors <-> the stage services' types, shared by the thinker and talker model files.
 
-Large tensors (embeddings, hidden states, codes) cross as DLPack views, so on the GPU they stay on
-the GPU; small metadata (ids, flags, lengths) goes through numpy.
+Tensors cross between Triton and torch as DLPack views only, so on the GPU they stay on the GPU and
+nothing depends on torch's numpy bridge (which breaks when the stub's numpy is not the one torch was
+built against); numpy is used only for what Triton itself hands out as numpy (CPU inputs).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
 
 
 def host_array(tensor: Any) -> np.ndarray:
-    return tensor.as_numpy() if tensor.is_cpu() else to_torch(tensor).cpu().numpy()
+    """A small tensor (ids, flags, scalars) on the host."""
+    return tensor.as_numpy() if tensor.is_cpu() else np.asarray(to_torch(tensor).cpu().tolist())
 
 
 def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -67,8 +69,8 @@ def control_word(pb: Any, request: Any) -> str | None:
 
 def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
     return [
-        pb.Tensor("TOKEN_IDS", out.token_ids.cpu().numpy().astype(np.int64)),
-        pb.Tensor("ROW_IDS", out.row_ids.cpu().numpy().astype(np.int64)),
+        from_torch(pb, "TOKEN_IDS", out.token_ids.to(torch.int64)),
+        from_torch(pb, "ROW_IDS", out.row_ids.to(torch.int64)),
         from_torch(pb, "EMBEDS", out.embeds),
         from_torch(pb, "HIDDEN", out.hidden),
         pb.Tensor("PROMPT_LEN", np.array([out.prompt_len], dtype=np.int32)),
@@ -85,7 +87,7 @@ def thinker_output_from_request(pb: Any, request: Any) -> ThinkerOutput:
     hidden_size = embeds.shape[-1]
     return ThinkerOutput(
         token_ids=torch.zeros(0, dtype=torch.long),
-        row_ids=torch.from_numpy(host_array(get("ROW_IDS")).reshape(-1).astype(np.int64)),
+        row_ids=to_torch(get("ROW_IDS")).reshape(-1).to(torch.long),
         embeds=embeds.reshape(-1, hidden_size),
         hidden=to_torch(get("HIDDEN")).reshape(-1, hidden_size),
         prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
