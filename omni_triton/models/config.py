@@ -1,7 +1,8 @@
 """Qwen3-Omni configuration read from a checkpoint's config.json (+ generation_config.json).
 
 Frozen dataclasses holding only what the serving code uses, named after the released config keys.
-Every sub-config keeps its original dict in ``raw`` for fields nobody has needed yet.
+The text-model configs keep their original dict in ``raw`` for fields nobody has needed yet; the audio
+encoder and Code2Wav configs are the audio modules' own.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omni_triton.models.audio_encoder import AudioEncoderConfig
+from omni_triton.models.code2wav import Code2WavConfig
 
 
 def _rope(cfg: dict, *, mrope: bool) -> tuple[float, tuple[int, ...] | None]:
@@ -78,47 +82,6 @@ class TextModelConfig:
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
-
-
-@dataclass(frozen=True)
-class AudioEncoderConfig:
-    num_mel_bins: int = 128
-    encoder_layers: int = 32
-    encoder_attention_heads: int = 20
-    encoder_ffn_dim: int = 5120
-    d_model: int = 1280
-    activation_function: str = "gelu"
-    max_source_positions: int = 1500
-    n_window: int = 50
-    output_dim: int = 3584
-    n_window_infer: int = 800
-    conv_chunksize: int = 500
-    downsample_hidden_size: int = 480
-    scale_embedding: bool = False
-    raw: dict = field(default_factory=dict, repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class Code2WavConfig:
-    codebook_size: int = 2048
-    hidden_size: int = 1024
-    max_position_embeddings: int = 8000
-    rope_theta: float = 10000.0
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 16
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    attention_bias: bool = False
-    sliding_window: int = 72
-    intermediate_size: int = 3072
-    hidden_act: str = "silu"
-    layer_scale_initial_scale: float = 0.01
-    rms_norm_eps: float = 1e-5
-    num_hidden_layers: int = 8
-    num_quantizers: int = 16
-    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
-    upsampling_ratios: tuple[int, ...] = (2, 2)
-    decoder_dim: int = 1536
-    raw: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -202,7 +165,7 @@ class OmniConfig:
         thinker = ThinkerConfig(
             text=TextModelConfig.from_dict(_require(thinker_cfg, "text_config", "thinker_config"),
                                            "thinker_config.text_config", mrope=True),
-            audio=_known_fields(AudioEncoderConfig, thinker_cfg.get("audio_config") or {}),
+            audio=AudioEncoderConfig.from_dict(_require(thinker_cfg, "audio_config", "thinker_config")),
             audio_token_id=_require(thinker_cfg, "audio_token_id", "thinker_config"),
             image_token_id=_require(thinker_cfg, "image_token_id", "thinker_config"),
             video_token_id=_require(thinker_cfg, "video_token_id", "thinker_config"),
@@ -224,19 +187,11 @@ class OmniConfig:
                 "codec_think_bos_id", "codec_think_eos_id")},
             speaker_id={name.lower(): int(i) for name, i in (talker_cfg.get("speaker_id") or {}).items()},
         )
-        code2wav_raw = dict(cfg.get("code2wav_config") or {})
-        code2wav_raw.setdefault("rope_theta", _rope(code2wav_raw, mrope=False)[0])
         special = {key: _require(cfg, key, "config") for key in (
             "im_start_token_id", "im_end_token_id", "tts_pad_token_id", "tts_bos_token_id", "tts_eos_token_id",
             "system_token_id", "user_token_id", "assistant_token_id")}
         eos = (generation or {}).get("eos_token_id", special["im_end_token_id"])
-        return cls(thinker=thinker, talker=talker, code2wav=_known_fields(Code2WavConfig, code2wav_raw), **special,
+        code2wav = Code2WavConfig.from_dict(_require(cfg, "code2wav_config", "config"))
+        return cls(thinker=thinker, talker=talker, code2wav=code2wav, **special,
                    thinker_eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
                    enable_audio_output=cfg.get("enable_audio_output", True))
-
-
-def _known_fields(cls, raw: dict):
-    """Build a flat dataclass from the keys it declares (lists become tuples); keep the dict as ``raw``."""
-    names = {f for f in cls.__dataclass_fields__ if f != "raw"}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in names}
-    return cls(**values, raw=raw)
