@@ -97,3 +97,12 @@ def thinker_output_from_request(pb: Any, request: Any) -> ThinkerOutput:
 
 def talker_output_tensors(pb: Any, out: TalkerOutput) -> list[Any]:
     return [from_torch(pb, "CODES", out.codes.to(torch.int64).unsqueeze(0))]  # [1, n, G]: batch dim
+
+
+def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors: Any) -> None:
+    """Stream one stage output: its tensors (``tensors(pb, out)``) or its error; FINAL once it is finished."""
+    flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+    if out.error is not None:
+        sender.send(pb.InferenceResponse(error=pb.TritonError(out.error)), flags=flags)
+    else:
+        sender.send(pb.InferenceResponse(tensors(pb, out)), flags=flags)

@@ -6,7 +6,7 @@ from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
-from omni_triton.server.stage_io import (control_word, engine_config, host_array, input_arrays,
+from omni_triton.server.stage_io import (control_word, engine_config, host_array, input_arrays, send_output,
                                          talker_output_tensors, thinker_output_from_request)
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES")
@@ -45,7 +45,8 @@ class TritonPythonModel:
                 # BLS exec() returns only with a first response, and the caller still has thinker chunks
                 # to append: acknowledge at once with an empty frame batch so it never waits on the talker.
                 sender.send(pb_utils.InferenceResponse(talker_output_tensors(pb_utils, self.service.no_frames())))
-                self.service.start(request_id, talker, chunk, self._sender(sender))
+                self.service.start(request_id, talker, chunk,
+                                   lambda out: send_output(pb_utils, sender, out, talker_output_tensors))
             else:
                 self.service.append(request_id, chunk)
                 sender.send(flags=FINAL)
@@ -53,16 +54,6 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"talker request {request_id}: {error}", pb_utils.TritonError.INVALID_ARG)),
                 flags=FINAL)
-
-    @staticmethod
-    def _sender(sender):
-        def on_output(out):
-            flags = FINAL if out.finished else 0
-            if out.error is not None:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=flags)
-            else:
-                sender.send(pb_utils.InferenceResponse(talker_output_tensors(pb_utils, out)), flags=flags)
-        return on_output
 
     def finalize(self):
         self.service.shutdown()

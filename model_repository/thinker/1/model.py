@@ -7,7 +7,8 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.server.metrics import StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
-from omni_triton.server.stage_io import control_word, engine_config, input_arrays, thinker_output_tensors
+from omni_triton.server.stage_io import (control_word, engine_config, input_arrays, send_output,
+                                         thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
 
 REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K",
@@ -42,15 +43,8 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-
-        def on_output(out):
-            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
-            if out.error is not None:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error)), flags=flags)
-            else:
-                sender.send(pb_utils.InferenceResponse(thinker_output_tensors(pb_utils, out)), flags=flags)
-
-        self.service.submit(request_id, thinker, on_output)
+        self.service.submit(request_id, thinker,
+                            lambda out: send_output(pb_utils, sender, out, thinker_output_tensors))
 
     def finalize(self):
         self.service.shutdown()
