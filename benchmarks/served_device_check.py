@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="checkpoint dir (default: build the tiny one)")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="engines' dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     parser.add_argument("--tokens", type=int, default=32)
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         from build_engines.tiny_checkpoint import build
 
         checkpoint = build(workdir / "tiny")
-    config = LaunchConfig(checkpoint_dir=Path(checkpoint), device=args.device, max_inflight_requests=64)
+    config = LaunchConfig(checkpoint_dir=Path(checkpoint), device=args.device, dtype=args.dtype,
+                          max_inflight_requests=64)
     repository = render_repository(config, workdir / "repository")
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda")
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         hops = host_hop_counters(server.metrics_url)
     finally:
         server.stop()
-    report = {"device": args.device, "entry": args.entry, "checkpoint": str(checkpoint), "ready_s": ready_s, "workload": workload,
+    report = {"device": args.device, "dtype": config.resolved_dtype, "entry": args.entry, "checkpoint": str(checkpoint), "ready_s": ready_s, "workload": workload,
               "levels": levels, "interstage_host_tensors": hops}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"ready in {ready_s:.1f} s on {args.device}")
