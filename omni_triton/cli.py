@@ -51,7 +51,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds)
     launch.add_argument("--torch-threads", type=int, default=1, help="torch threads per stage (default: 1)")
     launch.add_argument("--code2wav-runtime", choices=CODE2WAV_RUNTIMES, default="torch")
-    launch.add_argument("--code2wav-engine", type=Path, help="the .onnx / .plan file for --code2wav-runtime onnx|trt")
+    launch.add_argument("--code2wav-engine", type=Path, help="the .onnx / .plan file for --code2wav-runtime onnx|trt|auto")
     launch.add_argument("--models", help="comma-separated subset of models to serve (default: all)")
     launch.add_argument("--run-dir", type=Path, default=Path("build/run"),
                         help="where the rendered repository and server log go (default: %(default)s)")

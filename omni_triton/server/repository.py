@@ -16,7 +16,9 @@ from pathlib import Path
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_repository"
 STAGES = ("preprocess", "orchestrator", "thinker", "talker", "code2wav")
-CODE2WAV_RUNTIMES = ("torch", "onnx", "trt")
+# auto: the TensorRT plan when tensorrt imports and the engine file is a .plan on a GPU, else ONNX Runtime
+# for a .onnx file, else torch
+CODE2WAV_RUNTIMES = ("torch", "onnx", "trt", "auto")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class LaunchConfig:
     default_max_tokens: int = 256
     max_audio_frames_cap: int = 4096
     torch_threads: dict[str, int] = field(default_factory=lambda: {stage: 1 for stage in STAGES})
-    code2wav_runtime: str = "torch"       # torch | onnx | trt
+    code2wav_runtime: str = "torch"       # torch | onnx | trt | auto
     code2wav_engine_path: Path | None = None  # the .onnx file or TensorRT .plan for onnx | trt
     code2wav_max_batch: int = 8
 
@@ -51,7 +53,7 @@ class LaunchConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.code2wav_runtime not in CODE2WAV_RUNTIMES:
             raise ValueError(f"code2wav_runtime must be one of {CODE2WAV_RUNTIMES}, got {self.code2wav_runtime!r}")
-        if self.code2wav_runtime != "torch" and self.code2wav_engine_path is None:
+        if self.code2wav_runtime in ("onnx", "trt") and self.code2wav_engine_path is None:
             raise ValueError(f"code2wav_runtime {self.code2wav_runtime} needs code2wav_engine_path")
         for name in ("first_chunk_frames", "next_chunk_frames", "kv_cache_tokens", "kv_block_size",
                      "max_batched_tokens", "max_inflight_requests", "max_tokens_cap", "default_max_tokens",

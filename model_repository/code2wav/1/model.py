@@ -10,7 +10,8 @@ from omni_triton.server.model_args import limit_torch_threads, model_parameters
 from omni_triton.server.stage_io import from_torch, host_array, to_torch
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
-RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path")}
+RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
+            "auto": ("auto", None)}
 
 
 class TritonPythonModel:
@@ -20,6 +21,8 @@ class TritonPythonModel:
         self.device = torch.device(params["device"] if params["device"] == "cpu"
                                    else f"cuda:{args['model_instance_device_id']}")
         kind, engine_argument = RUNTIMES[params["runtime"]]
+        if kind == "auto" and params["engine_path"]:  # the engine file's kind says which runtime it is for
+            engine_argument = "plan_path" if params["engine_path"].endswith(".plan") else "onnx_path"
         engine = {engine_argument: params["engine_path"]} if engine_argument else {}
         self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
                                               dtype=getattr(torch, params["dtype"]), **engine)
