@@ -136,7 +136,9 @@ def test_sdk_reaches_triton_with_cuda_shm(services):
     assert "--streaming" in command, "omni is decoupled: perf_analyzer needs a gRPC stream"
     input_data = value("--input-data")
     host_dir, container_dir = next(v.split(":")[:2] for v in sdk["volumes"] if input_data.startswith(v.split(":")[1]))
-    assert (host_dir.rstrip("/") + input_data[len(container_dir):]).endswith("client/perf/omni_input.json")
+    host_path = host_dir.rstrip("/") + input_data[len(container_dir):]
+    assert host_path.endswith("client/perf/inputs/omni.json")
+    assert (ROOT / "client/perf/inputs/omni.json").is_file(), "the sdk profile's input data must exist"
 
 
 def test_dockerfile_and_sdk_use_one_ngc_tag(services):
