@@ -96,20 +96,25 @@ class OmniStreamClient:
 
     def stream(self, text: str, audio_in: np.ndarray | None = None, *, timeout_s: float = 600.0,
                on_text: Callable[[str], None] | None = None, on_audio: Callable[[np.ndarray], None] | None = None,
-               **scalars) -> StreamResult:
+               deadline_s: float | None = None, **scalars) -> StreamResult:
         return self.stream_inputs(build_inputs(text, audio_in, **scalars), timeout_s=timeout_s, on_text=on_text,
-                                  on_audio=on_audio)
+                                  on_audio=on_audio, deadline_s=deadline_s)
 
     def stream_inputs(self, inputs: list, *, timeout_s: float = 600.0,
                       on_text: Callable[[str], None] | None = None,
-                      on_audio: Callable[[np.ndarray], None] | None = None) -> StreamResult:
-        """Send ready-made InferInputs (e.g. the orchestrator's, preprocessed client-side) and gather the stream."""
+                      on_audio: Callable[[np.ndarray], None] | None = None,
+                      deadline_s: float | None = None) -> StreamResult:
+        """Send ready-made InferInputs (e.g. the orchestrator's, preprocessed client-side) and gather the stream.
+
+        ``deadline_s``: the server ends the request (and frees its state) after this many seconds even if
+        this client disappears without cancelling."""
         result = StreamResult()
         request_id = self._request_id = uuid.uuid4().hex
         start = time.perf_counter()
         try:
             self.client.async_stream_infer(self.model, inputs, request_id=request_id,
-                                           enable_empty_final_response=True)
+                                           enable_empty_final_response=True,
+                                           parameters=None if deadline_s is None else {"deadline_s": deadline_s})
         except Exception:
             # a broken stream (server down, refused) reports its cause through the callback: raise that one
             try:

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 HELD_GAUGES = ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames")
-# the victim's request: long enough (~3 s here) that it is still running well after its first audio
-VICTIM_REQUEST = dict(max_tokens=60, max_audio_frames=240, min_audio_frames=240, ignore_eos=True, temperature=0.0)
+# the victim's request: long enough (~4 s here) that it is still running well after its first audio
+VICTIM_REQUEST = dict(max_tokens=60, max_audio_frames=400, min_audio_frames=400, ignore_eos=True, temperature=0.0)
 
 
 def read_gauges(metrics_url: str) -> dict[tuple[str, str], float]:
@@ -90,7 +90,9 @@ def raw_stream(grpc_url: str, inputs: list, timeout_s: float, parameters: dict |
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
         finally:
-            client.stop_stream()
+            # cancel what is still in flight: a plain stop_stream() waits for every response, forever if a
+            # request is stuck, and the test's own idle check is what must catch that
+            client.stop_stream(cancel_requests=True)
     outcome.seconds = time.monotonic() - start
     return outcome
 

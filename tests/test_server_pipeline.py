@@ -201,3 +201,10 @@ def test_client_cancel_frees_every_stage(triton_server):
     assert values[("omni_kv_blocks_free", "thinker")] > 0 and values[("omni_kv_blocks_free", "talker")] > 0
     # and the server keeps serving
     assert stream(triton_server, "after cancel", max_tokens=4, max_audio_frames=4, temperature=0.0).audio.size
+
+
+def test_client_deadline_ends_a_long_request(triton_server):
+    with pytest.raises(InferenceServerException, match="deadline_s exceeded"):
+        stream(triton_server, "A long answer, please.", max_tokens=60, max_audio_frames=400, min_audio_frames=400,
+               ignore_eos=True, temperature=0.0, deadline_s=0.5)
+    wait_idle(triton_server)

@@ -106,7 +106,11 @@ def warp(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, top-k, top-p (HF warper semantics), batched with per-row values. Returns probabilities."""
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
-    logits = logits / temperature[:, None]
+    scaled = logits / temperature[:, None]
+    # A tiny temperature (e.g. 1e-40, a valid TEMPERATURE) overflows logits to inf and softmax to NaN; such rows
+    # are scaled after subtracting their max instead (the same distribution: only the top logit survives).
+    overflow = (torch.isinf(scaled) & torch.isfinite(logits)).any(dim=-1, keepdim=True)
+    logits = torch.where(overflow, (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None], scaled)
     top_k = [r.params.top_k for r in rows]
     if any(k > 0 for k in top_k):
         vocab = logits.shape[-1]

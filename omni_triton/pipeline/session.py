@@ -9,6 +9,7 @@ chunks as they arrive. Sequential mode runs each stage to completion before the 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol
@@ -140,6 +141,7 @@ class _AudioWorker:
         self._check_cancelled = check_cancelled
         self._error: BaseException | None = None
         self._stopped = threading.Event()
+        self._done = threading.Event()  # set when frames stop being used; the stream may still be draining
         self._thread = threading.Thread(target=self._run, name="talker-frames", daemon=True)
         self._thread.start()
 
@@ -147,13 +149,22 @@ class _AudioWorker:
         try:
             for frames in self._frames:
                 if self._stopped.is_set():
-                    return
+                    break
                 self._check_cancelled()
                 self._stream.append(frames)
                 self._decode_due(final=False)
-            self._decode_due(final=True)
+            else:
+                self._decode_due(final=True)
         except BaseException as exc:  # surfaced in join()
             self._error = exc
+        finally:
+            self._done.set()
+            # Read the talker stream to its end (the abort that follows a failure or cancel closes it).
+            # Left unread, its responses back up into the talker, whose sends then block: every other
+            # stream stalled with it (seen under load after a code2wav error in one request).
+            with contextlib.suppress(Exception):  # a late stage error changes nothing now
+                for _ in self._frames:
+                    pass
 
     def _decode_due(self, final: bool) -> None:
         while (job := self._stream.next_job(final=final)) is not None:
@@ -162,7 +173,7 @@ class _AudioWorker:
                 self._emit("", audio)
 
     def join(self) -> None:
-        self._thread.join()
+        self._done.wait()  # not the thread: after a failure it drains until the session's abort
         if self._error is not None:
             raise self._error
 

@@ -76,10 +76,13 @@ class TalkerService:
         if max_frames > most_frames:
             raise ValueError(f"MAX_AUDIO_FRAMES {max_frames} does not fit the talker's KV cache "
                              f"({most_frames} frames after a {prompt_len}-position prompt)")
+        eos = self.config.talker.codec_eos_token_id
+        # ignore_eos (benchmarks: a fixed audio length) must also never *sample* EOS: kept going past it,
+        # the EOS id became a frame's first code, outside the codebook, and code2wav rejected the frame
+        suppressed = self._suppressed + ((eos,) if request.ignore_eos else ())
         common = dict(repetition_penalty=TALKER_REPETITION_PENALTY, seed=request.seed,
                       max_new_tokens=max_frames + 1, min_new_tokens=min(request.min_frames, max_frames),
-                      stop_token_ids=(self.config.talker.codec_eos_token_id,), ignore_eos=request.ignore_eos,
-                      suppressed_token_ids=self._suppressed)
+                      stop_token_ids=(eos,), ignore_eos=request.ignore_eos, suppressed_token_ids=suppressed)
         if request.greedy:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=TALKER_TEMPERATURE, top_k=TALKER_TOP_K, **common)

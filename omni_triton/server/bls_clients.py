@@ -117,11 +117,19 @@ class BlsStageClients:
         try:
             self._drain(self._request("thinker", [control], [], request_id=request_id))
             if self._talker_correlation_id is not None:
-                # a fresh one-request sequence: the original one may already have ended
-                flags = pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START | pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
                 batched_control = pb.Tensor("CONTROL", np.array([[b"abort"]], dtype=np.object_))
+                if self._talker_ended:
+                    # the original sequence is closed: a fresh one-request sequence carries the abort
+                    correlation_id = _next_correlation_id()
+                    flags = pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START | pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+                else:
+                    # End the original sequence with the abort. A fresh sequence would leave this one open,
+                    # holding a sequence-batcher slot until max_sequence_idle_microseconds; once every slot
+                    # was held that way, the fresh abort itself waited for a slot and the request hung.
+                    correlation_id, flags = self._talker_correlation_id, pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+                    self._talker_ended = True
                 self._drain(self._request("talker", [batched_control], [], request_id=request_id,
-                                          correlation_id=_next_correlation_id(), flags=flags))
+                                          correlation_id=correlation_id, flags=flags))
         except StageError:
             pass  # the stage already forgot the request: nothing left to free
 

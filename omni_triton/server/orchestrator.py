@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -139,15 +139,17 @@ class Orchestrator:
             with send_lock:
                 sender.send(pb.InferenceResponse(outputs))
 
+        clients = BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check)
+        watchdog = _deadline_watchdog(deadline, cancelled, lambda: clients.abort(request_id))
         try:
             session = Session(
                 request_id,
                 SessionParams(return_audio=_flag(inputs["RETURN_AUDIO"]), sequential=_flag(inputs["SEQUENTIAL"]),
                               stage_params=None),
-                BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check),
+                clients,
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
-                is_cancelled=lambda: cancelled.is_set() or request.is_cancelled() or time.monotonic() > deadline,
+                is_cancelled=_CancelCheck(request, cancelled, deadline),
             )
             session.run(emit)
             error = None
@@ -158,6 +160,8 @@ class Orchestrator:
             logger.exception("request %s failed", request_id)
             error = pb.TritonError(f"{type(exc).__name__}: {exc}")
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             with self._lock:
                 del self._active[request_id]
                 events = self._cancel_events[client_id]
@@ -189,6 +193,46 @@ def _deadline(request: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
     return time.monotonic() + value
+
+
+def _deadline_watchdog(deadline: float, cancelled: threading.Event, abort: Callable[[], None]
+                       ) -> threading.Timer | None:
+    """At the deadline, cancel and abort the stages even if the session is blocked waiting on one of them
+    (a talker waiting for text yields nothing to wake the session up)."""
+    if deadline == math.inf:
+        return None
+
+    def expire() -> None:
+        cancelled.set()
+        abort()
+
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+class _CancelCheck:
+    """Whether a request should stop: cancelled by a control request, past its deadline, or cancelled in
+    Triton. The session asks from two threads (thinker loop, audio worker); ``request.is_cancelled()`` is
+    an IPC round trip on the request's own shared-memory slot and is not safe to call concurrently, so it
+    is serialized here and asked at most every ``poll_s``."""
+
+    def __init__(self, request: Any, cancelled: threading.Event, deadline: float, poll_s: float = 0.05):
+        self._request, self._cancelled, self._deadline, self._poll_s = request, cancelled, deadline, poll_s
+        self._lock = threading.Lock()
+        self._asked_at = float("-inf")
+
+    def __call__(self) -> bool:
+        if self._cancelled.is_set() or time.monotonic() > self._deadline:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            if now - self._asked_at >= self._poll_s:
+                self._asked_at = now
+                if self._request.is_cancelled():
+                    self._cancelled.set()
+        return self._cancelled.is_set()
 
 
 def _flag(tensor: Any) -> bool:

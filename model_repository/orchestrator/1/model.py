@@ -10,7 +10,6 @@ from omni_triton.server.orchestrator import Orchestrator
 
 class TritonPythonModel:
     def initialize(self, args):
-        import faulthandler, signal; self._dump = open('/tmp/reliability/orch_stacks.txt', 'w'); faulthandler.register(signal.SIGUSR1, file=self._dump, all_threads=True)  # DEBUG-RELIABILITY
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         left_context = params["left_context_frames"]
