@@ -56,7 +56,7 @@ class InProcessPipeline:
         clients = _DirectClients(self, tensors)
         session = Session(request_id,
                           SessionParams(return_audio=bool(tensors["RETURN_AUDIO"][0]),
-                                        sequential=bool(tensors["SEQUENTIAL"][0]), stage_params=None),
+                                        sequential=bool(tensors["SEQUENTIAL"][0])),
                           clients, IncrementalDetokenizer(self.tokenizer),
                           lambda: Code2WavStream(self.policy, self.vocoder.num_quantizers))
         results: queue.SimpleQueue = queue.SimpleQueue()
@@ -106,7 +106,7 @@ class _DirectClients:
         self.pipeline = pipeline
         self.tensors = tensors
 
-    def thinker(self, request_id: str, params: Any) -> Iterator[ThinkerChunk]:
+    def thinker(self, request_id: str) -> Iterator[ThinkerChunk]:
         outputs: queue.SimpleQueue = queue.SimpleQueue()
         service = self.pipeline.thinker
         service.submit(request_id, thinker_request(self.tensors, service.eos_token_ids), outputs.put)
@@ -118,7 +118,7 @@ class _DirectClients:
             if out.finished:
                 return
 
-    def talker_start(self, request_id: str, params: Any, chunk: ThinkerChunk) -> Iterator[torch.Tensor]:
+    def talker_start(self, request_id: str, chunk: ThinkerChunk) -> Iterator[torch.Tensor]:
         outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.pipeline.talker.start(request_id, talker_request(self.tensors), chunk.payload, outputs.put)
         return self._frames(outputs)

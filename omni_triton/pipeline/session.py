@@ -30,8 +30,8 @@ class ThinkerChunk:
 
 
 class StageClients(Protocol):
-    def thinker(self, request_id: str, params: Any) -> Iterable[ThinkerChunk]: ...
-    def talker_start(self, request_id: str, params: Any, chunk: ThinkerChunk) -> Iterator[torch.Tensor]: ...
+    def thinker(self, request_id: str) -> Iterable[ThinkerChunk]: ...
+    def talker_start(self, request_id: str, chunk: ThinkerChunk) -> Iterator[torch.Tensor]: ...
     def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None: ...
     def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] (left context first) -> the new samples only."""
@@ -46,7 +46,6 @@ class Cancelled(Exception):
 class SessionParams:
     return_audio: bool
     sequential: bool
-    stage_params: Any  # validated request parameters, handed to the stage clients as they are
 
 
 Emit = Callable[[str, torch.Tensor | None], None]  # (text delta, audio samples or None)
@@ -78,7 +77,7 @@ class Session:
     def _run_streaming(self, emit: Emit) -> None:
         audio_worker: _AudioWorker | None = None
         try:
-            for chunk in self.clients.thinker(self.request_id, self.params.stage_params):
+            for chunk in self.clients.thinker(self.request_id):
                 self._check_cancelled()
                 delta = self.detokenizer.push(chunk.token_ids)
                 if chunk.finished:
@@ -88,7 +87,7 @@ class Session:
                 if not self.params.return_audio:
                     continue
                 if audio_worker is None:
-                    frames = self.clients.talker_start(self.request_id, self.params.stage_params, chunk)
+                    frames = self.clients.talker_start(self.request_id, chunk)
                     audio_worker = _AudioWorker(frames, self.clients, self.audio_stream_factory(), emit,
                                                 self._check_cancelled)
                 else:
@@ -102,7 +101,7 @@ class Session:
     # -- sequential (baseline) -------------------------------------------------------------------
     def _run_sequential(self, emit: Emit) -> None:
         chunks = []
-        for chunk in self.clients.thinker(self.request_id, self.params.stage_params):
+        for chunk in self.clients.thinker(self.request_id):
             self._check_cancelled()
             chunks.append(chunk)
         token_ids = [t for c in chunks for t in c.token_ids]
@@ -111,7 +110,7 @@ class Session:
             emit(text, None)
         if not self.params.return_audio or not chunks:
             return
-        frames = self.clients.talker_start(self.request_id, self.params.stage_params, chunks[0])
+        frames = self.clients.talker_start(self.request_id, chunks[0])
         for chunk in chunks[1:]:
             self.clients.talker_append(self.request_id, chunk)
         all_frames = [f for f in frames]

@@ -11,7 +11,6 @@ is never fed back and so never spoken (as in HF's generate).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -92,7 +91,6 @@ class ThinkerService:
                              accept_hidden_layer=self.config.accept_hidden_layer)
         self.engine = LLMEngine(stage, engine_config)
         self.loop = EngineLoop(self.engine).start()
-        self._embed_lock = threading.Lock()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

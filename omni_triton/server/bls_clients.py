@@ -51,7 +51,7 @@ class BlsStageClients:
         self._talker_ended = False
 
     # -- thinker -----------------------------------------------------------------------------------
-    def thinker(self, request_id: str, params: Any) -> Iterable[ThinkerChunk]:
+    def thinker(self, request_id: str) -> Iterable[ThinkerChunk]:
         inputs = [self._inputs[name] for name in ("INPUT_IDS", "AUDIO_FEATURES", *THINKER_PARAMS)]
         request = self._request("thinker", inputs, THINKER_OUTPUTS, request_id=request_id)
         for response in request.exec(decoupled=True):
@@ -65,7 +65,7 @@ class BlsStageClients:
             yield ThinkerChunk(token_ids=token_ids, finished=finished, payload=outputs)
 
     # -- talker --------------------------------------------------------------------------------------
-    def talker_start(self, request_id: str, params: Any, chunk: ThinkerChunk) -> Iterator[torch.Tensor]:
+    def talker_start(self, request_id: str, chunk: ThinkerChunk) -> Iterator[torch.Tensor]:
         self._talker_correlation_id = _next_correlation_id()
         extra = [self._pb.Tensor(name, host_array(self._inputs[name]).reshape(1, -1)) for name in TALKER_PARAMS]
         request = self._talker_request(request_id, chunk, start=True, extra=extra)

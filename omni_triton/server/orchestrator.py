@@ -144,8 +144,7 @@ class Orchestrator:
         try:
             session = Session(
                 request_id,
-                SessionParams(return_audio=_flag(inputs["RETURN_AUDIO"]), sequential=_flag(inputs["SEQUENTIAL"]),
-                              stage_params=None),
+                SessionParams(return_audio=_flag(inputs["RETURN_AUDIO"]), sequential=_flag(inputs["SEQUENTIAL"])),
                 clients,
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),

@@ -54,6 +54,10 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"talker request {request_id}: {error}", pb_utils.TritonError.INVALID_ARG)),
                 flags=FINAL)
+        except Exception as error:  # a caller blocked on this request must always get its final response
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"talker request {request_id}: {type(error).__name__}: {error}")),
+                flags=FINAL)
 
     def finalize(self):
         self.service.shutdown()

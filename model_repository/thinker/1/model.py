@@ -43,8 +43,13 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        self.service.submit(request_id, thinker,
-                            lambda out: send_output(pb_utils, sender, out, thinker_output_tensors))
+        try:
+            self.service.submit(request_id, thinker,
+                                lambda out: send_output(pb_utils, sender, out, thinker_output_tensors))
+        except Exception as error:  # a caller blocked on this request must always get its final response
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"thinker request {request_id}: {type(error).__name__}: {error}")),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
         self.service.shutdown()
