@@ -75,6 +75,13 @@ class ChunkJob:
     def num_frames(self) -> int:
         return self.context_frames + self.new_frames
 
+    @classmethod
+    def after_context(cls, codes: torch.Tensor, context_frames: int) -> "ChunkJob":
+        """A chunk whose first ``context_frames`` frames are left context (what a code2wav request carries).
+        Only "first chunk or not" matters for the cut, and a chunk with context starts at frame >= context."""
+        new_frames = codes.shape[-1] - context_frames
+        return cls(codes, context_frames, new_frames, start_frame=context_frames)
+
 
 class Code2WavStream:
     """One request's codec frames: collects them and hands out the next chunk to decode when it is due."""

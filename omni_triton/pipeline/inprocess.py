@@ -94,9 +94,7 @@ class InProcessPipeline:
 
     def decode_chunk(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] -> the samples after the left context (what the code2wav model returns)."""
-        frames = codes.shape[-1]
-        job = ChunkJob(codes, left_context_frames, frames - left_context_frames, start_frame=left_context_frames)
-        return self.decoder.decode([job])[0]
+        return self.decoder.decode([ChunkJob.after_context(codes, left_context_frames)])[0]
 
 
 class _DirectClients:

@@ -82,6 +82,5 @@ class TritonPythonModel:
             if not 0 <= context < num_frames:
                 raise ValueError(f"LEFT_CONTEXT must be in [0, {num_frames - 1}] for {num_frames} frames, "
                                  f"got {context}")
-            # Only "first chunk or not" matters for the cut: a chunk with context starts at frame >= context.
-            jobs.append(ChunkJob(codes[row], context, num_frames - context, start_frame=context))
+            jobs.append(ChunkJob.after_context(codes[row], context))
         return jobs
