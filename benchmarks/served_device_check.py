@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import statistics
+import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -68,8 +72,49 @@ def _input_array(tensor):
     return np.frombuffer(tensor._raw_content, dtype=triton_to_np_dtype(tensor.datatype())).reshape(tensor.shape())
 
 
-def run_level(grpc_url: str, concurrency: int, requests: int, workload: dict, preprocess=None) -> dict:
+class StallWatchdog:
+    """Calls ``on_stall`` once if ``progress()`` is not called for ``stall_s`` seconds."""
+
+    def __init__(self, stall_s: float, on_stall):
+        self._stall_s, self._on_stall = stall_s, on_stall
+        self._last = time.monotonic()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while time.monotonic() - self._last < self._stall_s:
+            time.sleep(1.0)
+        self._on_stall()
+
+
+def dump_stuck_server(server: TritonServer, out_dir: Path) -> None:
+    """Where is everything waiting? Stacks of every stub (py-spy) and the gauges, then stop the run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"stalled: dumping stub stacks and gauges to {out_dir}", flush=True)
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    (out_dir / "gauges.txt").write_text("\n".join(line for line in text.splitlines() if line.startswith("omni_")))
+    py_spy = shutil.which("py-spy")
+    stubs = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
+    with open(out_dir / "stacks.txt", "w") as stacks:
+        for pid in stubs:
+            stacks.write(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:200] + "\n")
+            if py_spy:
+                stacks.write(subprocess.run([py_spy, "dump", "--pid", pid], capture_output=True, text=True).stdout)
+    server.stop()
+    os._exit(3)
+
+
+def run_level(grpc_url: str, concurrency: int, requests: int, workload: dict, preprocess=None,
+              watchdog: StallWatchdog | None = None) -> dict:
     def one(index: int):
+        result = _one(index)
+        if watchdog is not None:
+            watchdog.progress()
+        return result
+
+    def _one(index: int):
         text = f"Request number {index}: tell me something."
         if preprocess is None:
             with OmniStreamClient(grpc_url) as client:
@@ -94,12 +139,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="engines' dtype (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--interstage-memory", default="device", choices=["device", "host"],
+                        help="host for Triton builds that cannot pass GPU tensors through decoupled BLS")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--entry", default="omni", choices=["omni", "orchestrator"])
     parser.add_argument("--out", default="served_device_check.json")
+    parser.add_argument("--log", help="tritonserver log path (default: in a temporary directory)")
+    parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--stall-s", type=float, default=60.0,
+                        help="no request finished for this long: dump every stub's Python stacks (py-spy, if "
+                             "installed) and the omni_* gauges next to --out, then stop (default: %(default)s)")
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="omni-served-"))
@@ -109,25 +161,28 @@ def main(argv: list[str] | None = None) -> None:
 
         checkpoint = build(workdir / "tiny")
     config = LaunchConfig(checkpoint_dir=Path(checkpoint), device=args.device, dtype=args.dtype,
+                          interstage_memory=args.interstage_memory,
                           max_inflight_requests=64)
     repository = render_repository(config, workdir / "repository")
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            gpu=args.device == "cuda")
-    server = TritonServer(repository, find_tritonserver(), options, log_path=workdir / "tritonserver.log")
+                            gpu=args.device == "cuda", log_verbose=args.log_verbose)
+    server = TritonServer(repository, find_tritonserver(), options,
+                          log_path=args.log or workdir / "tritonserver.log")
     server.start()
     try:
         ready_s = server.wait_ready(timeout_s=600)
+        watchdog = StallWatchdog(args.stall_s, lambda: dump_stuck_server(server, Path(args.out).with_suffix(".stuck")))
         workload = dict(temperature=0.0, max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True,
                         max_audio_frames=args.frames, min_audio_frames=args.frames)
         preprocess = (_PreprocessedInputs(Path(checkpoint), config.kv_cache_tokens)
                       if args.entry == "orchestrator" else None)
-        run_level(server.grpc_url, 1, 2, workload, preprocess)  # warm-up: first calls compile/allocate
-        levels = [run_level(server.grpc_url, int(c), max(args.requests, int(c)), workload, preprocess)
+        run_level(server.grpc_url, 1, 2, workload, preprocess, watchdog)  # warm-up: first calls compile/allocate
+        levels = [run_level(server.grpc_url, int(c), max(args.requests, int(c)), workload, preprocess, watchdog)
                   for c in args.concurrency.split(",")]
         hops = host_hop_counters(server.metrics_url)
     finally:
         server.stop()
-    report = {"device": args.device, "dtype": config.resolved_dtype, "entry": args.entry, "checkpoint": str(checkpoint), "ready_s": ready_s, "workload": workload,
+    report = {"device": args.device, "dtype": config.resolved_dtype, "interstage_memory": args.interstage_memory, "entry": args.entry, "checkpoint": str(checkpoint), "ready_s": ready_s, "workload": workload,
               "levels": levels, "interstage_host_tensors": hops}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"ready in {ready_s:.1f} s on {args.device}")

@@ -11,10 +11,10 @@ import argparse
 import importlib
 import signal
 import sys
-import time
 from pathlib import Path
 
-from omni_triton.server.repository import CODE2WAV_RUNTIMES, STAGES, LaunchConfig, render_repository
+from omni_triton.server.repository import (CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig,
+                                          render_repository)
 from omni_triton.server.tritonserver import (ServerOptions, TritonServer, TritonServerError, find_tritonserver,
                                              process_tree_rss_bytes)
 
@@ -34,6 +34,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--checkpoint", type=Path,
                         help=f"checkpoint directory (default: build the tiny one at {DEFAULT_TINY_CHECKPOINT})")
     launch.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    launch.add_argument("--interstage-memory", choices=INTERSTAGE_MEMORY, default=defaults.interstage_memory,
+                        help="where tensors between stages live on a GPU: device (GPU tensors) or host; host is "
+                             "for Triton builds that cannot pass GPU tensors through decoupled BLS, such as the "
+                             "nvidia-pytriton bundle (default: %(default)s)")
     launch.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="default: float32 on cpu, bfloat16 on cuda")
     launch.add_argument("--first-chunk-frames", type=int, default=defaults.first_chunk_frames)
@@ -62,6 +66,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--http-port", type=int, default=8000)
     server.add_argument("--grpc-port", type=int, default=8001)
     server.add_argument("--metrics-port", type=int, default=8002)
+    server.add_argument("--allow-stage-reload", action="store_true",
+                        help="model-control-mode explicit, so that a stage whose stub process died is reloaded "
+                             "(the repository load/unload API is then open to clients too; default: off)")
     server.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
 
 
@@ -72,7 +79,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
 
         checkpoint = build(DEFAULT_TINY_CHECKPOINT)
     return LaunchConfig(
-        checkpoint_dir=checkpoint, device=args.device, dtype=args.dtype,
+        checkpoint_dir=checkpoint, device=args.device, interstage_memory=args.interstage_memory, dtype=args.dtype,
         first_chunk_frames=args.first_chunk_frames, next_chunk_frames=args.next_chunk_frames,
         left_context_frames=args.left_context_frames, kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,
@@ -88,7 +95,8 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     models = args.models.split(",") if args.models else None
     repository = render_repository(config, args.run_dir / "repository", models)
     options = ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                            metrics_port=args.metrics_port, gpu=config.device == "cuda")
+                            metrics_port=args.metrics_port, gpu=config.device == "cuda",
+                            stage_reload=args.allow_stage_reload)
     server = TritonServer(repository, find_tritonserver(args.tritonserver), options,
                           log_path=args.run_dir / "tritonserver.log", echo_log=echo_log)
     print(f"tritonserver ({server.install.origin}: {server.install.binary})\n"
@@ -105,6 +113,10 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     return server
 
 
+# stages the orchestrator reloads itself when their stub dies (with --allow-stage-reload)
+STAGE_RELOADED = ("thinker", "talker", "code2wav")
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -112,10 +124,9 @@ def _interrupt(signum, frame):
 def cmd_serve(args: argparse.Namespace) -> int:
     server = start_server(args, echo_log=args.verbose)
     try:
-        while server.process is not None and server.process.poll() is None:
-            time.sleep(0.5)
-        print(f"tritonserver exited with code {server.process.returncode}\n{server.log_tail()}", file=sys.stderr)
-        return 1
+        return server.supervise(args.ready_timeout, args.max_restarts,
+                                log=lambda line: print(line, file=sys.stderr, flush=True),
+                                reloaded_by_orchestrator=STAGE_RELOADED if args.allow_stage_reload else ())
     except KeyboardInterrupt:
         print("\nstopping tritonserver ...", flush=True)
         return 0
@@ -163,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="render the model repository and run tritonserver until Ctrl-C")
     add_launch_arguments(serve)
     serve.add_argument("--verbose", action="store_true", help="echo the server log to stderr")
+    serve.add_argument("--max-restarts", type=int, default=5,
+                       help="restart tritonserver after this many unexpected exits at most (default: %(default)s)")
     serve.set_defaults(handler=cmd_serve)
 
     from omni_triton.client import add_request_arguments

@@ -1,5 +1,6 @@
 """Reliability of the served pipeline on a real tritonserver (tiny checkpoint): admission under a burst,
-cancellation and vanished clients, request deadlines, bad-input fuzzing, and a short soak.
+cancellation and vanished clients, request deadlines, bad-input fuzzing, a short soak, and stage stub
+processes killed under load (on a server of their own).
 
 The server here is this module's own, with a small admission limit (MAX_INFLIGHT) so that a burst is cheap.
 ``OMNI_SOAK_SECONDS`` runs the soak for that many seconds (60 is CI-sized). It is opt-in for now: under
@@ -9,6 +10,8 @@ README's reliability notes), which a long soak hits and the default suite must n
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import signal
@@ -22,11 +25,12 @@ import pytest
 from conftest import TEST_LIMITS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_helpers import (VICTIM_REQUEST, raw_stream, read_gauges, seconds_until_idle, victim_command)
+from reliability_helpers import VICTIM_REQUEST, raw_stream, read_gauges, seconds_until_idle, victim_command
 from tritonclient.utils import InferenceServerException
 
 from omni_triton.client import OmniStreamClient, build_inputs
 from omni_triton.server.repository import STAGES, LaunchConfig
+from omni_triton.server.stage_supervisor import find_stubs
 
 pytestmark = pytest.mark.reliability
 
@@ -383,3 +387,148 @@ def test_soak_no_errors_bounded_memory_and_kv_back_to_idle(server):
     assert late < 1.2 * warm, f"RSS grew from {warm / mib:.0f} MiB to {late / mib:.0f} MiB"
     gauges = read_gauges(server.metrics_url)
     assert gauges[("omni_kv_blocks_used", "thinker")] == 0 and gauges[("omni_kv_blocks_used", "talker")] == 0
+
+
+# -- 5. stage faults: a stage's stub process killed under load -----------------------------------------
+
+# Long on both stages: the thinker still streams text (800 tokens) and the talker still speaks when the stub
+# is killed, so every request in flight is waiting on the victim stage.
+FAULT_REQUEST = dict(max_tokens=800, max_audio_frames=400, min_audio_frames=400, ignore_eos=True, temperature=0.0)
+SMALL_REQUEST = dict(max_tokens=6, max_audio_frames=8, temperature=0.0)
+
+
+@contextlib.contextmanager
+def fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
+    """A server of its own per fault (killing stubs disturbs it). Explicit model-control mode lets the
+    orchestrator reload a dead stage (Triton 2.51 never restarts a dead Python stub). Larger token limits than
+    TEST_LIMITS, so that the thinker is still generating when it is killed."""
+    from server_fixture import ServerHandle, servable_models
+
+    from omni_triton.server.repository import render_repository
+    from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
+                          max_inflight_requests=MAX_INFLIGHT,
+                          **dict(TEST_LIMITS, max_tokens_cap=1024, kv_cache_tokens=4096))
+    models = servable_models()
+    # exit_timeout_s: a killed stage's old model never unloads (its requests in flight never end), so the
+    # server waits that long at shutdown
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), exit_timeout_s=2,
+                            stage_reload=explicit_model_control)
+    server = TritonServer(render_repository(config, run_dir / "repository", models), find_tritonserver(), options,
+                          log_path=run_dir / "tritonserver.log")
+    server.start()
+    try:
+        yield ServerHandle(server, config, models, server.wait_ready(models))
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def tolerating_triton_abort(server):
+    """Triton 2.51 itself sometimes dies when a stub is SIGKILLed under load (about 1 talker kill in 6 here):
+    "terminate called after throwing an instance of 'boost::interprocess::lock_exception'" in a Python-backend
+    thread of tritonserver, logged before the orchestrator has even seen the death. Nothing in a model can
+    prevent it (the stub died holding a lock in the shared memory it shares with the server), so that outcome
+    is an xfail naming it; any other failure fails the test."""
+    try:
+        yield
+    except Exception:
+        if "lock_exception" in server.server.log_path.read_text(errors="replace"):  # logged as it aborts
+            pytest.xfail("tritonserver aborted (boost::interprocess::lock_exception) when the stub was killed")
+        raise
+
+
+@pytest.mark.parametrize("victim", ["talker", "thinker", "code2wav"])
+def test_killed_stage_stub_fails_its_requests_and_is_restarted(tiny_checkpoint, tmp_path, victim):
+    """SIGKILL a stage's stub while MAX_INFLIGHT requests stream through it.
+
+    Triton 2.51 alone: the requests in flight hang forever (no response from the dead stub, ever), the stub is
+    never restarted, and every later request fails with "Stub process '<stage>_0_0' is not healthy". With the
+    orchestrator's stage supervisor: the requests in flight end at once with an UNAVAILABLE error naming the
+    stage, the surviving stages drop their state for them, new requests are refused (UNAVAILABLE, "restarting")
+    until the stage is reloaded with a fresh stub, and then they are served exactly as before the fault."""
+    with fault_server(tiny_checkpoint, tmp_path) as server, tolerating_triton_abort(server):
+        reference = stream(server, "After the fault", **SMALL_REQUEST)
+        stubs = find_stubs(server.server.process.pid, list(STAGES))
+        ended_at: dict[int, float] = {}
+
+        def in_flight(index: int):
+            outcome = raw_stream(server.grpc_url, build_inputs(f"Fault request {index}: a long story.",
+                                                               **FAULT_REQUEST), timeout_s=30)
+            ended_at[index] = time.monotonic()
+            return outcome
+
+        with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
+            futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
+            _wait_for_gauges(server, {("omni_active_requests", "thinker"): MAX_INFLIGHT,
+                                      ("omni_active_requests", "talker"): MAX_INFLIGHT})
+            os.kill(stubs[victim], signal.SIGKILL)
+            killed_at = time.monotonic()
+            outcomes = [future.result() for future in futures]
+        failed_within = max(ended_at.values()) - killed_at
+        # the surviving stages drop the failed requests' state (the dead stage's gauges are stale until its reload)
+        survivors_idle_s = seconds_until_idle(server.metrics_url, timeout_s=1.0, ignore_stage=victim)
+        refusals, served_after = _until_served(server, killed_at)
+        idle_s = seconds_until_idle(server.metrics_url, timeout_s=5.0)
+        restarted = find_stubs(server.server.process.pid, list(STAGES))
+        print(f"\n{victim} stub killed under {MAX_INFLIGHT} streams: all failed within {failed_within:.2f} s "
+              f"({outcomes[0].error!r}), the other stages idle {survivors_idle_s:.2f} s after that; "
+              f"{len(refusals)} refused while restarting ({refusals[:1]}); served again {served_after:.1f} s after "
+              f"the kill; every stage idle {idle_s:.2f} s later")
+
+        for outcome in outcomes:
+            assert outcome.error is not None and f"{victim} stage failed" in outcome.error, outcome.error
+            assert outcome.text, "the request was streaming when the stub was killed"
+        # the supervisor sees the death within ~0.1 s; a request whose thread is inside a BLS call to the dead stub
+        # (a talker append) waits for Triton's own verdict on it, "Stub process ... is not healthy", 1-3 s later
+        assert failed_within < 4.0, "the requests in flight must fail at once, not wait for the reload"
+        for message in refusals:
+            assert f"{victim} stage is restarting" in message, message
+        assert restarted[victim] != stubs[victim], "a fresh stub serves the stage"
+        assert {stage: pid for stage, pid in restarted.items() if stage != victim} == \
+            {stage: pid for stage, pid in stubs.items() if stage != victim}, "only the dead stage is restarted"
+        again = stream(server, "After the fault", **SMALL_REQUEST)
+        assert again.text == reference.text
+        np.testing.assert_allclose(again.audio, reference.audio, atol=1e-4)
+        with server.grpc_client() as client:
+            assert client.is_server_live() and client.is_server_ready()
+
+
+def test_killed_stage_stays_down_without_explicit_model_control(tiny_checkpoint, tmp_path):
+    """What ``omni-triton serve`` does today (--model-control-mode=none): the stage cannot be reloaded, so every
+    request is refused at once with UNAVAILABLE saying so (instead of failing after 1-3 s with "Stub process ...
+    is not healthy"), and the server stays up."""
+    with fault_server(tiny_checkpoint, tmp_path, explicit_model_control=False) as server:
+        os.kill(find_stubs(server.server.process.pid, ["talker"])["talker"], signal.SIGKILL)
+        refusals, _ = _until_served(server, time.monotonic(), timeout_s=3.0, expect_served=False)
+        print(f"\nno explicit model control: {refusals[-1]!r}")
+        # a request sent before the supervisor saw the death (within ~0.1 s) fails like one in flight
+        assert "talker stage failed" in refusals[0] or "talker stage is down" in refusals[0], refusals[0]
+        assert len(refusals) > 2 and all("talker stage is down" in message for message in refusals[1:]), refusals
+        assert "--model-control-mode=explicit" in refusals[-1], "the refusal says what it takes to restart the stage"
+        with server.grpc_client() as client:
+            assert client.is_server_live()
+
+
+def _wait_for_gauges(server, expected: dict[tuple[str, str], float], timeout_s: float = 20.0) -> None:
+    start = time.monotonic()
+    while (gauges := read_gauges(server.metrics_url)) and any(gauges.get(k) != v for k, v in expected.items()):
+        assert time.monotonic() - start < timeout_s, f"gauges never reached {expected}: {gauges}"
+        time.sleep(0.02)
+
+
+def _until_served(server, since: float, timeout_s: float = 60.0, expect_served: bool = True
+                  ) -> tuple[list[str], float]:
+    """Send small requests until one succeeds: the errors before it, and the seconds from ``since`` to it."""
+    errors = []
+    while time.monotonic() - since < timeout_s:
+        try:
+            stream(server, "Are you back?", **SMALL_REQUEST)
+            return errors, time.monotonic() - since
+        except InferenceServerException as error:
+            errors.append(error.message())
+            time.sleep(0.2)
+    if expect_served:
+        raise AssertionError(f"no request served {timeout_s:.0f} s after the fault: {errors[-3:]}")
+    return errors, math.inf

@@ -9,10 +9,10 @@ chunks as they arrive. Sequential mode runs each stage to completion before the 
 
 from __future__ import annotations
 
-import contextlib
+import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -42,6 +42,15 @@ class Cancelled(Exception):
     """The client went away; every stage was told to drop the request."""
 
 
+class StageFailed(RuntimeError):
+    """A stage stopped serving the request (its process died); the message names the stage."""
+
+
+# How often a wait on a stage looks up from it: for a cancel, the deadline, or a stage that died.
+POLL_S = 0.05
+T = TypeVar("T")
+
+
 @dataclass
 class SessionParams:
     return_audio: bool
@@ -54,16 +63,19 @@ Emit = Callable[[str, torch.Tensor | None], None]  # (text delta, audio samples 
 class Session:
     def __init__(self, request_id: str, params: SessionParams, clients: StageClients,
                  detokenizer: IncrementalDetokenizer, audio_stream_factory: Callable[[], Code2WavStream],
-                 is_cancelled: Callable[[], bool] = lambda: False):
+                 is_cancelled: Callable[[], bool] = lambda: False,
+                 stage_failure: Callable[[str], str | None] = lambda stage: None):
         self.request_id = request_id
         self.params = params
         self.clients = clients
         self.detokenizer = detokenizer
         self.audio_stream_factory = audio_stream_factory
         self.is_cancelled = is_cancelled
+        self.stage_failure = stage_failure  # stage -> why it can no longer serve this request, or None
 
     def run(self, emit: Emit) -> None:
-        """Stream the whole request through ``emit``; raises Cancelled if the client cancels."""
+        """Stream the whole request through ``emit``; raises Cancelled if the client cancels (or the
+        caller's ``is_cancelled`` says so), StageFailed if a stage it waits on stops serving it."""
         try:
             if self.params.sequential:
                 self._run_sequential(emit)
@@ -76,9 +88,14 @@ class Session:
     # -- streaming ---------------------------------------------------------------------------------
     def _run_streaming(self, emit: Emit) -> None:
         audio_worker: _AudioWorker | None = None
+
+        def check() -> None:
+            self._check("thinker")
+            if audio_worker is not None:
+                audio_worker.raise_error()  # a failed audio path ends the request now, not when text ends
+
         try:
-            for chunk in self.clients.thinker(self.request_id):
-                self._check_cancelled()
+            for chunk in self._stream("thinker", self.clients.thinker(self.request_id), check):
                 delta = self.detokenizer.push(chunk.token_ids)
                 if chunk.finished:
                     delta += self.detokenizer.flush()
@@ -88,8 +105,9 @@ class Session:
                     continue
                 if audio_worker is None:
                     frames = self.clients.talker_start(self.request_id, chunk)
-                    audio_worker = _AudioWorker(frames, self.clients, self.audio_stream_factory(), emit,
-                                                self._check_cancelled)
+                    stopped = threading.Event()
+                    audio_worker = _AudioWorker(self._stream("talker", frames, until=stopped), self.clients,
+                                                self.audio_stream_factory(), emit, stopped)
                 else:
                     self.clients.talker_append(self.request_id, chunk)
             if audio_worker is not None:
@@ -100,10 +118,7 @@ class Session:
 
     # -- sequential (baseline) -------------------------------------------------------------------
     def _run_sequential(self, emit: Emit) -> None:
-        chunks = []
-        for chunk in self.clients.thinker(self.request_id):
-            self._check_cancelled()
-            chunks.append(chunk)
+        chunks = list(self._stream("thinker", self.clients.thinker(self.request_id)))
         token_ids = [t for c in chunks for t in c.token_ids]
         text = self.detokenizer.push(token_ids) + self.detokenizer.flush()
         if text:
@@ -113,57 +128,97 @@ class Session:
         frames = self.clients.talker_start(self.request_id, chunks[0])
         for chunk in chunks[1:]:
             self.clients.talker_append(self.request_id, chunk)
-        all_frames = [f for f in frames]
-        self._check_cancelled()
+        all_frames = list(self._stream("talker", frames))
         if all_frames:
             codes = torch.cat(all_frames, dim=0).T.contiguous()
             emit("", self.clients.code2wav(codes, 0))
 
-    def _check_cancelled(self) -> None:
+    def _check(self, stage: str) -> None:
+        """Raise if the request must stop while it waits on ``stage``."""
         if self.is_cancelled():
             raise Cancelled(self.request_id)
+        failure = self.stage_failure(stage)
+        if failure is not None:
+            raise StageFailed(failure)
+
+    def _stream(self, stage: str, items: Iterable[T], check: Callable[[], None] | None = None,
+                until: threading.Event | None = None) -> Iterator[T]:
+        """``items`` (a stage's response stream), read on a thread of their own and checked (default:
+        ``_check(stage)``) at every item and every ``POLL_S`` without one; it ends early once ``until`` is set.
+
+        A BLS stream in this Triton version cannot be cancelled, and one from a stage whose process died
+        never ends: waiting on it directly would hold the request, its admission slot and the other stages'
+        state forever. The reader thread always reads the stream to its end, even after the session stops
+        listening (an abort closes it): left unread, its responses back up into the stage, whose sends then
+        block, stalling every other stream with it (seen under load after a code2wav error in one request).
+        A stream from a dead stage never ends, so its reader thread stays blocked: one idle thread per
+        request that was in flight when the stage died.
+        """
+        check = check or (lambda: self._check(stage))
+        responses: queue.SimpleQueue = queue.SimpleQueue()
+        listening = threading.Event()
+        listening.set()
+
+        def read() -> None:
+            try:
+                for item in items:
+                    if listening.is_set():
+                        responses.put((item, None))
+                responses.put((_END, None))
+            except BaseException as exc:  # re-raised in the session's thread
+                responses.put((_END, exc))
+
+        threading.Thread(target=read, name=f"{stage}-stream", daemon=True).start()
+        try:
+            while until is None or not until.is_set():
+                try:
+                    item, error = responses.get(timeout=POLL_S)
+                except queue.Empty:
+                    check()
+                    continue
+                if item is _END:
+                    if error is not None:
+                        raise error
+                    return
+                check()
+                yield item
+        finally:
+            listening.clear()
+
+
+_END = object()  # a stream's end in _stream's queue
 
 
 class _AudioWorker:
     """Consumes the talker's frame stream on its own thread and emits decoded audio chunks.
 
     It runs beside the thinker loop so that text keeps flowing to the talker while frames are
-    decoded; errors are re-raised on ``join`` in the request's thread.
+    decoded; errors are re-raised in the request's thread (``raise_error``, ``join``).
     """
 
     def __init__(self, frames: Iterator[torch.Tensor], clients: StageClients, stream: Code2WavStream, emit: Emit,
-                 check_cancelled: Callable[[], None]):
-        self._frames = frames
+                 stopped: threading.Event):
+        self._frames = frames  # Session._stream: it raises on a cancel, the deadline or a dead talker
         self._clients = clients
         self._stream = stream
         self._emit = emit
-        self._check_cancelled = check_cancelled
         self._error: BaseException | None = None
-        self._stopped = threading.Event()
-        self._done = threading.Event()  # set when frames stop being used; the stream may still be draining
+        self._stopped = stopped  # ``frames`` ends once it is set
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="talker-frames", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            for frames in self._frames:
-                if self._stopped.is_set():
-                    break
-                self._check_cancelled()
+            for frames in self._frames:  # ends early once stopped
                 self._stream.append(frames)
                 self._decode_due(final=False)
-            else:
+            if not self._stopped.is_set():
                 self._decode_due(final=True)
-        except BaseException as exc:  # surfaced in join()
+        except BaseException as exc:  # surfaced in the request's thread
             self._error = exc
         finally:
             self._done.set()
-            # Read the talker stream to its end (the abort that follows a failure or cancel closes it).
-            # Left unread, its responses back up into the talker, whose sends then block: every other
-            # stream stalled with it (seen under load after a code2wav error in one request).
-            with contextlib.suppress(Exception):  # a late stage error changes nothing now
-                for _ in self._frames:
-                    pass
 
     def _decode_due(self, final: bool) -> None:
         while (job := self._stream.next_job(final=final)) is not None:
@@ -171,10 +226,17 @@ class _AudioWorker:
             if audio.numel():
                 self._emit("", audio)
 
-    def join(self) -> None:
-        self._done.wait()  # not the thread: after a failure it drains until the session's abort
+    def raise_error(self) -> None:
         if self._error is not None:
             raise self._error
 
+    def join(self) -> None:
+        self._done.wait()
+        self.raise_error()
+
     def stop(self) -> None:
+        """End the worker before the session ends: past that, its checks would ask Triton whether a request is
+        cancelled after its response sender is gone, which crashes the server (TRITONBACKEND_ResponseFactory-
+        IsCancelled on a freed factory), and it could still emit."""
         self._stopped.set()
+        self._thread.join()

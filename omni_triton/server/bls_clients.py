@@ -10,6 +10,7 @@ the first and END on the last, so they all reach the engine that holds that requ
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from typing import Any, Callable, Iterable, Iterator
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from omni_triton.pipeline.session import ThinkerChunk
-from omni_triton.server.stage_io import from_torch, host_array, to_torch
+from omni_triton.server.stage_io import device_tensors_between_stages, from_torch, host_array, to_torch
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
 # Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
@@ -41,11 +42,14 @@ class StageError(RuntimeError):
 
 class BlsStageClients:
     def __init__(self, pb_utils: Any, request_inputs: dict[str, Any], on_gpu: bool,
-                 check_device: Callable[..., None] = lambda *tensors: None):
+                 check_device: Callable[..., None] = lambda *tensors: None,
+                 stage_down: Callable[[str], bool] = lambda stage: False):
         self._pb = pb_utils
+        self._stage_down = stage_down  # a call to a stage that is down fails at once (it would wait 1-3 s)
         self._check_device = check_device  # counts inter-stage tensors that came back in host memory
         self._inputs = request_inputs  # the orchestrator's own validated input tensors, by name
-        self._memory = (pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0) if on_gpu
+        on_device = on_gpu and device_tensors_between_stages()
+        self._memory = (pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0) if on_device
                         else pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
         self._talker_correlation_id: int | None = None
         self._talker_ended = False
@@ -111,11 +115,14 @@ class BlsStageClients:
 
     # -- cancellation --------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        """Tell thinker and talker to drop the request (frees its KV blocks and pending chunks)."""
+        """Tell thinker and talker to drop the request (frees its KV blocks and pending chunks). A StageError
+        means there is nothing left to free: the stage already forgot the request, or it is down (its state
+        died with its process)."""
         pb = self._pb
         control = pb.Tensor("CONTROL", np.array([b"abort"], dtype=np.object_))
-        try:
+        with contextlib.suppress(StageError):
             self._drain(self._request("thinker", [control], [], request_id=request_id))
+        with contextlib.suppress(StageError):
             if self._talker_correlation_id is not None:
                 batched_control = pb.Tensor("CONTROL", np.array([[b"abort"]], dtype=np.object_))
                 if self._talker_ended:
@@ -130,11 +137,11 @@ class BlsStageClients:
                     self._talker_ended = True
                 self._drain(self._request("talker", [batched_control], [], request_id=request_id,
                                           correlation_id=correlation_id, flags=flags))
-        except StageError:
-            pass  # the stage already forgot the request: nothing left to free
 
     # -- helpers -------------------------------------------------------------------------------------
     def _request(self, model: str, inputs: list, outputs: list[str], **kwargs: Any) -> Any:
+        if self._stage_down(model):
+            raise StageError(f"{model} stage is down")
         return self._pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,
                                          preferred_memory=self._memory, **kwargs)
 

@@ -13,7 +13,12 @@ cancels that request here; ``omni_triton.client`` sends it along with the stream
 A client that vanishes without cancelling (killed, network gone) is not seen by the running
 orchestrator step for the same reason: its request runs to its natural end. The optional request
 parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes to every step)
-bounds that: past it the request is cancelled at the next chunk and every stage frees its state.
+bounds that: past it the request is cancelled (the session looks up from every stage wait every
+``POLL_S``) and every stage frees its state.
+
+A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
+UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
+with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,16 +39,18 @@ from tokenizers import Tokenizer
 from omni_triton.models.code2wav import Code2WavConfig, exact_left_context_frames
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
-from omni_triton.pipeline.session import Cancelled, Session, SessionParams
+from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
 from omni_triton.server.bls_clients import BlsStageClients
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.stage_io import from_torch
+from omni_triton.server.stage_supervisor import StageSupervisor
 
 logger = logging.getLogger(__name__)
 
 REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER_ID", "TEMPERATURE", "TOP_P",
                   "TOP_K", "REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
                   "MIN_AUDIO_FRAMES", "SEQUENTIAL")
+BLS_STAGES = ("thinker", "talker", "code2wav")
 
 
 class Orchestrator:
@@ -62,6 +69,7 @@ class Orchestrator:
         self._lock = threading.Lock()
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
         self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
+        self._stages = StageSupervisor(BLS_STAGES)
 
     def snapshot(self) -> dict[str, float]:
         """Gauge values: requests in flight and codec frames they hold that are not decoded yet."""
@@ -78,9 +86,11 @@ class Orchestrator:
         if control is not None:
             self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
             return
-        if not self._slots.acquire(blocking=False):
-            error = self._pb.TritonError(f"server busy: {self._max_inflight} requests in flight "
-                                         "(max_inflight_requests); retry later", self._pb.TritonError.UNAVAILABLE)
+        down = self._stages.unavailable()
+        if down is not None or not self._slots.acquire(blocking=False):
+            message = down or (f"server busy: {self._max_inflight} requests in flight (max_inflight_requests); "
+                               "retry later")
+            error = self._pb.TritonError(message, self._pb.TritonError.UNAVAILABLE)
             sender.send(self._pb.InferenceResponse(error=error),
                         flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -114,6 +124,7 @@ class Orchestrator:
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def shutdown(self) -> None:
+        self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _request_id(self, request: Any) -> str:
@@ -139,8 +150,8 @@ class Orchestrator:
             with send_lock:
                 sender.send(pb.InferenceResponse(outputs))
 
-        clients = BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check)
-        watchdog = _deadline_watchdog(deadline, cancelled, lambda: clients.abort(request_id))
+        generations = self._stages.generations()
+        clients = BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check, stage_down=self._stages.is_down)
         try:
             session = Session(
                 request_id,
@@ -149,6 +160,7 @@ class Orchestrator:
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
                 is_cancelled=_CancelCheck(request, cancelled, deadline),
+                stage_failure=lambda stage: self._stages.failure(generations, stage),
             )
             session.run(emit)
             error = None
@@ -156,11 +168,15 @@ class Orchestrator:
             reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
             error = pb.TritonError(reason, pb.TritonError.CANCELLED)
         except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
-            logger.exception("request %s failed", request_id)
-            error = pb.TritonError(f"{type(exc).__name__}: {exc}")
+            # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
+            failure = str(exc) if isinstance(exc, StageFailed) else self._stages.failure(generations)
+            if failure is not None:
+                logger.warning("request %s: %s", request_id, failure)
+                error = pb.TritonError(failure, pb.TritonError.UNAVAILABLE)
+            else:
+                logger.exception("request %s failed", request_id)
+                error = pb.TritonError(f"{type(exc).__name__}: {exc}")
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
             with self._lock:
                 del self._active[request_id]
                 events = self._cancel_events[client_id]
@@ -192,23 +208,6 @@ def _deadline(request: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
     return time.monotonic() + value
-
-
-def _deadline_watchdog(deadline: float, cancelled: threading.Event, abort: Callable[[], None]
-                       ) -> threading.Timer | None:
-    """At the deadline, cancel and abort the stages even if the session is blocked waiting on one of them
-    (a talker waiting for text yields nothing to wake the session up)."""
-    if deadline == math.inf:
-        return None
-
-    def expire() -> None:
-        cancelled.set()
-        abort()
-
-    timer = threading.Timer(max(0.0, deadline - time.monotonic()), expire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 class _CancelCheck:

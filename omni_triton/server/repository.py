@@ -19,6 +19,12 @@ STAGES = ("preprocess", "orchestrator", "thinker", "talker", "code2wav")
 # auto: the TensorRT plan when tensorrt imports and the engine file is a .plan on a GPU, else ONNX Runtime
 # for a .onnx file, else torch
 CODE2WAV_RUNTIMES = ("torch", "onnx", "trt", "auto")
+# device: tensors between stages stay on the stage device (GPU tensors through Triton's CUDA pool).
+# host: every tensor that crosses Triton is copied to host memory first. For Triton builds whose Python
+# backend cannot carry GPU tensors through decoupled BLS streams (the nvidia-pytriton 0.7.0 bundle,
+# Triton 2.51: hangs and crashes, see benchmarks/bls_gpu_repro); the hops then show in
+# omni_interstage_host_tensors_total.
+INTERSTAGE_MEMORY = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class LaunchConfig:
 
     checkpoint_dir: Path
     device: str = "cpu"                   # cpu | cuda
+    interstage_memory: str = "device"     # device | host (see INTERSTAGE_MEMORY)
     dtype: str | None = None              # None: float32 on cpu, bfloat16 on cuda
     # Audio chunking: a small first chunk for a low time-to-first-audio, larger ones after it.
     first_chunk_frames: int = 4
@@ -49,6 +56,8 @@ class LaunchConfig:
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.interstage_memory not in INTERSTAGE_MEMORY:
+            raise ValueError(f"interstage_memory must be one of {INTERSTAGE_MEMORY}, got {self.interstage_memory!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.code2wav_runtime not in CODE2WAV_RUNTIMES:

@@ -19,6 +19,22 @@ from omni_triton.pipeline.thinker_service import ThinkerOutput
 
 THINKER_ROW_TENSORS = ("ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN")
 
+# Where this stub's outputs to other stages live: each stage is its own process, so this is per stage.
+_host_only = False
+
+
+def configure_interstage_memory(memory: str) -> None:
+    """``device`` (default): tensors leave a stage where they are; ``host``: they are copied to host
+    memory first (for Triton builds that cannot pass GPU tensors through decoupled BLS)."""
+    global _host_only
+    if memory not in ("device", "host"):
+        raise ValueError(f"interstage_memory must be device or host, got {memory!r}")
+    _host_only = memory == "host"
+
+
+def device_tensors_between_stages() -> bool:
+    return not _host_only
+
 
 def engine_config(params: Mapping[str, str]) -> tuple[EngineConfig, torch.dtype]:
     """The engine settings every AR stage reads from its config.pbtxt parameters."""
@@ -37,6 +53,8 @@ def to_torch(tensor: Any) -> torch.Tensor:
 
 
 def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
+    if _host_only:
+        tensor = tensor.cpu()
     if tensor.numel() == 0:
         tensor = tensor.cpu()  # an empty GPU tensor has no device buffer to hand over
     elif tensor.storage_offset() or not tensor.is_contiguous():

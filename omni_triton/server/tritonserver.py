@@ -23,6 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
@@ -141,6 +142,9 @@ class ServerOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     gpu: bool = False
+    # Lets the orchestrator reload a stage whose stub died (Triton 2.51 never restarts one) through the
+    # repository API, which clients can then reach too: off by default, keep the server on loopback.
+    stage_reload: bool = False
     cuda_memory_pool_bytes: int = 256 << 20  # GPU tensors cross stub processes through this pool
     log_verbose: int = 0
     exit_timeout_s: int = 10
@@ -182,6 +186,10 @@ class TritonServer:
         import tritonclient.http as httpclient
         return httpclient.InferenceServerClient(self.http_url)
 
+    @property
+    def shm_prefix(self) -> str:
+        return f"omni{os.getpid()}_{self.options.grpc_port}_"
+
     # -- lifecycle -------------------------------------------------------------------------------
     def command(self) -> list[str]:
         o = self.options
@@ -189,14 +197,14 @@ class TritonServer:
             str(self.install.binary),
             f"--model-repository={self.repository}",
             f"--backend-directory={self.install.backend_dir}",
-            "--model-control-mode=none",
+            *(["--model-control-mode=explicit", "--load-model=*"] if o.stage_reload else ["--model-control-mode=none"]),
             f"--http-address={o.host}", f"--http-port={o.http_port}",
             f"--grpc-address={o.host}", f"--grpc-port={o.grpc_port}",
             f"--metrics-address={o.host}", f"--metrics-port={o.metrics_port}",
             f"--log-verbose={o.log_verbose}",
             f"--exit-timeout-secs={o.exit_timeout_s}",
             # Python-backend shared-memory names are global: keep two servers on one host apart.
-            f"--backend-config=python,shm-region-prefix-name=omni{os.getpid()}_{o.grpc_port}_",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if o.gpu:
             args.append(f"--cuda-memory-pool-byte-size=0:{o.cuda_memory_pool_bytes}")
@@ -264,7 +272,13 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 continue
         self._kill_leftover_group(process.pid)
+        self._remove_shared_memory()
         return process.returncode
+
+    def _remove_shared_memory(self) -> None:
+        """A server that crashed leaves its stubs' regions in /dev/shm; nothing else uses this prefix."""
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
 
     @staticmethod
     def _kill_leftover_group(pgid: int) -> None:
@@ -293,6 +307,50 @@ class TritonServer:
                 else:
                     time.sleep(0.2)
 
+    def stub_pids(self) -> dict[str, int]:
+        """model name -> pid of its Python-backend stub process (the server's children running a model.py)."""
+        stubs = {}
+        for child in _children(self.process.pid) if self.process is not None else []:
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+            except OSError:
+                continue
+            model_py = next((arg for arg in argv if arg.endswith("/1/model.py")), None)
+            if model_py is not None:
+                stubs[Path(model_py).parents[1].name] = child
+        return stubs
+
+    def supervise(self, ready_timeout_s: float, max_restarts: int, log: Callable[[str], None],
+                  reloaded_by_orchestrator: tuple[str, ...] = ()) -> int:
+        """Keep the server up until Ctrl-C. A native crash in a backend takes the whole process down; a stub
+        that dies leaves its model answering nothing (Triton 2.51 never restarts stubs). Either way: stop what
+        is left and start again, up to ``max_restarts`` times. Stubs of ``reloaded_by_orchestrator`` are left
+        to the orchestrator (``--allow-stage-reload``). Returns the exit code of the run not restarted."""
+        def watched_stubs() -> dict[str, int]:
+            return {m: pid for m, pid in self.stub_pids().items() if m not in reloaded_by_orchestrator}
+
+        restarts, watched = 0, watched_stubs()
+        while True:
+            while self.process is not None and self.process.poll() is None:
+                dead = [m for m, pid in watched.items() if not _alive(pid)]
+                if dead:
+                    log(f"the stub process of {dead} died; its requests can never complete")
+                    break
+                time.sleep(0.5)
+            else:
+                code = None if self.process is None else self.process.returncode
+                log(f"tritonserver exited with code {code}\n{self.log_tail()}")
+            if restarts >= max_restarts:
+                log(f"not restarting: {max_restarts} restarts already (--max-restarts)")
+                return self.process.returncode if self.process is not None and self.process.returncode else 1
+            restarts += 1
+            self.stop()
+            log(f"restarting tritonserver ({restarts}/{max_restarts}) ...")
+            self.start()
+            self.wait_ready(timeout_s=ready_timeout_s)
+            watched = watched_stubs()  # before saying so: what dies after "ready" must be seen
+            log(f"tritonserver ready again after restart {restarts}")
+
     def __enter__(self) -> "TritonServer":
         self.start()
         try:
@@ -304,6 +362,25 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (tritonserver does not reap a stub that died)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of ``pid``, whichever of its threads started them."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
 
 
 def process_tree_rss_bytes(pid: int) -> int:

@@ -7,7 +7,7 @@ from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
-from omni_triton.server.stage_io import from_torch, host_array, to_torch
+from omni_triton.server.stage_io import configure_interstage_memory, from_torch, host_array, to_torch
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -18,6 +18,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
+        configure_interstage_memory(params["interstage_memory"])
         self.device = torch.device(params["device"] if params["device"] == "cpu"
                                    else f"cuda:{args['model_instance_device_id']}")
         kind, engine_argument = RUNTIMES[params["runtime"]]

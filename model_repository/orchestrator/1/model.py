@@ -6,12 +6,14 @@ from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.server.metrics import StageMetrics
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
 from omni_triton.server.orchestrator import Orchestrator
+from omni_triton.server.stage_io import configure_interstage_memory
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
+        configure_interstage_memory(params["interstage_memory"])
         left_context = params["left_context_frames"]
         policy = ChunkPolicy(first_chunk_frames=int(params["first_chunk_frames"]),
                              chunk_frames=int(params["next_chunk_frames"]),

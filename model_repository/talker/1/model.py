@@ -6,8 +6,9 @@ from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
-from omni_triton.server.stage_io import (control_word, engine_config, host_array, input_arrays, send_output,
-                                         talker_output_tensors, thinker_output_from_request)
+from omni_triton.server.stage_io import (configure_interstage_memory, control_word, engine_config,
+                                         host_array, input_arrays, send_output, talker_output_tensors,
+                                         thinker_output_from_request)
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -17,6 +18,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
+        configure_interstage_memory(params["interstage_memory"])
         config, dtype = engine_config(params)
         self.service = TalkerService(params["checkpoint_dir"], config, dtype)
         self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=params["device"] != "cpu")

@@ -7,8 +7,8 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.server.metrics import StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters
-from omni_triton.server.stage_io import (control_word, engine_config, input_arrays, send_output,
-                                         thinker_output_tensors)
+from omni_triton.server.stage_io import (configure_interstage_memory, control_word, engine_config,
+                                         input_arrays, send_output, thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
 
 REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K",
@@ -19,6 +19,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
+        configure_interstage_memory(params["interstage_memory"])
         config, dtype = engine_config(params)
         self.service = ThinkerService(params["checkpoint_dir"], config, dtype)
         self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()))

@@ -1,0 +1,183 @@
+"""Notices a stage whose Python-backend stub process died, fails what was waiting on it, and reloads it.
+
+What Triton 2.51 (the nvidia-pytriton bundle) does when a stage's stub dies (SIGKILL, native crash): nothing.
+Its Python backend has no restart path: the model still reports ready, every later request to it fails after
+1-3 s with "Stub process 'talker_0_0' is not healthy.", and a request in flight on it never gets another
+response, so a BLS stream from it blocks forever. Hence this watcher in the orchestrator, which calls the
+stages: their stubs are its sibling processes (children of tritonserver), found through /proc. When one is
+gone, the stage's generation goes up (sessions waiting on it fail at once, see ``failure``), new requests are
+refused while it is down (``unavailable``), and the stage is reloaded: a fresh stub, with an empty engine.
+
+The reload goes through the server's own HTTP repository API, not ``pb_utils.load_model``: that call holds
+every other IPC of this stub (BLS calls, response sends) for the whole load, so the failed requests would
+only end after it, and in model-control mode ``none`` it aborted the whole Triton 2.51 server. Reloading
+needs ``--model-control-mode=explicit``; without it the stage stays down, and the refusals say why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class StageSupervisor:
+    def __init__(self, stages: tuple[str, ...], interval_s: float = 0.1, scan_every_s: float = 0.5,
+                 reload_timeout_s: float = 600.0):
+        self._server_pid = os.getppid()  # tritonserver: every stub is its child
+        flags = _server_flags(self._server_pid)
+        self._http_url = _http_url(flags)
+        self._explicit = flags.get("--model-control-mode") == "explicit"
+        self._reload_timeout_s = reload_timeout_s
+        self._interval_s, self._scan_every_s = interval_s, scan_every_s
+        self._stubs: dict[str, int | None] = dict.fromkeys(stages)  # stage -> its stub's pid, once found
+        self._scanned_at = float("-inf")
+        self._lock = threading.Lock()
+        self._generation = dict.fromkeys(stages, 0)  # stub deaths seen, per stage
+        self._down: dict[str, str] = {}  # stage -> why it serves nothing now
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stage-supervisor", daemon=True)
+        self._thread.start()
+
+    def generations(self) -> dict[str, int]:
+        """Taken when a request starts: ``failure`` compares against it."""
+        with self._lock:
+            return dict(self._generation)
+
+    def failure(self, since: dict[str, int], *stages: str) -> str | None:
+        """Why a request that started at ``since`` lost one of ``stages`` (default: any), or None."""
+        with self._lock:
+            died = [stage for stage in stages or self._generation
+                    if self._generation[stage] != since[stage] or self._dead(stage)]
+        return f"{died[0]} stage failed: its process exited while serving this request; retry it" if died else None
+
+    def is_down(self, stage: str) -> bool:
+        """Asked before every call to a stage. A dead stub is looked up here, not only by the watcher: a request
+        sent to it can abort the whole server (Triton 2.51 throws boost::interprocess::lock_exception when the
+        stub died holding its message queue's lock), so the window in which one is sent must stay tiny."""
+        with self._lock:
+            return stage in self._down or self._dead(stage)
+
+    def _dead(self, stage: str) -> bool:
+        pid = self._stubs.get(stage)
+        return pid is not None and not _alive(pid, self._server_pid)
+
+    def unavailable(self) -> str | None:
+        """Why new requests must be refused now (a stage is down), or None."""
+        with self._lock:
+            return "; ".join(f"{stage} stage {why}" for stage, why in self._down.items()) or None
+
+    def stop(self) -> None:
+        self._stop.set()  # not joined: it may be inside a reload call for minutes
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._check()
+            except Exception:  # never let the watcher die
+                logger.exception("stage supervisor check failed")
+
+    def _check(self) -> None:
+        for stage, pid in self._stubs.items():
+            if pid is not None and not _alive(pid, self._server_pid):
+                self._stubs[stage] = None
+                self._restart(stage)
+        missing = [stage for stage, pid in self._stubs.items() if pid is None]
+        # Stages load after the orchestrator, and a reload starts a new process: look for them, not too often.
+        if missing and time.monotonic() - self._scanned_at >= self._scan_every_s:
+            self._scanned_at = time.monotonic()
+            for stage, pid in find_stubs(self._server_pid, missing).items():
+                self._stubs[stage] = pid
+                with self._lock:
+                    self._down.pop(stage, None)  # e.g. restarted by a Triton build that does that itself
+
+    def _restart(self, stage: str) -> None:
+        with self._lock:
+            self._generation[stage] += 1
+            self._down[stage] = "is restarting (its process exited); retry shortly"
+        logger.error("%s stage: its stub process exited; reloading it", stage)
+        start = time.monotonic()
+        try:
+            self._reload(stage)
+        except (OSError, ValueError) as error:  # it stays down, and says why
+            logger.error("%s stage: reload failed: %s", stage, error)
+            hint = "" if self._explicit else "; reloading needs tritonserver --model-control-mode=explicit"
+            with self._lock:
+                self._down[stage] = f"is down: its process exited and reloading it failed ({error}){hint}"
+            return
+        with self._lock:
+            del self._down[stage]
+        self._scanned_at = float("-inf")  # watch the new stub at once
+        logger.warning("%s stage reloaded in %.1f s", stage, time.monotonic() - start)
+
+    def _reload(self, stage: str) -> None:
+        if self._http_url is None:
+            raise ValueError("tritonserver serves no HTTP endpoint to reload it through")
+        request = urllib.request.Request(f"{self._http_url}/v2/repository/models/{stage}/load", data=b"{}",
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            urllib.request.urlopen(request, timeout=self._reload_timeout_s).close()
+        except urllib.error.HTTPError as error:  # Triton's reason, e.g. not in explicit model-control mode
+            raise ValueError(json.loads(error.read() or b"{}").get("error", str(error))) from None
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, or None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
+def _alive(pid: int, parent: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX" and stat[1] == parent  # a killed stub stays a zombie
+
+
+def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
+    """The live model-instance stubs of ``stages`` among ``parent``'s children. A stub's argv is
+    [stub, <repository>/<model>/<version>/model.py, shm region, 2 sizes, parent pid, backend dir, ipc handle,
+    name]; the name is the instance's (talker_0_0) except in the short-lived stub that auto-completes the
+    model's config while it loads, where it is the model's own: that one exiting is no death."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not _alive(int(entry.name), parent):
+            continue
+        try:
+            argv = [os.fsdecode(arg) for arg in (entry / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        parts = Path(argv[1]).parts if len(argv) > 8 else ()
+        if len(parts) >= 3 and parts[-1] == "model.py" and parts[-3] in stages and argv[8] != parts[-3]:
+            found[parts[-3]] = int(entry.name)
+    return found
+
+
+def _server_flags(server_pid: int) -> dict[str, str]:
+    """tritonserver's --name=value / --name value flags (the last of a name wins), from its command line."""
+    try:
+        args = Path(f"/proc/{server_pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return {}
+    flags = {}
+    for index, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name.startswith("--"):
+            flags[name] = value if equals else (args[index + 1] if index + 1 < len(args) else "")
+    return flags
+
+
+def _http_url(flags: dict[str, str]) -> str | None:
+    """Where tritonserver serves HTTP (None if it does not)."""
+    if flags.get("--allow-http", "true").lower() in ("false", "0"):
+        return None
+    host = flags.get("--http-address", "0.0.0.0")
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{flags.get('--http-port', '8000')}"
