@@ -111,7 +111,7 @@ class Session:
                 else:
                     self.clients.talker_append(self.request_id, chunk)
             if audio_worker is not None:
-                audio_worker.join()
+                audio_worker.join(lambda: self._check("code2wav"))
         finally:
             if audio_worker is not None:
                 audio_worker.stop()
@@ -223,6 +223,8 @@ class _AudioWorker:
     def _decode_due(self, final: bool) -> None:
         while (job := self._stream.next_job(final=final)) is not None:
             audio = self._clients.code2wav(job.codes, job.context_frames)
+            if self._stopped.is_set():
+                return  # the session ended while this call was blocked (a code2wav that died): say nothing
             if audio.numel():
                 self._emit("", audio)
 
@@ -230,13 +232,17 @@ class _AudioWorker:
         if self._error is not None:
             raise self._error
 
-    def join(self) -> None:
-        self._done.wait()
+    def join(self, check: Callable[[], None]) -> None:
+        """Wait for the last audio; ``check`` raises if the request must stop meanwhile (a code2wav call to a
+        stage that died never returns)."""
+        while not self._done.wait(POLL_S):
+            check()
         self.raise_error()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
         """End the worker before the session ends: past that, its checks would ask Triton whether a request is
         cancelled after its response sender is gone, which crashes the server (TRITONBACKEND_ResponseFactory-
-        IsCancelled on a freed factory), and it could still emit."""
+        IsCancelled on a freed factory), and it could still emit. A worker blocked in a call to a dead stage
+        is left behind: when that call returns it sees ``stopped`` and ends without a word."""
         self._stopped.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
