@@ -67,7 +67,7 @@ class StageSupervisor:
 
     def _dead(self, stage: str) -> bool:
         pid = self._stubs.get(stage)
-        return pid is not None and not _alive(pid, self._server_pid)
+        return pid is not None and not stub_alive(pid, self._server_pid)
 
     def unavailable(self) -> str | None:
         """Why new requests must be refused now (a stage is down), or None."""
@@ -86,7 +86,7 @@ class StageSupervisor:
 
     def _check(self) -> None:
         for stage, pid in self._stubs.items():
-            if pid is not None and not _alive(pid, self._server_pid):
+            if pid is not None and not stub_alive(pid, self._server_pid):
                 self._stubs[stage] = None
                 self._restart(stage)
         missing = [stage for stage, pid in self._stubs.items() if pid is None]
@@ -137,7 +137,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
-def _alive(pid: int, parent: int) -> bool:
+def stub_alive(pid: int, parent: int) -> bool:
     stat = _stat(pid)
     return stat is not None and stat[0] not in "ZX" and stat[1] == parent  # a killed stub stays a zombie
 
@@ -149,7 +149,7 @@ def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
     model's config while it loads, where it is the model's own: that one exiting is no death."""
     found = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or not _alive(int(entry.name), parent):
+        if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
             continue
         try:
             argv = [os.fsdecode(arg) for arg in (entry / "cmdline").read_bytes().split(b"\0")]

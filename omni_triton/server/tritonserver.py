@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from omni_triton.server.stage_supervisor import find_stubs, stub_alive
+
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
 # The project root, so every Python-backend stub imports this checkout's omni_triton.
@@ -308,17 +310,8 @@ class TritonServer:
                     time.sleep(0.2)
 
     def stub_pids(self) -> dict[str, int]:
-        """model name -> pid of its Python-backend stub process (the server's children running a model.py)."""
-        stubs = {}
-        for child in _children(self.process.pid) if self.process is not None else []:
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
-            except OSError:
-                continue
-            model_py = next((arg for arg in argv if arg.endswith("/1/model.py")), None)
-            if model_py is not None:
-                stubs[Path(model_py).parents[1].name] = child
-        return stubs
+        """model name -> pid of its Python-backend stub process."""
+        return find_stubs(self.process.pid, self.repository_models()) if self.process is not None else {}
 
     def supervise(self, ready_timeout_s: float, max_restarts: int, log: Callable[[str], None],
                   reloaded_by_orchestrator: tuple[str, ...] = ()) -> int:
@@ -332,7 +325,7 @@ class TritonServer:
         restarts, watched = 0, watched_stubs()
         while True:
             while self.process is not None and self.process.poll() is None:
-                dead = [m for m, pid in watched.items() if not _alive(pid)]
+                dead = [m for m, pid in watched.items() if not stub_alive(pid, self.process.pid)]
                 if dead:
                     log(f"the stub process of {dead} died; its requests can never complete")
                     break
@@ -362,25 +355,6 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (tritonserver does not reap a stub that died)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    """Child processes of ``pid``, whichever of its threads started them."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return children
 
 
 def process_tree_rss_bytes(pid: int) -> int:
