@@ -160,7 +160,9 @@ class OmniStreamClient:
             self._request_id = None
 
     def close(self) -> None:
-        self.client.stop_stream()
+        # cancel_requests: a plain stop_stream() waits for every response, forever when a request never ends
+        # (e.g. after stream() gave up with TimeoutError); after a FINAL response there is nothing to cancel
+        self.client.stop_stream(cancel_requests=True)
         self.client.close()
 
     def __enter__(self) -> "OmniStreamClient":
@@ -180,11 +182,15 @@ def send_cancel(client, request_id: str, timeout_s: float = 10.0) -> None:
     client.start_stream(callback=lambda result, error: done.put(error))
     try:
         client.async_stream_infer("orchestrator", [control], request_id=request_id, enable_empty_final_response=True)
-        error = done.get(timeout=timeout_s)
+        try:
+            error = done.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the orchestrator did not answer the cancel of {request_id} in {timeout_s:.0f} s") \
+                from None
         if error is not None:
             raise error
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=True)
 
 
 def _text_delta(response) -> str:

@@ -73,6 +73,24 @@ def test_serve_restarts_after_a_crash_or_a_dead_stub_and_cleans_up(tiny_checkpoi
         assert serve.wait(60) == 0
         assert not list(Path("/dev/shm").glob(f"{shm_prefix}*")), "shared memory left behind"
     finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
+        _stop(serve)
+
+
+def _stop(serve: subprocess.Popen) -> None:
+    """Stop serve and the tritonserver it runs, also when the test failed half-way: SIGINT first (serve then
+    stops its server and cleans up), else SIGKILL to both (the server has a process group of its own)."""
+    if serve.poll() is not None:
+        return
+    serve.send_signal(signal.SIGINT)
+    try:
+        serve.wait(60)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    for tritonserver in _children(serve.pid):
+        try:
+            os.killpg(tritonserver, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    serve.kill()
+    serve.wait()

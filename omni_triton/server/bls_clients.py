@@ -10,9 +10,12 @@ the first and END on the last, so they all reach the engine that holds that requ
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import os
+import threading
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -29,6 +32,10 @@ THINKER_PARAMS = ["MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "
 TALKER_PARAMS = ["SPEAKER_ID", "TEMPERATURE", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES"]
 
 _correlation_ids = itertools.count(1)
+
+# How long a finished BLS response iterator is kept alive (see ``_IteratorRetirement``); the variable
+# exists for benchmarks/stub_workaround_soak.py, which measures what 0 (drop at once) does.
+ITERATOR_RETIREMENT_S = float(os.environ.get("OMNI_TRITON_BLS_ITERATOR_RETIREMENT_S", "2.0"))
 
 
 def _next_correlation_id() -> int:
@@ -58,7 +65,7 @@ class BlsStageClients:
     def thinker(self, request_id: str) -> Iterable[ThinkerChunk]:
         inputs = [self._inputs[name] for name in ("INPUT_IDS", "AUDIO_FEATURES", *THINKER_PARAMS)]
         request = self._request("thinker", inputs, THINKER_OUTPUTS, request_id=request_id)
-        for response in request.exec(decoupled=True):
+        for response in _stream(request):
             outputs = self._outputs(response)
             if outputs is None:
                 continue  # the empty final response that closes the stream
@@ -73,11 +80,11 @@ class BlsStageClients:
         self._talker_correlation_id = _next_correlation_id()
         extra = [self._pb.Tensor(name, host_array(self._inputs[name]).reshape(1, -1)) for name in TALKER_PARAMS]
         request = self._talker_request(request_id, chunk, start=True, extra=extra)
-        return self._frames(request.exec(decoupled=True))
+        return self._frames(_stream(request))
 
     def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None:
         request = self._talker_request(request_id, chunk, start=False, extra=[])
-        for response in request.exec(decoupled=True):
+        for response in _stream(request):
             self._outputs(response)  # raises on error; append requests carry no outputs
 
     def _talker_request(self, request_id: str, chunk: ThinkerChunk, *, start: bool, extra: list) -> Any:
@@ -146,7 +153,7 @@ class BlsStageClients:
                                          preferred_memory=self._memory, **kwargs)
 
     def _drain(self, request: Any) -> None:
-        for response in request.exec(decoupled=True):
+        for response in _stream(request):
             self._outputs(response)
 
     def _outputs(self, response: Any) -> dict[str, Any] | None:
@@ -154,6 +161,50 @@ class BlsStageClients:
             raise StageError(response.error().message())
         tensors = response.output_tensors()
         return {t.name(): t for t in tensors} if tensors else None
+
+
+class _IteratorRetirement:
+    """Keeps finished BLS response iterators alive for ``ITERATOR_RETIREMENT_S``, then drops them here.
+
+    A decoupled BLS call's iterator keeps every response it returned, and the stub's own table holds it
+    too until the stub's cleanup thread drops that reference, without taking the GIL (Triton 2.51). If
+    Python let go first, that thread destroys the responses and their numpy arrays: Python objects freed
+    without the GIL, which corrupted the orchestrator's heap (its stub died of a segfault within a few
+    dozen requests under 4 streams). The cleanup is queued when the last response arrives, so by the time
+    a retired iterator is dropped here, in a Python thread, ours is the last reference."""
+
+    def __init__(self):
+        self._retired: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def retire(self, iterator: Any) -> None:
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            self._retired.append((now + ITERATOR_RETIREMENT_S, iterator))
+            while self._retired[0][0] <= now:
+                expired.append(self._retired.popleft())
+        del expired  # dropped outside the lock: destroying responses takes a moment
+
+    def __len__(self) -> int:
+        return len(self._retired)
+
+
+_retirement = _IteratorRetirement()
+
+
+def _stream(request: Any) -> Iterator[Any]:
+    """Send ``request`` now (a decoupled BLS call returns once the stage accepted it: a talker START must
+    reach the stage before its appends) and iterate its responses; the iterator is retired, not dropped."""
+    iterator = request.exec(decoupled=True)
+
+    def responses() -> Iterator[Any]:
+        try:
+            yield from iterator
+        finally:
+            _retirement.retire(iterator)
+
+    return responses()
 
 
 def _batched(pb: Any, tensor: Any, name: str) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import json
 
 
@@ -20,3 +22,12 @@ def limit_torch_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set: only allowed once per process, before any parallel work
         pass
+
+
+def report_native_crashes() -> None:
+    """A stub that dies of a signal (a native crash) prints every thread's Python stack to the server's log
+    first: Triton itself only notices later that the stub is gone, and says nothing about why. Not while the
+    interpreter shuts down: the stubs of this Triton build crash in their final garbage collection after
+    every model is unloaded, which is harmless and would fill the log with alarms at every shutdown."""
+    faulthandler.enable(all_threads=True)
+    atexit.register(faulthandler.disable)

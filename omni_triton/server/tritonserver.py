@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from omni_triton.server.stage_supervisor import find_stubs, stub_alive
+from omni_triton.server.stub_lock_fix import lock_fix_environment
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
@@ -68,7 +69,13 @@ class TritonInstall:
         ld_paths = [libdir, *map(str, self.lib_dirs), env.get("LD_LIBRARY_PATH", "")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in ld_paths if p)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+        env.update(self.stub_fixes)
         return env
+
+    @functools.cached_property
+    def stub_fixes(self) -> dict[str, str]:
+        """Environment that works around known bugs of this build's Python-backend stub (stub_lock_fix)."""
+        return lock_fix_environment(self.backend_dir / "python" / STUB_NAME, _cache_dir())
 
 
 def find_tritonserver(explicit: str | os.PathLike | None = None) -> TritonInstall:

@@ -6,7 +6,7 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
-from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.stage_io import configure_interstage_memory, from_torch, host_array, to_torch
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
@@ -16,6 +16,7 @@ RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt
 
 class TritonPythonModel:
     def initialize(self, args):
+        report_native_crashes()
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])

@@ -4,13 +4,14 @@ import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.server.metrics import StageMetrics
-from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.orchestrator import Orchestrator
 from omni_triton.server.stage_io import configure_interstage_memory
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        report_native_crashes()
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])

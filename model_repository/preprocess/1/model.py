@@ -4,7 +4,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
-from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 
 CLIENT_INPUTS = ("TEXT", "AUDIO_IN", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER", "TEMPERATURE", "TOP_P", "TOP_K",
                  "REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
@@ -13,6 +13,7 @@ CLIENT_INPUTS = ("TEXT", "AUDIO_IN", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER", "TEM
 
 class TritonPythonModel:
     def initialize(self, args):
+        report_native_crashes()
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         limits = RequestLimits(

@@ -5,7 +5,7 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
-from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.stage_io import (configure_interstage_memory, control_word, engine_config,
                                          host_array, input_arrays, send_output, talker_output_tensors,
                                          thinker_output_from_request)
@@ -16,6 +16,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
+        report_native_crashes()
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])

@@ -6,7 +6,7 @@ import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.server.metrics import StageMetrics, engine_snapshot
-from omni_triton.server.model_args import limit_torch_threads, model_parameters
+from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.stage_io import (configure_interstage_memory, control_word, engine_config,
                                          input_arrays, send_output, thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
@@ -17,6 +17,7 @@ REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "TE
 
 class TritonPythonModel:
     def initialize(self, args):
+        report_native_crashes()
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
