@@ -7,7 +7,7 @@ built against); numpy is used only for what Triton itself hands out as numpy (CP
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -75,6 +75,16 @@ def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.
         if tensor is not None:
             arrays[name] = host_array(tensor)
     return arrays
+
+
+def answer_abort(pb: Any, request: Any, sender: Any, abort: Callable[[str], None], request_id: str) -> bool:
+    """If ``request`` is an abort control request (CONTROL="abort"), drop ``request_id`` through ``abort`` and
+    close the control request; whether it was one. Thinker and talker take aborts the same way."""
+    if control_word(pb, request) != "abort":
+        return False
+    abort(request_id)
+    sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    return True
 
 
 def control_word(pb: Any, request: Any) -> str | None:

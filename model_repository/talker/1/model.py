@@ -6,7 +6,7 @@ from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
-from omni_triton.server.stage_io import (configure_interstage_memory, control_word, engine_config,
+from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config,
                                          host_array, input_arrays, send_output, talker_output_tensors,
                                          thinker_output_from_request)
 
@@ -34,9 +34,7 @@ class TritonPythonModel:
     def _handle(self, request):
         sender = request.get_response_sender()
         request_id = request.request_id() or f"sequence-{request.correlation_id()}"
-        if control_word(pb_utils, request) == "abort":
-            self.service.abort(request_id)
-            sender.send(flags=FINAL)
+        if answer_abort(pb_utils, request, sender, self.service.abort, request_id):
             return
         is_start = bool(host_array(pb_utils.get_input_tensor_by_name(request, "START")).reshape(-1)[0])
         try:

@@ -7,7 +7,7 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.server.metrics import StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
-from omni_triton.server.stage_io import (configure_interstage_memory, control_word, engine_config,
+from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config,
                                          input_arrays, send_output, thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
 
@@ -34,9 +34,7 @@ class TritonPythonModel:
     def _handle(self, request):
         sender = request.get_response_sender()
         request_id = request.request_id() or f"anonymous-{next(self._anonymous)}"
-        if control_word(pb_utils, request) == "abort":
-            self.service.abort(request_id)
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if answer_abort(pb_utils, request, sender, self.service.abort, request_id):
             return
         try:
             thinker = thinker_request(input_arrays(pb_utils, request, REQUEST_INPUTS), self.service.eos_token_ids)

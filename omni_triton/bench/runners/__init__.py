@@ -3,7 +3,8 @@ one request at a time and returns what its client saw as a RequestTiming."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import time
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -34,3 +35,21 @@ class SharedWorker:
 
     def close(self) -> None:
         pass
+
+
+def time_request(events: Callable[[], Iterator[tuple[bool, int]]]) -> RequestTiming:
+    """Time one request of an in-process system: ``events()`` yields (text arrived, audio samples arrived)
+    whenever the caller would see output; an exception becomes the timing's error."""
+    timing = RequestTiming()
+    start = time.perf_counter()
+    try:
+        for has_text, samples in events():
+            now = time.perf_counter() - start
+            if has_text:
+                timing.text_times.append(now)
+            if samples:
+                timing.audio_chunks.append((now, samples))
+    except Exception as error:
+        timing.error = f"{type(error).__name__}: {error}"
+    timing.total_s = time.perf_counter() - start
+    return timing

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 
 from omni_triton.bench.metrics import RequestTiming
-from omni_triton.bench.runners import SharedWorker
+from omni_triton.bench.runners import SharedWorker, time_request
 
 
 class InProcessRunner:
@@ -25,19 +24,11 @@ class InProcessRunner:
         return SharedWorker(self.request)
 
     def request(self, tensors: dict[str, np.ndarray]) -> RequestTiming:
-        timing = RequestTiming()
-        start = time.perf_counter()
-        try:
+        def events():
             for delta, audio in self.pipeline.stream(tensors):
-                now = time.perf_counter() - start
-                if delta:
-                    timing.text_times.append(now)
-                if audio is not None and audio.numel():
-                    timing.audio_chunks.append((now, int(audio.numel())))
-        except Exception as error:
-            timing.error = f"{type(error).__name__}: {error}"
-        timing.total_s = time.perf_counter() - start
-        return timing
+                yield bool(delta), int(audio.numel()) if audio is not None else 0
+
+        return time_request(events)
 
     def close(self) -> None:
         self.pipeline.close()

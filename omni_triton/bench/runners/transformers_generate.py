@@ -6,13 +6,12 @@ One request at a time (generate has no request batching across clients)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from omni_triton.bench.metrics import RequestTiming
-from omni_triton.bench.runners import SharedWorker
+from omni_triton.bench.runners import SharedWorker, time_request
 
 
 class TransformersRunner:
@@ -42,9 +41,7 @@ class TransformersRunner:
     def request(self, tensors: dict[str, np.ndarray]) -> RequestTiming:
         import torch
 
-        timing = RequestTiming()
-        start = time.perf_counter()
-        try:
+        def events():  # generate() returns everything at the end: one event, text and audio at once
             inputs = self.preprocessor(tensors)
             input_ids = torch.from_numpy(inputs["INPUT_IDS"]).reshape(1, -1).to(self.device)
             tokens, frames = int(inputs["MAX_TOKENS"][0]), int(inputs["MAX_AUDIO_FRAMES"][0])
@@ -54,14 +51,9 @@ class TransformersRunner:
                     thinker_max_new_tokens=tokens, thinker_min_new_tokens=tokens, thinker_do_sample=False,
                     thinker_eos_token_id=self.im_end_token_id,
                     talker_max_new_tokens=frames, talker_min_new_tokens=frames, talker_do_sample=False)
-            now = time.perf_counter() - start
-            timing.text_times.append(now)
-            if waveform is not None and waveform.numel():
-                timing.audio_chunks.append((now, int(waveform.numel())))
-        except Exception as error:
-            timing.error = f"{type(error).__name__}: {error}"
-        timing.total_s = time.perf_counter() - start
-        return timing
+            yield True, int(waveform.numel()) if waveform is not None else 0
+
+        return time_request(events)
 
     def close(self) -> None:
         pass
