@@ -4,7 +4,7 @@ The orchestrator reads several BLS response streams at once while it starts new 
 backend stub of Triton 2.51 (the nvidia-pytriton 0.7.0 bundle, the embedded default) that can close a
 lock cycle between the GIL and two of the stub's mutexes (``native/bls_iterator_lock_order.c`` says
 which), after which the orchestrator stub answers nothing ever again: under 4 streams this happened
-after ~900 requests. The fix is a small library preloaded into tritonserver that changes the order in
+after 67 to ~900 requests (benchmarks/stub_workaround_soak.py). The fix is a small library preloaded into tritonserver that changes the order in
 which ``ResponseIterator::Next`` takes the GIL and its mutex back. It is built here, once, with the
 system C compiler, and only applied to the stub binaries of that bundle (known by their SHA-256, wherever
 they were unpacked): another Triton build gets nothing preloaded.
