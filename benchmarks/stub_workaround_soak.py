@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 from omni_triton.client import OmniStreamClient
 from omni_triton.server.repository import STAGES, LaunchConfig, render_repository
@@ -37,18 +38,13 @@ MODELS = ["preprocess", "thinker", "talker", "code2wav", "orchestrator", "omni"]
 
 
 def soak(variant: str, args: argparse.Namespace, run_dir: Path) -> dict:
-    saved = {key: os.environ.get(key) for key in VARIANTS[variant]}
-    os.environ.update(VARIANTS[variant])
-    try:
+    with mock.patch.dict(os.environ, VARIANTS[variant]):  # the server (and its stubs) inherit this environment
         config = LaunchConfig(checkpoint_dir=args.checkpoint, torch_threads={stage: 1 for stage in STAGES},
                               max_inflight_requests=args.streams)
         repository = render_repository(config, run_dir / "repository", MODELS)
         options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
         server = TritonServer(repository, find_tritonserver(), options, log_path=run_dir / "tritonserver.log")
         server.start()
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     try:
         server.wait_ready(MODELS, timeout_s=300)
         return _load(server, args)

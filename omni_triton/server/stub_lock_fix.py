@@ -4,10 +4,10 @@ The orchestrator reads several BLS response streams at once while it starts new 
 backend stub of Triton 2.51 (the nvidia-pytriton 0.7.0 bundle, the embedded default) that can close a
 lock cycle between the GIL and two of the stub's mutexes (``native/bls_iterator_lock_order.c`` says
 which), after which the orchestrator stub answers nothing ever again: under 4 streams this happened
-after 67 to ~900 requests (benchmarks/stub_workaround_soak.py). The fix is a small library preloaded into tritonserver that changes the order in
-which ``ResponseIterator::Next`` takes the GIL and its mutex back. It is built here, once, with the
-system C compiler, and only applied to the stub binaries of that bundle (known by their SHA-256, wherever
-they were unpacked): another Triton build gets nothing preloaded.
+after 67 to ~900 requests (benchmarks/stub_workaround_soak.py). The fix is a small library preloaded
+into tritonserver that changes the order in which ``ResponseIterator::Next`` takes the GIL and its mutex
+back. It is built here, once, with the system C compiler, and only applied to the stub binaries of that
+bundle (known by their SHA-256, wherever they were unpacked): another Triton build gets nothing preloaded.
 
 ``OMNI_TRITON_STUB_LOCK_FIX=0`` turns it off (e.g. to reproduce the deadlock).
 """
@@ -40,9 +40,15 @@ AFFECTED_STUBS = {
 
 def lock_fix_environment(stub: Path, cache_dir: Path) -> dict[str, str]:
     """LD_PRELOAD and the symbol range for ``stub``; empty when the fix cannot or need not apply."""
-    if os.environ.get("OMNI_TRITON_STUB_LOCK_FIX", "1") == "0" or not _is_affected(stub):
+    if os.environ.get("OMNI_TRITON_STUB_LOCK_FIX", "1") == "0":
         return {}
-    span = _symbol_range(stub, NEXT_SYMBOL)
+    try:
+        binary = stub.read_bytes()
+    except OSError:
+        return {}
+    if hashlib.sha256(binary).hexdigest() not in AFFECTED_STUBS:
+        return {}
+    span = _symbol_range(binary, NEXT_SYMBOL)
     library = _build(cache_dir)
     if span is None or library is None:
         logger.warning("the Triton 2.51 stub deadlock fix is not applied (%s): concurrent streams can hang "
@@ -52,19 +58,8 @@ def lock_fix_environment(stub: Path, cache_dir: Path) -> dict[str, str]:
     return {"LD_PRELOAD": preload, "OMNI_TRITON_STUB_NEXT_RANGE": f"{span[0]:x}:{span[1]:x}"}
 
 
-def _is_affected(stub: Path) -> bool:
-    try:
-        return hashlib.sha256(stub.read_bytes()).hexdigest() in AFFECTED_STUBS
-    except OSError:
-        return False
-
-
-def _symbol_range(binary: Path, symbol: str) -> tuple[int, int] | None:
+def _symbol_range(elf: bytes, symbol: str) -> tuple[int, int] | None:
     """(offset, size) of a function in an x86-64 ELF binary's symbol table (what ``nm -S`` prints)."""
-    try:
-        elf = binary.read_bytes()
-    except OSError:
-        return None
     if elf[:5] != b"\x7fELF\x02" or elf[5] != 1:  # 64-bit, little-endian
         return None
     section_table, entry_size, count = struct.unpack_from("<Q", elf, 0x28)[0], *struct.unpack_from("<HH", elf, 0x3A)
