@@ -2,9 +2,14 @@
 inter-stage tensors lived.
 
 Prints TTFT/TTFA p50 per concurrency and the ``omni_interstage_host_tensors_total`` counters (all 0
-means no stage-to-stage hop went through host memory), and writes the numbers as JSON.
+means no stage-to-stage hop went through host memory), and writes the numbers as JSON. With
+``--compare-inprocess`` every served stream is checked against the in-process pipeline (same code, no
+Triton) run alone with the same seed: text equal, audio within ``--audio-atol``. With ``--soak-s`` it then
+keeps ``--soak-concurrency`` streams going for that long, sampling GPU and host memory.
 
-    python benchmarks/served_device_check.py --device cuda --concurrency 1,8 --out served_cuda.json
+    python benchmarks/served_device_check.py --device cuda --concurrency 1,8,32 --compare-inprocess \
+        --dtype float32 --out served_cuda.json
+    python benchmarks/served_device_check.py --device cuda --concurrency 8 --soak-s 360 --out soak.json
 
 ``--entry orchestrator`` preprocesses in this process and streams to the orchestrator directly (no
 BYTES inputs reach a Python stub): the tritonserver bundle's Python 3.12 stub garbles BYTES inputs on
@@ -29,7 +34,8 @@ from pathlib import Path
 
 from omni_triton.client import OmniStreamClient
 from omni_triton.server.repository import LaunchConfig, render_repository
-from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
+                                             process_tree_rss_bytes)
 
 
 def host_hop_counters(metrics_url: str) -> dict[str, float]:
@@ -106,8 +112,12 @@ def dump_stuck_server(server: TritonServer, out_dir: Path) -> None:
     os._exit(3)
 
 
+def request_text(index: int) -> str:
+    return f"Request number {index}: tell me something."
+
+
 def run_level(grpc_url: str, concurrency: int, requests: int, workload: dict, preprocess=None,
-              watchdog: StallWatchdog | None = None) -> dict:
+              watchdog: StallWatchdog | None = None, results_out: list | None = None) -> dict:
     def one(index: int):
         result = _one(index)
         if watchdog is not None:
@@ -115,22 +125,111 @@ def run_level(grpc_url: str, concurrency: int, requests: int, workload: dict, pr
         return result
 
     def _one(index: int):
-        text = f"Request number {index}: tell me something."
+        text = request_text(index)
+        scalars = dict(workload, seed=index)
         if preprocess is None:
             with OmniStreamClient(grpc_url) as client:
-                return client.stream(text, timeout_s=300, **workload)
+                return client.stream(text, timeout_s=300, **scalars)
         with OmniStreamClient(grpc_url, model="orchestrator") as client:
-            return client.stream_inputs(preprocess(text, **workload), timeout_s=300)
+            return client.stream_inputs(preprocess(text, **scalars), timeout_s=300)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - start
+    if results_out is not None:
+        results_out.extend(results)
     ttfa = [r.ttfa_s for r in results if r.ttfa_s is not None]
     ttft = [r.ttft_s for r in results if r.ttft_s is not None]
     return {"concurrency": concurrency, "requests": requests, "ttft_p50_ms": 1e3 * statistics.median(ttft),
             "ttfa_p50_ms": 1e3 * statistics.median(ttfa), "ttfa_max_ms": 1e3 * max(ttfa),
             "rtf_mean": statistics.mean(r.rtf for r in results), "requests_per_s": requests / wall}
+
+
+def compare_inprocess(checkpoint: Path, config: LaunchConfig, workload: dict, served: dict[int, list],
+                      audio_atol: float) -> dict:
+    """Each served stream against the in-process pipeline run alone with the same text and seed."""
+    import numpy as np
+    import torch
+
+    from omni_triton.client import build_inputs
+    from omni_triton.pipeline.inprocess import InProcessPipeline
+
+    pipeline = InProcessPipeline(checkpoint, device=config.device, dtype=getattr(torch, config.resolved_dtype))
+    reference = {}
+    try:
+        for index in sorted({i for results in served.values() for i in range(len(results))}):
+            inputs = {t.name(): _input_array(t) for t in build_inputs(request_text(index), **dict(workload, seed=index))}
+            text, audio = "", []
+            for delta, chunk in pipeline.stream(inputs):
+                text += delta
+                if chunk is not None and chunk.numel():
+                    audio.append(chunk.float().cpu().numpy())
+            reference[index] = (text, np.concatenate(audio) if audio else np.zeros(0, np.float32))
+    finally:
+        pipeline.close()
+    report = {}
+    for concurrency, results in served.items():
+        text_equal, audio_equal, worst = 0, 0, 0.0
+        for index, result in enumerate(results):
+            text, audio = reference[index]
+            text_equal += result.text == text
+            same_length = len(result.audio) == len(audio)
+            diff = float(np.abs(result.audio - audio).max()) if same_length and len(audio) else float("inf")
+            audio_equal += same_length and diff <= audio_atol
+            worst = max(worst, diff)
+        report[concurrency] = {"streams": len(results), "text_equal": text_equal, "audio_equal": audio_equal,
+                               "audio_max_abs_diff": worst}
+    return report
+
+
+def gpu_memory_used_mib() -> float | None:
+    try:
+        output = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=30).stdout
+        return float(output.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def soak(server: TritonServer, concurrency: int, seconds: float, workload: dict, sample_s: float = 15.0) -> dict:
+    """``concurrency`` client threads streaming back to back for ``seconds``; counts every error and samples
+    GPU memory (nvidia-smi) and the server's host RSS (server + stubs) over time."""
+    stop_at = time.monotonic() + seconds
+    counts = {"requests": 0, "errors": 0}
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client_loop(worker: int) -> None:
+        index = worker
+        while time.monotonic() < stop_at:
+            try:
+                with OmniStreamClient(server.grpc_url) as client:
+                    result = client.stream(request_text(index), timeout_s=120, **dict(workload, seed=index))
+                failed = result.audio_seconds == 0
+            except Exception as error:  # every failure counts, whatever its kind
+                failed = True
+                with lock:
+                    errors.append(f"{type(error).__name__}: {error}"[:300])
+            with lock:
+                counts["requests"] += 1
+                counts["errors"] += failed
+            index += concurrency
+
+    samples = []
+    started = time.monotonic()
+    threads = [threading.Thread(target=client_loop, args=(w,), daemon=True) for w in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        samples.append({"t_s": round(time.monotonic() - started, 1), "requests": counts["requests"],
+                        "gpu_mib": gpu_memory_used_mib(),
+                        "host_rss_mib": round(process_tree_rss_bytes(server.process.pid) / 2**20, 1)})
+        print(f"soak {samples[-1]}", flush=True)
+        for thread in threads:
+            thread.join(timeout=sample_s / len(threads))
+    return dict(counts, concurrency=concurrency, seconds=round(time.monotonic() - started, 1),
+                first_errors=errors[:10], samples=samples)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,8 +238,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="engines' dtype (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--interstage-memory", default="device", choices=["device", "host"],
-                        help="host for Triton builds that cannot pass GPU tensors through decoupled BLS")
+    parser.add_argument("--interstage-memory", choices=["device", "host"],
+                        help="host for Python backends that cannot pass GPU tensors through decoupled BLS "
+                             "(default: what the chosen backend allows)")
+    parser.add_argument("--python-backend", choices=["auto", "built", "bundled"], default="auto")
+    parser.add_argument("--temperature", type=float, default=0.9,
+                        help="sampling temperature; request i gets seed i (default: %(default)s)")
+    parser.add_argument("--compare-inprocess", action="store_true",
+                        help="check every served stream against the in-process pipeline (same seed)")
+    parser.add_argument("--audio-atol", type=float, default=1e-4)
+    parser.add_argument("--soak-s", type=float, default=0.0, help="then soak for this many seconds")
+    parser.add_argument("--soak-concurrency", type=int, default=8)
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     parser.add_argument("--tokens", type=int, default=32)
@@ -160,30 +268,44 @@ def main(argv: list[str] | None = None) -> None:
         from build_engines.tiny_checkpoint import build
 
         checkpoint = build(workdir / "tiny")
+    install = find_tritonserver(python_backend=args.python_backend, device=args.device)
     config = LaunchConfig(checkpoint_dir=Path(checkpoint), device=args.device, dtype=args.dtype,
-                          interstage_memory=args.interstage_memory,
+                          interstage_memory=args.interstage_memory or install.interstage_memory(args.device),
                           max_inflight_requests=64)
     repository = render_repository(config, workdir / "repository")
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda", log_verbose=args.log_verbose)
-    server = TritonServer(repository, find_tritonserver(), options,
-                          log_path=args.log or workdir / "tritonserver.log")
+    server = TritonServer(repository, install, options, log_path=args.log or workdir / "tritonserver.log")
+    print(f"python backend: {install.python_backend_note}; interstage memory {config.interstage_memory}", flush=True)
     server.start()
     try:
         ready_s = server.wait_ready(timeout_s=600)
         watchdog = StallWatchdog(args.stall_s, lambda: dump_stuck_server(server, Path(args.out).with_suffix(".stuck")))
-        workload = dict(temperature=0.0, max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True,
-                        max_audio_frames=args.frames, min_audio_frames=args.frames)
+        workload = dict(temperature=args.temperature, max_tokens=args.tokens, min_tokens=args.tokens,
+                        ignore_eos=True, max_audio_frames=args.frames, min_audio_frames=args.frames)
         preprocess = (_PreprocessedInputs(Path(checkpoint), config.kv_cache_tokens)
                       if args.entry == "orchestrator" else None)
         run_level(server.grpc_url, 1, 2, workload, preprocess, watchdog)  # warm-up: first calls compile/allocate
-        levels = [run_level(server.grpc_url, int(c), max(args.requests, int(c)), workload, preprocess, watchdog)
-                  for c in args.concurrency.split(",")]
+        served: dict[int, list] = {}
+        levels = [run_level(server.grpc_url, int(c), max(args.requests, int(c)), workload, preprocess, watchdog,
+                            served.setdefault(int(c), [])) for c in args.concurrency.split(",")]
         hops = host_hop_counters(server.metrics_url)
+        soaked = None
+        if args.soak_s:
+            watchdog.progress()
+            watchdog._stall_s = args.soak_s + 300  # the soak counts its own errors
+            soaked = soak(server, args.soak_concurrency, args.soak_s, workload)
+            soaked["interstage_host_tensors_after"] = host_hop_counters(server.metrics_url)
     finally:
+        stop_started = time.monotonic()
         server.stop()
-    report = {"device": args.device, "dtype": config.resolved_dtype, "interstage_memory": args.interstage_memory, "entry": args.entry, "checkpoint": str(checkpoint), "ready_s": ready_s, "workload": workload,
-              "levels": levels, "interstage_host_tensors": hops}
+        stop_s = time.monotonic() - stop_started
+    compared = (compare_inprocess(Path(checkpoint), config, workload, served, args.audio_atol)
+                if args.compare_inprocess else None)
+    report = {"device": args.device, "gpu": gpu_name(), "python_backend": install.python_backend_note,
+              "dtype": config.resolved_dtype, "interstage_memory": config.interstage_memory, "entry": args.entry,
+              "checkpoint": str(checkpoint), "ready_s": ready_s, "stop_s": stop_s, "workload": workload,
+              "levels": levels, "interstage_host_tensors": hops, "inprocess_comparison": compared, "soak": soaked}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"ready in {ready_s:.1f} s on {args.device}")
     print("| concurrency | TTFT p50 ms | TTFA p50 ms | TTFA max ms | RTF mean | req/s |")
@@ -192,6 +314,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {level['concurrency']} | {level['ttft_p50_ms']:.1f} | {level['ttfa_p50_ms']:.1f} | "
               f"{level['ttfa_max_ms']:.1f} | {level['rtf_mean']:.3f} | {level['requests_per_s']:.2f} |")
     print("inter-stage tensors received in host memory, by stage:", hops)
+    if compared:
+        print("against the in-process pipeline (same seed):", json.dumps(compared))
+    if soaked:
+        print(f"soak: {soaked['requests']} requests in {soaked['seconds']} s at {soaked['concurrency']} streams, "
+              f"{soaked['errors']} errors; memory first/last: {soaked['samples'][0]} / {soaked['samples'][-1]}")
+    print(f"server stopped in {stop_s:.1f} s")
+
+
+def gpu_name() -> str | None:
+    try:
+        import torch
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

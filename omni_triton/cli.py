@@ -2,21 +2,23 @@
 
     omni-triton serve [--checkpoint DIR] [--device cpu|cuda] [--tritonserver PATH] ...
     omni-triton demo  ["text"] [--out out.wav]      start a server, stream one request, stop
-    omni-triton build tiny|onnx|trt [builder options]
+    omni-triton build tiny|onnx|trt|python-backend [builder options]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from pathlib import Path
 
 from omni_triton.server.repository import (CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig,
                                           render_repository)
-from omni_triton.server.tritonserver import (ServerOptions, TritonServer, TritonServerError, find_tritonserver,
-                                             process_tree_rss_bytes)
+from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES
+from omni_triton.server.tritonserver import (ServerOptions, TritonInstall, TritonServer, TritonServerError,
+                                             find_tritonserver, process_tree_rss_bytes)
 
 DEFAULT_TINY_CHECKPOINT = Path("checkpoints/tiny")
 DEMO_TEXT = "Hello, how are you today?"
@@ -25,6 +27,7 @@ BUILDERS = {
     "tiny": "build_engines.tiny_checkpoint",
     "onnx": "build_engines.export_code2wav_onnx",
     "trt": "build_engines.build_code2wav_trt",
+    "python-backend": "build_engines.python_backend",
 }
 
 
@@ -34,10 +37,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--checkpoint", type=Path,
                         help=f"checkpoint directory (default: build the tiny one at {DEFAULT_TINY_CHECKPOINT})")
     launch.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    launch.add_argument("--interstage-memory", choices=INTERSTAGE_MEMORY, default=defaults.interstage_memory,
+    launch.add_argument("--interstage-memory", choices=INTERSTAGE_MEMORY,
                         help="where tensors between stages live on a GPU: device (GPU tensors) or host; host is "
-                             "for Triton builds that cannot pass GPU tensors through decoupled BLS, such as the "
-                             "nvidia-pytriton bundle (default: %(default)s)")
+                             "for Python backends that cannot pass GPU tensors through decoupled BLS (the "
+                             "nvidia-pytriton bundle's) (default: device, host with that bundled backend)")
     launch.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="default: float32 on cpu, bfloat16 on cuda")
     launch.add_argument("--first-chunk-frames", type=int, default=defaults.first_chunk_frames)
@@ -62,6 +65,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("tritonserver")
     server.add_argument("--tritonserver", help="tritonserver binary (default: $TRITONSERVER, "
                                                "/opt/tritonserver, then the nvidia-pytriton bundle)")
+    server.add_argument("--python-backend", choices=PYTHON_BACKEND_CHOICES,
+                        default=os.environ.get("OMNI_TRITON_PYTHON_BACKEND", "auto"),
+                        help="built: the Python backend built by `omni-triton build python-backend`; bundled: the "
+                             "tritonserver install's own; auto: built when present (default: %(default)s)")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     server.add_argument("--http-port", type=int, default=8000)
     server.add_argument("--grpc-port", type=int, default=8001)
@@ -72,14 +79,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
 
 
-def launch_config(args: argparse.Namespace) -> LaunchConfig:
+def launch_config(args: argparse.Namespace, install: TritonInstall) -> LaunchConfig:
     checkpoint = args.checkpoint
     if checkpoint is None:
         from build_engines.tiny_checkpoint import build
 
         checkpoint = build(DEFAULT_TINY_CHECKPOINT)
     return LaunchConfig(
-        checkpoint_dir=checkpoint, device=args.device, interstage_memory=args.interstage_memory, dtype=args.dtype,
+        checkpoint_dir=checkpoint, device=args.device, dtype=args.dtype,
+        interstage_memory=args.interstage_memory or install.interstage_memory(args.device),
         first_chunk_frames=args.first_chunk_frames, next_chunk_frames=args.next_chunk_frames,
         left_context_frames=args.left_context_frames, kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,
@@ -91,16 +99,19 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
 
 
 def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
-    config = launch_config(args)
+    install = find_tritonserver(args.tritonserver, args.python_backend, args.device)
+    config = launch_config(args, install)
     models = args.models.split(",") if args.models else None
     repository = render_repository(config, args.run_dir / "repository", models)
     options = ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, gpu=config.device == "cuda",
                             stage_reload=args.allow_stage_reload)
-    server = TritonServer(repository, find_tritonserver(args.tritonserver), options,
-                          log_path=args.run_dir / "tritonserver.log", echo_log=echo_log)
-    print(f"tritonserver ({server.install.origin}: {server.install.binary})\n"
-          f"  checkpoint {config.checkpoint_dir}, device {config.device}, repository {repository}", flush=True)
+    server = TritonServer(repository, install, options, log_path=args.run_dir / "tritonserver.log",
+                          echo_log=echo_log)
+    print(f"tritonserver ({install.origin}: {install.binary})\n"
+          f"  python backend: {install.python_backend_note}\n"
+          f"  checkpoint {config.checkpoint_dir}, device {config.device}, interstage memory "
+          f"{config.interstage_memory}, repository {repository}", flush=True)
     server.start()
     try:
         waited = server.wait_ready(timeout_s=args.ready_timeout)

@@ -54,11 +54,13 @@ def servable_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:
 
 
 def start_server(config: LaunchConfig, run_dir: Path, models: list[str] | None = None,
-                 ready_timeout_s: float = 180.0) -> ServerHandle:
+                 ready_timeout_s: float = 180.0, python_backend: str | None = None) -> ServerHandle:
+    """``python_backend``: auto (None: the built one when present), built or bundled."""
     models = servable_models() if models is None else models
     repository = render_repository(config, run_dir / "repository", models)
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    server = TritonServer(repository, find_tritonserver(), options, log_path=run_dir / "tritonserver.log")
+    server = TritonServer(repository, find_tritonserver(python_backend=python_backend), options,
+                          log_path=run_dir / "tritonserver.log")
     server.start()
     try:
         ready_s = server.wait_ready(models, timeout_s=ready_timeout_s)

@@ -78,16 +78,17 @@ def served(args: argparse.Namespace, workload: Workload) -> Iterator[str]:
     from omni_triton.server.repository import LaunchConfig, available_models, render_repository
     from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
+    install = find_tritonserver(args.tritonserver, device=args.device)
     # Enough engine slots for the highest level, so the launch config never caps the measured concurrency.
     config = LaunchConfig(checkpoint_dir=args.checkpoint.resolve(), device=args.device,
+                          interstage_memory=install.interstage_memory(args.device),
                           max_inflight_requests=max(16, *workload.concurrencies))
     models = available_models()
     run_dir = Path("build/bench-run")  # the rendered repository and the server log: not results
     repository = render_repository(config, run_dir / "repository", models)
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda")
-    server = TritonServer(repository, find_tritonserver(args.tritonserver), options,
-                          log_path=run_dir / "tritonserver.log")
+    server = TritonServer(repository, install, options, log_path=run_dir / "tritonserver.log")
     server.start()
     try:
         print(f"tritonserver ready in {server.wait_ready(models, timeout_s=600):.1f} s at {server.grpc_url}",

@@ -10,18 +10,16 @@ the first and END on the last, so they all reach the engine that holds that requ
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import os
-import threading
-import time
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from omni_triton.pipeline.session import ThinkerChunk
+from omni_triton.server import bundled_backend
 from omni_triton.server.stage_io import device_tensors_between_stages, from_torch, host_array, to_torch
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
@@ -32,10 +30,6 @@ THINKER_PARAMS = ["MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "
 TALKER_PARAMS = ["SPEAKER_ID", "TEMPERATURE", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES"]
 
 _correlation_ids = itertools.count(1)
-
-# How long a finished BLS response iterator is kept alive (see ``_IteratorRetirement``); the variable
-# exists for benchmarks/stub_workaround_soak.py, which measures what 0 (drop at once) does.
-ITERATOR_RETIREMENT_S = float(os.environ.get("OMNI_TRITON_BLS_ITERATOR_RETIREMENT_S", "2.0"))
 
 
 def _next_correlation_id() -> int:
@@ -163,46 +157,16 @@ class BlsStageClients:
         return {t.name(): t for t in tensors} if tensors else None
 
 
-class _IteratorRetirement:
-    """Keeps finished BLS response iterators alive for ``ITERATOR_RETIREMENT_S``, then drops them here.
-
-    A decoupled BLS call's iterator keeps every response it returned, and the stub's own table holds it
-    too until the stub's cleanup thread drops that reference, without taking the GIL (Triton 2.51). If
-    Python let go first, that thread destroys the responses and their numpy arrays: Python objects freed
-    without the GIL, which corrupted the orchestrator's heap (its stub died of a segfault after 10 to ~200
-    requests under 4 streams). The cleanup is queued when the last response arrives, so by the time
-    a retired iterator is dropped here, in a Python thread, ours is the last reference."""
-
-    def __init__(self):
-        self._retired: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-
-    def retire(self, iterator: Any) -> None:
-        now = time.monotonic()
-        expired = []
-        with self._lock:
-            self._retired.append((now + ITERATOR_RETIREMENT_S, iterator))
-            while self._retired and self._retired[0][0] <= now:
-                expired.append(self._retired.popleft())
-        del expired  # dropped outside the lock: destroying responses takes a moment
-
-    def __len__(self) -> int:
-        return len(self._retired)
-
-
-_retirement = _IteratorRetirement()
-
-
 def _stream(request: Any) -> Iterator[Any]:
     """Send ``request`` now (a decoupled BLS call returns once the stage accepted it: a talker START must
-    reach the stage before its appends) and iterate its responses; the iterator is retired, not dropped."""
+    reach the stage before its appends) and iterate its responses."""
     iterator = request.exec(decoupled=True)
 
     def responses() -> Iterator[Any]:
         try:
             yield from iterator
         finally:
-            _retirement.retire(iterator)
+            bundled_backend.release_iterator(iterator)
 
     return responses()
 

@@ -37,6 +37,16 @@ def engine_snapshot(stats: Any, extra_active: int = 0) -> dict[str, float]:
     }
 
 
+def release_metrics(metrics: dict, families: dict) -> None:
+    """Drop pb_utils metrics, then their families, while the model's stub still runs (from finalize).
+
+    A metric or family that Python frees later (in the interpreter's final garbage collection, when a
+    reference cycle held it) tells a stub that no longer exists: python_backend r26.07 then creates a new,
+    empty stub object and segfaults on its missing shared memory, at every shutdown."""
+    metrics.clear()
+    families.clear()
+
+
 class StageMetrics:
     def __init__(self, pb_utils: Any, stage: str, snapshot: Callable[[], dict[str, float]],
                  interval_s: float = 0.1):
@@ -60,9 +70,11 @@ class StageMetrics:
             self._gauges[name].set(float(value))
 
     def stop(self) -> None:
+        """Last update, then release the metrics: call from the model's finalize (see ``release_metrics``)."""
         self._stop.set()
         self._thread.join()
         self.update()
+        release_metrics(self._gauges, self._families)
 
 
 class HostHopCounter:
@@ -80,6 +92,11 @@ class HostHopCounter:
             description="Inter-stage tensors received in host memory on a GPU deployment (should be 0)",
             kind=pb_utils.MetricFamily.COUNTER)
         self._counter = self._family.Metric(labels={"stage": stage})
+
+    def close(self) -> None:
+        """Release the counter: call from the model's finalize (see ``release_metrics``)."""
+        release_metrics({"counter": self._counter}, {"family": self._family})
+        del self._counter, self._family
 
     def check(self, *tensors: Any) -> None:
         """``tensors``: pb_utils.Tensor objects that came from another stage."""

@@ -126,6 +126,7 @@ class Orchestrator:
     def shutdown(self) -> None:
         self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._host_hops.close()
 
     def _request_id(self, request: Any) -> str:
         # Triton's own id may be empty or reused by clients; stages key their state on this one.

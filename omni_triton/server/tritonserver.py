@@ -2,7 +2,8 @@
 
 Three installs are recognised, in this order: an explicit path (``--tritonserver`` or $TRITONSERVER),
 the NGC image's /opt/tritonserver, and the binary bundled in the nvidia-pytriton wheel (the embedded
-default: no Docker, CPU-only machines included).
+default: no Docker, CPU-only machines included). The Python backend is the one built from source
+(``omni-triton build python-backend``) when present, else the install's own (``python_backend.py``).
 
     with TritonServer(repository, find_tritonserver()) as server:
         client = server.grpc_client()
@@ -10,6 +11,7 @@ default: no Docker, CPU-only machines included).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -25,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from omni_triton.server import bundled_backend
+from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
 from omni_triton.server.stage_supervisor import find_stubs, stub_alive
-from omni_triton.server.stub_lock_fix import lock_fix_environment
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
@@ -44,6 +47,8 @@ class TritonInstall:
     backend_dir: Path
     lib_dirs: tuple[Path, ...]
     origin: str  # "explicit", "ngc" or "pytriton": says where it came from in logs and errors
+    python_backend: str = "bundled"  # "built" (from source, in backend_dir) or "bundled" (the install's own)
+    python_backend_note: str = ""  # what was chosen and why, for the launch log
 
     @functools.cached_property
     def help_text(self) -> str:
@@ -72,14 +77,42 @@ class TritonInstall:
         env.update(self.stub_fixes)
         return env
 
+    @property
+    def stub(self) -> Path:
+        return self.backend_dir / "python" / STUB_NAME
+
     @functools.cached_property
     def stub_fixes(self) -> dict[str, str]:
-        """Environment that works around known bugs of this build's Python-backend stub (stub_lock_fix)."""
-        return lock_fix_environment(self.backend_dir / "python" / STUB_NAME, _cache_dir())
+        """Environment that works around known bugs of the bundled Triton 2.51 stub (empty for any other)."""
+        return bundled_backend.server_environment(self.stub, _cache_dir())
+
+    def interstage_memory(self, device: str) -> str:
+        """Where tensors between stages can live with this install's Python backend (``device`` unless it
+        cannot carry CUDA tensors through decoupled BLS)."""
+        return bundled_backend.interstage_memory(self.stub, device)
 
 
-def find_tritonserver(explicit: str | os.PathLike | None = None) -> TritonInstall:
-    """Locate a usable tritonserver: explicit path / $TRITONSERVER, then NGC, then the pytriton bundle."""
+def find_tritonserver(explicit: str | os.PathLike | None = None, python_backend: str | None = None,
+                      device: str = "cpu") -> TritonInstall:
+    """Locate a usable tritonserver: explicit path / $TRITONSERVER, then NGC, then the pytriton bundle; and
+    its Python backend: ``python_backend`` (default $OMNI_TRITON_PYTHON_BACKEND, else auto) says which."""
+    choice = python_backend or os.environ.get("OMNI_TRITON_PYTHON_BACKEND") or "auto"
+    if choice not in PYTHON_BACKEND_CHOICES:
+        raise TritonServerError(f"python backend must be one of {PYTHON_BACKEND_CHOICES}, got {choice!r}")
+    install = _find_install(explicit)
+    built, why_not = load_built_backend()
+    if built is not None and device == "cuda" and not built.gpu:
+        built, why_not = None, f"the {built.describe()} cannot carry GPU tensors (rebuild with --gpu)"
+    if choice == "built" and built is None:
+        raise TritonServerError(f"--python-backend built: {why_not}")
+    if choice != "bundled" and built is not None:
+        return dataclasses.replace(install, backend_dir=built.directory, python_backend="built",
+                                   python_backend_note=built.describe())
+    note = f"the {install.origin} install's own" + ("" if choice == "bundled" else f" ({why_not})")
+    return dataclasses.replace(install, python_backend_note=note)
+
+
+def _find_install(explicit: str | os.PathLike | None) -> TritonInstall:
     explicit = explicit or os.environ.get("TRITONSERVER")
     if explicit:
         binary = Path(explicit).expanduser().resolve()
@@ -107,7 +140,28 @@ def _install_from_binary(binary: Path, origin: str) -> TritonInstall:
     stubs = root / "python_backend_stubs"
     if stubs.is_dir():  # the pytriton bundle ships one stub per Python version, none installed
         backend_dir = _install_python_stub(backend_dir, stubs)
-    return TritonInstall(binary, backend_dir, tuple(lib_dirs), origin)
+    return TritonInstall(binary, backend_dir, tuple(lib_dirs + _server_library_alias(lib_dirs)), origin)
+
+
+def _server_library_alias(lib_dirs: list[Path]) -> list[Path]:
+    """A backend built from source links ``libtritonserver.so`` by that name, but the nvidia-pytriton wheel
+    renamed its copy (``libtritonserver-<hash>.so``, auditwheel). A link by the plain name, in a folder put
+    on the server's library path, points the backend at the server's own library (the same file, which the
+    loader maps once)."""
+    if any((d / "libtritonserver.so").exists() for d in lib_dirs):
+        return []
+    renamed = sorted(p for d in lib_dirs for p in d.glob("libtritonserver-*.so"))
+    if not renamed:
+        return []
+    alias_dir = _cache_dir() / "lib"
+    alias = alias_dir / "libtritonserver.so"
+    if not alias.is_symlink() or alias.resolve() != renamed[0].resolve():
+        alias_dir.mkdir(parents=True, exist_ok=True)
+        partial = alias_dir / f".libtritonserver.so.{os.getpid()}"
+        partial.unlink(missing_ok=True)
+        partial.symlink_to(renamed[0].resolve())
+        partial.replace(alias)  # atomic: concurrent launches never see a missing link
+    return [alias_dir]
 
 
 def _install_python_stub(backend_dir: Path, stubs: Path) -> Path:
@@ -264,8 +318,10 @@ class TritonServer:
         return sorted(p.name for p in self.repository.iterdir() if (p / "config.pbtxt").is_file())
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGINT (graceful: Triton drains requests), then SIGTERM, then SIGKILL, to the whole group."""
+        """SIGINT (graceful: Triton drains requests and unloads every model), then SIGTERM, then SIGKILL, to
+        the whole group."""
         self._stop_echo.set()
+        stubs = list(self.stub_pids().values())
         process, self.process = self.process, None
         if process is None:
             return None
@@ -276,6 +332,8 @@ class TritonServer:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:
                 break
+            if sig == signal.SIGINT and self._wait_for_unload(process, stubs, wait_s):
+                break
             try:
                 process.wait(wait_s)
             except subprocess.TimeoutExpired:
@@ -283,6 +341,26 @@ class TritonServer:
         self._kill_leftover_group(process.pid)
         self._remove_shared_memory()
         return process.returncode
+
+    @staticmethod
+    def _wait_for_unload(process: subprocess.Popen, stubs: list[int], timeout_s: float) -> bool:
+        """After SIGINT: True once the server has exited, or has unloaded every model. On shutdown Triton
+        (2.51) looks for models still loaded once a second and exits at the first look that finds none, so up
+        to a second passes after the last stub process exited with nothing left to do; a server whose every
+        stub has exited (each after its model's finalize) is ended then instead of at that look."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                return True
+            if stubs and not any(stub_alive(pid, process.pid) for pid in stubs):
+                try:
+                    process.wait(0.2)  # the usual case when the last model unloads just before a look
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                return True
+            time.sleep(0.05)
+        return False
 
     def _remove_shared_memory(self) -> None:
         """A server that crashed leaves its stubs' regions in /dev/shm; nothing else uses this prefix."""

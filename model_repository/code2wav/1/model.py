@@ -66,6 +66,7 @@ class TritonPythonModel:
     def finalize(self):
         del self.batch_chunks, self.decoded_frames  # metrics before their families
         self.metric_families.clear()
+        self.host_hops.close()
 
     def _jobs(self, request) -> list[ChunkJob]:
         """CODES [b, G, N] + LEFT_CONTEXT [b, 1] -> b chunk jobs (raises ValueError naming the bad input)."""

@@ -63,3 +63,4 @@ class TritonPythonModel:
     def finalize(self):
         self.service.shutdown()
         self.metrics.stop()
+        self.host_hops.close()

@@ -9,7 +9,9 @@ into tritonserver that changes the order in which ``ResponseIterator::Next`` tak
 back. It is built here, once, with the system C compiler, and only applied to the stub binaries of that
 bundle (known by their SHA-256, wherever they were unpacked): another Triton build gets nothing preloaded.
 
-``OMNI_TRITON_STUB_LOCK_FIX=0`` turns it off (e.g. to reproduce the deadlock).
+``OMNI_TRITON_STUB_LOCK_FIX=0`` turns it off (e.g. to reproduce the deadlock). Built python_backend r26.07
+has the same cycle; there ``build_engines/python_backend_patches/python_backend-bls-lock-order.patch`` fixes
+it in the source instead.
 """
 
 from __future__ import annotations
@@ -26,27 +28,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "bls_iterator_lock_order.c"
 NEXT_SYMBOL = "_ZN6triton7backend6python16ResponseIterator4NextEv"  # ResponseIterator::Next()
-# The Python-backend stubs of nvidia-pytriton 0.7.0 (Triton 2.51), one per Python version: the binaries
-# whose Next() was read and found to wait the way the preloaded library expects.
-AFFECTED_STUBS = {
-    "41c352e7eae5ea1b3e6474a679180b770911dedef5fa836a9457f1e8601cf412",  # Python 3.8
-    "cf800e6d53a69556848dd95af0e591fff4e6ab848903454f6d5448185f328aad",  # Python 3.9
-    "251c532e0af9c057d50784cc933fd52f304163e238d51e74c0ffc1c1790188b5",  # Python 3.10
-    "a302adf6396501ac139da06f965aea1bf61929c99bf799f6b8797e071cd268f4",  # Python 3.11
-    "41a7758c6f44520b846e90a5bf8b063f99aee01698c3e32113ce352fe8369921",  # Python 3.12
-    "7b701b4b4bc01ca7af0350eaffa4f2aed92f02b465b3494a265059e4d3ca6cf8",  # Python 3.13
-}
 
 
-def lock_fix_environment(stub: Path, cache_dir: Path) -> dict[str, str]:
-    """LD_PRELOAD and the symbol range for ``stub``; empty when the fix cannot or need not apply."""
+def lock_fix_environment(binary: bytes, cache_dir: Path) -> dict[str, str]:
+    """LD_PRELOAD and the symbol range for the affected stub ``binary``; empty when the fix cannot apply."""
     if os.environ.get("OMNI_TRITON_STUB_LOCK_FIX", "1") == "0":
-        return {}
-    try:
-        binary = stub.read_bytes()
-    except OSError:
-        return {}
-    if hashlib.sha256(binary).hexdigest() not in AFFECTED_STUBS:
         return {}
     span = _symbol_range(binary, NEXT_SYMBOL)
     library = _build(cache_dir)
