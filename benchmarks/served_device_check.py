@@ -84,14 +84,21 @@ class StallWatchdog:
     def __init__(self, stall_s: float, on_stall):
         self._stall_s, self._on_stall = stall_s, on_stall
         self._last = time.monotonic()
+        self._cancelled = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def progress(self) -> None:
+    def progress(self, stall_s: float | None = None) -> None:
+        """Progress was made; ``stall_s`` sets a new allowance from now on (e.g. for a soak)."""
         self._last = time.monotonic()
+        self._stall_s = stall_s or self._stall_s
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
     def _watch(self) -> None:
         while time.monotonic() - self._last < self._stall_s:
-            time.sleep(1.0)
+            if self._cancelled.wait(1.0):
+                return
         self._on_stall()
 
 
@@ -278,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     server = TritonServer(repository, install, options, log_path=args.log or workdir / "tritonserver.log")
     print(f"python backend: {install.python_backend_note}; interstage memory {config.interstage_memory}", flush=True)
     server.start()
+    watchdog = None
     try:
         ready_s = server.wait_ready(timeout_s=600)
         watchdog = StallWatchdog(args.stall_s, lambda: dump_stuck_server(server, Path(args.out).with_suffix(".stuck")))
@@ -292,11 +300,12 @@ def main(argv: list[str] | None = None) -> None:
         hops = host_hop_counters(server.metrics_url)
         soaked = None
         if args.soak_s:
-            watchdog.progress()
-            watchdog._stall_s = args.soak_s + 300  # the soak counts its own errors
+            watchdog.progress(stall_s=args.soak_s + 300)  # the soak counts its own errors
             soaked = soak(server, args.soak_concurrency, args.soak_s, workload)
             soaked["interstage_host_tensors_after"] = host_hop_counters(server.metrics_url)
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         stop_started = time.monotonic()
         server.stop()
         stop_s = time.monotonic() - stop_started
