@@ -59,6 +59,11 @@ def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
         tensor = tensor.cpu()  # an empty GPU tensor has no device buffer to hand over
     elif tensor.storage_offset() or not tensor.is_contiguous():
         tensor = tensor.clone(memory_format=torch.contiguous_format)  # DLPack consumers may ignore offsets
+    if tensor.is_cuda:
+        # The tensor itself, not a capsule: the backend then asks for it through __dlpack__(stream) and waits
+        # for the kernels that write it. A capsule is taken as is, so the next stage could read the buffer
+        # before the producing kernels finished (served audio differed from the in-process pipeline's).
+        return pb.Tensor.from_dlpack(name, tensor)
     return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor))
 
 
