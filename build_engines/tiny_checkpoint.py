@@ -22,14 +22,20 @@ import torch
 from build_engines.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer, write_tokenizer_files
 
 # Presets differ in layer counts and code-group counts so nothing downstream is hard-wired to one shape.
+# talker_extra_codes: talker ids between the codebook and the 1024 control ids. The released talker has none,
+# but a checkpoint may (transformers only requires vocab >= codebook + 1024); the talker can emit them as a
+# frame's first code, and Code2Wav decodes them with the next quantizer's embedding rows.
 PRESETS = {
     "tiny": dict(thinker_layers=4, accept_hidden_layer=2, talker_layers=2, predictor_layers=2,
-                 code_groups=16, code2wav_layers=2, audio_layers=2, seed=0),
+                 code_groups=16, code2wav_layers=2, audio_layers=2, seed=0, talker_extra_codes=0),
     "tiny-8g": dict(thinker_layers=3, accept_hidden_layer=3, talker_layers=3, predictor_layers=1,
-                    code_groups=8, code2wav_layers=1, audio_layers=1, seed=1),
+                    code_groups=8, code2wav_layers=1, audio_layers=1, seed=1, talker_extra_codes=0),
+    "tiny-wide-talker": dict(thinker_layers=4, accept_hidden_layer=2, talker_layers=2, predictor_layers=2,
+                             code_groups=16, code2wav_layers=2, audio_layers=2, seed=0, talker_extra_codes=64),
 }
 
 CODEBOOK_SIZE = 128
+STAMP_FILE = "tiny_checkpoint.json"  # written last: its presence marks a complete, random-weight checkpoint
 # Codec special ids sit in the top 1024 talker ids, at the released checkpoint's offsets from the codebook.
 CODEC_SPECIAL_OFFSETS = dict(codec_pad_id=100, codec_bos_id=101, codec_eos_token_id=102,
                              codec_nothink_id=107, codec_think_bos_id=108, codec_think_eos_id=109)
@@ -64,7 +70,7 @@ def make_config_dict(preset: str, token_ids: dict[str, int], vocab_size: int) ->
         position_id_per_seconds=25,
     )
     codec = {k: CODEBOOK_SIZE + off for k, off in CODEC_SPECIAL_OFFSETS.items()}
-    talker_vocab = CODEBOOK_SIZE + 1024
+    talker_vocab = CODEBOOK_SIZE + p["talker_extra_codes"] + 1024
     talker_text = dict(
         vocab_size=talker_vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=p["talker_layers"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, hidden_act="silu",
@@ -141,7 +147,7 @@ def build(out_dir: Path, preset: str = "tiny", *, force: bool = False) -> Path:
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     out_dir = Path(out_dir)
-    stamp = out_dir / "tiny_checkpoint.json"
+    stamp = out_dir / STAMP_FILE
     if stamp.exists() and not force and json.loads(stamp.read_text()).get("preset") == preset:
         return out_dir
     if preset not in PRESETS:
@@ -161,6 +167,11 @@ def build(out_dir: Path, preset: str = "tiny", *, force: bool = False) -> Path:
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     stamp.write_text(json.dumps({"preset": preset, "seed": PRESETS[preset]["seed"]}) + "\n")
     return out_dir
+
+
+def is_random_weight_checkpoint(checkpoint_dir: str | Path) -> bool:
+    """Whether this builder wrote ``checkpoint_dir`` (random weights: its text and audio are noise)."""
+    return (Path(checkpoint_dir) / STAMP_FILE).is_file()
 
 
 def _padded(vocab_size: int, multiple: int = 64) -> int:

@@ -196,15 +196,28 @@ def test_code2wav_batches_concurrent_streams_of_different_lengths(triton_server,
         np.testing.assert_allclose(audio, full[start:], atol=1e-5)
 
 
+def test_code2wav_decodes_first_codes_past_the_codebook_as_transformers_does(client, vocoder):
+    """A talker whose vocabulary is larger than the codebook emits such codes: quantizer q's code c reads row
+    c + q * codebook_size of the shared embedding table, in transformers' Code2Wav and here."""
+    codes = random_codes(vocoder, 6, seed=5)
+    codes[0, 2] = vocoder.config.codebook_size + 3
+    with torch.inference_mode():
+        expected = vocoder(torch.from_numpy(codes)[None])[0].numpy()
+    np.testing.assert_allclose(code2wav(client, codes, left_context=0), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("left_context, bad_code, field", [
-    (4, False, "LEFT_CONTEXT"),  # no new frame left
-    (-1, False, "LEFT_CONTEXT"),
-    (0, True, "CODES"),
+    (4, None, "LEFT_CONTEXT"),  # no new frame left
+    (-1, None, "LEFT_CONTEXT"),
+    (0, "past the table", "CODES"),  # the last quantizer's block ends the embedding table
+    (0, "negative", "CODES"),
 ])
 def test_code2wav_rejects_bad_chunks(client, vocoder, left_context, bad_code, field):
     codes = random_codes(vocoder, 4, seed=1)
-    if bad_code:
-        codes[0, 0] = vocoder.config.codebook_size
+    if bad_code == "past the table":
+        codes[-1, 0] = vocoder.config.codebook_size
+    elif bad_code == "negative":
+        codes[0, 1] = -1
     with pytest.raises(InferenceServerException) as raised:
         code2wav(client, codes, left_context)
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT" and field in raised.value.message()
@@ -242,7 +255,8 @@ def test_client_streams_text_and_audio_through_the_omni_ensemble(triton_server):
     with OmniStreamClient(triton_server.grpc_url) as stream_client:
         with pytest.raises(InferenceServerException) as raised:
             stream_client.stream("hi", max_tokens=0)
-        # a streamed error carries only its message (tritonclient's stream callback drops the status code)
+        # the stream header triton_grpc_error makes the server end the stream with the error's status code
+        assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "MAX_TOKENS must be in [1, " in raised.value.message()
         deltas = []
         result = stream_client.stream("Hello there", max_tokens=6, temperature=0.0, seed=0, max_audio_frames=12,

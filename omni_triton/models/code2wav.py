@@ -267,7 +267,7 @@ class Code2Wav(nn.Module):
         self.samples_per_frame = self.samples_per_frame_for(config)
         self.trim_samples = self.trim_samples_for(config)
 
-        self.code_embedding = nn.Embedding(config.codebook_size * config.num_quantizers, config.hidden_size)
+        self.code_embedding = nn.Embedding(code_embedding_rows(config), config.hidden_size)
         self.register_buffer("code_offset", torch.arange(config.num_quantizers).view(1, -1, 1) * config.codebook_size,
                              persistent=False)
         self.pre_transformer = PreTransformer(config)
@@ -310,6 +310,29 @@ class Code2Wav(nn.Module):
         for layer in self.decoder:
             hidden = layer(hidden)
         return hidden.squeeze(1).clamp(-1.0, 1.0)
+
+
+def code_embedding_rows(config: Code2WavConfig) -> int:
+    """Rows of the code embedding table: one block of ``codebook_size`` rows per quantizer."""
+    return config.codebook_size * config.num_quantizers
+
+
+def check_code_range(codes: torch.Tensor, codebook_size: int, embedding_rows: int) -> None:
+    """Raise ValueError for a code the vocoder cannot embed. Quantizer q's code c reads row ``c + q *
+    codebook_size`` of one shared table, as in transformers' Code2Wav, so a code past ``codebook_size`` is
+    decoded with the next quantizer's rows (the talker can emit such first codes when its vocabulary is larger
+    than the codebook, and transformers decodes them so); only rows outside the table fail, there too.
+    ``codes``: [..., G, N]."""
+    offsets = torch.arange(codes.shape[-2], device=codes.device).view(-1, 1) * codebook_size
+    rows = codes + offsets
+    outside = (rows < 0) | (rows >= embedding_rows)
+    if bool(outside.any()):
+        index = tuple(int(i) for i in outside.nonzero()[0])
+        code, (quantizer, frame) = int(codes[index]), index[-2:]
+        raise ValueError(f"CODES: quantizer {quantizer}'s code {code} (frame {frame}) reads row "
+                         f"{code + quantizer * codebook_size} of the code embedding table, which has rows "
+                         f"[0, {embedding_rows - 1}] (code + quantizer * {codebook_size}, as transformers' Code2Wav "
+                         "indexes it: it fails on this code too)")
 
 
 def exact_left_context_frames(config: Code2WavConfig) -> int:

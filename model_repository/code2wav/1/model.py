@@ -3,6 +3,7 @@
 import torch
 import triton_python_backend_utils as pb_utils
 
+from omni_triton.models.code2wav import check_code_range, code_embedding_rows
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
@@ -28,7 +29,7 @@ class TritonPythonModel:
         engine = {engine_argument: params["engine_path"]} if engine_argument else {}
         self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
                                               dtype=getattr(torch, params["dtype"]), **engine)
-        self.codebook_size = self.vocoder.config.codebook_size
+        self.embedding_rows = code_embedding_rows(self.vocoder.config)
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         # A MetricFamily must outlive its metrics: keep both.
         self.metric_families = [
@@ -74,12 +75,10 @@ class TritonPythonModel:
         self.host_hops.check(codes_tensor)
         codes = to_torch(codes_tensor)  # on the device the talker produced it on
         left_context = host_array(pb_utils.get_input_tensor_by_name(request, "LEFT_CONTEXT")).reshape(-1)
-        num_frames, codebook_size = codes.shape[-1], self.codebook_size
+        num_frames = codes.shape[-1]
         if num_frames < 1:
             raise ValueError("CODES must hold at least one frame")
-        low, high = int(codes.min()), int(codes.max())
-        if low < 0 or high >= codebook_size:
-            raise ValueError(f"CODES must be in [0, {codebook_size - 1}], got [{low}, {high}]")
+        check_code_range(codes, self.vocoder.config.codebook_size, self.embedding_rows)
         jobs = []
         for row, context in enumerate(left_context.tolist()):
             if not 0 <= context < num_frames:
