@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_triton.pipeline.request_params import (MIN_AUDIO_SAMPLES, InvalidRequest, RequestLimits, SamplingDefaults,
-                                                 check_context, parse_request)
+from omni_triton.pipeline.request_params import (MIN_AUDIO_SAMPLES, TALKER_REPETITION_PENALTY, InvalidRequest,
+                                                 RequestLimits, SamplingDefaults, check_context, parse_request)
 
 LIMITS = RequestLimits(max_text_chars=100, max_audio_seconds=2.0, max_tokens_cap=64, default_max_tokens=16,
                        max_audio_frames_cap=500)
@@ -63,6 +63,18 @@ def test_spoken_input_may_replace_text():
     audio = np.zeros(MIN_AUDIO_SAMPLES, np.float32)
     params = parse(TEXT=text(""), AUDIO_IN=audio)
     assert params.text == "" and params.audio is audio
+    assert parse(TEXT=None, AUDIO_IN=audio).text == ""  # no TEXT tensor at all
+
+
+def test_neither_text_nor_audio_names_both():
+    with pytest.raises(InvalidRequest, match="TEXT is required when no AUDIO_IN is given"):
+        parse_request({"MAX_TOKENS": np.array([3], np.int32)}, LIMITS, SPEAKERS)
+
+
+def test_talker_repetition_penalty_defaults_to_transformers_generate():
+    assert parse().talker_repetition_penalty == TALKER_REPETITION_PENALTY == 1.05
+    plain = parse(TALKER_REPETITION_PENALTY=np.array([1.0], np.float32), REPETITION_PENALTY=np.array([1.0], np.float32))
+    assert (plain.talker_repetition_penalty, plain.repetition_penalty) == (1.0, 1.0)
 
 
 REJECTED = {
@@ -90,6 +102,10 @@ REJECTED = {
     "top_p nan": ("TOP_P", dict(TOP_P=np.array([math.nan], np.float32))),
     "negative top_k": ("TOP_K", dict(TOP_K=np.array([-1], np.int32))),
     "repetition penalty 0": ("REPETITION_PENALTY", dict(REPETITION_PENALTY=np.array([0.0], np.float32))),
+    "talker repetition penalty 0": ("TALKER_REPETITION_PENALTY",
+                                    dict(TALKER_REPETITION_PENALTY=np.array([0.0], np.float32))),
+    "talker repetition penalty nan": ("TALKER_REPETITION_PENALTY",
+                                      dict(TALKER_REPETITION_PENALTY=np.array([math.nan], np.float32))),
     "seed below -1": ("SEED", dict(SEED=np.array([-2], np.int64))),
     "return audio as int": ("RETURN_AUDIO", dict(RETURN_AUDIO=np.array([1], np.int32))),
     "audio frames over cap": ("MAX_AUDIO_FRAMES", dict(MAX_AUDIO_FRAMES=np.array([501], np.int32))),

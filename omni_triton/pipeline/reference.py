@@ -18,6 +18,7 @@ import torch
 
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.layers.attention import AttentionBatch, contiguous_batch
+from omni_triton.pipeline.request_params import TALKER_REPETITION_PENALTY
 from omni_triton.pipeline.talker_inputs import TalkerInputs
 
 
@@ -92,7 +93,7 @@ def generate(thinker, talker, config: OmniConfig, prompt_ids: list[int] | torch.
              thinker_max_new_tokens: int = 64, thinker_eos_token_ids: tuple[int, ...] | None = None,
              thinker_sampling: Sampling = Sampling(),
              talker_max_new_tokens: int = 512, talker_sampling: Sampling = Sampling(),
-             talker_repetition_penalty: float = 1.05, seed: int = 0) -> ReferenceOutput:
+             talker_repetition_penalty: float = TALKER_REPETITION_PENALTY, seed: int = 0) -> ReferenceOutput:
     prompt_ids = [int(t) for t in prompt_ids]
     device = thinker.lm_head.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)

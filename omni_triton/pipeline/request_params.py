@@ -31,9 +31,15 @@ class RequestLimits:
     max_audio_frames_cap: int = 4096
 
 
+# transformers' Qwen3OmniMoeForConditionalGeneration.generate(talker_repetition_penalty=1.05)
+TALKER_REPETITION_PENALTY = 1.05
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """Thinker sampling defaults; the checkpoint's generation_config.json overrides them."""
+    """Thinker sampling defaults (Qwen's recommended sampling); the checkpoint's generation_config.json
+    overrides them. transformers' generate() ignores that file for the thinker and decodes it greedily with
+    repetition penalty 1.0: TEMPERATURE 0 + REPETITION_PENALTY 1.0 is that decoding."""
 
     temperature: float = 0.7
     top_p: float = 0.8
@@ -58,7 +64,8 @@ class RequestParams:
     top_p: float
     top_k: int
     repetition_penalty: float
-    seed: int                 # -1: unseeded
+    talker_repetition_penalty: float
+    seed: int                 # -1: unseeded (a fresh random seed)
     return_audio: bool
     ignore_eos: bool
     max_audio_frames: int     # 0: until the talker stops
@@ -69,8 +76,10 @@ class RequestParams:
 def parse_request(inputs: Mapping[str, np.ndarray | None], limits: RequestLimits,
                   speakers: Mapping[str, int], defaults: SamplingDefaults = SamplingDefaults()) -> RequestParams:
     """Validate the client's inputs (absent optional inputs are None or missing) into RequestParams."""
-    text = _text(inputs.get("TEXT"), limits)
     audio = _audio(inputs.get("AUDIO_IN"), limits)
+    if inputs.get("TEXT") is None and audio is None:
+        raise InvalidRequest("TEXT", "is required when no AUDIO_IN is given: send TEXT, AUDIO_IN or both")
+    text = _text(inputs.get("TEXT"), limits)
     if not text.strip() and audio is None:
         raise InvalidRequest("TEXT", "must not be empty when no AUDIO_IN is given")
 
@@ -81,6 +90,8 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], limits: RequestLimits
     top_p = _float(inputs, "TOP_P", defaults.top_p, low=0.0, low_open=True, high=1.0)
     top_k = _int(inputs, "TOP_K", np.int32, defaults.top_k, 0, 2**31 - 1)
     repetition_penalty = _float(inputs, "REPETITION_PENALTY", defaults.repetition_penalty, low=0.0, low_open=True)
+    talker_repetition_penalty = _float(inputs, "TALKER_REPETITION_PENALTY", TALKER_REPETITION_PENALTY, low=0.0,
+                                       low_open=True)
     seed = _int(inputs, "SEED", np.int64, -1, -1, 2**63 - 1)
     max_audio_frames = _int(inputs, "MAX_AUDIO_FRAMES", np.int32, 0, 0, limits.max_audio_frames_cap)
     min_audio_frames = _int(inputs, "MIN_AUDIO_FRAMES", np.int32, 0, 0,
@@ -88,7 +99,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], limits: RequestLimits
     return RequestParams(
         text=text, audio=audio, max_tokens=max_tokens, min_tokens=min_tokens, speaker=speaker,
         speaker_id=speaker_id, temperature=temperature, top_p=top_p, top_k=top_k,
-        repetition_penalty=repetition_penalty, seed=seed,
+        repetition_penalty=repetition_penalty, talker_repetition_penalty=talker_repetition_penalty, seed=seed,
         return_audio=_bool(inputs, "RETURN_AUDIO", True), ignore_eos=_bool(inputs, "IGNORE_EOS", False),
         max_audio_frames=max_audio_frames, min_audio_frames=min_audio_frames,
         sequential=_bool(inputs, "SEQUENTIAL", False),
@@ -155,7 +166,7 @@ def _utf8(name: str, value) -> str:
 
 def _text(value: np.ndarray | None, limits: RequestLimits) -> str:
     if value is None:
-        raise InvalidRequest("TEXT", "is required")
+        return ""  # spoken input only
     text = _utf8("TEXT", _scalar({"TEXT": value}, "TEXT", "OSU"))
     if len(text) > limits.max_text_chars:
         raise InvalidRequest("TEXT", f"is {len(text)} characters, more than the limit of {limits.max_text_chars}")

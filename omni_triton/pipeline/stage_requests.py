@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from omni_triton.engine import SamplingParams
+from omni_triton.pipeline.request_params import TALKER_REPETITION_PENALTY
 from omni_triton.pipeline.talker_service import TalkerRequest
 from omni_triton.pipeline.thinker_service import ThinkerRequest
 
@@ -40,8 +41,12 @@ def thinker_request(tensors: Tensors, eos_token_ids: tuple[int, ...]) -> Thinker
 
 
 def talker_request(tensors: Tensors) -> TalkerRequest:
+    # a talker request built without preprocess (e.g. perf_analyzer's talker-only data) may leave the penalty out
+    repetition_penalty = (float(_scalar(tensors, "TALKER_REPETITION_PENALTY"))
+                          if "TALKER_REPETITION_PENALTY" in tensors else TALKER_REPETITION_PENALTY)
     return TalkerRequest(speaker_id=int(_scalar(tensors, "SPEAKER_ID")),
                          greedy=float(_scalar(tensors, "TEMPERATURE")) == 0.0, seed=_seed(tensors),
+                         repetition_penalty=repetition_penalty,
                          max_frames=int(_scalar(tensors, "MAX_AUDIO_FRAMES")),
                          min_frames=int(_scalar(tensors, "MIN_AUDIO_FRAMES")),
                          ignore_eos=bool(_scalar(tensors, "IGNORE_EOS")))

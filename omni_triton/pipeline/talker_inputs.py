@@ -25,30 +25,9 @@ from collections.abc import Sequence
 import torch
 
 from omni_triton.models.config import OmniConfig
+from omni_triton.pipeline.talker_prompt import ASSISTANT_PREFILL_ROWS, assistant_start, user_row_mask
 
-ASSISTANT_PREFILL_ROWS = 9
 ASSISTANT_TEXT_ROWS = 4  # im_start, "assistant", newline, first text token
-
-
-def user_row_mask(prompt_ids: Sequence[int], config: OmniConfig) -> list[bool]:
-    """Prompt rows that belong to a user turn: the token after the latest <|im_start|> at or before them is
-    the user role token (rows before any <|im_start|> take the role at index 1, as HF does)."""
-    mask, im_start = [], 0
-    for position, token in enumerate(prompt_ids):
-        if token == config.im_start_token_id:
-            im_start = position
-        role_index = min(im_start + 1, len(prompt_ids) - 1)
-        mask.append(prompt_ids[role_index] == config.user_token_id)
-    return mask
-
-
-def assistant_start(prompt_ids: Sequence[int], config: OmniConfig) -> int:
-    """Index of the last ``<|im_start|>`` directly followed by the assistant role token."""
-    for position in range(len(prompt_ids) - 2, -1, -1):
-        if prompt_ids[position] == config.im_start_token_id and prompt_ids[position + 1] == config.assistant_token_id:
-            return position
-    raise ValueError("prompt has no '<|im_start|>assistant' turn for the talker to speak "
-                     f"(im_start id {config.im_start_token_id}, assistant id {config.assistant_token_id})")
 
 
 class TalkerInputs:

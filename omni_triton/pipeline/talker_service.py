@@ -21,9 +21,9 @@ from omni_triton.models.weights import load_talker, load_thinker_embedding_rows
 from omni_triton.pipeline.talker_inputs import TalkerInputs
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 
-# The talker's sampling when the request samples (HF generate's talker defaults); greedy requests
-# keep the repetition penalty too, as HF does.
-TALKER_TEMPERATURE, TALKER_TOP_K, TALKER_REPETITION_PENALTY = 0.9, 50, 1.05
+# The talker's sampling when the request samples (HF generate's talker defaults). Its repetition penalty is a
+# request value (TALKER_REPETITION_PENALTY, default 1.05 as in HF generate) and applies to greedy requests too.
+TALKER_TEMPERATURE, TALKER_TOP_K = 0.9, 50
 
 
 @dataclass
@@ -37,6 +37,7 @@ class TalkerOutput:
 class TalkerRequest:
     speaker_id: int  # codec id of the speaker (config.speaker_id values)
     greedy: bool
+    repetition_penalty: float
     seed: int | None = None
     max_frames: int = 0  # 0: until the talker emits EOS (or the KV cache is full)
     min_frames: int = 0
@@ -80,7 +81,7 @@ class TalkerService:
         # ignore_eos (benchmarks: a fixed audio length) must also never *sample* EOS: kept going past it,
         # the EOS id became a frame's first code, outside the codebook, and code2wav rejected the frame
         suppressed = self._suppressed + ((eos,) if request.ignore_eos else ())
-        common = dict(repetition_penalty=TALKER_REPETITION_PENALTY, seed=request.seed,
+        common = dict(repetition_penalty=request.repetition_penalty, seed=request.seed,
                       max_new_tokens=max_frames + 1, min_new_tokens=min(request.min_frames, max_frames),
                       stop_token_ids=(eos,), ignore_eos=request.ignore_eos, suppressed_token_ids=suppressed)
         if request.greedy:

@@ -97,6 +97,12 @@ class ThinkerService:
         return self.config.thinker_eos_token_ids
 
     def submit(self, request_id: str, request: ThinkerRequest, on_output: Callable[[ThinkerOutput], None]) -> None:
+        """Raises ValueError for ids outside the vocabulary: inside the engine step they would fail the whole
+        batch, every other request in it too (callers that skip preprocess can send any ids)."""
+        vocab_size = self.config.thinker.text.vocab_size
+        bad = [token for token in request.input_ids if not 0 <= token < vocab_size]
+        if bad:
+            raise ValueError(f"INPUT_IDS must be in [0, {vocab_size - 1}] (the thinker's vocabulary), got {bad[:8]}")
         audio_embeds = self._encode_audio(request.audio_features)
         rows = _RequestRows(list(request.input_ids), self._embed, on_output)
         inputs = {"prompt_token_ids": list(request.input_ids)}

@@ -48,8 +48,8 @@ from omni_triton.server.stage_supervisor import StageSupervisor
 logger = logging.getLogger(__name__)
 
 REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER_ID", "TEMPERATURE", "TOP_P",
-                  "TOP_K", "REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
-                  "MIN_AUDIO_FRAMES", "SEQUENTIAL")
+                  "TOP_K", "REPETITION_PENALTY", "TALKER_REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS",
+                  "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL")
 BLS_STAGES = ("thinker", "talker", "code2wav")
 
 
@@ -176,7 +176,7 @@ class Orchestrator:
                 error = pb.TritonError(failure, pb.TritonError.UNAVAILABLE)
             else:
                 logger.exception("request %s failed", request_id)
-                error = pb.TritonError(f"{type(exc).__name__}: {exc}")
+                error = pb.TritonError(f"{type(exc).__name__}: {exc}", pb.TritonError.INTERNAL)
         finally:
             with self._lock:
                 del self._active[request_id]

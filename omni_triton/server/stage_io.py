@@ -136,6 +136,6 @@ def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors
     """Stream one stage output: its tensors (``tensors(pb, out)``) or its error; FINAL once it is finished."""
     flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
     if out.error is not None:
-        sender.send(pb.InferenceResponse(error=pb.TritonError(out.error)), flags=flags)
+        sender.send(pb.InferenceResponse(error=pb.TritonError(out.error, pb.TritonError.INTERNAL)), flags=flags)
     else:
         sender.send(pb.InferenceResponse(tensors(pb, out)), flags=flags)

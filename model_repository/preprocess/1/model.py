@@ -7,8 +7,8 @@ from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 
 CLIENT_INPUTS = ("TEXT", "AUDIO_IN", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER", "TEMPERATURE", "TOP_P", "TOP_K",
-                 "REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
-                 "MIN_AUDIO_FRAMES", "SEQUENTIAL")
+                 "REPETITION_PENALTY", "TALKER_REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS",
+                 "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL")
 
 
 class TritonPythonModel:
@@ -20,7 +20,10 @@ class TritonPythonModel:
             max_text_chars=int(params["max_text_chars"]), max_audio_seconds=float(params["max_audio_seconds"]),
             max_tokens_cap=int(params["max_tokens_cap"]), default_max_tokens=int(params["default_max_tokens"]),
             max_audio_frames_cap=int(params["max_audio_frames_cap"]))
-        self.preprocessor = Preprocessor(params["checkpoint_dir"], limits, int(params["kv_cache_tokens"]))
+        # what each engine's cache holds: whole blocks, at least one (as the engines size it)
+        block = int(params["kv_block_size"])
+        cache_tokens = max(1, int(params["kv_cache_tokens"]) // block) * block
+        self.preprocessor = Preprocessor(params["checkpoint_dir"], limits, cache_tokens)
         self.rejected = pb_utils.MetricFamily(
             "omni_preprocess_rejected_requests_total", "requests refused with INVALID_ARG, by input",
             pb_utils.MetricFamily.COUNTER)

@@ -10,7 +10,8 @@ from omni_triton.server.stage_io import (answer_abort, configure_interstage_memo
                                          host_array, input_arrays, send_output, talker_output_tensors,
                                          thinker_output_from_request)
 
-START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES")
+START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
+                "MIN_AUDIO_FRAMES")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
