@@ -3,12 +3,19 @@
 Reports the latencies the project is judged on (DESIGN.md section 6): TTFT (request sent -> first text
 delta), TTFA (request sent -> first non-empty audio chunk) and RTF (generation wall time / audio duration).
 
+A failed request raises ``StreamError``: its ``code`` names the cause as Triton's error codes do (INVALID_ARG,
+UNAVAILABLE, CANCELLED, INTERNAL, ...; DEADLINE_EXCEEDED for a deadline), and its ``result`` holds what
+arrived before the error. Streams carry the ``triton_grpc_error`` header, with which the server ends a
+stream with the error's gRPC status: without it a streamed error carries a message only.
+
     python client/stream_client.py "Tell me a story" --out out.wav
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import queue
 import sys
 import time
@@ -19,9 +26,16 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from tritonclient.utils import InferenceServerException
 
 OUTPUT_SAMPLE_RATE = 24000
 INPUT_SAMPLE_RATE = 16000
+# With this stream header the server ends a stream on an error with the error's gRPC status code (Triton 2.51
+# and later); the stream cannot be used after that, so the client opens a new one for the next request.
+GRPC_ERROR_HEADERS = {"triton_grpc_error": "true"}
+# gRPC status -> the Triton error code that the server answers with it (TRITONSERVER_Error_Code names).
+# DEADLINE_EXCEEDED has no Triton code: it comes from gRPC's own deadline (``deadline_s``) or from the client.
+TRITON_ERROR_CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "UNIMPLEMENTED": "UNSUPPORTED"}
 
 
 @dataclass
@@ -33,6 +47,8 @@ class StreamResult:
     total_s: float = 0.0
     responses: int = 0
     cancelled: bool = False
+    error: str | None = None  # "CODE: message" of a request that failed
+
 
     @property
     def audio(self) -> np.ndarray:
@@ -50,8 +66,32 @@ class StreamResult:
         def ms(value: float | None) -> str:
             return "n/a" if value is None else f"{value * 1000:.0f} ms"
         rtf = "n/a" if self.rtf is None else f"{self.rtf:.3f}"
-        return (f"TTFT {ms(self.ttft_s)} | TTFA {ms(self.ttfa_s)} | RTF {rtf} | audio {self.audio_seconds:.2f} s "
-                f"| total {self.total_s:.2f} s | {self.responses} responses")
+        failed = "" if self.error is None else f"FAILED {self.error} | "
+        return (f"{failed}TTFT {ms(self.ttft_s)} | TTFA {ms(self.ttfa_s)} | RTF {rtf} "
+                f"| audio {self.audio_seconds:.2f} s | total {self.total_s:.2f} s | {self.responses} responses")
+
+
+def error_code(error: Exception) -> str:
+    """The Triton error code of a failed request (``UNKNOWN`` when the error carries no status)."""
+    status = error.status() if isinstance(error, InferenceServerException) else None
+    if status is None:
+        return "UNKNOWN"
+    name = str(status).removeprefix("StatusCode.")
+    return TRITON_ERROR_CODES.get(name, name)
+
+
+class StreamError(InferenceServerException):
+    """A request that failed: ``code`` (see ``error_code``) and ``result``, what arrived before the error (its
+    summary names the failure)."""
+
+    def __init__(self, cause: InferenceServerException, result: StreamResult):
+        super().__init__(cause.message(), cause.status(), cause.debug_details())
+        self.code = error_code(cause)
+        self.result = result
+        result.error = f"{self.code}: {self.message()}"
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message()}"
 
 
 def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> list:
@@ -61,8 +101,8 @@ def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> li
 
     dtypes = {"MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "TOP_K": np.int32, "MAX_AUDIO_FRAMES": np.int32,
               "MIN_AUDIO_FRAMES": np.int32, "SEED": np.int64, "TEMPERATURE": np.float32, "TOP_P": np.float32,
-              "REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_, "IGNORE_EOS": np.bool_,
-              "SEQUENTIAL": np.bool_, "SPEAKER": np.object_}
+              "REPETITION_PENALTY": np.float32, "TALKER_REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_,
+              "IGNORE_EOS": np.bool_, "SEQUENTIAL": np.bool_, "SPEAKER": np.object_}
     tensors = {"TEXT": np.array([text.encode("utf-8")], dtype=np.object_)}
     if audio_in is not None:
         tensors["AUDIO_IN"] = np.asarray(audio_in, dtype=np.float32).reshape(-1)
@@ -83,7 +123,9 @@ def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> li
 
 
 class OmniStreamClient:
-    """One gRPC stream; ``stream()`` sends one request and gathers its responses as they arrive."""
+    """One gRPC stream; ``stream()`` sends one request and gathers its responses as they arrive. The stream is
+    reopened after a request that failed (the server closes it with the error) and for one with ``deadline_s``
+    (which gets a stream of its own with that gRPC deadline)."""
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "omni"):
         import tritonclient.grpc as grpcclient
@@ -91,8 +133,9 @@ class OmniStreamClient:
         self.model = model
         self.client = grpcclient.InferenceServerClient(url)
         self._responses: queue.Queue = queue.Queue()
+        self._stream_open = False
         self._request_id: str | None = None  # the request in flight, for cancel()
-        self.client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
+        self._open_stream()
 
     def stream(self, text: str, audio_in: np.ndarray | None = None, *, timeout_s: float = 600.0,
                on_text: Callable[[str], None] | None = None, on_audio: Callable[[np.ndarray], None] | None = None,
@@ -105,10 +148,27 @@ class OmniStreamClient:
                       on_audio: Callable[[np.ndarray], None] | None = None,
                       deadline_s: float | None = None) -> StreamResult:
         """Send ready-made InferInputs (e.g. the orchestrator's, preprocessed client-side) and gather the stream.
+        Raises ``StreamError`` when the request fails, DEADLINE_EXCEEDED when no response came for ``timeout_s``.
 
-        ``deadline_s``: the server ends the request (and frees its state) after this many seconds even if
-        this client disappears without cancelling."""
+        ``deadline_s``: the request fails with DEADLINE_EXCEEDED after this many seconds (gRPC's deadline on its
+        stream), and the server ends it (and frees its state) then too, even if this client disappears."""
+        if deadline_s is not None:
+            self._close_stream()
+            self._open_stream(stream_timeout=deadline_s)
+        elif not self._stream_open:
+            self._open_stream()
         result = StreamResult()
+        try:
+            return self._gather(inputs, result, timeout_s, on_text, on_audio, deadline_s)
+        except InferenceServerException as error:
+            self._close_stream()  # the server ended it with the error (or it timed out): start afresh next time
+            raise StreamError(error, result) from None
+        finally:
+            if deadline_s is not None:
+                self._close_stream()
+
+    def _gather(self, inputs: list, result: StreamResult, timeout_s: float, on_text, on_audio,
+                deadline_s: float | None) -> StreamResult:
         request_id = self._request_id = uuid.uuid4().hex
         start = time.perf_counter()
         try:
@@ -128,10 +188,17 @@ class OmniStreamClient:
             try:
                 response, error = self._responses.get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"no response from {self.model} for {timeout_s:.0f} s") from None
-            if error is not None:
-                raise error
+                result.total_s = time.perf_counter() - start
+                self.cancel()  # giving up: the server must not keep generating for nobody
+                raise InferenceServerException(f"no response from {self.model} for {timeout_s:g} s",
+                                               status="StatusCode.DEADLINE_EXCEEDED") from None
             now = time.perf_counter() - start
+            if error is not None:
+                result.total_s = now
+                if deadline_s is not None and error.status() == "StatusCode.DEADLINE_EXCEEDED":
+                    raise InferenceServerException(f"deadline_s {deadline_s:g} s exceeded ({error.message()})",
+                                                   status=error.status()) from None
+                raise error
             result.responses += 1
             delta = _text_delta(response)
             if delta:
@@ -151,19 +218,30 @@ class OmniStreamClient:
                 return result
 
     def cancel(self) -> None:
-        """Cancel the request in flight. Closing the stream cancels what Triton has not scheduled yet; an
-        ``omni`` request already inside the orchestrator is cancelled by a control request with its id
-        (Triton does not pass an ensemble's cancellation to a step that is running)."""
-        self.client.stop_stream(cancel_requests=True)
+        """Cancel the request in flight (it then fails with CANCELLED). Closing the stream cancels what Triton has
+        not scheduled yet; an ``omni`` request already inside the orchestrator is cancelled by a control request
+        with its id (Triton does not pass an ensemble's cancellation to a step that is running)."""
+        self._close_stream()
         if self._request_id is not None:
             send_cancel(self.client, self._request_id)
             self._request_id = None
 
     def close(self) -> None:
-        # cancel_requests: a plain stop_stream() waits for every response, forever when a request never ends
-        # (e.g. after stream() gave up with TimeoutError); after a FINAL response there is nothing to cancel
-        self.client.stop_stream(cancel_requests=True)
+        self._close_stream()
         self.client.close()
+
+    def _open_stream(self, stream_timeout: float | None = None) -> None:
+        responses = self._responses = queue.Queue()  # a fresh queue: nothing of an earlier stream mixes in
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                                 stream_timeout=stream_timeout, headers=GRPC_ERROR_HEADERS)
+        self._stream_open = True
+
+    def _close_stream(self) -> None:
+        # cancel_requests: a plain stop_stream() waits for every response, forever when a request never ends
+        # (e.g. after stream() gave up waiting); after a FINAL response there is nothing to cancel
+        if self._stream_open:
+            self._stream_open = False
+            self.client.stop_stream(cancel_requests=True)
 
     def __enter__(self) -> "OmniStreamClient":
         return self
@@ -238,22 +316,44 @@ def resample(audio: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 
 # -- command line -----------------------------------------------------------------------------------
 
-def add_request_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speaker", help="chelsie | ethan | aiden (default: the server's)")
-    parser.add_argument("--max-tokens", type=int, help="thinker max new tokens")
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--text-only", action="store_true", help="ask for text only (RETURN_AUDIO=false)")
-    parser.add_argument("--audio-in", type=Path, help="spoken input: a WAV file (resampled to 16 kHz)")
+def add_request_arguments(parser: argparse.ArgumentParser, seed_default: int | None = None) -> None:
+    """The request inputs as options; the help states each one's meaning and default (README: request inputs)."""
+    request = parser.add_argument_group("request (omni inputs; absent: the server's default)")
+    request.add_argument("--speaker", help="SPEAKER: chelsie | ethan | aiden (default: ethan)")
+    request.add_argument("--max-tokens", type=int, help="MAX_TOKENS: thinker tokens at most (default: 256)")
+    request.add_argument("--temperature", type=float,
+                         help="TEMPERATURE: thinker sampling temperature; 0 = greedy thinker and talker (the "
+                              "repetition penalties still apply: set both to 1.0 for transformers' plain greedy); "
+                              "default: the checkpoint's generation_config.json, else 0.7. A sampling talker uses "
+                              "transformers' talker defaults (temperature 0.9, top-k 50)")
+    request.add_argument("--repetition-penalty", type=float,
+                         help="REPETITION_PENALTY: the thinker's (default: generation_config.json, else 1.05; "
+                              "transformers' generate() applies 1.0 to the thinker)")
+    request.add_argument("--talker-repetition-penalty", type=float,
+                         help="TALKER_REPETITION_PENALTY: the talker's (default: 1.05, transformers' generate "
+                              "default talker_repetition_penalty)")
+    request.add_argument("--max-audio-frames", type=int,
+                         help="MAX_AUDIO_FRAMES: codec frames at most, 12.5 per second of audio (default 0: until "
+                              "the talker stops). N frames = N + 1 talker tokens in transformers' "
+                              "talker_max_new_tokens: the talker's EOS step yields no frame")
+    seed_help = "SEED: same seed, same output; -1 = a fresh random seed"
+    request.add_argument("--seed", type=int, default=seed_default,
+                         help=f"{seed_help} (default: {seed_default if seed_default is not None else -1})")
+    request.add_argument("--text-only", action="store_true", help="RETURN_AUDIO=false: text only (default: off)")
+    request.add_argument("--audio-in", type=Path,
+                         help="AUDIO_IN: spoken input, a WAV file, resampled to 16 kHz (default: none)")
 
 
 def request_scalars(args: argparse.Namespace) -> dict:
-    return dict(speaker=args.speaker, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+    return dict(speaker=args.speaker, max_tokens=args.max_tokens, temperature=args.temperature,
+                repetition_penalty=args.repetition_penalty, talker_repetition_penalty=args.talker_repetition_penalty,
+                max_audio_frames=args.max_audio_frames, seed=args.seed,
                 return_audio=False if args.text_only else None)
 
 
 def run_request(url: str, text: str, args: argparse.Namespace, out: Path | None) -> StreamResult:
-    """Stream one request, printing text as it arrives; Ctrl-C cancels it on the server."""
+    """Stream one request, printing text as it arrives, then its summary (a failure's too, with its error code,
+    before the StreamError is raised on); Ctrl-C cancels it on the server."""
     audio_in = read_wav(args.audio_in) if args.audio_in else None
     client = OmniStreamClient(url)
     try:
@@ -262,6 +362,10 @@ def run_request(url: str, text: str, args: argparse.Namespace, out: Path | None)
     except KeyboardInterrupt:
         client.cancel()
         print("\ncancelled", file=sys.stderr)
+        raise
+    except StreamError as error:
+        print()
+        print(error.result.summary(), file=sys.stderr)
         raise
     finally:
         client.close()
@@ -273,6 +377,19 @@ def run_request(url: str, text: str, args: argparse.Namespace, out: Path | None)
     return result
 
 
+def machine_description() -> str:
+    """The machine this process runs on, for numbers quoted with it: OS, CPU model, cores, memory."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else None
+    memory_text = f", {memory:.0f} GiB memory" if memory else ""
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores{memory_text}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Stream one request to the omni model and save the audio.")
     parser.add_argument("text", nargs="?", default="", help="user text (may be empty with --audio-in)")
@@ -280,8 +397,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out.wav"), help="WAV to write (default: %(default)s)")
     add_request_arguments(parser)
     args = parser.parse_args(argv)
-    from tritonclient.utils import InferenceServerException
-
     try:
         run_request(args.url, args.text, args, args.out)
     except KeyboardInterrupt:
