@@ -22,6 +22,7 @@ from omni_triton.server.tritonserver import (ServerOptions, TritonInstall, Trito
 
 DEFAULT_TINY_CHECKPOINT = Path("checkpoints/tiny")
 DEMO_TEXT = "Hello, how are you today?"
+DEMO_SEED = 0  # a seeded demo prints the same text and audio, and comparable timings, on every run
 # `omni-triton build KIND` runs the main() of these build_engines modules, with the remaining arguments.
 BUILDERS = {
     "tiny": "build_engines.tiny_checkpoint",
@@ -36,15 +37,19 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("model repository")
     launch.add_argument("--checkpoint", type=Path,
                         help=f"checkpoint directory (default: build the tiny one at {DEFAULT_TINY_CHECKPOINT})")
-    launch.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    launch.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the models run (default: %(default)s)")
     launch.add_argument("--interstage-memory", choices=INTERSTAGE_MEMORY,
                         help="where tensors between stages live on a GPU: device (GPU tensors) or host; host is "
                              "for Python backends that cannot pass GPU tensors through decoupled BLS (the "
                              "nvidia-pytriton bundle's) (default: device, host with that bundled backend)")
     launch.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="default: float32 on cpu, bfloat16 on cuda")
-    launch.add_argument("--first-chunk-frames", type=int, default=defaults.first_chunk_frames)
-    launch.add_argument("--next-chunk-frames", type=int, default=defaults.next_chunk_frames)
+    launch.add_argument("--first-chunk-frames", type=int, default=defaults.first_chunk_frames,
+                        help="codec frames in a stream's first audio chunk: few, for an early first audio "
+                             "(12.5 frames per second; default: %(default)s)")
+    launch.add_argument("--next-chunk-frames", type=int, default=defaults.next_chunk_frames,
+                        help="codec frames in each later audio chunk (default: %(default)s)")
     launch.add_argument("--left-context-frames", type=int,
                         help="code2wav left context per chunk (default: the vocoder's exact context)")
     launch.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
@@ -53,12 +58,18 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per engine step, decode + chunked prefill (default: %(default)s)")
     launch.add_argument("--max-inflight", type=int, default=defaults.max_inflight_requests,
                         help="concurrent requests per stage (default: %(default)s)")
-    launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap)
-    launch.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars)
-    launch.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds)
+    launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap,
+                        help="largest MAX_TOKENS a request may ask for (default: %(default)s)")
+    launch.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars,
+                        help="longest TEXT a request may send, in characters (default: %(default)s)")
+    launch.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds,
+                        help="longest AUDIO_IN a request may send, in seconds (default: %(default)s)")
     launch.add_argument("--torch-threads", type=int, default=1, help="torch threads per stage (default: 1)")
-    launch.add_argument("--code2wav-runtime", choices=CODE2WAV_RUNTIMES, default="torch")
-    launch.add_argument("--code2wav-engine", type=Path, help="the .onnx / .plan file for --code2wav-runtime onnx|trt|auto")
+    launch.add_argument("--code2wav-runtime", choices=CODE2WAV_RUNTIMES, default="torch",
+                        help="the vocoder's runtime: torch, onnx (ONNX Runtime), trt (TensorRT) or auto (the engine "
+                             "file's kind) (default: %(default)s)")
+    launch.add_argument("--code2wav-engine", type=Path,
+                        help="the .onnx / .plan file for --code2wav-runtime onnx|trt|auto (default: none)")
     launch.add_argument("--models", help="comma-separated subset of models to serve (default: all)")
     launch.add_argument("--run-dir", type=Path, default=Path("build/run"),
                         help="where the rendered repository and server log go (default: %(default)s)")
@@ -70,9 +81,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="built: the Python backend built by `omni-triton build python-backend`; bundled: the "
                              "tritonserver install's own; auto: built when present (default: %(default)s)")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    server.add_argument("--http-port", type=int, default=8000)
-    server.add_argument("--grpc-port", type=int, default=8001)
-    server.add_argument("--metrics-port", type=int, default=8002)
+    server.add_argument("--http-port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    server.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default: %(default)s)")
+    server.add_argument("--metrics-port", type=int, default=8002,
+                        help="Prometheus metrics port (default: %(default)s)")
     server.add_argument("--allow-stage-reload", action="store_true",
                         help="model-control-mode explicit, so that a stage whose stub process died is reloaded "
                              "(the repository load/unload API is then open to clients too; default: off)")
@@ -146,11 +158,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from omni_triton.client import run_request
+    from build_engines.tiny_checkpoint import is_random_weight_checkpoint
+    from omni_triton.client import machine_description, run_request
 
     server = start_server(args, echo_log=False)
     try:
+        if is_random_weight_checkpoint(args.checkpoint or DEFAULT_TINY_CHECKPOINT):
+            print("random-weight checkpoint: text and audio are noise; see README", flush=True)
         run_request(server.grpc_url, args.text, args, args.out)
+        print(f"machine: {machine_description()}; models on {args.device}; seed {args.seed}")
     finally:
         server.stop()
     return 0
@@ -184,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("serve", help="render the model repository and run tritonserver until Ctrl-C")
     add_launch_arguments(serve)
-    serve.add_argument("--verbose", action="store_true", help="echo the server log to stderr")
+    serve.add_argument("--verbose", action="store_true", help="echo the server log to stderr (default: off)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="restart tritonserver after this many unexpected exits at most (default: %(default)s)")
     serve.set_defaults(handler=cmd_serve)
@@ -194,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="start a server, stream one request, write a WAV, print TTFA, stop")
     demo.add_argument("text", nargs="?", default=DEMO_TEXT, help="user text (default: %(default)r)")
     demo.add_argument("--out", type=Path, default=Path("out.wav"), help="WAV to write (default: %(default)s)")
-    add_request_arguments(demo)
+    add_request_arguments(demo, seed_default=DEMO_SEED)
     add_launch_arguments(demo)
     demo.set_defaults(handler=cmd_demo)
 
