@@ -43,7 +43,8 @@ def soak(variant: str, args: argparse.Namespace, run_dir: Path) -> dict:
                               max_inflight_requests=args.streams)
         repository = render_repository(config, run_dir / "repository", MODELS)
         options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-        server = TritonServer(repository, find_tritonserver(), options, log_path=run_dir / "tritonserver.log")
+        server = TritonServer(repository, find_tritonserver(python_backend="bundled"), options,
+                              log_path=run_dir / "tritonserver.log")
         server.start()
     try:
         server.wait_ready(MODELS, timeout_s=300)
