@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-from omni_triton.server.repository import TEMPLATE_DIR, LaunchConfig, available_models, render_repository
+from omni_triton.server.repository import STAGES, TEMPLATE_DIR, LaunchConfig, available_models, render_repository
 from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
                                              process_tree_rss_bytes)
 
@@ -68,3 +70,15 @@ def start_server(config: LaunchConfig, run_dir: Path, models: list[str] | None =
         server.stop()
         raise
     return ServerHandle(server, config, models, ready_s)
+
+
+@contextmanager
+def serving(checkpoint_dir: Path, run_dir: Path, **launch) -> Iterator[ServerHandle]:
+    """A server on ``checkpoint_dir`` with one torch thread per stage and ``launch`` settings, stopped on exit
+    (for a module's own server fixture)."""
+    config = LaunchConfig(checkpoint_dir=checkpoint_dir, torch_threads={stage: 1 for stage in STAGES}, **launch)
+    handle = start_server(config, run_dir)
+    try:
+        yield handle
+    finally:
+        handle.server.stop()

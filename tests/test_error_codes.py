@@ -12,8 +12,8 @@ import tritonclient.grpc as grpcclient
 from conftest import TEST_LIMITS
 from omni_triton.client import OmniStreamClient, StreamError, build_inputs, main
 from omni_triton.server.orchestrator import REQUEST_INPUTS
-from omni_triton.server.repository import STAGES, LaunchConfig
 from reliability_helpers import seconds_until_idle
+from server_fixture import serving
 
 pytestmark = pytest.mark.server
 
@@ -23,15 +23,9 @@ SHORT_REQUEST = dict(max_tokens=4, max_audio_frames=4, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    from server_fixture import start_server
-
-    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
-                          max_inflight_requests=1, **TEST_LIMITS)
-    handle = start_server(config, tmp_path_factory.mktemp("error-codes"))
-    try:
+    with serving(tiny_checkpoint, tmp_path_factory.mktemp("error-codes"), max_inflight_requests=1,
+                 **TEST_LIMITS) as handle:
         yield handle
-    finally:
-        handle.server.stop()
 
 
 def failure(server, text: str | None = "hi", *, inputs: list | None = None, timeout_s: float = 30,

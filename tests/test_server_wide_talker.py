@@ -12,7 +12,7 @@ import torch
 
 from conftest import TEST_LIMITS
 from omni_triton.client import OmniStreamClient
-from omni_triton.server.repository import STAGES, LaunchConfig
+from server_fixture import serving
 
 pytestmark = pytest.mark.server
 
@@ -30,15 +30,8 @@ def wide_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(wide_checkpoint, tmp_path_factory):
-    from server_fixture import start_server
-
-    config = LaunchConfig(checkpoint_dir=wide_checkpoint, torch_threads={stage: 1 for stage in STAGES},
-                          **TEST_LIMITS)
-    handle = start_server(config, tmp_path_factory.mktemp("wide-triton"))
-    try:
+    with serving(wide_checkpoint, tmp_path_factory.mktemp("wide-triton"), **TEST_LIMITS) as handle:
         yield handle
-    finally:
-        handle.server.stop()
 
 
 def transformers_generate(checkpoint) -> tuple[torch.Tensor, np.ndarray]:
