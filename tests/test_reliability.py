@@ -213,13 +213,14 @@ def _text(draw) -> np.ndarray:
 NUMBER_DTYPES = [np.int32, np.int64, np.float32, np.float64, np.bool_, np.uint8]
 SCALARS = {"MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "TOP_K": np.int32, "MAX_AUDIO_FRAMES": np.int32,
            "MIN_AUDIO_FRAMES": np.int32, "SEED": np.int64, "TEMPERATURE": np.float32, "TOP_P": np.float32,
-           "REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_, "IGNORE_EOS": np.bool_,
-           "SEQUENTIAL": np.bool_}
+           "REPETITION_PENALTY": np.float32, "TALKER_REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_,
+           "IGNORE_EOS": np.bool_, "SEQUENTIAL": np.bool_}
 # in-range values, kept small so that an accepted request streams for well under a second
 VALID = {"MAX_TOKENS": st.integers(1, 8), "MIN_TOKENS": st.integers(0, 2), "TOP_K": st.integers(0, 100),
          "MAX_AUDIO_FRAMES": st.integers(1, 12), "MIN_AUDIO_FRAMES": st.integers(0, 4),
          "SEED": st.integers(-1, 2**63 - 1), "TEMPERATURE": st.floats(0, 2, width=32),
          "TOP_P": st.floats(0.0625, 1, width=32), "REPETITION_PENALTY": st.floats(0.5, 2, width=32),
+         "TALKER_REPETITION_PENALTY": st.floats(0.5, 2, width=32),
          "RETURN_AUDIO": st.booleans(), "IGNORE_EOS": st.booleans(), "SEQUENTIAL": st.booleans()}
 
 
