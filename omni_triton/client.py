@@ -14,6 +14,7 @@ stream with the error's gRPC status: without it a streamed error carries a messa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import queue
@@ -189,7 +190,8 @@ class OmniStreamClient:
                 response, error = self._responses.get(timeout=timeout_s)
             except queue.Empty:
                 result.total_s = time.perf_counter() - start
-                self.cancel()  # giving up: the server must not keep generating for nobody
+                with contextlib.suppress(InferenceServerException, TimeoutError):  # the server may be what hangs
+                    self.cancel()  # giving up: the server must not keep generating for nobody
                 raise InferenceServerException(f"no response from {self.model} for {timeout_s:g} s",
                                                status="StatusCode.DEADLINE_EXCEEDED") from None
             now = time.perf_counter() - start
