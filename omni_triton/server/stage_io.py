@@ -111,18 +111,33 @@ def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
     ]
 
 
-def thinker_output_from_request(pb: Any, request: Any) -> ThinkerOutput:
-    """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped)."""
-    def get(name: str) -> Any:
-        return pb.get_input_tensor_by_name(request, name)
+def owned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a request input that outlives the request, complete when this returns.
 
-    embeds = to_torch(get("EMBEDS"))
+    Input tensors live in memory that Triton frees, and may hand to another request, once the request is
+    done. A stage that keeps rows past ``execute`` (the talker queues thinker rows for later engine steps)
+    needs its own copy; on a GPU the copy is a kernel, so it is waited for: otherwise it could still be queued
+    when the memory is reused (the talker then read other requests' rows: served audio differed from the
+    in-process pipeline's on the GPU, never on the CPU, where nothing runs behind the caller's back)."""
+    copy = tensor.clone()
+    if copy.is_cuda:
+        torch.cuda.current_stream(copy.device).synchronize()
+    return copy
+
+
+def thinker_output_from_request(pb: Any, request: Any) -> ThinkerOutput:
+    """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped), in memory of
+    its own (``owned_copy``): the talker keeps the rows until its engine steps have used them."""
+    def get(name: str) -> Any:
+        return owned_copy(to_torch(pb.get_input_tensor_by_name(request, name)))
+
+    embeds = get("EMBEDS")
     hidden_size = embeds.shape[-1]
     return ThinkerOutput(
         token_ids=torch.zeros(0, dtype=torch.long),
-        row_ids=to_torch(get("ROW_IDS")).reshape(-1).to(torch.long),
+        row_ids=get("ROW_IDS").reshape(-1).to(torch.long),
         embeds=embeds.reshape(-1, hidden_size),
-        hidden=to_torch(get("HIDDEN")).reshape(-1, hidden_size),
+        hidden=get("HIDDEN").reshape(-1, hidden_size),
         prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
         finished=bool(host_array(get("THINKER_FINISHED")).reshape(-1)[0]),
     )
