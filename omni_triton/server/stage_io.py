@@ -129,15 +129,18 @@ def thinker_output_from_request(pb: Any, request: Any) -> ThinkerOutput:
     """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped), in memory of
     its own (``owned_copy``): the talker keeps the rows until its engine steps have used them."""
     def get(name: str) -> Any:
-        return owned_copy(to_torch(pb.get_input_tensor_by_name(request, name)))
+        return pb.get_input_tensor_by_name(request, name)
 
-    embeds = get("EMBEDS")
+    def rows(name: str) -> torch.Tensor:
+        return owned_copy(to_torch(get(name)))
+
+    embeds = rows("EMBEDS")
     hidden_size = embeds.shape[-1]
     return ThinkerOutput(
         token_ids=torch.zeros(0, dtype=torch.long),
-        row_ids=get("ROW_IDS").reshape(-1).to(torch.long),
+        row_ids=rows("ROW_IDS").reshape(-1).to(torch.long),
         embeds=embeds.reshape(-1, hidden_size),
-        hidden=get("HIDDEN").reshape(-1, hidden_size),
+        hidden=rows("HIDDEN").reshape(-1, hidden_size),
         prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
         finished=bool(host_array(get("THINKER_FINISHED")).reshape(-1)[0]),
     )
