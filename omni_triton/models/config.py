@@ -3,6 +3,10 @@
 Frozen dataclasses holding only what the serving code uses, named after the released config keys.
 The text-model configs keep their original dict in ``raw`` for fields nobody has needed yet; the audio
 encoder and Code2Wav configs are the audio modules' own.
+
+Full-size configs ship with the package (``omni_triton/configs/<name>/``): wherever a checkpoint dir is
+expected, ``resolve_config_dir`` also takes such a name (``qwen3_omni_30b_a3b``), which is what the ``dummy``
+load format (``models.weights``) builds random full-size models from.
 """
 
 from __future__ import annotations
@@ -14,6 +18,39 @@ from typing import Any
 
 from omni_triton.models.audio_encoder import AudioEncoderConfig
 from omni_triton.models.code2wav import Code2WavConfig
+
+
+SHIPPED_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+FULL_SIZE_CONFIG = "qwen3_omni_30b_a3b"  # Qwen3-Omni-30B-A3B-Instruct's dimensions
+
+
+def shipped_config_names() -> list[str]:
+    return sorted(p.parent.name for p in SHIPPED_CONFIGS_DIR.glob("*/config.json"))
+
+
+def resolve_config_dir(checkpoint_or_name: str | Path) -> Path:
+    """A dir holding config.json: the path itself if it has one, else the shipped config of that name."""
+    path = Path(checkpoint_or_name)
+    if (path / "config.json").is_file():
+        return path
+    shipped = SHIPPED_CONFIGS_DIR / str(checkpoint_or_name)
+    if (shipped / "config.json").is_file():
+        return shipped
+    raise FileNotFoundError(f"no config.json in checkpoint dir {str(checkpoint_or_name)!r}, and it is not a "
+                            f"shipped config (one of {shipped_config_names()})")
+
+
+def write_config_with_layers(source: str | Path, num_layers: int, target: str | Path) -> Path:
+    """A copy of ``source``'s config.json (checkpoint dir or shipped name) in ``target`` with the thinker and
+    talker cut to ``num_layers`` layers: full-width models that fit a smaller GPU, or a quicker test."""
+    raw = json.loads((resolve_config_dir(source) / "config.json").read_text())
+    for component in ("thinker_config", "talker_config"):
+        raw[component]["text_config"]["num_hidden_layers"] = num_layers
+    raw["talker_config"]["accept_hidden_layer"] = min(raw["talker_config"]["accept_hidden_layer"], num_layers)
+    target = Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+    return target
 
 
 def _rope(cfg: dict, *, mrope: bool) -> tuple[float, tuple[int, ...] | None]:

@@ -7,19 +7,27 @@ tensors (``...mlp.experts.E.{gate,up,down}_proj.weight``) land in the stacked ``
 ``[E, 2I, H]`` (gate rows, then up rows) and ``experts.down_proj`` ``[E, H, I]``. Strict: a missing,
 unexpected (inside the component's prefix) or mis-shaped tensor raises ValueError naming it. Other
 components' tensors are ignored.
+
+``load_format="dummy"`` reads only config.json (a checkpoint dir or a shipped config name such as
+``qwen3_omni_30b_a3b``) and fills every parameter with seeded random values generated on the target device:
+the full-size model on one GPU with no checkpoint on disk. Each tensor's values depend only on the seed and
+its name, so a component loaded alone (the thinker's embedding rows the talker stage needs) matches the
+same component loaded whole.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import zlib
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from omni_triton.models.config import OmniConfig
+from omni_triton.models.config import OmniConfig, resolve_config_dir
 from omni_triton.models.talker import Talker
 from omni_triton.models.thinker import Thinker
 
@@ -27,6 +35,7 @@ THINKER_PREFIX = "thinker."
 TALKER_PREFIX = "talker."
 # Thinker sub-trees this package does not load (vision is not served; audio has its own loader).
 THINKER_SKIPPED = ("thinker.visual.", "thinker.audio_tower.")
+LOAD_FORMATS = ("safetensors", "dummy")
 
 _EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -118,36 +127,107 @@ def _checkpoint_name(prefix: str, target: str, part) -> str:
     return f"{prefix}{target.rsplit('.', 1)[0]}.{expert}.{proj}.weight"
 
 
-def load_thinker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, with_audio: bool = True) -> Thinker:
-    config = OmniConfig.from_pretrained(checkpoint_dir)
-    thinker = _materialise(lambda: Thinker(config.thinker), device, dtype)
-    load_component_(thinker, checkpoint_dir, THINKER_PREFIX, THINKER_SKIPPED)
-    if with_audio:
-        from omni_triton.models.audio_weights import load_audio_encoder  # the audio helper's module
+def _check_load_format(load_format: str) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
 
-        thinker.audio_encoder = load_audio_encoder(checkpoint_dir, device, dtype)
+
+def _dummy_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+
+
+def _dummy_values_(name: str, tensor: torch.Tensor, seed: int) -> None:
+    """Well-scaled random values: fan-in scaled matrices keep activations O(1) through every stage (so greedy
+    decoding gives varied tokens and routing spreads over the experts), norms near 1, SnakeBeta's log-scale
+    parameters and layer scales small."""
+    generator = torch.Generator(device=tensor.device).manual_seed(_dummy_seed(seed, name))
+    leaf = name.rsplit(".", 2)
+    if name.endswith("weight") and len(leaf) > 1 and "norm" in leaf[-2]:
+        tensor.normal_(1.0, 0.1, generator=generator)
+    elif name.endswith(("alpha", "beta")):
+        tensor.normal_(0.0, 0.1, generator=generator)
+    elif "layer_scale" in name or name.endswith(".scale"):
+        tensor.normal_(0.1, 0.02, generator=generator)
+    elif tensor.dim() >= 2:
+        fan_in = tensor.shape[-1] if (tensor.dim() == 3 and "experts" in name) else tensor[0].numel()
+        damping = 0.1 if name.startswith("decoder.") and ".conv2." in name else 1.0  # Code2Wav residual units
+        tensor.normal_(0.0, damping / math.sqrt(max(fan_in, 1)), generator=generator)
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)
+
+
+def init_dummy_(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Fill every floating-point parameter of ``module`` in place (see ``_dummy_values_``)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.is_floating_point():
+                _dummy_values_(name, param, seed)
+    return module
+
+
+def load_thinker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, with_audio: bool = True, *, load_format: str = "safetensors",
+                 seed: int = 0) -> Thinker:
+    _check_load_format(load_format)
+    config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir) if load_format == "dummy"
+                                        else checkpoint_dir)
+    thinker = _materialise(lambda: Thinker(config.thinker), device, dtype)
+    if load_format == "dummy":
+        init_dummy_(thinker, seed)
+    else:
+        load_component_(thinker, checkpoint_dir, THINKER_PREFIX, THINKER_SKIPPED)
+    if with_audio:
+        if load_format == "dummy":
+            from omni_triton.models.audio_encoder import AudioEncoder
+
+            with torch.device(device):
+                thinker.audio_encoder = init_dummy_(AudioEncoder(config.thinker.audio).to(dtype), seed).eval()
+        else:
+            from omni_triton.models.audio_weights import load_audio_encoder  # the audio helper's module
+
+            thinker.audio_encoder = load_audio_encoder(checkpoint_dir, device, dtype)
     return thinker
 
 
 def load_talker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> Talker:
+                dtype: torch.dtype = torch.float32, *, load_format: str = "safetensors", seed: int = 0) -> Talker:
+    _check_load_format(load_format)
+    if load_format == "dummy":
+        config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir))
+        return init_dummy_(_materialise(lambda: Talker(config.talker), device, dtype), seed)
     config = OmniConfig.from_pretrained(checkpoint_dir)
     talker = _materialise(lambda: Talker(config.talker), device, dtype)
     return load_component_(talker, checkpoint_dir, TALKER_PREFIX)
 
 
 def load_code2wav(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32):
+                  dtype: torch.dtype = torch.float32, *, load_format: str = "safetensors", seed: int = 0):
+    _check_load_format(load_format)
+    if load_format == "dummy":
+        from omni_triton.models.code2wav import Code2Wav
+
+        config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir))
+        with torch.device(device):  # built on the device: its non-persistent buffers are computed in __init__
+            return init_dummy_(Code2Wav(config.code2wav).to(dtype), seed).eval()
     from omni_triton.models.audio_weights import load_code2wav as load  # the audio helper's module
 
     return load(checkpoint_dir, device, dtype)
 
 
 def load_thinker_embedding_rows(checkpoint_dir: str | Path, token_ids: list[int],
-                                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *,
+                                load_format: str = "safetensors", seed: int = 0) -> torch.Tensor:
     """Thinker input embeddings of a few tokens ([N, H]) without loading the thinker: the talker stage
     needs those of tts_bos/tts_eos/tts_pad to build its inputs."""
+    _check_load_format(load_format)
+    if load_format == "dummy":
+        text = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir)).thinker.text
+        for token in token_ids:
+            if not 0 <= token < text.vocab_size:
+                raise ValueError(f"token id {token} outside the thinker vocab of {text.vocab_size}")
+        table = torch.empty(text.vocab_size, text.hidden_size, dtype=dtype, device=device)
+        _dummy_values_("model.embed_tokens.weight", table, seed)
+        return table[token_ids].clone()
     name = THINKER_PREFIX + "model.embed_tokens.weight"
     files = checkpoint_index(checkpoint_dir)
     if name not in files:
