@@ -2,11 +2,20 @@
 
 Every request owns a ``torch.Generator``: its draws depend only on its own seed and its own logits, never
 on which other requests share the batch, so a seed reproduces its output under any batch composition.
+
+``DeviceSampler`` is the GPU fast path of the same processors: per-row controls in device buffers the host
+refills with one copy per step, repetition history and banned ids kept on the device per request
+(``TokenHistory``), exponential-race sampling over counter-based uniforms keyed by (request seed, draw index)
+(``kernels.random``). No step reads anything back to the host, so a CUDA graph can capture it (the talker's
+code predictor samples 15 times inside one). Its draws are as reproducible and batch-independent as the
+CPU path's, but they are a different random stream: a seed gives other samples on the fast path. Top-k keeps
+exactly k candidates (ties at the k-th value are cut; the CPU path keeps them).
 """
 
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +73,15 @@ class SampleRow:
     generator: torch.Generator
     seen_ids: set[int] = field(default_factory=set)  # ids the repetition penalty applies to
     num_generated: int = 0  # for min_new_tokens
+    seed: int | None = None  # DeviceSampler's key: the request's seed, else a random one
+
+    def __post_init__(self):
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(62)
+
+    @property
+    def stop_ids_banned(self) -> bool:
+        return self.num_generated < self.params.min_new_tokens and bool(self.params.stop_token_ids)
 
     def record(self, token_id: int) -> None:
         self.seen_ids.add(token_id)
@@ -140,3 +158,155 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         for j, i in enumerate(sampled):
             out[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
     return out
+
+
+# ---------------------------------------------------------------------------------------------- GPU fast path
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(row_seed: int, draw: int) -> int:
+    """The uniforms' key of a request's ``draw``-th sample (splitmix64 of both): distinct per draw."""
+    x = (row_seed * 0x9E3779B97F4A7C15 + draw + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 2  # 62 bits: room for the in-graph group offsets
+
+
+class TokenHistory:
+    """Per-request rows on the device: ``seen`` (ids the repetition penalty applies to) and ``banned``
+    (1: always, the suppressed ids; 2: while under min_new_tokens, the stop ids). A request gets a slot when
+    it first samples, filled from its host ``SampleRow``, and the slot follows every sampled id in place; the
+    last slot is scratch for padding rows."""
+
+    ALWAYS, UNDER_MIN = 1, 2
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
+        self.seen = torch.zeros(num_slots + 1, vocab_size, dtype=torch.bool, device=device)
+        self.banned = torch.zeros(num_slots + 1, vocab_size, dtype=torch.int8, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # a device value: no copy inside a graph
+        self.padding_slot = num_slots
+        self._free = list(range(num_slots))
+        self._slots: dict[str, int] = {}
+
+    def slot(self, key: str, row: SampleRow) -> int:
+        if key in self._slots:
+            return self._slots[key]
+        if not self._free:
+            raise RuntimeError(f"TokenHistory: no free slot for {key!r} ({self.padding_slot} in use)")
+        slot = self._slots[key] = self._free.pop()
+        device = self.seen.device
+        self.seen[slot] = False
+        if row.seen_ids:
+            self.seen[slot, torch.tensor(sorted(row.seen_ids), device=device)] = True
+        self.banned[slot] = 0
+        for ids, kind in ((row.params.stop_token_ids, self.UNDER_MIN), (row.params.suppressed_token_ids, self.ALWAYS)):
+            if ids:
+                self.banned[slot, _id_tensor(ids, device)] = kind
+        return slot
+
+    def record(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        self.seen.index_put_((slots, ids), self._true)
+
+    def release(self, key: str) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+
+class DeviceSampler:
+    """Samples up to ``max_rows`` rows per step on the GPU. ``prepare`` (host) fills the per-row controls;
+    ``sample`` (device only, capturable) applies penalties, bans, temperature, top-k, top-p and draws.
+
+    Padding rows (past the prepared ones, up to a CUDA-graph bucket) are greedy and use the scratch slot."""
+
+    def __init__(self, max_rows: int, device: torch.device, history: TokenHistory | None = None):
+        self.history = history
+        self.max_rows = max_rows
+        # temperature, top_p, repetition_penalty | top_k, seed, history slot, stop ids banned
+        pinned = torch.device(device).type == "cuda"
+        self._host_floats = torch.zeros(3, max_rows, dtype=torch.float32, pin_memory=pinned)
+        self._host_ints = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=pinned)
+        self._reset_host()
+        self._floats = self._host_floats.to(device)
+        self._ints = self._host_ints.to(device)
+        self.all_greedy, self.max_top_k, self.any_top_p = True, 0, False
+
+    def _reset_host(self) -> None:
+        """Every row greedy, no penalty, no ban, on the scratch history slot."""
+        floats, ints = self._host_floats.numpy(), self._host_ints.numpy()
+        floats[0], floats[1], floats[2] = 0.0, 1.0, 1.0
+        ints[0], ints[1], ints[3] = 0, 0, 0
+        ints[2] = self.history.padding_slot if self.history is not None else 0
+
+    def prepare(self, keys: list[str], rows: list[SampleRow], draws: list[int]) -> None:
+        """Controls of rows 0..n-1 (``draws``: each row's draw index, e.g. tokens generated so far)."""
+        if len(rows) > self.max_rows:
+            raise ValueError(f"DeviceSampler: {len(rows)} rows, at most {self.max_rows}")
+        self._reset_host()
+        floats, ints = self._host_floats.numpy(), self._host_ints.numpy()
+        for i, (key, row, draw) in enumerate(zip(keys, rows, draws)):
+            p = row.params
+            floats[0, i], floats[1, i], floats[2, i] = p.temperature, p.top_p, p.repetition_penalty
+            ints[0, i], ints[1, i], ints[3, i] = p.top_k, draw_seed(row.seed, draw), row.stop_ids_banned
+            if self.history is not None:
+                ints[2, i] = self.history.slot(key, row)
+        self._floats.copy_(self._host_floats, non_blocking=True)
+        self._ints.copy_(self._host_ints, non_blocking=True)
+        sampling = [row.params for row in rows if not row.params.greedy]
+        self.all_greedy = not sampling
+        self.max_top_k = 0 if any(p.top_k == 0 for p in sampling) else max((p.top_k for p in sampling), default=0)
+        self.any_top_p = any(p.top_p < 1.0 for p in sampling)
+
+    def sample(self, logits: torch.Tensor, group: int = 0, general: bool = False) -> torch.Tensor:
+        """logits [B, V] -> ids [B] (long). ``group`` offsets the draw (the code predictor's codebook);
+        ``general`` ignores what ``prepare`` saw of the rows (for a CUDA graph, which must serve any rows)."""
+        num_rows, vocab = logits.shape
+        temperature, top_p, penalty = self._floats[:, :num_rows]
+        top_k, seeds, slots, stop_banned = self._ints[:, :num_rows]
+        logits = logits.float()
+        if self.history is not None:
+            penalised = torch.where(logits < 0, logits * penalty[:, None], logits / penalty[:, None])
+            logits = torch.where(self.history.seen[slots], penalised, logits)
+            banned = self.history.banned[slots]
+            banned = (banned == TokenHistory.ALWAYS) | ((banned == TokenHistory.UNDER_MIN) & (stop_banned[:, None] > 0))
+            logits = logits.masked_fill(banned, float("-inf"))
+        if self.all_greedy and not general:
+            ids = logits.argmax(dim=-1)
+        elif vocab <= SMALL_VOCAB:
+            from omni_triton.kernels.sampling import sample_rows
+
+            ids = sample_rows(logits.contiguous(), temperature, top_k, top_p, seeds, group)
+        else:
+            ids = race_sample(logits, temperature, top_k, top_p, seeds + group,
+                              max_top_k=0 if general else self.max_top_k, top_p_used=general or self.any_top_p)
+        if self.history is not None:
+            self.history.record(slots, ids)
+        return ids
+
+
+SMALL_VOCAB = 4096  # up to here one fused kernel samples a row (kernels.sampling); the same draws as race_sample
+
+
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                seeds: torch.Tensor, max_top_k: int = 0, top_p_used: bool = True) -> torch.Tensor:
+    """Temperature, top-k, top-p and an exponential race over ``uniform_rows(seeds)`` keyed by candidate rank,
+    in torch ops (any vocab). ``max_top_k`` > 0: every sampling row has 0 < top_k <= it, so only that many
+    candidates are ranked (a top-k instead of a full sort). Rows with temperature 0 take the argmax."""
+    from omni_triton.kernels.random import uniform_rows
+
+    # subtracting the max first keeps a tiny temperature from overflowing (same distribution)
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / torch.where(temperature > 0, temperature,
+                                                                               1.0)[:, None]
+    if max_top_k:
+        values, candidates = scaled.topk(min(max_top_k, logits.shape[1]), dim=-1)
+    else:
+        values, candidates = scaled.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(values.shape[1], device=logits.device)
+    values = values.masked_fill((top_k[:, None] > 0) & (ranks[None, :] >= top_k[:, None]), float("-inf"))
+    probs = values.softmax(dim=-1)
+    if top_p_used:  # keep the shortest prefix whose mass reaches top_p
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+    race = probs / -torch.log(uniform_rows(seeds, values.shape[1]))  # exponential race
+    sampled = candidates.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))

@@ -12,16 +12,24 @@ offset ``p % block_size``, i.e. slot ``block * block_size + offset``.
 Two implementations of the same math: ``attend_paged`` (reference: one gather + masked SDPA per sequence)
 and the default ``attend_fast``, which avoids gathers where it can: a fresh prefill (no cached context)
 attends to its own new K/V with causal SDPA; all single-token decode rows run as one batched grouped-query
-attention over their gathered blocks (one gather for the whole decode batch per layer, K/V never repeated
-per query head); only chunked prefill with cached context gathers per sequence. Its per-batch plan is built once and shared by all layers.
+attention (on CUDA the Triton kernel ``kernels.paged_attention`` reading the block tables in place; else one
+gather for the whole decode batch per layer, K/V never repeated per query head); only chunked prefill with
+cached context gathers per sequence. Its per-batch plan is built once and shared by all layers.
+
+``DecodeBatch`` is the CUDA-graph form of a decode-only batch: device tensors only (no host lists), padding
+rows marked by a negative slot and a zero context length, K/V stored and attended by the Triton kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -33,6 +41,7 @@ class AttentionBatch:
     kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
     block_size: int
     use_reference: bool = False  # True: the per-sequence gather path (the oracle for the fast path)
+    use_kernels: bool = True  # CUDA decode rows through the Triton kernel (False: the torch gather path)
     _plan: "_AttentionPlan | None" = field(default=None, init=False, repr=False)
 
     @property
@@ -55,7 +64,7 @@ class AttentionBatch:
             return attend_paged(q, cache, self, scale)
         if self._plan is None:
             self._plan = _AttentionPlan.build(self)
-        return attend_fast(q, k, v, cache, self._plan, scale)
+        return attend_fast(q, k, v, cache, self._plan, scale, use_kernels=self.use_kernels and q.is_cuda)
 
 
 def attend_paged(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch, scale: float | None) -> torch.Tensor:
@@ -86,6 +95,7 @@ class _AttentionPlan:
     decode_rows: torch.Tensor | None  # [Bd] rows (and sequences' tables below) of single-token decodes
     decode_tables: torch.Tensor | None  # [Bd, max_blocks] int64, -1 replaced by 0 (masked anyway)
     decode_valid: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool: key position < context
+    decode_context_lens: torch.Tensor | None  # [Bd] int32
     fresh_prefills: list[tuple[int, int]]  # (first row, length) of prefills with no cached context
     chunked_prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, ctx_len, block ids)
 
@@ -105,12 +115,12 @@ class _AttentionPlan:
                 chunked.append((row, q_len, ctx_len, batch.block_tables[i, :n_blocks].long()))
             row += q_len
         if not decode_rows:
-            return cls(None, None, None, fresh, chunked)
+            return cls(None, None, None, None, fresh, chunked)
         ctx = _host_to_device([batch.context_lens[i] for i in decode_seqs], device)
         max_blocks = -(-int(max(batch.context_lens[i] for i in decode_seqs)) // batch.block_size)
         tables = batch.block_tables[_host_to_device(decode_seqs, device), :max_blocks].long().clamp_min(0)
         valid = torch.arange(max_blocks * batch.block_size, device=device)[None, :] < ctx[:, None]
-        return cls(_host_to_device(decode_rows, device), tables, valid[:, None, None, :], fresh, chunked)
+        return cls(_host_to_device(decode_rows, device), tables, valid[:, None, None, :], ctx.int(), fresh, chunked)
 
 
 def _host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -122,24 +132,35 @@ def _host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def attend_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, plan: _AttentionPlan,
-                scale: float | None) -> torch.Tensor:
+                scale: float | None, use_kernels: bool = False) -> torch.Tensor:
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     # round new K/V like the cache does, so results don't depend on whether they were read back from it
     k, v = (t.to(cache.dtype).to(q.dtype) for t in (k, v))
-    for row, n in plan.fresh_prefills:
-        qi, ki, vi = (t[row:row + n].transpose(0, 1) for t in (q, k, v))
-        out[row:row + n] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                                          enable_gqa=gqa).transpose(0, 1)
-    for row, q_len, ctx_len, blocks in plan.chunked_prefills:
-        keys = cache[0, blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
-        values = cache[1, blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(q.dtype)
-        # query j sits at position ctx_len - q_len + j: a bottom-right aligned causal mask
-        mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
-        out[row:row + q_len] = F.scaled_dot_product_attention(q[row:row + q_len].transpose(0, 1), keys, values,
-                                                              attn_mask=mask, scale=scale,
-                                                              enable_gqa=gqa).transpose(0, 1)
-    if plan.decode_rows is not None:
+    # The fast path asks for flash attention (GQA without K/V copies), which takes only 4-D inputs: with the
+    # 3-D ones of the CPU path, torch fell back to its fp32 math attention on the H100 (measured in the prefill
+    # profile: fp32 GEMMs + softmax + elementwise, a third of a 2048-token step's GPU time).
+    with sdpa_kernel(PREFILL_BACKENDS) if use_kernels else contextlib.nullcontext():
+        for row, n in plan.fresh_prefills:
+            qi, ki, vi = (t[row:row + n].transpose(0, 1) for t in (q, k, v))
+            if use_kernels:
+                qi, ki, vi = qi[None], ki[None], vi[None]
+            attended = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
+            out[row:row + n] = attended.reshape(q.shape[1], n, q.shape[2]).transpose(0, 1)
+        for row, q_len, ctx_len, blocks in plan.chunked_prefills:
+            keys = cache[0, blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
+            values = cache[1, blocks].flatten(0, 1)[:ctx_len].transpose(0, 1).to(q.dtype)
+            # query j sits at position ctx_len - q_len + j: a bottom-right aligned causal mask
+            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
+            out[row:row + q_len] = F.scaled_dot_product_attention(q[row:row + q_len].transpose(0, 1), keys, values,
+                                                                  attn_mask=mask, scale=scale,
+                                                                  enable_gqa=gqa).transpose(0, 1)
+    if plan.decode_rows is not None and use_kernels:
+        from omni_triton.kernels.paged_attention import paged_decode_attention
+
+        out[plan.decode_rows] = paged_decode_attention(q[plan.decode_rows], cache, plan.decode_tables,
+                                                       plan.decode_context_lens, scale)
+    elif plan.decode_rows is not None:
         rows = plan.decode_rows
         keys = cache[0, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
         values = cache[1, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
@@ -158,6 +179,23 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * (head_dim ** -0.5 if scale is None else scale)
     probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+@dataclass
+class DecodeBatch:
+    """One new token per row, as device tensors only (a CUDA graph replays it with new contents)."""
+    slot_mapping: torch.Tensor  # [B] int64: cache slot of each row's new token; negative = padding row
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (entries past a row's context are never read)
+    context_lens: torch.Tensor  # [B] int: tokens in the cache after this step; 0 = padding row
+    kv_caches: list[torch.Tensor]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        from omni_triton.kernels.paged_attention import paged_decode_attention, store_kv
+
+        cache = self.kv_caches[layer_idx]
+        store_kv(k, v, cache, self.slot_mapping)
+        return paged_decode_attention(q, cache, self.block_tables, self.context_lens, scale)
 
 
 def contiguous_batch(seq_lens: list[int], num_layers: int, num_kv_heads: int, head_dim: int, *,

@@ -1,22 +1,25 @@
 """The Qwen3 decoder block shared by thinker, talker and code predictor.
 
 Pre-norm attention (q/k RMSNorm per head before RoPE, GQA through ``batch.attend``) and a feed-forward that
-is a SparseMoE or a dense GatedMLP per layer. Inputs are flat token batches ``[T, H]``.
+is a SparseMoE or a dense GatedMLP per layer. Inputs are flat token batches ``[T, H]``. On CUDA the q/k norm
+and rotary run as one kernel per projection and the residual add joins the second norm (``kernels.norm``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omni_triton.models.config import TextModelConfig
+from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_
 from omni_triton.models.layers.mlp import GatedMLP
 from omni_triton.models.layers.moe import SparseMoE
 from omni_triton.models.layers.norm import RMSNorm
 from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(KernelSwitch, nn.Module):
     def __init__(self, cfg: TextModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -28,13 +31,29 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.packed_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def pack_projections_(self) -> None:
+        if self.packed_qkv is None:
+            self.packed_qkv = pack_linears_([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.kernels_for(x) and self.packed_qkv is not None:
+            sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+            q, k, v = F.linear(x, *self.packed_qkv).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.kernels_for(x):
+            from omni_triton.kernels.norm import head_norm_rope
+
+            q = head_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
+            k = head_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        else:
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -53,8 +72,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        h, x = self.post_attention_layernorm.add_forward(attended, x)
+        return x + self.mlp(h)
 
 
 class DecoderStack(nn.Module):

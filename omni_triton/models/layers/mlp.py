@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_
+
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
@@ -16,8 +18,10 @@ def activation(name: str):
         raise ValueError(f"hidden_act={name!r} is not supported; use one of {sorted(ACTIVATIONS)}") from None
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): the dense MLP of the code predictor and the talker's shared expert."""
+class GatedMLP(KernelSwitch, nn.Module):
+    """down(act(gate(x)) * up(x)): the dense MLP of the code predictor and the talker's shared expert.
+
+    On CUDA with SiLU: one packed gate/up GEMM and one ``silu_and_mul`` launch (``kernels.activation``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
@@ -25,8 +29,17 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act = activation(act)
+        self.packed_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def pack_projections_(self) -> None:
+        if self.packed_gate_up is None:
+            self.packed_gate_up = pack_linears_([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels_for(x) and self.packed_gate_up is not None and self.act is F.silu:
+            from omni_triton.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(F.linear(x, *self.packed_gate_up)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

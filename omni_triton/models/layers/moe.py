@@ -2,7 +2,9 @@
 
 Expert weights are stored stacked per layer: ``experts.gate_up_proj [E, 2I, H]`` (gate rows first, then up)
 and ``experts.down_proj [E, H, I]``; the loader fills them from the checkpoint's per-expert tensors.
-``run_experts`` is the one function a fused GPU kernel replaces.
+On CUDA tensors (``use_kernels`` on, SiLU experts) the router and the experts run as Triton kernels
+(``kernels.routing``, ``kernels.fused_moe``); ``route`` and ``run_experts`` here are the CPU path and the
+reference they are tested against.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_triton.models.layers.fast_kernels import KernelSwitch
 from omni_triton.models.layers.mlp import GatedMLP, activation
 
 
@@ -57,7 +60,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(KernelSwitch, nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
                  norm_topk_prob: bool, shared_expert_intermediate_size: int = 0, act: str = "silu"):
         super().__init__()
@@ -73,8 +76,15 @@ class SparseMoE(nn.Module):
             self.shared_expert = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, self.act)
+        router_logits = self.gate(x)
+        if self.kernels_for(x) and self.act is F.silu:
+            from omni_triton.kernels import fused_moe, routing
+
+            weights, ids = routing.route(router_logits, self.top_k, self.norm_topk_prob)
+            out = fused_moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+        else:
+            weights, ids = route(router_logits, self.top_k, self.norm_topk_prob)
+            out = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, self.act)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

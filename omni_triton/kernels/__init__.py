@@ -1,0 +1,15 @@
+"""Triton-lang kernels of the GPU fast path.
+
+Every kernel here has a plain torch twin in ``omni_triton.models.layers`` (the CPU path and the reference);
+the layers call a kernel only for CUDA tensors and only while their ``use_kernels`` switch is on. Nothing in
+this package is imported on a CPU-only path, so ``triton`` stays an optional dependency: the kernel modules
+import it at their top and are themselves imported lazily, from inside the CUDA branch of a layer.
+
+On a machine without a GPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` set before
+the first kernel module is imported): that is how ``tests/test_kernels.py`` checks them in CI.
+
+Modules: ``norm`` (RMSNorm, residual add + RMSNorm, per-head q/k norm + rotary), ``routing`` (softmax top-k
+router, expert-sorted token layout), ``fused_moe`` (the two grouped GEMMs of a MoE block),
+``paged_attention`` (KV store by slot mapping, single-token decode over the paged cache), ``random``
+(counter-based uniforms for seeded sampling).
+"""

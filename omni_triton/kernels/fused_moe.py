@@ -1,0 +1,176 @@
+"""Fused MoE experts: two grouped-GEMM launches over the expert-sorted layout of ``routing``.
+
+1. gate/up: for every block of ``BLOCK_M`` (token, slot) pairs of one expert, ``x[token] @ gate_up[e].T`` for
+   the gate and the up half at once, then ``silu(gate) * up`` -> ``hidden [T * k, I]`` (one row per pair).
+2. down: ``hidden[pair] @ down[e].T`` times the pair's router weight -> ``per_pair [T * k, H]``.
+The top-k sum is a third, small launch over ``per_pair.view(T, k, H)`` (fusing it into the down GEMM would
+need atomics, whose float order changes run to run; torch's ``sum`` took 5 us at decode, this 2).
+
+Each expert's weights are read once per block of its pairs: at decode (a few pairs per expert) that is the
+weight-read floor. Roundings follow ``models.layers.moe.run_experts`` (the linear outputs, the activation,
+its product with up and the router weighting are each rounded to the activation dtype); only the
+accumulation order of the dot products and of the top-k sum differ.
+
+Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate), per
+token-count bucket; written by ``python -m omni_triton.kernels.tune_fused_moe``), else from a size rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_triton.kernels.routing import expert_sorted_layout
+
+CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
+
+
+@triton.jit
+def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows (pairs; padding rows are not valid) and output columns."""
+    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs, pairs < num_pairs, cols, cols < n_cols
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, inter, hidden,
+                         stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
+                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    pairs, valid, cols, col_mask = _block_tile(sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (pairs // TOP_K)[:, None] * stride_xt + ks[None, :]
+    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = ks < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], (activated * up).to(dtype),
+             mask=valid[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weights_ptr, num_pairs,
+                          hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    pairs, valid, cols, col_mask = _block_tile(sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pairs[:, None] * stride_ht + ks[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_mask = ks < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0), acc,
+                     input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    dtype = out_ptr.dtype.element_ty
+    router_weight = tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    out = (acc.to(dtype).to(tl.float32) * router_weight[:, None]).to(dtype)
+    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], out, mask=valid[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _sum_top_k_kernel(per_pair_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        total += tl.load(per_pair_ptr + (token * TOP_K + slot) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                  expert_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``models.layers.moe.run_experts`` with SiLU: x [T, H]; gate_up [E, 2I, H];
+    down [E, H, I]; expert_ids/weights [T, k] -> [T, H]."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    top_k = expert_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("fused_experts needs the last dim of x and of the expert weights contiguous")
+    config = config or block_config(num_tokens, num_experts, hidden, inter)
+    block_m = config["BLOCK_M"]
+    sorted_pairs, block_expert = expert_sorted_layout(expert_ids, num_experts, block_m)
+    num_blocks = block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models (tests) keep fp32 products
+
+    activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    gate_cfg = config["gate_up"]
+    _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, gate_cfg["BLOCK_N"]))](
+        x, gate_up, activated, sorted_pairs, block_expert, num_pairs, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), activated.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=gate_cfg["BLOCK_N"], BLOCK_K=gate_cfg["BLOCK_K"], PRECISION=precision,
+        num_warps=gate_cfg["num_warps"], num_stages=gate_cfg["num_stages"])
+
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    down_cfg = config["down"]
+    _down_weighted_kernel[(num_blocks, triton.cdiv(hidden, down_cfg["BLOCK_N"]))](
+        activated, down, per_pair, sorted_pairs, block_expert, expert_weights.reshape(-1), num_pairs, hidden, inter,
+        activated.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
+        BLOCK_M=block_m, BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], PRECISION=precision,
+        num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"])
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](per_pair, out, hidden, TOP_K=top_k, BLOCK=block,
+                                                                num_warps=4)
+    return out
+
+
+def shape_key(num_experts: int, hidden: int, inter: int) -> str:
+    return f"E{num_experts}_H{hidden}_I{inter}"
+
+
+def default_config(num_tokens: int) -> dict:
+    """Size rule when no tuned entry exists: small M blocks at decode (few pairs per expert), larger ones
+    once every expert gets tens of tokens."""
+    if num_tokens <= 64:
+        gemm = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, gate_up=gemm, down=dict(gemm))
+    gemm = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64 if num_tokens > 256 else 32, gate_up=gemm, down=dict(gemm))
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_table(device_name: str, key: str) -> dict[int, dict]:
+    if not CONFIG_FILE.is_file():
+        return {}
+    by_shape = json.loads(CONFIG_FILE.read_text()).get(device_name, {})
+    return {int(bucket): cfg for bucket, cfg in by_shape.get(key, {}).items()}
+
+
+def block_config(num_tokens: int, num_experts: int, hidden: int, inter: int) -> dict:
+    """The tuned entry of the smallest bucket >= num_tokens, or the size rule past the tuned buckets."""
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    table = _tuned_table(device_name, shape_key(num_experts, hidden, inter))
+    fitting = [bucket for bucket in table if bucket >= num_tokens]
+    return table[min(fitting)] if fitting else default_config(num_tokens)

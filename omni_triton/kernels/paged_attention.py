@@ -1,0 +1,155 @@
+"""Paged KV cache: the store of new K/V by slot mapping, and single-token decode attention.
+
+Cache layout (``models.layers.attention``): one tensor per layer ``[2, num_blocks, block_size, kv_heads,
+head_dim]``; the token at position ``p`` of a sequence lives at slot ``block_table[p // block_size] *
+block_size + p % block_size``.
+
+Decode: one program per (sequence, KV head, context split) holds the group of query heads that share that KV
+head (GQA: K/V read once for the group), walks its part of the context in tiles of ``BLOCK_N`` positions
+through the block table, and keeps an online softmax in fp32; when the batch is too small to fill the GPU the
+context is split (flash-decoding) and a second launch merges the splits. Context lengths come from a device
+tensor, so one launch (and one CUDA graph) serves any mix of lengths; a row with context length 0 is padding
+and gets zeros. The score product is rounded to the activation dtype before scaling, as the torch decode path
+rounds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v, value_offset, row_size,
+                     BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:  # padding row of a CUDA-graph batch
+        return
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < row_size
+    dst = cache_ptr + slot.to(tl.int64) * row_size + offsets
+    key = tl.load(k_ptr + token * stride_k + offsets, mask=mask)
+    value = tl.load(v_ptr + token * stride_v + offsets, mask=mask)
+    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + value_offset, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k/v [T, kv_heads, head_dim] -> cache slots ``slot_mapping`` [T] (negative: skipped)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if k.stride(1) != head_dim or v.stride(1) != head_dim or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("store_kv needs each token's heads contiguous")
+    if not cache.is_contiguous():
+        raise ValueError("store_kv needs a contiguous cache")
+    row_size = num_kv_heads * head_dim
+    if num_tokens:
+        _store_kv_kernel[(num_tokens,)](k, v, cache, slot_mapping, k.stride(0), v.stride(0), cache.stride(0),
+                                        row_size, BLOCK=triton.next_power_of_2(row_size), num_warps=4)
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_ptr, stats_ptr,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_table, value_offset, num_kv_heads,
+                         num_heads, scale, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    # split s walks its own run of whole BLOCK_N tiles of the context
+    split_len = tl.cdiv(tl.cdiv(context_len, SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * split_len
+    end = tl.minimum(begin + split_len, context_len)
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + group
+    head_mask = (group < GROUP)[:, None]
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_mask, other=0.0)
+    row_size = num_kv_heads * HEAD_DIM
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    positions = tl.arange(0, BLOCK_N)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + positions
+        pos_mask = pos < end
+        page = tl.load(block_tables_ptr + seq * stride_table + pos // PAGE, mask=pos_mask, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        key_ptrs = cache_ptr + slot[:, None] * row_size + kv_head * HEAD_DIM + dims[None, :]
+        keys = tl.load(key_ptrs, mask=pos_mask[:, None], other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION).to(q.dtype).to(tl.float32) * scale
+        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        probs = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(probs, axis=1)
+        values = tl.load(key_ptrs + value_offset, mask=pos_mask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values, input_precision=PRECISION)
+        m_i = m_new
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (no context): acc is 0
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask)
+    else:  # partial results [B, heads, SPLITS, D] and (max, sum) [B, heads, SPLITS, 2], merged by the reduce kernel
+        row = (seq * num_heads + heads) * SPLITS + split
+        tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask)
+        tl.store(stats_ptr + row * 2, m_i, mask=group < GROUP)
+        tl.store(stats_ptr + row * 2 + 1, l_i, mask=group < GROUP)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(partial_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+                                HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    row = (seq * num_heads + head) * SPLITS + splits
+    m_s = tl.load(stats_ptr + row * 2)
+    l_s = tl.load(stats_ptr + row * 2 + 1)
+    filled = m_s > float("-inf")  # splits past the context hold nothing
+    m = tl.max(m_s, axis=0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # a padding row fills no split
+    weight = tl.where(filled, tl.exp(tl.where(filled, m_s, m) - m), 0.0)
+    total = tl.sum(weight * l_s, axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.sum(tl.load(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :]) * weight[:, None], axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Context splits per (sequence, KV head): enough programs for about two per SM when the batch alone
+    gives too few (one sequence, four KV heads: 4 programs would each walk the whole context)."""
+    return max(1, min(16, triton.next_power_of_2(2 * num_sms // max(1, batch * num_kv_heads)) // 2))
+
+
+def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q [B, heads, head_dim] (one new token per sequence, its K/V already stored), cache of one layer,
+    block_tables [B, max_blocks] int32, context_lens [B] int (new token included) -> [B, heads, head_dim]."""
+    batch, num_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, _ = cache.shape
+    if q.stride(2) != 1 or block_tables.stride(1) != 1 or not cache.is_contiguous():
+        raise ValueError("paged_decode_attention needs q's head dim, the block tables' rows and the cache "
+                         "contiguous")
+    out = torch.empty_like(q)
+    if not batch:
+        return out
+    splits = decode_splits(batch, num_kv_heads)
+    partial = stats = out
+    if splits > 1:
+        partial = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    group = num_heads // num_kv_heads
+    _paged_decode_kernel[(batch, num_kv_heads, splits)](
+        q, cache, block_tables, context_lens, out, partial, stats, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), cache.stride(0), num_kv_heads, num_heads,
+        head_dim ** -0.5 if scale is None else scale, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    if splits > 1:
+        _paged_decode_reduce_kernel[(batch, num_heads)](partial, stats, out, out.stride(0), out.stride(1), num_heads,
+                                                        HEAD_DIM=head_dim, SPLITS=splits, num_warps=4)
+    return out

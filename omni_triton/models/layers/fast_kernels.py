@@ -1,0 +1,49 @@
+"""The switch between a layer's torch code (the CPU path and the reference) and its Triton kernel.
+
+A layer that has a kernel twin (``omni_triton.kernels``) inherits ``KernelSwitch`` and runs the kernel only
+for CUDA tensors and only while ``use_kernels`` is on (the default). ``set_fast_kernels(model, False)`` gives
+the plain torch path on the GPU too: the eager baseline the fast path is checked and timed against.
+
+Switching on also packs the projections that read one input (q/k/v, gate/up) into one weight tensor each,
+whose rows the original parameters become views of: one GEMM launch instead of two or three, no extra memory,
+state dicts unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KernelSwitch:
+    use_kernels: bool = True
+
+    def kernels_for(self, x: torch.Tensor) -> bool:
+        return self.use_kernels and x.is_cuda
+
+    def pack_projections_(self) -> None:
+        """Layers with several projections of one input pack them here (see the module docstring)."""
+
+
+def pack_linears_(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum of out_features, in] weight (and bias) holding ``linears``' rows in order; each linear's
+    parameters become views of it."""
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+    row = 0
+    for linear in linears:
+        rows = slice(row, row + linear.out_features)
+        linear.weight.data = weight[rows]
+        if bias is not None:
+            linear.bias.data = bias[rows]
+        row = rows.stop
+    return weight, bias
+
+
+def set_fast_kernels(model: nn.Module, enabled: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, KernelSwitch):
+            module.use_kernels = enabled
+            if enabled and any(p.is_cuda for p in module.parameters()):
+                module.pack_projections_()

@@ -1,0 +1,207 @@
+"""Triton kernels of the GPU fast path against their torch references, on small shapes.
+
+Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel module is
+imported); with one, on the GPU. The interpreter computes ``tl.dot`` of bf16 operands wrongly (triton 3.9),
+and rounds to bf16 by truncation, so kernels are checked in fp32 and fp16 here and in bf16 on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from omni_triton.engine.sampling import race_sample  # noqa: E402
+from omni_triton.kernels import activation, fused_moe, norm, paged_attention, random, routing, sampling  # noqa: E402
+from omni_triton.models.layers import moe  # noqa: E402
+from omni_triton.models.layers.fast_kernels import pack_linears_  # noqa: E402
+from omni_triton.models.layers.attention import AttentionBatch, attend_paged  # noqa: E402
+from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
+from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add_match_the_module(dtype):
+    gen = torch.Generator().manual_seed(0)
+    module = RMSNorm(96, 1e-6)
+    module.weight.data = 1 + 0.1 * torch.randn(96, generator=gen)
+    module = module.to(DEVICE, dtype)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(5, 96, generator=gen).to(DEVICE, dtype)
+    # rsqrt may differ in its last ulp between torch and Triton, which can move a rounding by one ulp
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(norm.rms_norm(x, module.weight, module.eps), module(x), **tolerance)
+    normed, summed = norm.add_rms_norm(x, residual, module.weight, module.eps)
+    torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(normed, module(x + residual), **tolerance)
+
+
+@pytest.mark.parametrize("mrope", [None, (2, 3, 3)])
+def test_head_norm_rope_matches_norm_then_rotary(mrope):
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, head_dim = 6, 3, 16
+    module = RMSNorm(head_dim, 1e-6)
+    module.weight.data = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+    module = module.to(DEVICE)
+    x = torch.randn(tokens, heads, head_dim, generator=gen).to(DEVICE)
+    positions = torch.randint(0, 50, (3, tokens), generator=gen).to(DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, mrope).cos_sin(positions, torch.float32)
+    want = apply_rotary(module(x), cos, sin)
+    torch.testing.assert_close(norm.head_norm_rope(x, module.weight, cos, sin, 1e-6), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(activation.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+def test_packed_linears_are_views_of_one_weight_and_compute_the_same():
+    torch.manual_seed(6)
+    linears = [torch.nn.Linear(8, n, bias=True) for n in (4, 2, 2)]
+    x = torch.randn(3, 8)
+    before = [linear(x) for linear in linears]
+    weight, bias = pack_linears_(linears)
+    assert weight.shape == (8, 8) and all(linear.weight.data_ptr() == weight[row:].data_ptr()
+                                          for linear, row in zip(linears, (0, 4, 6)))
+    torch.testing.assert_close(torch.nn.functional.linear(x, weight, bias), torch.cat(before, dim=-1))
+    assert all(torch.equal(linear(x), want) for linear, want in zip(linears, before))
+
+
+def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE)
+    return logits, moe.route(logits, top_k, normalize=True)
+
+
+def test_router_kernel_matches_softmax_topk():
+    logits, (want_weights, want_ids) = random_routing(9, 16, 4, seed=2)
+    weights, ids = routing.route(logits, 4, normalize=True)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (7, 4), (33, 16)])
+def test_expert_sorted_layout_covers_every_pair_once(num_tokens, block_m):
+    num_experts, top_k = 8, 2
+    _, (_, ids) = random_routing(num_tokens, num_experts, top_k, seed=num_tokens)
+    sorted_pairs, block_expert = routing.expert_sorted_layout(ids.int(), num_experts, block_m)
+    num_pairs = ids.numel()
+    flat_ids = ids.reshape(-1).cpu()
+    pairs = sorted_pairs.view(-1, block_m).cpu()
+    owners = block_expert.cpu()
+    valid = pairs < num_pairs
+    assert sorted(pairs[valid].tolist()) == list(range(num_pairs))
+    for block, owner in enumerate(owners.tolist()):
+        if owner < 0:
+            assert not valid[block].any()
+        else:
+            assert (flat_ids[pairs[block][valid[block]]] == owner).all()
+    used = owners >= 0
+    assert used.sum() == sum(-(-int((flat_ids == e).sum()) // block_m) for e in range(num_experts))
+    assert not used[int(used.sum()):].any()  # runs are packed at the front
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_fused_experts_match_the_expert_loop(dtype, num_tokens):
+    gen = torch.Generator().manual_seed(3)
+    num_experts, hidden, inter, top_k = 8, 32, 48, 2
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(DEVICE, dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(DEVICE, dtype)
+    weights, ids = moe.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE, dtype), top_k, True)
+    want = moe.run_experts(x, gate_up, down, ids, weights)
+    gemm = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
+    for config in (dict(BLOCK_M=16, gate_up=gemm, down=gemm), None):
+        got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, config)
+        assert rel_error(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def paged_batch(context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, seed: int):
+    """A decode batch (one new token per sequence) over a cache with shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(context_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    slots = [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+             for i, n in enumerate(context_lens)]
+    return AttentionBatch([1] * len(context_lens), context_lens, torch.tensor(slots).to(DEVICE), tables.to(DEVICE),
+                          [cache], block_size)
+
+
+def test_store_kv_writes_each_token_at_its_slot_and_skips_padding():
+    batch = paged_batch([5, 17, 3], num_kv_heads=2, head_dim=16, block_size=4, seed=4)
+    cache = batch.kv_caches[0]
+    before = cache.clone()
+    k, v = torch.randn(2, 4, 2, 16).to(DEVICE).unbind(0)
+    slots = torch.cat((batch.slot_mapping, torch.tensor([-1], device=DEVICE)))
+    paged_attention.store_kv(k, v, cache, slots)
+    flat = before.view(2, -1, 2, 16)
+    flat[0, batch.slot_mapping] = k[:3]
+    flat[1, batch.slot_mapping] = v[:3]
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,context_lens", [
+    (4, 2, [1, 9, 70, 33]), (6, 6, [1, 9, 70, 33]), (8, 1, [1, 9, 70, 33]),
+    (4, 4, [3, 130, 17, 64] * 10)])  # 40 sequences x 4 KV heads: no context split
+def test_paged_decode_attention_matches_the_gather_reference(num_heads, num_kv_heads, context_lens):
+    assert (paged_attention.decode_splits(len(context_lens), num_kv_heads) == 1) == (len(context_lens) == 40)
+    batch = paged_batch(context_lens, num_kv_heads, head_dim=16, block_size=4, seed=num_heads)
+    q = torch.randn(len(context_lens), num_heads, 16).to(DEVICE)
+    want = attend_paged(q, batch.kv_caches[0], batch, scale=0.3)
+    got = paged_attention.paged_decode_attention(q, batch.kv_caches[0], batch.block_tables,
+                                                 torch.tensor(context_lens, dtype=torch.int32, device=DEVICE), 0.3)
+    assert rel_error(got, want) < 1e-5
+
+
+def test_paged_decode_attention_gives_zeros_for_padding_rows():
+    batch = paged_batch([6, 2], num_kv_heads=2, head_dim=16, block_size=4, seed=9)
+    q = torch.randn(2, 4, 16).to(DEVICE)
+    out = paged_attention.paged_decode_attention(q, batch.kv_caches[0], batch.block_tables,
+                                                 torch.tensor([6, 0], dtype=torch.int32, device=DEVICE))
+    assert torch.isfinite(out).all() and not out[1].any() and out[0].any()
+
+
+def test_uniform_rows_depend_only_on_the_row_seed():
+    seeds = torch.tensor([7, 123456789012345, 7], device=DEVICE)
+    draws = random.uniform_rows(seeds, 3000)
+    assert ((draws >= 0) & (draws < 1)).all()
+    assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])
+    assert torch.equal(random.uniform_rows(seeds[1:2], 3000)[0], draws[1])
+    assert abs(float(draws.mean()) - 0.5) < 0.02
+
+
+def test_fused_row_sampler_draws_what_the_torch_race_draws():
+    gen = torch.Generator().manual_seed(8)
+    rows, vocab = 12, 100
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(DEVICE)
+    logits[3, 7] = float("-inf")  # banned ids stay out
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * 3, device=DEVICE)
+    top_k = torch.tensor([0, 0, 5, 50, 1, 3] * 2, device=DEVICE)
+    top_p = torch.tensor([1.0, 0.8, 0.5, 1.0, 0.95, 0.3] * 2, device=DEVICE)
+    seeds = torch.randint(0, 1 << 60, (rows,), generator=gen).to(DEVICE)
+    for group in (0, 3):
+        got = sampling.sample_rows(logits, temperature, top_k, top_p, seeds, group)
+        want = race_sample(logits, temperature, top_k, top_p, seeds + group)
+        assert torch.equal(got, want)
+    assert int(got[0]) == int(logits[0].argmax())
