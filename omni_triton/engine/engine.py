@@ -30,6 +30,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     device: str = "cpu"
     kv_dtype: torch.dtype = torch.float32
+    # CUDA only: Triton kernels, GPU sampling and (cuda_graphs) CUDA-graph decode; off = the plain torch path
+    fast_path: bool = True
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -69,7 +72,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(stage, num_blocks, config.block_size, device=config.device,
-                                  kv_dtype=config.kv_dtype)
+                                  kv_dtype=config.kv_dtype, fast_path=config.fast_path,
+                                  max_num_seqs=config.max_num_seqs, cuda_graphs=config.cuda_graphs)
         self.requests: dict[str, Sequence] = {}
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
 
@@ -111,6 +115,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
         return RequestOutput(request_id, finished=True, finish_reason=reason)
 
     def abort_all(self, reason: str) -> list[RequestOutput]:
@@ -129,6 +134,8 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.runner.release(seq)
         self.last_step_size = len(batch)
         if not batch:
             return []
@@ -145,7 +152,8 @@ class LLMEngine:
 
         if result.sampled_seqs:
             continuing = []
-            for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, result.sampled_token_ids.tolist())):
+            token_ids = result.sampled_token_ids.tolist()  # the step's one device -> host copy
+            for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
                 seq.append_output(token_id)
                 outputs[seq.request_id].new_token_ids.append(token_id)
                 reason = seq.check_stop(token_id)
@@ -156,7 +164,12 @@ class LLMEngine:
             if continuing:
                 index = torch.tensor(continuing, device=result.sampled_hidden.device)
                 seqs = [result.sampled_seqs[i] for i in continuing]
-                extras = self.stage.after_sample(seqs, result.sampled_hidden[index], result.sampled_token_ids[index])
+                if result.completed is None:
+                    completed = self.runner.complete_step(seqs, result.sampled_hidden[index],
+                                                          result.sampled_token_ids[index])
+                else:  # a CUDA graph completed every sampled row
+                    completed = {name: t[index] for name, t in result.completed.items()}
+                extras = self.stage.after_sample(seqs, completed)
                 for seq, extra in zip(seqs, extras):
                     outputs[seq.request_id].extras = extra
 
@@ -168,6 +181,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, output: RequestOutput) -> None:
         self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
         del self.requests[seq.request_id]
         output.finished = True
         output.finish_reason = reason

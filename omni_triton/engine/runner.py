@@ -1,4 +1,15 @@
-"""Tensors in, tokens out: builds the flat varlen batch for a scheduled step, runs the stage, samples."""
+"""Tensors in, tokens out: builds the flat varlen batch for a scheduled step, runs the stage, samples.
+
+The fast path (``fast_path`` on a CUDA device) is a switch around the same modules:
+- the layers' Triton kernels (``models.layers.fast_kernels``; off, the plain torch path runs on the GPU too);
+- sampling on the GPU (``DeviceSampler``): the step's only device->host copy is the sampled ids;
+- decode under CUDA graphs: a step where every row computes one token and samples replays a graph captured for
+  the smallest batch bucket that holds it (1, 2, 4, 8, 16, 32, 48, 64, ... max_num_seqs) over static input
+  buffers; rows past the batch are padding (no KV write, zero context). A stage whose step completion samples
+  (the talker: its code predictor's 15 draws) has sampling and completion inside the graph, so one frame is one
+  replay; otherwise (the thinker) the graph ends at the logits and sampling runs after it on the device.
+Prefill, chunked prefill and mixed steps run eagerly.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_triton.engine.sampling import sample
+from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
 from omni_triton.engine.scheduler import ScheduledBatch
 from omni_triton.engine.sequence import Sequence
 from omni_triton.engine.stage import Chunk, StageModel
-from omni_triton.models.layers.attention import AttentionBatch
+from omni_triton.models.layers.attention import AttentionBatch, DecodeBatch
+from omni_triton.models.layers.fast_kernels import set_fast_kernels
+
+MAIN_STREAM = ""  # the sampled token of each row; stages may name more streams (talker: "predictor")
 
 
 @dataclass
@@ -21,16 +35,41 @@ class StepResult:
     sampled_seqs: list[Sequence]
     sampled_hidden: torch.Tensor | None  # [N, H] final hidden of the rows that sampled
     sampled_token_ids: torch.Tensor | None  # [N] long, on device
+    completed: dict[str, torch.Tensor] | None = None  # stage.complete_step of every sampled row, when a graph ran it
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8, 16, 32, 48) if b < max_batch]
+    return small + list(range(64, max_batch, 32)) + [max_batch] if max_batch > 48 else small + [max_batch]
 
 
 class ModelRunner:
     def __init__(self, stage: StageModel, num_blocks: int, block_size: int, *, device: torch.device | str,
-                 kv_dtype: torch.dtype):
+                 kv_dtype: torch.dtype, fast_path: bool = False, max_num_seqs: int = 64, cuda_graphs: bool = True):
         self.stage = stage
         self.device = torch.device(device)
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.kv_caches = [torch.zeros(2, num_blocks, block_size, stage.num_kv_heads, stage.head_dim,
                                       dtype=kv_dtype, device=self.device) for _ in range(stage.num_layers)]
+        self.fast = fast_path and self.device.type == "cuda"
+        model = getattr(stage, "model", None)
+        if isinstance(model, torch.nn.Module):
+            set_fast_kernels(model, self.fast)
+        self.streams = {MAIN_STREAM: lambda seq: seq.sample_row, **getattr(stage, "sample_streams", {})}
+        self.samplers: dict[str, DeviceSampler] = {}
+        if self.fast:
+            history = TokenHistory(max_num_seqs, stage.model.vocab_size, self.device)
+            self.samplers = {name: DeviceSampler(max_num_seqs, self.device, history if name == MAIN_STREAM else None)
+                             for name in self.streams}
+        self.graphs = DecodeGraphs(self, max_num_seqs) if self.fast and cuda_graphs else None
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished, was aborted or preempted: its device history slot (and graph bookkeeping) go."""
+        if self.samplers:
+            self.samplers[MAIN_STREAM].history.release(seq.request_id)
+        if self.graphs is not None:
+            self.graphs.position_offsets.pop(seq.request_id, None)
 
     def attention_batch(self, chunks: list[Chunk]) -> AttentionBatch:
         bs = self.block_size
@@ -47,12 +86,15 @@ class ModelRunner:
             block_tables=_to_device(torch.tensor(tables, dtype=torch.int32), self.device),
             kv_caches=self.kv_caches,
             block_size=bs,
+            use_kernels=self.fast,
         )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
         chunks = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
                   for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        if self.graphs is not None and self.graphs.serves(chunks):
+            return self.graphs.run(chunks)
         offsets, row = [], 0
         for _, start, end in chunks:
             offsets.append(row)
@@ -69,9 +111,143 @@ class ModelRunner:
             last_rows = _to_device(torch.tensor([offsets[i] + chunks[i][2] - chunks[i][1] - 1 for i, _ in sampling]),
                                    hidden.device)
             sampled_hidden = hidden[last_rows]
-            logits = self.stage.compute_logits(sampled_hidden)
-            sampled_ids = sample(logits, [seq.sample_row for seq in sampled_seqs])
+            sampled_ids = self.sample(sampled_seqs, self.stage.compute_logits(sampled_hidden))
         return StepResult(chunks, offsets, captured, sampled_seqs, sampled_hidden, sampled_ids)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        if not self.samplers:
+            return sample(logits, [seq.sample_row for seq in seqs])
+        self.prepare_sampler(MAIN_STREAM, seqs)
+        return self.samplers[MAIN_STREAM].sample(logits)
+
+    def prepare_sampler(self, stream: str, seqs: list[Sequence], tokens_ahead: int = 0) -> None:
+        """Each row's draw index is its generated-token count (``tokens_ahead`` more when the step's own token is
+        not appended yet, as inside a graph), so the same frame draws the same uniforms on every path."""
+        self.samplers[stream].prepare([seq.request_id for seq in seqs], [self.streams[stream](seq) for seq in seqs],
+                                      [seq.num_generated + tokens_ahead for seq in seqs])
+
+    @torch.inference_mode()
+    def complete_step(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor
+                      ) -> dict[str, torch.Tensor]:
+        """The stage's work after sampling (talker: the rest of the codec frame), for rows that go on."""
+        extra = [name for name in self.streams if name != MAIN_STREAM]
+        if self.samplers:
+            for name in extra:
+                self.prepare_sampler(name, seqs)
+            sample_fns = {name: self.samplers[name].sample for name in extra}
+        else:
+            sample_fns = {name: _host_sample_fn([self.streams[name](seq) for seq in seqs]) for name in extra}
+        return self.stage.complete_step(hidden, token_ids, sample_fns)
+
+
+def _host_sample_fn(rows):
+    return lambda logits, group: sample(logits, rows)
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step, one per batch bucket, sharing one memory pool and one set of static
+    inputs (the first rows of each buffer are a bucket's batch)."""
+
+    def __init__(self, runner: ModelRunner, max_batch: int):
+        self.runner = runner
+        stage, device = runner.stage, runner.device
+        self.buckets = graph_buckets(max_batch)
+        self.in_graph_sampling = len(runner.streams) > 1  # the completion samples: it must run in the graph
+        max_blocks = runner.num_blocks
+        dtype = runner.kv_caches[0].dtype
+        self.inputs_embeds = torch.zeros(max_batch, stage.hidden_size, dtype=dtype, device=device)
+        # positions (3 rows) | slot | context length, refilled with one copy per step
+        pinned = device.type == "cuda"
+        self.host_ints = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=pinned)
+        self.ints = torch.zeros(5, max_batch, dtype=torch.int64, device=device)
+        self.host_tables = torch.zeros(max_batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.position_offsets: dict[str, int] = {}  # per request: rope position - sequence position past the prompt
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self._capture_all()
+
+    def serves(self, chunks: list[Chunk]) -> bool:
+        return (len(chunks) <= self.buckets[-1]
+                and all(end - start == 1 and seq.samples_after(end) for seq, start, end in chunks))
+
+    def _body(self, batch_size: int) -> dict[str, torch.Tensor]:
+        runner = self.runner
+        ints = self.ints[:, :batch_size]
+        positions, slots, context_lens = ints[:3], ints[3], ints[4]
+        batch = DecodeBatch(slots, self.block_tables[:batch_size], context_lens, runner.kv_caches)
+        hidden, captured = runner.stage.forward(self.inputs_embeds[:batch_size], positions, batch)
+        logits = runner.stage.compute_logits(hidden)
+        outputs = {"hidden": hidden, "logits": logits, **{"captured." + k: v for k, v in captured.items()}}
+        if self.in_graph_sampling:
+            ids = runner.samplers[MAIN_STREAM].sample(logits, general=True)
+            sample_fns = {name: _general(sampler) for name, sampler in runner.samplers.items() if name != MAIN_STREAM}
+            outputs["token_ids"] = ids
+            outputs.update({"completed." + k: v for k, v in
+                            runner.stage.complete_step(hidden, ids, sample_fns).items()})
+        return outputs
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        self.ints[3].fill_(-1)  # every row padding while capturing: no KV write, no context
+        self.ints[4].fill_(0)
+        pool = None
+        for batch_size in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool
+            self._body(batch_size)  # compiles the Triton kernels and settles lazy state before capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch_size] = self._body(batch_size)
+            pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+
+    def _position(self, seq: Sequence, start: int) -> int | list[int]:
+        """The rope position(s) of ``start``: past the prompt a fixed offset from it (looked up once per
+        request, since Sequence.positions builds tensors: too slow for 64 rows every step)."""
+        if start < seq.num_prompt_positions:
+            return seq.positions(start, start + 1)[:, 0].tolist()
+        if seq.request_id not in self.position_offsets:
+            self.position_offsets[seq.request_id] = int(seq.positions(start, start + 1)[0, 0]) - start
+        return start + self.position_offsets[seq.request_id]
+
+    def run(self, chunks: list[Chunk]) -> StepResult:
+        runner, num_rows = self.runner, len(chunks)
+        batch_size = next(b for b in self.buckets if b >= num_rows)
+        seqs = [seq for seq, _, _ in chunks]
+        self.inputs_embeds[:num_rows].copy_(runner.stage.embed_inputs(chunks))
+        host = self.host_ints.numpy()
+        host[:3], host[3], host[4] = 0, -1, 0
+        bs = runner.block_size
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = self.host_tables[:num_rows * max_blocks].view(num_rows, max_blocks)
+        host_tables = tables.numpy()
+        for i, (seq, start, end) in enumerate(chunks):
+            host[:3, i] = self._position(seq, start)
+            host[3, i] = seq.block_table[start // bs] * bs + start % bs
+            host[4, i] = end
+            host_tables[i, :len(seq.block_table)] = seq.block_table
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.block_tables[:num_rows, :max_blocks].copy_(tables, non_blocking=True)
+        for name in runner.samplers if self.in_graph_sampling else ():
+            runner.prepare_sampler(name, seqs, tokens_ahead=0 if name == MAIN_STREAM else 1)
+        self.graphs[batch_size].replay()
+        outputs = self.outputs[batch_size]
+        hidden = outputs["hidden"][:num_rows].clone()  # copies: the next replay overwrites the graph's outputs
+        captured = _rows(outputs, "captured.", num_rows)
+        if self.in_graph_sampling:
+            ids, completed = outputs["token_ids"][:num_rows].clone(), _rows(outputs, "completed.", num_rows)
+        else:
+            ids, completed = runner.sample(seqs, outputs["logits"][:num_rows]), None
+        return StepResult(chunks, list(range(num_rows)), captured, seqs, hidden, ids, completed)
+
+
+def _rows(outputs: dict[str, torch.Tensor], prefix: str, num_rows: int) -> dict[str, torch.Tensor]:
+    return {name[len(prefix):]: t[:num_rows].clone() for name, t in outputs.items() if name.startswith(prefix)}
+
+
+def _general(sampler: DeviceSampler):
+    return lambda logits, group: sampler.sample(logits, group, general=True)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -4,20 +4,27 @@ The engine owns scheduling, KV blocks, batching and sampling; a ``StageModel`` o
 how a sequence's pending positions become input embeddings, which per-position states are streamed out,
 what happens after a token is sampled (the thinker feeds it back; the talker predicts the rest of the codec
 frame and adds the next trailing-text embedding), and what a client may append to a running request.
+
+The work after sampling comes in two halves so the runner can put the device half into a CUDA graph:
+``complete_step`` (tensors only: the talker's code predictor, drawing from the extra sampling streams the
+stage names in ``sample_streams``) and ``after_sample`` (host bookkeeping on its outputs).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from omni_triton.engine.sampling import SampleRow, SamplingParams, sample
+from omni_triton.engine.sampling import SampleRow, SamplingParams
 from omni_triton.engine.sequence import Sequence
 
 Chunk = tuple[Sequence, int, int]  # (sequence, first position, end position) computed this step
+SampleFn = Callable[[torch.Tensor, int], torch.Tensor]  # (logits [B, V], group) -> ids [B]
+# The talker's code predictor draws from its own stream, seeded from the request's seed but apart from its draws.
+PREDICTOR_SEED_OFFSET = 0x5EED
 
 
 class StageModel(Protocol):
@@ -39,9 +46,15 @@ class StageModel(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32."""
 
-    def after_sample(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor
-                     ) -> list[dict[str, torch.Tensor]]:
-        """Unfinished rows that just sampled ``token_ids`` from ``hidden``: make their next input (or leave them
+    sample_streams: dict[str, Callable[[Sequence], SampleRow]]  # extra draws of complete_step, by name
+
+    def complete_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, sample_fns: dict[str, SampleFn]
+                      ) -> dict[str, torch.Tensor]:
+        """Rows that sampled ``token_ids`` from ``hidden``: the stage's device work on them (no host reads),
+        per-row tensors by name."""
+
+    def after_sample(self, seqs: list[Sequence], completed: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Unfinished rows, with their rows of ``complete_step``'s outputs: make their next input (or leave them
         waiting for one). Returns per-row extra outputs."""
 
     def append_input(self, seq: Sequence, **inputs) -> None:
@@ -51,6 +64,8 @@ class StageModel(Protocol):
 class ThinkerStage:
     """Token ids in, token ids out; optionally streams each position's input embedding and the hidden state
     after ``accept_hidden_layer`` layers (what the talker is conditioned on)."""
+
+    sample_streams: dict = {}
 
     def __init__(self, thinker, *, audio_token_id: int | None = None, accept_hidden_layer: int | None = None):
         self.model = thinker
@@ -99,7 +114,10 @@ class ThinkerStage:
     def compute_logits(self, hidden):
         return self.model.compute_logits(hidden)
 
-    def after_sample(self, seqs, hidden, token_ids):
+    def complete_step(self, hidden, token_ids, sample_fns):
+        return {}
+
+    def after_sample(self, seqs, completed):
         for seq in seqs:
             seq.num_inputs += 1  # the sampled token is the next input
         return [{} for _ in seqs]
@@ -164,6 +182,7 @@ class TalkerStage:
         self.head_dim, self.hidden_size = talker.head_dim, talker.hidden_size
         self.tts_eos_embed = None if tts_eos_embed is None else tts_eos_embed.reshape(-1)
         self.tts_pad_embed = None if tts_pad_embed is None else tts_pad_embed.reshape(-1)
+        self.sample_streams = {"predictor": lambda seq: seq.stage_state.predictor_row}
 
     @staticmethod
     def default_predictor_params(params: SamplingParams) -> SamplingParams:
@@ -184,8 +203,9 @@ class TalkerStage:
                                  "tts_eos_embed/tts_pad_embed for a plain trailing-text queue")
             talker_inputs = TrailingTextQueue(self.tts_eos_embed, self.tts_pad_embed)
         predictor_params = seq.params.extra.get("predictor") or self.default_predictor_params(seq.params)
-        seq.stage_state = TalkerState(list(prompt_embeds.unbind(0)),
-                                      SampleRow(predictor_params, seq.sample_row.generator), talker_inputs)
+        predictor_row = SampleRow(predictor_params, seq.sample_row.generator,
+                                  seed=(seq.sample_row.seed + PREDICTOR_SEED_OFFSET) % (1 << 62))
+        seq.stage_state = TalkerState(list(prompt_embeds.unbind(0)), predictor_row, talker_inputs)
         self.append_input(seq, trailing_text_embeds=trailing_text_embeds, finished=thinker_finished)
 
     def embed_inputs(self, chunks):
@@ -197,13 +217,15 @@ class TalkerStage:
     def compute_logits(self, hidden):
         return self.model.compute_logits(hidden)
 
-    def after_sample(self, seqs, hidden, token_ids):
-        rows = [seq.stage_state.predictor_row for seq in seqs]
-        codes, next_embeds = self.model.predict_frame(hidden, token_ids, lambda logits, group: sample(logits, rows))
-        for seq, embeds in zip(seqs, next_embeds):
+    def complete_step(self, hidden, token_ids, sample_fns):
+        codes, next_embeds = self.model.predict_frame(hidden, token_ids, sample_fns["predictor"])
+        return {"codes": codes, "next_embeds": next_embeds}
+
+    def after_sample(self, seqs, completed):
+        for seq, embeds in zip(seqs, completed["next_embeds"]):
             seq.stage_state.pending_codec_embeds = embeds
             self._feed(seq)
-        return [{"codes": codes[i:i + 1]} for i in range(len(seqs))]
+        return [{"codes": completed["codes"][i:i + 1]} for i in range(len(seqs))]
 
     def append_input(self, seq, trailing_text_embeds: torch.Tensor | None = None, thinker_rows=None,
                      finished: bool = False) -> None:
