@@ -1,236 +1,437 @@
-"""Engine microbenchmark: decode tokens/s vs batch size and prefill tokens/s of the thinker or the talker
-(a talker token = one codec frame: talker step + batched code predictor), each printed next to the
-weight-bandwidth floor (bytes a step must read / measured copy bandwidth).
+"""Engine microbenchmark: per-step time of each stage next to its floor, measured in the same run.
 
-    python benchmarks/engine_microbench.py --config tiny [--stage talker]     # CPU, tiny random checkpoint
-    python benchmarks/engine_microbench.py --checkpoint DIR --device cuda --dtype bfloat16
-    python benchmarks/engine_microbench.py --config full-width --device cuda --dtype bfloat16 [--layers 12]
+    python benchmarks/engine_microbench.py --device cuda --dtype bfloat16 --out-dir benchmarks/results/NAME
+    python benchmarks/engine_microbench.py --config tiny --stages thinker,talker     # CPU smoke run
 
-``full-width`` builds random weights in memory with the Qwen3-Omni-30B-A3B dims (thinker: 48 layers, hidden
-2048, 32/4 heads x 128, 128 experts top-8 x 768, vocab 152064; talker: 20 layers, hidden 1024, 16/2 heads,
-128 experts top-6 x 384 + shared 768, vocab 3072, code predictor 5 layers x 16 groups); ``--layers`` keeps
-fewer thinker/talker layers to fit smaller GPUs (the floor scales with it). Writes a JSON too.
+Per batch size: thinker decode step, thinker prefill of 512-token prompts, talker frame (talker decode step +
+15 code-predictor steps + sampling: one engine step), code2wav per chunk (the first chunk of 4 frames; a later
+chunk of 25 frames with the exact left context), and peak GPU memory per stage. Weights are random (``dummy``
+load format) with the dimensions of ``--config`` (a shipped config, default qwen3_omni_30b_a3b, or a checkpoint
+dir); ``--layers`` keeps fewer thinker/talker layers to fit smaller GPUs (the floors scale with it).
+
+Floor of a step = max(bytes it must read / measured copy bandwidth, FLOPs / measured bf16 matmul rate):
+decode reads the dense weights, the experts that the batch's tokens hit (expected fraction under uniform
+routing), the lm_head and the KV cache; prefill reads every weight once; code2wav FLOPs are counted by
+``torch.utils.flop_counter``. ``--fast-path off`` runs the plain torch path (old numbers:
+``benchmarks/results/h200-engine``). ``--profile`` prints the top kernels of a few eager fast-path steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
-from omni_triton.models.config import TalkerConfig, TextModelConfig, ThinkerConfig
-from omni_triton.models.talker import Talker
-from omni_triton.models.thinker import Thinker
-from omni_triton.models.weights import load_talker, load_thinker
+from omni_triton.models.code2wav import exact_left_context_frames
+from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
+                                      write_config_with_layers)
+from omni_triton.models.weights import load_code2wav, load_talker, load_thinker
 
-FULL_WIDTH_TEXT = dict(
-    vocab_size=152064, hidden_size=2048, intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
-    rope_parameters=dict(rope_theta=1000000.0, mrope_section=[24, 20, 20]),
-    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-)
-FULL_WIDTH_TALKER = dict(
-    vocab_size=3072, hidden_size=1024, intermediate_size=2048, num_hidden_layers=20, num_attention_heads=16,
-    num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
-    rope_parameters=dict(rope_theta=1000000.0, mrope_section=[24, 20, 20]),
-    num_experts=128, num_experts_per_tok=6, moe_intermediate_size=384, shared_expert_intermediate_size=768,
-    norm_topk_prob=True,
-)
-FULL_WIDTH_CODE_PREDICTOR = dict(
-    vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_parameters=dict(rope_theta=1000000.0),
-)
-FULL_WIDTH_CODEC_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_nothink_id=2155,
-                            codec_think_bos_id=2156, codec_think_eos_id=2157)
+DECODE_STEPS = 16
+FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
 
 
-def build_model(args):
-    """The thinker or talker module, from a checkpoint, the tiny preset, or full-width random weights."""
-    dtype = getattr(torch, args.dtype)
-    load = load_thinker if args.stage == "thinker" else load_talker
-    extra = dict(with_audio=False) if args.stage == "thinker" else {}
-    if args.checkpoint:
-        return load(args.checkpoint, args.device, dtype, **extra)
-    if args.config == "tiny":
-        from build_engines.tiny_checkpoint import build
-
-        return load(build(Path(tempfile.gettempdir()) / "engine_microbench_tiny", "tiny"), args.device, dtype,
-                    **extra)
-    if args.stage == "thinker":
-        text = dict(FULL_WIDTH_TEXT, num_hidden_layers=args.layers or FULL_WIDTH_TEXT["num_hidden_layers"])
-        config = ThinkerConfig(text=TextModelConfig.from_dict(text, "full-width", mrope=True), audio=None,
-                               audio_token_id=-1, image_token_id=-1, video_token_id=-1, audio_start_token_id=None,
-                               vision_start_token_id=None, position_id_per_seconds=25)
-        build_module = lambda: Thinker(config)  # noqa: E731
-    else:
-        text = dict(FULL_WIDTH_TALKER, num_hidden_layers=args.layers or FULL_WIDTH_TALKER["num_hidden_layers"])
-        config = TalkerConfig(
-            text=TextModelConfig.from_dict(text, "full-width talker", mrope=True),
-            code_predictor=TextModelConfig.from_dict(FULL_WIDTH_CODE_PREDICTOR, "full-width predictor", mrope=False),
-            num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=24, speaker_id={},
-            **FULL_WIDTH_CODEC_IDS)
-        build_module = lambda: Talker(config)  # noqa: E731
-    with torch.device("meta"):
-        model = build_module()
-    model = model.to(dtype).to_empty(device=args.device).eval()
-    generator = torch.Generator(device=args.device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
-    return model
-
-
-def copy_bandwidth(device: str, num_bytes: int) -> float:
-    """Bytes/s of a big device-to-device copy (read + write counted)."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _decoder_bytes(params: dict[str, torch.Tensor], prefix: str, text: TextModelConfig, num_tokens: int,
-                   element: int) -> float:
-    """Weights under ``prefix`` one forward of `num_tokens` tokens reads: dense ones whole, routed experts by the
-    expected fraction `num_tokens` uniformly routed tokens hit, embedding tables only their rows."""
+def timed(fn, device: torch.device, repeat: int = 5) -> float:
+    """Median seconds of fn() (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), both measured here."""
+    num_bytes = 1 << 30 if device.type == "cuda" else 1 << 26
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    bandwidth = 2 * num_bytes / min(timed(lambda: dst.copy_(src), device) for _ in range(3))
+    n = 8192 if device.type == "cuda" else 512
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    matmul = 2 * n ** 3 / timed(lambda: a @ b, device)
+    del src, dst, a, b
+    return bandwidth, matmul
+
+
+# ---------------------------------------------------------------------------------------------- floors
+
+def expert_fraction(text: TextModelConfig, num_tokens: int) -> float:
+    """Expected fraction of experts hit by num_tokens uniformly routed tokens."""
+    if not text.num_experts:
+        return 1.0
+    return 1 - (1 - text.num_experts_per_tok / text.num_experts) ** num_tokens
+
+
+def decoder_bytes(model: torch.nn.Module, skip: tuple[str, ...], text: TextModelConfig, num_tokens: int) -> float:
+    """Weights a forward of num_tokens tokens reads (experts by the expected hit fraction; embedding tables
+    only their rows, counted as activations)."""
     total = 0.0
-    touched = 1.0
-    if text.num_experts:
-        touched = 1 - (1 - text.num_experts_per_tok / text.num_experts) ** num_tokens
-    for name, p in params.items():
-        if not name.startswith(prefix):
+    fraction = expert_fraction(text, num_tokens)
+    for name, p in model.named_parameters():
+        if name.startswith(skip) or "embed" in name or "codec_embedding" in name:
             continue
-        if "embed" in name or "codec_embedding" in name:
+        total += p.numel() * p.element_size() * (fraction if ".experts." in name else 1.0)
+    return total + num_tokens * text.hidden_size * next(model.parameters()).element_size()
+
+
+def kv_bytes(text: TextModelConfig, context_tokens: int, element: int) -> float:
+    return 2 * text.num_layers * text.num_kv_heads * text.head_dim * context_tokens * element
+
+
+def active_flops(model: torch.nn.Module, skip: tuple[str, ...], text: TextModelConfig, num_tokens: int,
+                 context: int) -> float:
+    """Matmul FLOPs of num_tokens tokens: 2 per active weight (top-k experts) + attention over context."""
+    dense = experts = 0
+    for name, p in model.named_parameters():
+        if name.startswith(skip) or "embed" in name or p.dim() < 2:
             continue
-        total += p.numel() * (touched if ".experts." in name else 1.0)
-    return (total + num_tokens * text.hidden_size) * element
-
-
-def step_bytes(model, stage: str, num_tokens: int, context_tokens: int) -> float:
-    """Bytes one engine step of `num_tokens` tokens reads, KV of `context_tokens` included. Talker steps add
-    the code predictor: one forward per residual codebook over all rows."""
-    params = dict(model.named_parameters())
-    element = next(model.parameters()).element_size()
-    text = model.config.text
-    kv = 2 * text.num_layers * text.num_kv_heads * text.head_dim * context_tokens * element
-    if stage == "thinker":
-        return _decoder_bytes(params, "", text, num_tokens, element) + kv
-    talker_bytes = _decoder_bytes({n: p for n, p in params.items() if not n.startswith("code_predictor.")
-                                   and "projection" not in n}, "", text, num_tokens, element)
-    predictor = model.code_predictor
-    layer_bytes = sum(p.numel() for p in predictor.model.parameters() if p.dim() > 1) * element
-    layer_bytes -= sum(e.weight.numel() for e in predictor.model.codec_embedding) * element
-    head_bytes = sum(h.weight.numel() for h in predictor.lm_head) * element
-    return talker_bytes + kv + (model.num_code_groups - 1) * layer_bytes + head_bytes
-
-
-def run_engine(model, args, batch: int):
-    """Returns (prefill seconds, median seconds of a decode step at full batch)."""
-    dtype = next(model.parameters()).dtype
-    kv_tokens = batch * (args.prompt_len + args.new_tokens) + 64
-    hidden = model.hidden_size
-    if args.stage == "thinker":
-        stage = ThinkerStage(model)
-    else:
-        stage = TalkerStage(model, tts_eos_embed=torch.zeros(hidden, dtype=dtype, device=args.device),
-                            tts_pad_embed=torch.zeros(hidden, dtype=dtype, device=args.device))
-    engine = LLMEngine(stage, EngineConfig(
-        block_size=16, num_blocks=kv_tokens // 16 + batch, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=batch, device=args.device, kv_dtype=dtype))
-    generator = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    for i in range(batch):
-        if args.stage == "thinker":
-            prompt = torch.randint(0, model.vocab_size, (args.prompt_len,), generator=generator).tolist()
-            engine.add_request(str(i), params, prompt_token_ids=prompt)
+        if ".experts." in name:
+            experts += p.numel()
         else:
-            prompt = torch.randn(args.prompt_len, hidden, generator=generator).to(args.device, dtype)
-            engine.add_request(str(i), params, prompt_embeds=prompt, thinker_finished=True)
-    sync(args.device)
+            dense += p.numel()
+    per_token = dense + (experts * text.num_experts_per_tok / text.num_experts if text.num_experts else 0)
+    attention = 4 * text.num_layers * text.num_heads * text.head_dim * context
+    return num_tokens * (2 * per_token + attention)
+
+
+def floor_s(num_bytes: float, flops: float, ceilings: tuple[float, float]) -> float:
+    return max(num_bytes / ceilings[0], flops / ceilings[1])
+
+
+def talker_frame_floor(talker, batch: int, context: int, ceilings) -> tuple[float, float]:
+    """(seconds, bytes) of one frame: the talker step + one code-predictor forward per residual codebook."""
+    text = talker.config.text
+    element = next(talker.parameters()).element_size()
+    skip = ("code_predictor.", "text_projection.", "hidden_projection.")
+    num_bytes = decoder_bytes(talker, skip, text, batch) + kv_bytes(text, batch * context, element)
+    flops = active_flops(talker, skip, text, batch, context)
+    predictor = talker.code_predictor
+    layers = sum(p.numel() for n, p in predictor.model.named_parameters() if p.dim() > 1 and "embed" not in n)
+    heads = sum(h.weight.numel() for h in predictor.lm_head)
+    steps = talker.num_code_groups - 1
+    num_bytes += (steps * layers + heads) * element
+    flops += 2 * batch * (steps * layers + heads / steps)
+    return floor_s(num_bytes, flops, ceilings), num_bytes
+
+
+# ---------------------------------------------------------------------------------------------- stages
+
+def make_engine(stage, model, args, max_batch: int, context: int) -> LLMEngine:
+    dtype = next(model.parameters()).dtype
+    blocks = max_batch * (-(-context // 16) + 1) + 16
+    return LLMEngine(stage, EngineConfig(
+        block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
+        device=args.device, kv_dtype=dtype, fast_path=args.fast_path == "on"))
+
+
+def run_batch(engine: LLMEngine, add_requests, device: torch.device) -> tuple[float, float]:
+    """(prefill seconds until every request sampled its first token, median decode step seconds)."""
+    add_requests()
+    sync(device)
     start = time.perf_counter()
     while any(seq.num_generated == 0 for seq in engine.requests.values()):
         engine.step()
-    sync(args.device)
+    sync(device)
     prefill_s = time.perf_counter() - start
-    step_s = []
-    while engine.has_work():  # the sampled-id read syncs every step, so per-step wall time is honest
+    steps = []
+    while engine.has_work():  # each step reads its sampled ids back: wall time per step is honest
         start = time.perf_counter()
         engine.step()
-        step_s.append(time.perf_counter() - start)
-    return prefill_s, statistics.median(step_s)
+        steps.append(time.perf_counter() - start)
+    return prefill_s, statistics.median(steps[1:] or steps)
+
+
+def bench_thinker(args, ceilings, batches: list[int]) -> dict:
+    device = torch.device(args.device)
+    model = load_thinker(args.config_dir, device, args.dtype, with_audio=False, load_format="dummy")
+    text = model.config.text
+    prompt_len = args.prefill_len
+    engine = make_engine(ThinkerStage(model), model, args, max(batches), prompt_len + DECODE_STEPS + 2)
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    element = next(model.parameters()).element_size()
+
+    def adder(batch):
+        def add():
+            for i in range(batch):
+                prompt = torch.randint(0, text.vocab_size, (prompt_len,), generator=generator).tolist()
+                engine.add_request(f"b{batch}-{i}", params, prompt_token_ids=prompt)
+        return add
+
+    for batch in (1, max(batches)):  # warm-up: the kernels get compiled for every step shape met below
+        run_batch(engine, adder(batch), device)
+    rows = []
+    for batch in batches:
+        torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+        prefill_s, step_s = run_batch(engine, adder(batch), device)
+        context = prompt_len + DECODE_STEPS // 2
+        decode_bytes = decoder_bytes(model, (), text, batch) + kv_bytes(text, batch * context, element)
+        decode_floor = floor_s(decode_bytes, active_flops(model, (), text, batch, context), ceilings)
+        tokens = batch * prompt_len
+        step_tokens = min(tokens, args.max_num_batched_tokens)
+        prefill_floor = -(-tokens // step_tokens) * floor_s(decoder_bytes(model, (), text, step_tokens),
+                                                            active_flops(model, (), text, step_tokens, prompt_len // 2),
+                                                            ceilings)
+        rows.append(dict(batch=batch, decode_step_ms=1e3 * step_s, decode_floor_ms=1e3 * decode_floor,
+                         decode_ratio=step_s / decode_floor, decode_gb_s=decode_bytes / step_s / 1e9,
+                         prefill_ms=1e3 * prefill_s, prefill_floor_ms=1e3 * prefill_floor,
+                         prefill_ratio=prefill_s / prefill_floor, peak_gib=peak_gib(device)))
+    if args.profile:
+        profile_steps(model, ThinkerStage(model), args, [1, max(batches)], prompt_len)
+    del engine, model
+    return dict(rows=rows, prompt_len=prompt_len, layers=text.num_layers)
+
+
+def talker_adder(engine: LLMEngine, model, args, prompt_len: int, frames: int):
+    generator = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=frames, ignore_eos=True)
+
+    def adder(batch):
+        def add():
+            for i in range(batch):
+                prompt = torch.randn(prompt_len, model.hidden_size, generator=generator).to(args.device, args.dtype)
+                engine.add_request(f"b{batch}-{i}", params, prompt_embeds=prompt, thinker_finished=True)
+        return add
+    return adder
+
+
+def talker_stage(model, args) -> TalkerStage:
+    zeros = torch.zeros(model.hidden_size, dtype=args.dtype, device=args.device)
+    return TalkerStage(model, tts_eos_embed=zeros, tts_pad_embed=zeros)
+
+
+def bench_talker(args, ceilings, batches: list[int]) -> dict:
+    device = torch.device(args.device)
+    model = load_talker(args.config_dir, device, args.dtype, load_format="dummy")
+    prompt_len = args.talker_prompt_len
+    engine = make_engine(talker_stage(model, args), model, args, max(batches), prompt_len + DECODE_STEPS + 2)
+    adder = talker_adder(engine, model, args, prompt_len, DECODE_STEPS + 1)
+    for batch in (1, max(batches)):
+        run_batch(engine, adder(batch), device)
+    rows = []
+    for batch in batches:
+        torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+        _, step_s = run_batch(engine, adder(batch), device)
+        floor, num_bytes = talker_frame_floor(model, batch, prompt_len + DECODE_STEPS // 2, ceilings)
+        rows.append(dict(batch=batch, frame_ms=1e3 * step_s, frame_floor_ms=1e3 * floor, frame_ratio=step_s / floor,
+                         frame_gb_s=num_bytes / step_s / 1e9, peak_gib=peak_gib(device)))
+    if args.profile:
+        profile_steps(model, talker_stage(model, args), args, [1, max(batches)], prompt_len)
+    layers = model.config.text.num_layers
+    del engine, model
+    return dict(rows=rows, prompt_len=prompt_len, layers=layers)
+
+
+def bench_code2wav(args, ceilings, batches: list[int]) -> dict:
+    device = torch.device(args.device)
+    model = load_code2wav(args.config_dir, device, args.dtype, load_format="dummy")
+    config = model.config
+    context = exact_left_context_frames(config)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    generator = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for batch in batches:
+            row = dict(batch=batch)
+            for name, frames in (("first", FIRST_CHUNK_FRAMES), ("later", context + CHUNK_FRAMES)):
+                codes = torch.randint(0, config.codebook_size, (batch, config.num_quantizers, frames),
+                                      generator=generator).to(device)
+                torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+                try:
+                    seconds = timed(lambda: model(codes), device)
+                except torch.OutOfMemoryError:
+                    row[f"{name}_ms"] = None
+                    continue
+                with FlopCounterMode(display=False) as counter:
+                    model(codes)
+                floor = floor_s(weight_bytes, counter.get_total_flops(), ceilings)
+                row.update({f"{name}_ms": 1e3 * seconds, f"{name}_floor_ms": 1e3 * floor,
+                            f"{name}_ratio": seconds / floor, f"{name}_peak_gib": peak_gib(device)})
+                if name == "first" and device.type == "cuda":
+                    row["first_graph_ms"] = 1e3 * graph_replay_seconds(model, codes)
+            rows.append(row)
+    del model
+    return dict(rows=rows, left_context_frames=context)
+
+
+def graph_replay_seconds(model, codes: torch.Tensor) -> float:
+    """The same call replayed from a CUDA graph (what wiring one into the code2wav runtime would give)."""
+    model(codes)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(codes)
+    return timed(graph.replay, codes.device, repeat=20)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
+
+
+def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> None:
+    """Top kernels by GPU time of the first (prefill) step and of a few decode steps, eager with the fast path's
+    kernels (CUDA graphs off, so each launch shows), and the experts the real routing hits per MoE layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(args.device)
+    text = model.config.text
+    hits: list[tuple[int, int]] = []  # (tokens, distinct experts) per MoE layer call
+
+    def count_experts(_router, _inputs, logits):
+        hits.append((logits.shape[0], logits.topk(text.num_experts_per_tok).indices.unique().numel()))
+
+    hooks = [module.gate.register_forward_hook(count_experts) for module in model.modules()
+             if hasattr(module, "experts")]
+    activity, sort_by = ((ProfilerActivity.CUDA, "cuda_time_total") if device.type == "cuda"
+                         else (ProfilerActivity.CPU, "cpu_time_total"))
+    generator = torch.Generator().manual_seed(3)
+    for batch in batches:
+        engine = LLMEngine(stage, EngineConfig(block_size=16, num_blocks=batch * (prompt_len // 16 + 4) + 16,
+                                               max_num_batched_tokens=args.max_num_batched_tokens,
+                                               max_num_seqs=batch, device=args.device, kv_dtype=args.dtype,
+                                               fast_path=True, cuda_graphs=False))
+        params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        for i in range(batch):
+            if isinstance(stage, ThinkerStage):
+                prompt = torch.randint(0, text.vocab_size, (prompt_len,), generator=generator).tolist()
+                engine.add_request(str(i), params, prompt_token_ids=prompt)
+            else:
+                prompt = torch.randn(prompt_len, model.hidden_size, generator=generator).to(args.device, args.dtype)
+                engine.add_request(str(i), params, prompt_embeds=prompt, thinker_finished=True)
+        for phase, steps in (("first (prefill) step", 1), ("3 decode steps", 3)):
+            while phase != "first (prefill) step" and any(seq.num_generated < 3 for seq in engine.requests.values()):
+                engine.step()
+            sync(device)
+            hits.clear()
+            with profile(activities=[activity]) as prof:
+                for _ in range(steps):
+                    engine.step()
+                sync(device)
+            tokens = sum(t for t, _ in hits) / max(1, len(hits))
+            experts = sum(e for _, e in hits) / max(1, len(hits))
+            print(f"\n--- {type(stage).__name__} batch {batch}, {phase}: {tokens:.0f} tokens per MoE call hit "
+                  f"{experts:.1f} of {text.num_experts} experts (uniform routing: "
+                  f"{text.num_experts * expert_fraction(text, round(tokens)):.1f}); top kernels ---")
+            print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=50))
+        del engine
+    for hook in hooks:
+        hook.remove()
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+def markdown(result: dict) -> str:
+    lines = [f"Device: {result['device_name']}; {result['config']} (random {result['dtype']} weights, dummy "
+             f"load); fast path {result['fast_path']}; copy {result['copy_gb_s']:.0f} GB/s, bf16 matmul "
+             f"{result['matmul_tflops']:.0f} TFLOP/s (measured in this run).", "", f"Command: `{result['command']}`",
+             ""]
+    if "thinker" in result:
+        t = result["thinker"]
+        lines += [f"Thinker ({t['layers']} layers), decode step at ~{t['prompt_len']} tokens of context, and prefill "
+                  f"of {t['prompt_len']}-token prompts:", "",
+                  "| batch | decode ms | floor ms | ratio | GB/s | prefill ms | floor ms | ratio | peak GiB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['decode_step_ms']:.2f} | {r['decode_floor_ms']:.2f} | {r['decode_ratio']:.2f} "
+                  f"| {r['decode_gb_s']:.0f} | {r['prefill_ms']:.1f} | {r['prefill_floor_ms']:.1f} | "
+                  f"{r['prefill_ratio']:.2f} | {_num(r['peak_gib'])} |" for r in t["rows"]]
+        lines.append("")
+    if "talker" in result:
+        lines += ["Talker frame (talker step + 15 code-predictor steps + sampling, one engine step):", "",
+                  "| batch | frame ms | floor ms | ratio | GB/s | peak GiB |", "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['frame_ms']:.2f} | {r['frame_floor_ms']:.3f} | {r['frame_ratio']:.2f} | "
+                  f"{r['frame_gb_s']:.0f} | {_num(r['peak_gib'])} |" for r in result["talker"]["rows"]]
+        lines.append("")
+    if "code2wav" in result:
+        c = result["code2wav"]
+        lines += [f"Code2Wav per chunk: first = {FIRST_CHUNK_FRAMES} frames; later = {CHUNK_FRAMES} frames + "
+                  f"{c['left_context_frames']} frames of exact left context (eager; 'graph' = the first chunk "
+                  "replayed from a CUDA graph captured by this bench):", "",
+                  "| batch | first ms | graph ms | floor ms | ratio | later ms | floor ms | ratio | peak GiB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {_num(r.get('first_ms'))} | {_num(r.get('first_graph_ms'))} | "
+                  f"{_num(r.get('first_floor_ms'), 3)} | {_num(r.get('first_ratio'))} | {_num(r.get('later_ms'))} | "
+                  f"{_num(r.get('later_floor_ms'))} | {_num(r.get('later_ratio'))} | {_num(r.get('later_peak_gib'))} |"
+                  for r in c["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def _num(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", help="checkpoint dir (only the --stage weights are loaded)")
-    source.add_argument("--config", choices=["tiny", "full-width"], default="tiny")
-    parser.add_argument("--stage", choices=["thinker", "talker"], default="thinker")
-    parser.add_argument("--layers", type=int, default=0, help="full-width: keep this many layers (0 = all)")
+    parser.add_argument("--config", default=FULL_SIZE_CONFIG, help="shipped config name, 'tiny', or checkpoint dir")
+    parser.add_argument("--stages", default="thinker,talker,code2wav")
+    parser.add_argument("--layers", type=int, default=0, help="keep this many thinker/talker layers (0 = all)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--batch-sizes", default="1,4,16,64")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=17, help="per request (decode: median step of n - 1)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--talker-prompt-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--fast-path", choices=["on", "off"], default="on")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
-    parser.add_argument("--json", default="engine_microbench.json")
+    parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.dtype = getattr(torch, args.dtype)
+    args.config_dir = config_dir(args.config, args.layers)
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
 
-    model = build_model(args)
-    bandwidth = copy_bandwidth(args.device, 1 << 30 if args.device.startswith("cuda") else 1 << 27)
-    run_engine(model, argparse.Namespace(**{**vars(args), "prompt_len": 8, "new_tokens": 3}), 1)  # warm-up
-    rows = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        prefill_s, decode_step_s = run_engine(model, args, batch)
-        mean_context = args.prompt_len + args.new_tokens // 2
-        decode_bytes = step_bytes(model, args.stage, batch, batch * mean_context)
-        decode_floor_s = decode_bytes / bandwidth
-        prefill_tokens = batch * args.prompt_len
-        prefill_steps = -(-prefill_tokens // args.max_num_batched_tokens)
-        prefill_floor_s = prefill_steps * step_bytes(model, args.stage, min(prefill_tokens, args.max_num_batched_tokens),
-                                                     0) / bandwidth
-        rows.append(dict(
-            batch=batch, decode_tok_s=batch / decode_step_s, decode_step_ms=1e3 * decode_step_s,
-            decode_floor_ms=1e3 * decode_floor_s, decode_floor_tok_s=batch / decode_floor_s,
-            decode_gb_s=decode_bytes / decode_step_s / 1e9,
-            prefill_tok_s=prefill_tokens / prefill_s, prefill_floor_tok_s=prefill_tokens / prefill_floor_s,
-        ))
-    header = (f"{'batch':>5} {'decode tok/s':>13} {'step ms':>9} {'floor ms':>9} {'floor tok/s':>12} "
-              f"{'GB/s':>8} {'prefill tok/s':>14} {'floor tok/s':>12}")
-    print(f"stage={args.stage} device={args.device} dtype={args.dtype} model={args.checkpoint or args.config} "
-          f"params={sum(p.numel() for p in model.parameters()) / 1e9:.3f}B copy={bandwidth / 1e9:.1f} GB/s "
-          f"prompt={args.prompt_len}")
-    print(header)
-    for r in rows:
-        print(f"{r['batch']:>5} {r['decode_tok_s']:>13.1f} {r['decode_step_ms']:>9.2f} {r['decode_floor_ms']:>9.3f} "
-              f"{r['decode_floor_tok_s']:>12.1f} {r['decode_gb_s']:>8.2f} {r['prefill_tok_s']:>14.1f} "
-              f"{r['prefill_floor_tok_s']:>12.1f}")
-    result = dict(stage=args.stage, device=args.device, dtype=args.dtype, model=args.checkpoint or args.config, layers=args.layers,
-                  copy_bandwidth_gb_s=bandwidth / 1e9, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                  rows=rows)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    bandwidth, matmul = measure_ceilings(device)
+    result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+                  config=args.config + (f" ({args.layers} layers)" if args.layers else ""), fast_path=args.fast_path,
+                  dtype=str(args.dtype).removeprefix("torch."),
+                  copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12, torch=torch.__version__,
+                  command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
+    for stage, bench in (("thinker", bench_thinker), ("talker", bench_talker), ("code2wav", bench_code2wav)):
+        if stage in args.stages.split(","):
+            result[stage] = bench(args, (bandwidth, matmul), batches)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(markdown({k: v for k, v in result.items() if k not in {"thinker", "talker", "code2wav"} - {stage}}),
+                  flush=True)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_microbench.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "engine_microbench.md").write_text(markdown(result))
+    print(f"wrote {out / 'engine_microbench.json'} and {out / 'engine_microbench.md'}")
+
+
+def config_dir(config: str, layers: int) -> Path:
+    """The config dir to build from: a shipped config or checkpoint dir, the tiny preset (written on the fly),
+    with thinker/talker layers cut to ``layers`` when asked (a copy in a temp dir)."""
+    if config == "tiny":
+        from build_engines.tiny_checkpoint import build
+
+        source = build(Path(tempfile.gettempdir()) / "engine_microbench_tiny", "tiny")
+    else:
+        source = resolve_config_dir(config)
+    if not layers:
+        return source
+    return write_config_with_layers(source, layers, tempfile.mkdtemp(prefix="engine_microbench_"))
 
 
 if __name__ == "__main__":
