@@ -1,7 +1,15 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. The switch is read when triton.language is
+# first imported, and many test modules import it indirectly (through the engine and the model layers), so it
+# is set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tests run from a checkout, installed or not

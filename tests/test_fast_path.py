@@ -11,13 +11,8 @@ does not depend on the batch. CPU tests: the GPU sampler's penalties and draws (
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the sampler's kernel runs in Triton's interpreter here
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
 from omni_triton.engine.sampling import (DeviceSampler, SampleRow, TokenHistory, apply_penalties, draw_seed,

@@ -1,19 +1,15 @@
 """Triton kernels of the GPU fast path against their torch references, on small shapes.
 
-Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel module is
-imported); with one, on the GPU. The interpreter computes ``tl.dot`` of bf16 operands wrongly (triton 3.9),
+Without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before any test
+module is collected); with one, on the GPU. The interpreter computes ``tl.dot`` of bf16 operands wrongly (triton 3.9),
 and rounds to bf16 by truncation, so kernels are checked in fp32 and fp16 here and in bf16 on the GPU machine.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from omni_triton.engine.sampling import race_sample  # noqa: E402
