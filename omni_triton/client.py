@@ -325,12 +325,13 @@ def add_request_arguments(parser: argparse.ArgumentParser, seed_default: int | N
     request.add_argument("--max-tokens", type=int, help="MAX_TOKENS: thinker tokens at most (default: 256)")
     request.add_argument("--temperature", type=float,
                          help="TEMPERATURE: thinker sampling temperature; 0 = greedy thinker and talker (the "
-                              "repetition penalties still apply: set both to 1.0 for transformers' plain greedy); "
+                              "talker's repetition penalty still applies: set it to 1.0 for transformers' plain "
+                              "greedy); "
                               "default: the checkpoint's generation_config.json, else 0.7. A sampling talker uses "
                               "transformers' talker defaults (temperature 0.9, top-k 50)")
     request.add_argument("--repetition-penalty", type=float,
-                         help="REPETITION_PENALTY: the thinker's (default: generation_config.json, else 1.05; "
-                              "transformers' generate() applies 1.0 to the thinker)")
+                         help="REPETITION_PENALTY: the thinker's (default: generation_config.json, else 1.0, "
+                              "transformers' generate() default for the thinker)")
     request.add_argument("--talker-repetition-penalty", type=float,
                          help="TALKER_REPETITION_PENALTY: the talker's (default: 1.05, transformers' generate "
                               "default talker_repetition_penalty)")

@@ -43,6 +43,7 @@ def test_every_command_line_option_has_help_with_its_default(argv, capsys):
 def test_stream_client_documents_the_request_semantics(capsys):
     entries = option_entries(help_of(client.main, [], capsys))
     assert "N + 1 talker tokens" in entries["--max-audio-frames"]
-    assert "0 = greedy" in entries["--temperature"] and "penalties still apply" in entries["--temperature"]
+    assert "0 = greedy" in entries["--temperature"] and "penalty still applies" in entries["--temperature"]
+    assert "else 1.0" in entries["--repetition-penalty"]
     assert "1.05" in entries["--talker-repetition-penalty"] and "-1 = a fresh random seed" in entries["--seed"]
     assert all("default" in text for text in entries.values())

@@ -71,8 +71,12 @@ def test_neither_text_nor_audio_names_both():
         parse_request({"MAX_TOKENS": np.array([3], np.int32)}, LIMITS, SPEAKERS)
 
 
-def test_talker_repetition_penalty_defaults_to_transformers_generate():
+def test_repetition_penalties_default_to_transformers_generate():
+    """generate() applies none to the thinker (GenerationConfig's 1.0) and talker_repetition_penalty=1.05."""
     assert parse().talker_repetition_penalty == TALKER_REPETITION_PENALTY == 1.05
+    assert parse().repetition_penalty == 1.0
+    tuned = SamplingDefaults.from_generation_config({"repetition_penalty": 1.1})
+    assert parse_request({"TEXT": text("hi")}, LIMITS, SPEAKERS, tuned).repetition_penalty == pytest.approx(1.1)
     plain = parse(TALKER_REPETITION_PENALTY=np.array([1.0], np.float32), REPETITION_PENALTY=np.array([1.0], np.float32))
     assert (plain.talker_repetition_penalty, plain.repetition_penalty) == (1.0, 1.0)
 

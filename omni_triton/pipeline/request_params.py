@@ -37,14 +37,15 @@ TALKER_REPETITION_PENALTY = 1.05
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """Thinker sampling defaults (Qwen's recommended sampling); the checkpoint's generation_config.json
-    overrides them. transformers' generate() ignores that file for the thinker and decodes it greedily with
-    repetition penalty 1.0: TEMPERATURE 0 + REPETITION_PENALTY 1.0 is that decoding."""
+    """Thinker sampling defaults; the checkpoint's generation_config.json overrides them. Temperature, top-p and
+    top-k are Qwen's recommended sampling (a speech reply sampled, not greedy). The repetition penalty is
+    transformers' generate() default for the thinker, 1.0 (none), so TEMPERATURE 0 alone is its greedy decoding;
+    the talker's penalty is separate (TALKER_REPETITION_PENALTY)."""
 
     temperature: float = 0.7
     top_p: float = 0.8
     top_k: int = 20
-    repetition_penalty: float = 1.05
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_generation_config(cls, generation_config: Mapping) -> "SamplingDefaults":
