@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from build_engines.transformers_rope_keys import quiet_mrope_key_warning
 from build_engines.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer, write_tokenizer_files
 
 # Presets differ in layer counts and code-group counts so nothing downstream is hard-wired to one shape.
@@ -156,9 +157,11 @@ def build(out_dir: Path, preset: str = "tiny", *, force: bool = False) -> Path:
 
     tokenizer = build_tokenizer()
     token_ids = {tok: tokenizer.token_to_id(tok) for tok in [*SPECIAL_TOKENS, "user", "assistant", "system"]}
-    config = Qwen3OmniMoeConfig(**make_config_dict(preset, token_ids, vocab_size=_padded(tokenizer.get_vocab_size())))
-    torch.manual_seed(PRESETS[preset]["seed"])
-    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    with quiet_mrope_key_warning():
+        config = Qwen3OmniMoeConfig(**make_config_dict(preset, token_ids,
+                                                       vocab_size=_padded(tokenizer.get_vocab_size())))
+        torch.manual_seed(PRESETS[preset]["seed"])
+        model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     rerandomise_(model, PRESETS[preset]["seed"])
     model.save_pretrained(out_dir, safe_serialization=True)
     write_tokenizer_files(tokenizer, out_dir)
