@@ -162,7 +162,12 @@ def compare_inprocess(checkpoint: Path, config: LaunchConfig, workload: dict, se
     from omni_triton.client import build_inputs
     from omni_triton.pipeline.inprocess import InProcessPipeline
 
-    pipeline = InProcessPipeline(checkpoint, device=config.device, dtype=getattr(torch, config.resolved_dtype))
+    from omni_triton.engine import EngineConfig
+
+    dtype = getattr(torch, config.resolved_dtype)
+    engine = EngineConfig(num_blocks=1024, device=config.device, kv_dtype=dtype, fast_path=config.fast_path,
+                          cuda_graphs=config.cuda_graphs)  # the served engines' settings
+    pipeline = InProcessPipeline(checkpoint, device=config.device, dtype=dtype, engine_config=engine)
     reference = {}
     try:
         for index in sorted({i for results in served.values() for i in range(len(results))}):

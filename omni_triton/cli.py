@@ -56,6 +56,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV budget per engine (thinker, talker) in tokens (default: %(default)s)")
     launch.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
                         help="tokens per engine step, decode + chunked prefill (default: %(default)s)")
+    launch.add_argument("--fast-path", choices=["on", "off"], default="off",
+                        help="cuda: the engines' Triton kernels and GPU sampling; measured by "
+                             "benchmarks/engine_microbench.py, not yet verified served (default: %(default)s)")
+    launch.add_argument("--cuda-graphs", choices=["on", "off"], default="off",
+                        help="cuda, with --fast-path on: decode steps as CUDA graphs (default: %(default)s)")
     launch.add_argument("--max-inflight", type=int, default=defaults.max_inflight_requests,
                         help="concurrent requests per stage (default: %(default)s)")
     launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap,
@@ -103,6 +108,7 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> LaunchCon
         first_chunk_frames=args.first_chunk_frames, next_chunk_frames=args.next_chunk_frames,
         left_context_frames=args.left_context_frames, kv_cache_tokens=args.kv_cache_tokens,
         max_batched_tokens=args.max_batched_tokens,
+        fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
         max_inflight_requests=args.max_inflight, max_tokens_cap=args.max_tokens_cap,
         max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
         torch_threads={stage: args.torch_threads for stage in STAGES},

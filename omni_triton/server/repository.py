@@ -42,6 +42,10 @@ class LaunchConfig:
     kv_cache_tokens: int = 16384          # KV budget of each engine (thinker, talker), in tokens
     kv_block_size: int = 16
     max_batched_tokens: int = 512         # per engine step: decode tokens + chunked-prefill tokens
+    # CUDA only: the engines' Triton kernels + GPU sampling (fast_path) and CUDA-graph decode (cuda_graphs).
+    # Off by default when served: measured in benchmarks/engine_microbench.py, not yet in a served run.
+    fast_path: bool = False
+    cuda_graphs: bool = False
     max_inflight_requests: int = 16       # per stage: engine batch and sequence-batcher slots
     max_text_chars: int = 8000
     max_audio_seconds: float = 60.0
@@ -94,6 +98,8 @@ class LaunchConfig:
             left_context_frames="exact" if self.left_context_frames is None else self.left_context_frames,
             code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",
             code_groups=_checkpoint_code_groups(checkpoint),
+            fast_path="on" if self.fast_path else "off",
+            cuda_graphs="on" if self.cuda_graphs else "off",
         )
         return {k: str(v) for k, v in values.items()}
 

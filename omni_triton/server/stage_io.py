@@ -44,7 +44,8 @@ def engine_config(params: Mapping[str, str]) -> tuple[EngineConfig, torch.dtype]
     config = EngineConfig(block_size=block_size, num_blocks=max(1, int(params["kv_cache_tokens"]) // block_size),
                           max_num_batched_tokens=int(params["max_batched_tokens"]),
                           max_num_seqs=int(params["max_inflight_requests"]),
-                          device="cpu" if device == "cpu" else "cuda", kv_dtype=dtype)
+                          device="cpu" if device == "cpu" else "cuda", kv_dtype=dtype,
+                          fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on")
     return config, dtype
 
 
