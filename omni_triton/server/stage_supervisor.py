@@ -87,21 +87,23 @@ class StageSupervisor:
     def _check(self) -> None:
         for stage, pid in self._stubs.items():
             if pid is not None and not stub_alive(pid, self._server_pid):
-                self._stubs[stage] = None
+                # One step under the lock: a request that saw the dead pid (``is_down``) must also see the new
+                # generation (``failure``), or it fails as INTERNAL "stage is down" instead of UNAVAILABLE.
+                with self._lock:
+                    self._generation[stage] += 1
+                    self._down[stage] = "is restarting (its process exited); retry shortly"
+                    self._stubs[stage] = None
                 self._restart(stage)
         missing = [stage for stage, pid in self._stubs.items() if pid is None]
         # Stages load after the orchestrator, and a reload starts a new process: look for them, not too often.
         if missing and time.monotonic() - self._scanned_at >= self._scan_every_s:
             self._scanned_at = time.monotonic()
             for stage, pid in find_stubs(self._server_pid, missing).items():
-                self._stubs[stage] = pid
                 with self._lock:
+                    self._stubs[stage] = pid
                     self._down.pop(stage, None)  # e.g. restarted by a Triton build that does that itself
 
     def _restart(self, stage: str) -> None:
-        with self._lock:
-            self._generation[stage] += 1
-            self._down[stage] = "is restarting (its process exited); retry shortly"
         logger.error("%s stage: its stub process exited; reloading it", stage)
         start = time.monotonic()
         try:
