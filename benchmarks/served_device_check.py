@@ -266,6 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--entry", default="omni", choices=["omni", "orchestrator"])
+    parser.add_argument("--fast-path", choices=["on", "off"], default="off",
+                        help="the engines' Triton kernels and GPU sampling (serve --fast-path)")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default="off",
+                        help="CUDA-graph decode, with --fast-path on (serve --cuda-graphs)")
     parser.add_argument("--out", default="served_device_check.json")
     parser.add_argument("--log", help="tritonserver log path (default: in a temporary directory)")
     parser.add_argument("--log-verbose", type=int, default=0)
@@ -283,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     install = find_tritonserver(python_backend=args.python_backend, device=args.device)
     config = LaunchConfig(checkpoint_dir=Path(checkpoint), device=args.device, dtype=args.dtype,
                           interstage_memory=args.interstage_memory or install.interstage_memory(args.device),
-                          max_inflight_requests=64)
+                          max_inflight_requests=64, fast_path=args.fast_path == "on",
+                          cuda_graphs=args.cuda_graphs == "on")
     repository = render_repository(config, workdir / "repository")
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda", log_verbose=args.log_verbose)
@@ -317,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     compared = (compare_inprocess(Path(checkpoint), config, workload, served, args.audio_atol)
                 if args.compare_inprocess else None)
     report = {"device": args.device, "gpu": gpu_name(), "python_backend": install.python_backend_note,
-              "dtype": config.resolved_dtype, "interstage_memory": config.interstage_memory, "entry": args.entry,
+              "dtype": config.resolved_dtype, "fast_path": config.fast_path,
+              "cuda_graphs": config.cuda_graphs, "interstage_memory": config.interstage_memory, "entry": args.entry,
               "checkpoint": str(checkpoint), "ready_s": ready_s, "stop_s": stop_s, "workload": workload,
               "levels": levels, "interstage_host_tensors": hops, "inprocess_comparison": compared, "soak": soaked}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -424,16 +424,26 @@ def fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
 
 @contextlib.contextmanager
 def tolerating_triton_abort(server):
-    """Triton 2.51 itself sometimes dies when a stub is SIGKILLed under load (about 1 talker kill in 6 here):
-    "terminate called after throwing an instance of 'boost::interprocess::lock_exception'" in a Python-backend
-    thread of tritonserver, logged before the orchestrator has even seen the death. Nothing in a model can
-    prevent it (the stub died holding a lock in the shared memory it shares with the server), so that outcome
-    is an xfail naming it; any other failure fails the test."""
+    """Two crashes of tritonserver 2.51 itself that nothing in a model can prevent become an xfail naming them;
+    any other failure fails the test.
+
+    - "terminate called after throwing an instance of 'boost::interprocess::lock_exception'" in a Python-backend
+      thread (bundled backend, about 1 talker kill in 6): the stub died holding a lock in the shared memory it
+      shares with the server.
+    - "Signal (11) received" in the gRPC frontend (``ModelStreamInferHandler::Process``, symbolized from the
+      bundle's unstripped binary), about 1 stage kill in 40 here: while the stage reloads, requests are refused
+      in quick succession on streams that carry the ``triton_grpc_error`` header, which 2.51's frontend ends with
+      the error status; its stream state handling around such ends crashed (the server's later gRPC handler
+      rework, e.g. triton-inference-server/server#7840, is not in the bundle; the NGC image pinned in docker/
+      has it)."""
     try:
         yield
     except Exception:
-        if "lock_exception" in server.server.log_path.read_text(errors="replace"):  # logged as it aborts
+        log = server.server.log_path.read_text(errors="replace")
+        if "lock_exception" in log:  # logged as it aborts
             pytest.xfail("tritonserver aborted (boost::interprocess::lock_exception) when the stub was killed")
+        if "Signal (11) received" in log and "HandleCancellation called" in log:
+            pytest.xfail("tritonserver 2.51's gRPC frontend segfaulted ending error streams (triton_grpc_error)")
         raise
 
 
