@@ -82,3 +82,51 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: Path) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def with_token_ids(tokenizer: Tokenizer, pinned: dict[str, int], vocab_size: int) -> Tokenizer:
+    """``tokenizer`` (a tokenizer of this module) renumbered into a ``vocab_size`` vocabulary: each token of
+    ``pinned`` (special tokens and role words) at its given id, the other BPE tokens at the lowest free ids, the
+    other special tokens right after the highest pinned one, and every id left over a filler token that decodes
+    to `` w<id>`` and that no text encodes to. For a checkpoint whose config names ids of another vocabulary (the
+    released model's ~151k): a model sampling any id of its vocabulary still decodes to text."""
+    layout = json.loads(tokenizer.to_str())
+    bpe = sorted(layout["model"]["vocab"], key=layout["model"]["vocab"].get)
+    specials = [token["content"] for token in sorted(layout["added_tokens"], key=lambda token: token["id"])]
+    unknown = sorted(set(pinned) - set(bpe) - set(specials))
+    if unknown:
+        raise ValueError(f"tokens {unknown} are not in the tokenizer")
+    by_id: dict[int, str] = {}
+    for token, token_id in pinned.items():
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"{token!r} pinned at id {token_id}, outside the vocabulary of {vocab_size}")
+        if token_id in by_id:
+            raise ValueError(f"{token!r} and {by_id[token_id]!r} are both pinned at id {token_id}")
+        by_id[token_id] = token
+    free = (i for i in range(vocab_size) if i not in by_id)
+    after_pinned = max((pinned[t] for t in specials if t in pinned), default=-1)
+    free_after = (i for i in range(after_pinned + 1, vocab_size) if i not in by_id)
+    try:
+        ids = {token: next(free) for token in bpe if token not in pinned}
+        by_id.update({token_id: token for token, token_id in ids.items()})
+        ids.update({token: next(free_after) for token in specials if token not in pinned})
+    except StopIteration:
+        raise ValueError(f"{len(bpe) + len(specials)} tokens do not fit a vocabulary of {vocab_size} "
+                         f"with {len(pinned)} pinned ids") from None
+    ids.update(pinned)
+    taken = set(ids.values())
+    fillers = {f"\u0120w{i}": i for i in range(vocab_size) if i not in taken}
+    if set(fillers) & set(ids):
+        raise ValueError(f"filler tokens collide with the vocabulary: {sorted(set(fillers) & set(ids))[:4]}")
+    # Special tokens are in the model's vocabulary too: an added token takes the id the model has for it, and
+    # only that way can it sit below other ids (tokenizers numbers the rest after the model's vocabulary).
+    layout["model"]["vocab"] = {**{token: ids[token] for token in bpe + specials}, **fillers}
+    for token in layout["added_tokens"]:
+        token["id"] = ids[token["content"]]
+    layout["added_tokens"].sort(key=lambda token: token["id"])
+    renumbered = Tokenizer.from_str(json.dumps(layout))
+    for token, token_id in pinned.items():
+        encoded = renumbered.encode(token, add_special_tokens=False).ids
+        if encoded != [token_id]:
+            raise ValueError(f"{token!r} encodes to {encoded}, not to its pinned id [{token_id}]")
+    return renumbered

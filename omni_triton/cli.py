@@ -1,6 +1,7 @@
 """omni-triton: serve the Qwen3-Omni pipeline on tritonserver, run a demo request, build checkpoints/engines.
 
-    omni-triton serve [--checkpoint DIR] [--device cpu|cuda] [--tritonserver PATH] ...
+    omni-triton serve [--checkpoint DIR | --config NAME] [--device cpu|cuda] [--tritonserver PATH] ...
+    omni-triton serve --device cuda --config qwen3_omni_30b_a3b   full size, seeded random bf16 weights
     omni-triton demo  ["text"] [--out out.wav]      start a server, stream one request, stop
     omni-triton build tiny|onnx|trt|python-backend [builder options]
 """
@@ -14,6 +15,9 @@ import signal
 import sys
 from pathlib import Path
 
+from omni_triton.server.memory_plan import DoesNotFit
+from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_memory_arguments,
+                                               add_model_source_arguments, model_source, with_kv_budget)
 from omni_triton.server.repository import (CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig,
                                           render_repository)
 from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES
@@ -26,6 +30,7 @@ DEMO_SEED = 0  # a seeded demo prints the same text and audio, and comparable ti
 # `omni-triton build KIND` runs the main() of these build_engines modules, with the remaining arguments.
 BUILDERS = {
     "tiny": "build_engines.tiny_checkpoint",
+    "dummy": "build_engines.dummy_checkpoint",
     "onnx": "build_engines.export_code2wav_onnx",
     "trt": "build_engines.build_code2wav_trt",
     "python-backend": "build_engines.python_backend",
@@ -37,6 +42,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("model repository")
     launch.add_argument("--checkpoint", type=Path,
                         help=f"checkpoint directory (default: build the tiny one at {DEFAULT_TINY_CHECKPOINT})")
+    add_model_source_arguments(launch)
     launch.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the models run (default: %(default)s)")
     launch.add_argument("--interstage-memory", choices=INTERSTAGE_MEMORY,
@@ -50,17 +56,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "(12.5 frames per second; default: %(default)s)")
     launch.add_argument("--next-chunk-frames", type=int, default=defaults.next_chunk_frames,
                         help="codec frames in each later audio chunk (default: %(default)s)")
-    launch.add_argument("--left-context-frames", type=int,
-                        help="code2wav left context per chunk (default: the vocoder's exact context)")
-    launch.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
-                        help="KV budget per engine (thinker, talker) in tokens (default: %(default)s)")
+    add_memory_arguments(launch)
     launch.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
                         help="tokens per engine step, decode + chunked prefill (default: %(default)s)")
-    launch.add_argument("--fast-path", choices=["on", "off"], default="off",
-                        help="cuda: the engines' Triton kernels and GPU sampling; measured by "
-                             "benchmarks/engine_microbench.py, not yet verified served (default: %(default)s)")
-    launch.add_argument("--cuda-graphs", choices=["on", "off"], default="off",
-                        help="cuda, with --fast-path on: decode steps as CUDA graphs (default: %(default)s)")
+    add_engine_arguments(launch)
     launch.add_argument("--max-inflight", type=int, default=defaults.max_inflight_requests,
                         help="concurrent requests per stage (default: %(default)s)")
     launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap,
@@ -96,29 +95,34 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
 
 
-def launch_config(args: argparse.Namespace, install: TritonInstall) -> LaunchConfig:
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        from build_engines.tiny_checkpoint import build
+def _tiny_checkpoint() -> Path:
+    from build_engines.tiny_checkpoint import build
 
-        checkpoint = build(DEFAULT_TINY_CHECKPOINT)
-    return LaunchConfig(
-        checkpoint_dir=checkpoint, device=args.device, dtype=args.dtype,
+    return build(DEFAULT_TINY_CHECKPOINT)
+
+
+def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[LaunchConfig, str]:
+    """The launch config and a note saying the KV budget (on cuda: how it fits the GPU)."""
+    source = model_source(args, _tiny_checkpoint)
+    config = LaunchConfig(
+        checkpoint_dir=source.checkpoint_dir, device=args.device, dtype=args.dtype,
+        load_format=source.load_format, dummy_seed=source.seed,
         interstage_memory=args.interstage_memory or install.interstage_memory(args.device),
         first_chunk_frames=args.first_chunk_frames, next_chunk_frames=args.next_chunk_frames,
-        left_context_frames=args.left_context_frames, kv_cache_tokens=args.kv_cache_tokens,
-        max_batched_tokens=args.max_batched_tokens,
+        left_context_frames=args.left_context_frames, max_batched_tokens=args.max_batched_tokens,
         fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
         max_inflight_requests=args.max_inflight, max_tokens_cap=args.max_tokens_cap,
         max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
         torch_threads={stage: args.torch_threads for stage in STAGES},
         code2wav_runtime=args.code2wav_runtime, code2wav_engine_path=args.code2wav_engine,
+        code2wav_max_batch=args.code2wav_max_batch,
     )
+    return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization)
 
 
 def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     install = find_tritonserver(args.tritonserver, args.python_backend, args.device)
-    config = launch_config(args, install)
+    config, kv_note = launch_config(args, install)
     models = args.models.split(",") if args.models else None
     repository = render_repository(config, args.run_dir / "repository", models)
     options = ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
@@ -128,8 +132,11 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
                           echo_log=echo_log)
     print(f"tritonserver ({install.origin}: {install.binary})\n"
           f"  python backend: {install.python_backend_note}\n"
-          f"  checkpoint {config.checkpoint_dir}, device {config.device}, interstage memory "
-          f"{config.interstage_memory}, repository {repository}", flush=True)
+          f"  checkpoint {config.checkpoint_dir}"
+          + (f" (random weights: --load-format dummy, seed {config.dummy_seed})" if config.load_format == "dummy"
+             else "")
+          + f", device {config.device} {config.resolved_dtype}, interstage memory {config.interstage_memory}, "
+          f"repository {repository}\n  {kv_note}", flush=True)
     server.start()
     try:
         waited = server.wait_ready(timeout_s=args.ready_timeout)
@@ -169,7 +176,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     server = start_server(args, echo_log=False)
     try:
-        if is_random_weight_checkpoint(args.checkpoint or DEFAULT_TINY_CHECKPOINT):
+        if args.config or args.load_format == "dummy" or is_random_weight_checkpoint(
+                args.checkpoint or DEFAULT_TINY_CHECKPOINT):
             print("random-weight checkpoint: text and audio are noise; see README", flush=True)
         run_request(server.grpc_url, args.text, args, args.out)
         print(f"machine: {machine_description()}; models on {args.device}; seed {args.seed}")
@@ -197,10 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help): hand it everything after "bench"
-        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-triton", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -229,8 +234,14 @@ def main(argv: list[str] | None = None) -> int:
                                 help="TTFA/RTF/throughput sweep against baselines (see bench --help)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options for the benchmark")
     bench.set_defaults(handler=cmd_bench)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help): hand it everything after "bench"
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
+    args = build_parser().parse_args(argv)
     from tritonclient.utils import InferenceServerException
 
     # Ctrl-C, kill -INT (even from a shell that started us with SIGINT ignored) and SIGTERM (docker stop) all
@@ -241,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
-    except (TritonServerError, InferenceServerException) as error:
+    except (TritonServerError, InferenceServerException, LaunchOptionError, DoesNotFit) as error:
         print(f"omni-triton: {error}", file=sys.stderr)
         return 1
 

@@ -219,3 +219,17 @@ def test_markdown_and_plots(tmp_path):
     paths = plot(summaries, tmp_path)
     assert sorted(p.name for p in paths) == ["throughput.png", "ttfa.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
+
+
+def test_gpu_memory_peak_keeps_the_most_in_use(monkeypatch):
+    from omni_triton.bench import gpu_memory
+
+    readings = iter([1000, 5000, 3000] + [2000] * 100)
+    monkeypatch.setattr(gpu_memory, "gpu_memory_used_mib", lambda: next(readings))
+    with gpu_memory.GpuMemoryPeak(interval_s=0.01) as peak:
+        time.sleep(0.1)
+    assert peak.peak_mib == 5000 and peak.gib == pytest.approx(4.88)
+    monkeypatch.setattr(gpu_memory, "gpu_memory_used_mib", lambda: None)  # no GPU: nothing measured
+    with gpu_memory.GpuMemoryPeak() as peak:
+        pass
+    assert peak.gib is None

@@ -2,10 +2,13 @@
 
     omni-triton bench --start-server --checkpoint CKPT --quick --out benchmarks/results/cpu-tiny
     omni-triton bench --url 127.0.0.1:8001 --checkpoint CKPT --concurrency 1,4,8,16,32,64
+    omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --systems server,inprocess
 
 Systems: `server` (streaming, the system under test), `server-sequential` (same server, SEQUENTIAL=true),
-`inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate, concurrency 1). The report gives
-each as a ratio to `server`.
+`inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate, concurrency 1; needs a checkpoint's
+weights, so not with --config). The report gives each as a ratio to `server`. With --config (random weights
+of a model config) the in-process pipeline builds the same seeded weights as the served stages; against a
+server started elsewhere (--url), pass the --config/--dummy-* options it was started with.
 """
 
 from __future__ import annotations
@@ -15,13 +18,19 @@ import contextlib
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
+from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
+from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_memory_arguments,
+                                               add_model_source_arguments, model_source, with_kv_budget)
+from omni_triton.server.memory_plan import SERVED_GPU_PROCESSES
+from omni_triton.server.repository import LaunchConfig
 
 SYSTEMS = ("server", "server-sequential", "inprocess", "transformers")
 REFERENCE = "server"
@@ -32,11 +41,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     target = parser.add_argument_group("target")
     target.add_argument("--url", default="127.0.0.1:8001", help="running server's gRPC address (default %(default)s)")
     target.add_argument("--start-server", action="store_true",
-                        help="render the repository for --checkpoint and launch tritonserver for the run")
+                        help="render the repository for --checkpoint/--config and launch tritonserver for the run")
     target.add_argument("--checkpoint", type=Path,
-                        help="checkpoint dir: needed by --start-server, inprocess, transformers and exact prompt length")
+                        help="checkpoint dir: needed (or --config) by --start-server, inprocess, transformers and "
+                             "exact prompt length")
     target.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     target.add_argument("--tritonserver", help="tritonserver binary for --start-server (default: found)")
+    add_model_source_arguments(target)
+    add_memory_arguments(target)
+    add_engine_arguments(target)
     load = parser.add_argument_group("workload (defaults: DESIGN.md section 6, or --quick)")
     load.add_argument("--quick", action="store_true", help="CPU/CI preset: 16-token prompt, 16 tokens, 25 frames, "
                                                            "concurrency 1,2,4")
@@ -57,9 +70,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
-    if args.start_server and args.checkpoint is None:
-        parser.error("--start-server needs --checkpoint")
+    if args.start_server and args.checkpoint is None and args.config is None:
+        parser.error("--start-server needs --checkpoint or --config")
+    try:
+        args.source = model_source(args) if args.checkpoint or args.config else None
+    except LaunchOptionError as error:
+        parser.error(str(error))
+    if args.source is not None:
+        args.checkpoint = args.source.checkpoint_dir
     return args
+
+
+def launch_config(args: argparse.Namespace, workload: Workload, interstage_memory: str = "device",
+                  gpu_processes: int = SERVED_GPU_PROCESSES) -> tuple[LaunchConfig, str]:
+    """What the started server (and, with ``gpu_processes`` 1, the in-process pipeline) runs, with its KV
+    budget and the note saying it. Enough engine slots for the highest level, so the launch config never caps
+    the measured concurrency."""
+    config = LaunchConfig(checkpoint_dir=args.source.checkpoint_dir.resolve(), device=args.device,
+                          load_format=args.source.load_format, dummy_seed=args.source.seed,
+                          interstage_memory=interstage_memory, max_inflight_requests=max(16, *workload.concurrencies),
+                          fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
+                          left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch)
+    return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization, gpu_processes)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -70,19 +102,19 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def served(args: argparse.Namespace, workload: Workload) -> Iterator[str]:
-    """The server's gRPC address: --url, or a tritonserver launched here for the run and stopped after."""
+def served(args: argparse.Namespace, workload: Workload, notes: list[str]) -> Iterator[str]:
+    """The server's gRPC address: --url, or a tritonserver launched here for the run and stopped after (its
+    KV budget goes to ``notes``)."""
     if not args.start_server:
         yield args.url
         return
-    from omni_triton.server.repository import LaunchConfig, available_models, render_repository
+    from omni_triton.server.repository import available_models, render_repository
     from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
     install = find_tritonserver(args.tritonserver, device=args.device)
-    # Enough engine slots for the highest level, so the launch config never caps the measured concurrency.
-    config = LaunchConfig(checkpoint_dir=args.checkpoint.resolve(), device=args.device,
-                          interstage_memory=install.interstage_memory(args.device),
-                          max_inflight_requests=max(16, *workload.concurrencies))
+    config, kv_note = launch_config(args, workload, install.interstage_memory(args.device))
+    notes.append(f"server: {kv_note}")
+    print(kv_note, file=sys.stderr)
     models = available_models()
     run_dir = Path("build/bench-run")  # the rendered repository and the server log: not results
     repository = render_repository(config, run_dir / "repository", models)
@@ -98,13 +130,16 @@ def served(args: argparse.Namespace, workload: Workload) -> Iterator[str]:
         server.stop()
 
 
-def make_runner(system: str, args: argparse.Namespace, url: str):
+def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workload, notes: list[str]):
     if system in ("server", "server-sequential"):
         from omni_triton.bench.runners.triton_stream import TritonStreamRunner
         return TritonStreamRunner(url, sequential=system == "server-sequential")
     if system == "inprocess":
         from omni_triton.bench.runners.inprocess import InProcessRunner
-        return InProcessRunner(args.checkpoint, args.device)
+
+        config, kv_note = launch_config(args, workload, gpu_processes=1)
+        notes.append(f"inprocess: {kv_note}")
+        return InProcessRunner(config)
     from omni_triton.bench.runners.transformers_generate import TransformersRunner
     return TransformersRunner(args.checkpoint, args.device)
 
@@ -123,9 +158,11 @@ def bench_system(runner, workload: Workload, text: str) -> list[LevelSummary]:
     with tqdm(total=sum(workload.requests_at(c) for c in levels), desc=runner.name, unit="req") as progress:
         for concurrency in levels:
             progress.set_postfix(concurrency=concurrency)
-            timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
-                                        on_done=lambda _: progress.update())
-            summaries.append(summarize(runner.name, concurrency, timings, wall_s))
+            with GpuMemoryPeak() as gpu_memory:
+                timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
+                                            on_done=lambda _: progress.update())
+            summaries.append(replace(summarize(runner.name, concurrency, timings, wall_s),
+                                     gpu_memory_peak_gib=gpu_memory.gib))
     return summaries
 
 
@@ -136,11 +173,16 @@ def main(argv: list[str] | None = None) -> int:
                               thinker_tokens=args.thinker_tokens, audio_frames=args.audio_frames,
                               requests_per_level=args.requests_per_level, warmup_requests=args.warmup_requests)
     systems = [s for s in SYSTEMS if s in args.systems]
+    notes: list[str] = []
     if args.checkpoint is None:
         local = [s for s in systems if s in ("inprocess", "transformers")]
         if local:
-            print(f"skipping {local}: they need --checkpoint", file=sys.stderr)
+            print(f"skipping {local}: they need --checkpoint or --config", file=sys.stderr)
         systems = [s for s in systems if s not in local]
+    if "transformers" in systems and args.source.random_weights:
+        notes.append("transformers skipped: it loads a checkpoint's weights, and these are random (dummy)")
+        print(notes[-1], file=sys.stderr)
+        systems.remove("transformers")
     out_dir = args.out or Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.checkpoint is not None:
@@ -151,14 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     text = prompt_text(workload.prompt_tokens, tokenizer)
 
     machine = reporting.machine_description()  # before the run: its load average is the other jobs'
+    idle_gpu_mib = gpu_memory_used_mib()  # before any system holds GPU memory (None: no GPU or nvidia-smi)
     summaries: list[LevelSummary] = []
     server_systems = [s for s in systems if s.startswith("server")]
     if server_systems:
-        with served(args, workload) as url:
+        with served(args, workload, notes) as url:
             for system in server_systems:
-                summaries += bench_system(make_runner(system, args, url), workload, text)
+                summaries += bench_system(make_runner(system, args, url, workload, notes), workload, text)
     for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
-        runner = make_runner(system, args, args.url)
+        runner = make_runner(system, args, args.url, workload, notes)
         try:
             summaries += bench_system(runner, workload, text)
         finally:
@@ -174,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         "results": [s.to_dict() for s in summaries],
         "ratios_to": REFERENCE,
         "ratios": ratios_to(REFERENCE, summaries),
-        "notes": ["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]
-        if "transformers" in systems else [],
+        "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(idle_gpu_mib / 1024, 2),
+        "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
+                     "seed": args.source.seed} if args.source is not None else "unknown"),
+        "notes": notes + (["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]
+                          if "transformers" in systems else []),
     }
     plots = reporting.plot(summaries, out_dir)
     if isinstance(plots, str):

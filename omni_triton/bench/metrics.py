@@ -91,6 +91,7 @@ class LevelSummary:
     audio_s_per_s: float
     continuity: float | None
     errors: list[str] = field(default_factory=list)
+    gpu_memory_peak_gib: float | None = None  # device-wide, the most in use during the level (bench.gpu_memory)
 
     def to_dict(self) -> dict:
         return asdict(self)

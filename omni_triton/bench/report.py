@@ -69,14 +69,14 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
         f"{workload['warmup_requests']} warm-up request(s) per system not counted.",
         "",
         "| system | conc | reqs | failed | TTFT p50 ms | TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | RTF mean | RTF p95 "
-        "| audio s/req | req/s | audio s/s | continuity |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| audio s/req | req/s | audio s/s | continuity | GPU GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         lines.append(f"| {s.system} | {s.concurrency} | {s.requests} | {s.failed} | {_ms(s.ttft_p50)} | "
                      f"{_ms(s.ttfa_p50)} | {_ms(s.ttfa_p95)} | {_ms(s.ttfa_p99)} | {_num(s.rtf_mean, 3)} | "
                      f"{_num(s.rtf_p95, 3)} | {_num(s.audio_s_per_request)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
-                     f"{_num(s.continuity)} |")
+                     f"{_num(s.continuity)} | {_num(s.gpu_memory_peak_gib, 1)} |")
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
                       "audio s/s: <1 is less throughput):", "",

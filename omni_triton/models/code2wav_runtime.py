@@ -51,7 +51,9 @@ class Code2WavRuntime:
     @staticmethod
     def create(kind: str, checkpoint_dir: str | Path, *, onnx_path: str | Path | None = None,
                plan_path: str | Path | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> "Code2WavRuntime":
+               dtype: torch.dtype = torch.float32, load_format: str = "safetensors",
+               seed: int = 0) -> "Code2WavRuntime":
+        """``load_format``/``seed``: the torch backend's weights (``models.weights.load_code2wav``)."""
         if kind not in KINDS:
             raise ValueError(f"Code2Wav runtime kind {kind!r} is not one of {KINDS}")
         device = torch.device(device)
@@ -59,7 +61,7 @@ class Code2WavRuntime:
             kind = _pick_auto(onnx_path, plan_path, device)
         config = Code2WavConfig.from_pretrained(checkpoint_dir)
         if kind == "torch":
-            return TorchCode2Wav(checkpoint_dir, config, device, dtype)
+            return TorchCode2Wav(checkpoint_dir, config, device, dtype, load_format, seed)
         if kind == "onnxruntime":
             return OnnxRuntimeCode2Wav(_existing(onnx_path, "onnx_path"), config, device)
         return TensorRTCode2Wav(_existing(plan_path, "plan_path"), config, device)
@@ -90,11 +92,12 @@ def _pick_auto(onnx_path, plan_path, device: torch.device) -> str:
 class TorchCode2Wav(Code2WavRuntime):
     kind = "torch"
 
-    def __init__(self, checkpoint_dir, config: Code2WavConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, checkpoint_dir, config: Code2WavConfig, device: torch.device, dtype: torch.dtype,
+                 load_format: str = "safetensors", seed: int = 0):
         super().__init__(config, device)
-        from omni_triton.models.audio_weights import load_code2wav
+        from omni_triton.models.weights import load_code2wav
 
-        self.model = load_code2wav(checkpoint_dir, device, dtype)
+        self.model = load_code2wav(checkpoint_dir, device, dtype, load_format=load_format, seed=seed)
 
     @torch.inference_mode()
     def _run(self, codes: torch.Tensor) -> torch.Tensor:

@@ -42,10 +42,13 @@ def resolve_config_dir(checkpoint_or_name: str | Path) -> Path:
 
 def write_config_with_layers(source: str | Path, num_layers: int, target: str | Path) -> Path:
     """A copy of ``source``'s config.json (checkpoint dir or shipped name) in ``target`` with the thinker and
-    talker cut to ``num_layers`` layers: full-width models that fit a smaller GPU, or a quicker test."""
+    talker cut to at most ``num_layers`` layers each: full-width models that fit a smaller GPU, or a quicker test."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     raw = json.loads((resolve_config_dir(source) / "config.json").read_text())
     for component in ("thinker_config", "talker_config"):
-        raw[component]["text_config"]["num_hidden_layers"] = num_layers
+        text = raw[component]["text_config"]
+        text["num_hidden_layers"] = min(num_layers, text["num_hidden_layers"])
     raw["talker_config"]["accept_hidden_layer"] = min(raw["talker_config"]["accept_hidden_layer"], num_layers)
     target = Path(target)
     target.mkdir(parents=True, exist_ok=True)

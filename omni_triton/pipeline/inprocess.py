@@ -36,14 +36,20 @@ class StageFailed(RuntimeError):
 
 class InProcessPipeline:
     def __init__(self, checkpoint_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 engine_config: EngineConfig | None = None, policy: ChunkPolicy = ChunkPolicy(),
-                 limits: RequestLimits = RequestLimits()):
+                 engine_config: EngineConfig | None = None, talker_engine_config: EngineConfig | None = None,
+                 policy: ChunkPolicy = ChunkPolicy(), limits: RequestLimits = RequestLimits(),
+                 load_format: str = "safetensors", seed: int = 0):
+        """``talker_engine_config``: default ``engine_config``. ``load_format`` dummy: seeded random weights
+        (``seed``) from the checkpoint dir's config.json, as the served stages load them."""
         engine_config = engine_config or EngineConfig(num_blocks=1024, device=device, kv_dtype=dtype)
+        talker_engine_config = talker_engine_config or engine_config
         self.device = torch.device(device)
-        self.preprocessor = Preprocessor(checkpoint_dir, limits, engine_config.num_blocks * engine_config.block_size)
-        self.thinker = ThinkerService(checkpoint_dir, engine_config, dtype)
-        self.talker = TalkerService(checkpoint_dir, engine_config, dtype)
-        self.vocoder = load_code2wav(checkpoint_dir, self.device, dtype).eval()
+        self.preprocessor = Preprocessor(checkpoint_dir, limits, _cache_tokens(engine_config),
+                                         _cache_tokens(talker_engine_config))
+        weights = dict(load_format=load_format, seed=seed)
+        self.thinker = ThinkerService(checkpoint_dir, engine_config, dtype, **weights)
+        self.talker = TalkerService(checkpoint_dir, talker_engine_config, dtype, **weights)
+        self.vocoder = load_code2wav(checkpoint_dir, self.device, dtype, **weights).eval()
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
@@ -95,6 +101,10 @@ class InProcessPipeline:
     def decode_chunk(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] -> the samples after the left context (what the code2wav model returns)."""
         return self.decoder.decode([ChunkJob.after_context(codes, left_context_frames)])[0]
+
+
+def _cache_tokens(config: EngineConfig) -> int:
+    return config.num_blocks * config.block_size
 
 
 class _DirectClients:

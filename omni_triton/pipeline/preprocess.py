@@ -17,8 +17,10 @@ NUM_MEL_BINS = 128
 
 
 class Preprocessor:
-    def __init__(self, checkpoint_dir: str | Path, limits: RequestLimits, kv_cache_tokens: int):
-        """``kv_cache_tokens``: what each engine's KV cache holds (thinker and talker alike)."""
+    def __init__(self, checkpoint_dir: str | Path, limits: RequestLimits, kv_cache_tokens: int,
+                 talker_kv_cache_tokens: int | None = None):
+        """``kv_cache_tokens``: what the thinker's KV cache holds, and the talker's unless
+        ``talker_kv_cache_tokens`` says otherwise."""
         checkpoint_dir = Path(checkpoint_dir)
         config = json.loads((checkpoint_dir / "config.json").read_text())
         generation_path = checkpoint_dir / "generation_config.json"
@@ -29,7 +31,7 @@ class Preprocessor:
         self.speakers = {name.lower(): int(i) for name, i in config["talker_config"]["speaker_id"].items()}
         self.defaults = SamplingDefaults.from_generation_config(generation)
         self.context_tokens = min(int(thinker["text_config"]["max_position_embeddings"]), kv_cache_tokens)
-        self.talker_cache_tokens = kv_cache_tokens
+        self.talker_cache_tokens = talker_kv_cache_tokens or kv_cache_tokens
         self.roles = RoleTokenIds.from_config(config)
         self.audio_window = int(thinker["audio_config"].get("n_window", 50))
         self._log_mel = None  # built on the first spoken request: text-only serving never imports it

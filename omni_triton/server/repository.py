@@ -14,6 +14,8 @@ import string
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from omni_triton.server.memory_plan import CPU_KV_CACHE_TOKENS
+
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_repository"
 STAGES = ("preprocess", "orchestrator", "thinker", "talker", "code2wav")
 # auto: the TensorRT plan when tensorrt imports and the engine file is a .plan on a GPU, else ONNX Runtime
@@ -25,6 +27,9 @@ CODE2WAV_RUNTIMES = ("torch", "onnx", "trt", "auto")
 # Triton 2.51: hangs and crashes, see benchmarks/bls_gpu_repro); the hops then show in
 # omni_interstage_host_tensors_total.
 INTERSTAGE_MEMORY = ("device", "host")
+# safetensors: the checkpoint's weights. dummy: seeded random weights built on the device from the checkpoint
+# dir's config.json (omni_triton.models.weights), e.g. a dir written by build_engines.dummy_checkpoint.
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -33,13 +38,16 @@ class LaunchConfig:
 
     checkpoint_dir: Path
     device: str = "cpu"                   # cpu | cuda
+    load_format: str = "safetensors"      # safetensors | dummy (see LOAD_FORMATS)
+    dummy_seed: int = 0                   # load_format dummy: the weights' seed
     interstage_memory: str = "device"     # device | host (see INTERSTAGE_MEMORY)
     dtype: str | None = None              # None: float32 on cpu, bfloat16 on cuda
     # Audio chunking: a small first chunk for a low time-to-first-audio, larger ones after it.
     first_chunk_frames: int = 4
     next_chunk_frames: int = 25
     left_context_frames: int | None = None  # None: the vocoder's exact context (rendered "exact")
-    kv_cache_tokens: int = 16384          # KV budget of each engine (thinker, talker), in tokens
+    kv_cache_tokens: int = CPU_KV_CACHE_TOKENS  # KV budget of the thinker (and of the talker, unless set), in tokens
+    talker_kv_cache_tokens: int | None = None  # None: kv_cache_tokens
     kv_block_size: int = 16
     max_batched_tokens: int = 512         # per engine step: decode tokens + chunked-prefill tokens
     # CUDA only: the engines' Triton kernels + GPU sampling (fast_path) and CUDA-graph decode (cuda_graphs).
@@ -64,6 +72,8 @@ class LaunchConfig:
             raise ValueError(f"interstage_memory must be one of {INTERSTAGE_MEMORY}, got {self.interstage_memory!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.code2wav_runtime not in CODE2WAV_RUNTIMES:
             raise ValueError(f"code2wav_runtime must be one of {CODE2WAV_RUNTIMES}, got {self.code2wav_runtime!r}")
         if self.code2wav_runtime in ("onnx", "trt") and self.code2wav_engine_path is None:
@@ -73,6 +83,8 @@ class LaunchConfig:
                      "code2wav_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.talker_kv_cache_tokens is not None and self.talker_kv_cache_tokens < 1:
+            raise ValueError(f"talker_kv_cache_tokens must be >= 1, got {self.talker_kv_cache_tokens}")
         if self.left_context_frames is not None and self.left_context_frames < 1:
             raise ValueError(f"left_context_frames must be >= 1, got {self.left_context_frames}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
@@ -83,8 +95,12 @@ class LaunchConfig:
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
 
+    @property
+    def resolved_talker_kv_cache_tokens(self) -> int:
+        return self.talker_kv_cache_tokens or self.kv_cache_tokens
+
     def template_values(self, model: str) -> dict[str, str]:
-        """The ${...} values for one model (torch_threads is that model's own)."""
+        """The ${...} values for one model (torch_threads and kv_cache_tokens are that model's own)."""
         checkpoint = Path(self.checkpoint_dir).resolve()
         values = {k: v for k, v in asdict(self).items() if k not in ("torch_threads",)}
         values.update(
@@ -95,6 +111,8 @@ class LaunchConfig:
             state_data_type={"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}[
                 self.resolved_dtype],
             torch_threads=self.torch_threads.get(model, 1),
+            kv_cache_tokens=self.resolved_talker_kv_cache_tokens if model == "talker" else self.kv_cache_tokens,
+            talker_kv_cache_tokens=self.resolved_talker_kv_cache_tokens,
             left_context_frames="exact" if self.left_context_frames is None else self.left_context_frames,
             code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",
             code_groups=_checkpoint_code_groups(checkpoint),

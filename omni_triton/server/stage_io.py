@@ -7,7 +7,8 @@ built against); numpy is used only for what Triton itself hands out as numpy (CP
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -47,6 +48,36 @@ def engine_config(params: Mapping[str, str]) -> tuple[EngineConfig, torch.dtype]
                           device="cpu" if device == "cpu" else "cuda", kv_dtype=dtype,
                           fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on")
     return config, dtype
+
+
+def load_options(params: Mapping[str, str]) -> dict[str, Any]:
+    """How a stage gets its weights: ``load_format`` (safetensors | dummy) and the dummy weights' ``seed``."""
+    return {"load_format": params.get("load_format", "safetensors"), "seed": int(params.get("dummy_seed", "0"))}
+
+
+# What a deployer can change when a stage does not fit the GPU (omni-triton serve options).
+MEMORY_OPTIONS = ("--kv-cache-tokens (or --gpu-memory-utilization with --kv-cache-tokens auto), "
+                  "--dummy-layers N (fewer thinker/talker layers, with --load-format dummy), "
+                  "--left-context-frames / --code2wav-max-batch (the vocoder's activations), or a larger GPU")
+
+
+@contextmanager
+def stage_loading(stage: str) -> Iterator[None]:
+    """Around a stage's loading: a CUDA out-of-memory error becomes one that says which options make it fit. On
+    a GPU, what loading freed goes back to the device (modules built in fp32 before their cast, the dummy
+    embedding table the talker's rows come from: other stages' KV caches are planned on that memory), and the
+    stage logs what it holds (the server log: to set against the launch's memory plan)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as error:
+        detail = str(error).split("\n")[0]
+        raise RuntimeError(f"the {stage} stage ran out of GPU memory while loading ({detail}); "
+                           f"make the pipeline fit with {MEMORY_OPTIONS}") from None
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        print(f"{stage}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated after loading (weights, KV "
+              f"cache), GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
 
 
 def to_torch(tensor: Any) -> torch.Tensor:

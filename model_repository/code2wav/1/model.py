@@ -8,7 +8,8 @@ from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
-from omni_triton.server.stage_io import configure_interstage_memory, from_torch, host_array, to_torch
+from omni_triton.server.stage_io import (configure_interstage_memory, from_torch, host_array, load_options,
+                                         stage_loading, to_torch)
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -27,8 +28,10 @@ class TritonPythonModel:
         if kind == "auto" and params["engine_path"]:  # the engine file's kind says which runtime it is for
             engine_argument = "plan_path" if params["engine_path"].endswith(".plan") else "onnx_path"
         engine = {engine_argument: params["engine_path"]} if engine_argument else {}
-        self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
-                                              dtype=getattr(torch, params["dtype"]), **engine)
+        with stage_loading("code2wav"):
+            self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
+                                                  dtype=getattr(torch, params["dtype"]), **engine,
+                                                  **load_options(params))
         self.embedding_rows = code_embedding_rows(self.vocoder.config)
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         # A MetricFamily must outlive its metrics: keep both.

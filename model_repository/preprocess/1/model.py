@@ -22,8 +22,9 @@ class TritonPythonModel:
             max_audio_frames_cap=int(params["max_audio_frames_cap"]))
         # what each engine's cache holds: whole blocks, at least one (as the engines size it)
         block = int(params["kv_block_size"])
-        cache_tokens = max(1, int(params["kv_cache_tokens"]) // block) * block
-        self.preprocessor = Preprocessor(params["checkpoint_dir"], limits, cache_tokens)
+        thinker_tokens, talker_tokens = (max(1, int(params[key]) // block) * block
+                                         for key in ("kv_cache_tokens", "talker_kv_cache_tokens"))
+        self.preprocessor = Preprocessor(params["checkpoint_dir"], limits, thinker_tokens, talker_tokens)
         self.rejected = pb_utils.MetricFamily(
             "omni_preprocess_rejected_requests_total", "requests refused with INVALID_ARG, by input",
             pb_utils.MetricFamily.COUNTER)

@@ -1,13 +1,13 @@
-"""The same pipeline without Triton: InProcessPipeline in this process, stages called directly."""
+"""The same pipeline without Triton: InProcessPipeline in this process, stages called directly, with the
+served stages' settings (weights and their load format, dtype, engine configs, KV budget, audio chunking)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 
 from omni_triton.bench.metrics import RequestTiming
 from omni_triton.bench.runners import SharedWorker, time_request
+from omni_triton.server.repository import LaunchConfig
 
 
 class InProcessRunner:
@@ -15,10 +15,18 @@ class InProcessRunner:
     sequential = False
     max_concurrency = None
 
-    def __init__(self, checkpoint_dir: str | Path, device: str = "cpu"):
+    def __init__(self, config: LaunchConfig):
+        from omni_triton.pipeline.code2wav_stream import ChunkPolicy
         from omni_triton.pipeline.inprocess import InProcessPipeline
+        from omni_triton.server.stage_io import engine_config
 
-        self.pipeline = InProcessPipeline(checkpoint_dir, device=device)
+        # each engine as its served stage reads it from its config.pbtxt parameters
+        (thinker, dtype), (talker, _) = (engine_config(config.template_values(stage))
+                                         for stage in ("thinker", "talker"))
+        self.pipeline = InProcessPipeline(
+            config.checkpoint_dir, device=config.device, dtype=dtype, engine_config=thinker,
+            talker_engine_config=talker, load_format=config.load_format, seed=config.dummy_seed,
+            policy=ChunkPolicy(config.first_chunk_frames, config.next_chunk_frames, config.left_context_frames))
 
     def open_worker(self) -> SharedWorker:
         return SharedWorker(self.request)

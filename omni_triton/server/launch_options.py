@@ -1,0 +1,121 @@
+"""Launch options that ``omni-triton serve`` and ``omni-triton bench`` share: which weights (a checkpoint dir,
+or seeded random weights of a model config with no checkpoint on disk: ``--config NAME --load-format dummy``),
+the KV budget, and the engines' fast path.
+
+``--config`` takes a shipped config name (``qwen3_omni_30b_a3b``: Qwen3-Omni-30B-A3B's dimensions) or a dir
+with config.json; the stages then read a dummy checkpoint dir built from it once
+(``build_engines.dummy_checkpoint``: the config, a tokenizer with the config's token ids, a generation
+config; ``checkpoints/dummy/<name>``), and build their weights on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION, SERVED_GPU_PROCESSES,
+                                            THINKER_KV_SHARE, kv_budget, kv_tokens_setting)
+from omni_triton.server.repository import LOAD_FORMATS, LaunchConfig
+
+
+class LaunchOptionError(ValueError):
+    """Launch options that do not go together; the message names them."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    checkpoint_dir: Path
+    load_format: str = "safetensors"
+    seed: int = 0
+
+    @property
+    def random_weights(self) -> bool:
+        return self.load_format == "dummy"
+
+
+def add_model_source_arguments(group) -> None:
+    """--config, --load-format, --dummy-seed, --dummy-layers (the caller adds its own --checkpoint)."""
+    group.add_argument("--config", metavar="NAME_OR_DIR",
+                       help="serve seeded random weights of this model config, no checkpoint needed: a shipped "
+                            "config (qwen3_omni_30b_a3b = Qwen3-Omni-30B-A3B's dimensions) or a dir with "
+                            "config.json; implies --load-format dummy (default: none, serve --checkpoint)")
+    group.add_argument("--load-format", choices=LOAD_FORMATS,
+                       help="safetensors: the checkpoint's weights; dummy: seeded random weights built on the "
+                            "device from config.json (default: safetensors, dummy with --config)")
+    group.add_argument("--dummy-seed", type=int, default=0,
+                       help="seed of the dummy weights (default: %(default)s)")
+    group.add_argument("--dummy-layers", type=int, metavar="N",
+                       help="with --config: cut thinker and talker to at most N layers (full width), e.g. to fit "
+                            "a smaller GPU (default: the config's)")
+
+
+def add_memory_arguments(group) -> None:
+    """What sizes GPU memory beyond the weights: the KV budget, and the vocoder's activations (frames and chunks
+    per call)."""
+    thinker, talker = round(100 * THINKER_KV_SHARE), 100 - round(100 * THINKER_KV_SHARE)
+    group.add_argument("--kv-cache-tokens", type=kv_tokens_setting, default="auto",
+                       help="KV budget per engine in tokens, or auto: on cuda what fits the GPU memory free at "
+                            f"launch after weights and activations ({thinker}%% of the KV bytes to the thinker, "
+                            f"{talker}%% to the talker; printed at start), on cpu {CPU_KV_CACHE_TOKENS} "
+                            "(default: %(default)s)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
+                       help="with --kv-cache-tokens auto on cuda: the fraction of the GPU memory free at launch "
+                            "that weights, activations and KV caches may fill (default: %(default)s)")
+    group.add_argument("--left-context-frames", type=int,
+                       help="code2wav left context per chunk; fewer frames: less vocoder compute and memory, "
+                            "audio no longer equal to a one-pass decode (default: the vocoder's exact context)")
+    group.add_argument("--code2wav-max-batch", type=int, default=LaunchConfig.code2wav_max_batch,
+                       help="audio chunks decoded together in one vocoder call; its activations grow with it "
+                            "(default: %(default)s)")
+
+
+def add_engine_arguments(group) -> None:
+    group.add_argument("--fast-path", choices=["on", "off"], default="off",
+                       help="cuda: the engines' Triton kernels and GPU sampling; measured by "
+                            "benchmarks/engine_microbench.py, not yet verified served (default: %(default)s)")
+    group.add_argument("--cuda-graphs", choices=["on", "off"], default="off",
+                       help="cuda, with --fast-path on: decode steps as CUDA graphs (default: %(default)s)")
+
+
+def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path] | None = None) -> ModelSource:
+    """The weights ``args`` name (raises LaunchOptionError for options that do not go together); without
+    --checkpoint or --config, ``default_checkpoint()``."""
+    if args.config and args.checkpoint:
+        raise LaunchOptionError("give --checkpoint DIR or --config NAME_OR_DIR, not both")
+    load_format = args.load_format or ("dummy" if args.config else "safetensors")
+    if args.config and load_format != "dummy":
+        raise LaunchOptionError(f"--config serves random weights: --load-format {load_format} needs --checkpoint")
+    if args.dummy_layers is not None and not args.config:
+        raise LaunchOptionError("--dummy-layers cuts a --config (a shipped name or a dir with config.json)")
+    if args.dummy_layers is not None and args.dummy_layers < 1:
+        raise LaunchOptionError(f"--dummy-layers must be >= 1, got {args.dummy_layers}")
+    if args.config:
+        from build_engines.dummy_checkpoint import build
+
+        try:
+            checkpoint = build(args.config, layers=args.dummy_layers)
+        except FileNotFoundError as error:
+            raise LaunchOptionError(f"--config: {error}") from None
+    elif args.checkpoint is not None:
+        checkpoint = Path(args.checkpoint)
+    elif default_checkpoint is not None:
+        checkpoint = default_checkpoint()
+    else:
+        raise LaunchOptionError("give --checkpoint DIR or --config NAME_OR_DIR")
+    return ModelSource(checkpoint, load_format, args.dummy_seed)
+
+
+def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
+                   gpu_processes: int = SERVED_GPU_PROCESSES) -> tuple[LaunchConfig, str]:
+    """``config`` with the engines' KV tokens of ``--kv-cache-tokens`` ``setting`` (``memory_plan.kv_budget``:
+    raises DoesNotFit), and the note saying the budget. ``gpu_processes``: 1 for the in-process pipeline."""
+    budget = kv_budget(setting, device=config.device, checkpoint_dir=config.checkpoint_dir,
+                       dtype=config.resolved_dtype, utilization=utilization,
+                       max_inflight=config.max_inflight_requests, code2wav_batch=config.code2wav_max_batch,
+                       first_chunk_frames=config.first_chunk_frames, chunk_frames=config.next_chunk_frames,
+                       left_context_frames=config.left_context_frames, block_size=config.kv_block_size,
+                       gpu_processes=gpu_processes)
+    return replace(config, kv_cache_tokens=budget.thinker_tokens,
+                   talker_kv_cache_tokens=budget.talker_tokens), budget.note

@@ -1,0 +1,307 @@
+"""How many KV-cache tokens fit the GPU: ``--kv-cache-tokens auto``.
+
+Planned before tritonserver starts, so that every stage (preprocess too: it refuses requests the talker's cache
+cannot hold) gets the same fixed numbers, and a pipeline that cannot fit fails at once with a message instead
+of an out-of-memory error inside one stage while the others load in parallel. From the memory free on the GPU
+then, times ``utilization`` (headroom for fragmentation), go:
+
+- the weights of thinker (+ audio encoder), talker and code2wav: counted from config.json on the meta
+  device, exact;
+- the vocoder's activations for its largest call (``code2wav_max_batch`` chunks of left context + chunk
+  frames): ``CODE2WAV_LIVE_TENSORS`` tensors of its widest stage per frame. Measured 13 in fp32 on the CPU at
+  the released widths (9.1 MiB per frame, peak RSS); 16 leaves room;
+- ``GPU_PROCESS_BYTES`` per process on the GPU (CUDA context, kernels, cuBLAS workspace: tritonserver and
+  the thinker, talker, code2wav and orchestrator stubs) and ``ENGINE_STEP_BYTES`` per engine (one step's
+  activations, logits, sampler state): allowances, not measurements.
+
+What is left is KV cache: ``THINKER_KV_SHARE`` of the bytes the thinker's, the rest the talker's (at the
+released dimensions a thinker token takes 96 KiB and a talker token 20 KiB, so the talker gets about twice
+the thinker's tokens: spoken answers are longer in codec frames than in text tokens). Each engine is capped
+at ``max_inflight`` requests of its longest context. On the CPU the default stays ``CPU_KV_CACHE_TOKENS``, and
+a model whose weights exceed the host memory available (the full-size config in fp32: 129 GiB) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a footprint is measured: `omni-triton --help` stays quick
+    import torch
+
+GIB = 1 << 30
+CPU_KV_CACHE_TOKENS = 16384
+GPU_PROCESS_BYTES = 3 * GIB // 4
+ENGINE_STEP_BYTES = 3 * GIB // 2
+CODE2WAV_LIVE_TENSORS = 16
+THINKER_KV_SHARE = 0.7
+DEFAULT_UTILIZATION = 0.95
+MIN_KV_TOKENS = 4096  # per engine: below it the pipeline serves a few short requests at most
+TOKENS_PER_REQUEST_HINT = 1024  # what a --dummy-layers suggestion leaves room for, per --max-inflight request
+SERVED_GPU_PROCESSES = 5  # tritonserver + the thinker, talker, code2wav and orchestrator stubs
+
+
+class DoesNotFit(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What the model takes on the GPU, from its config.json: bytes of weights (per thinker/talker layer too,
+    for cutting layers), KV bytes per token, vocoder activation bytes per frame."""
+
+    thinker_bytes: int           # thinker + audio encoder
+    talker_bytes: int            # talker + code predictor
+    code2wav_bytes: int
+    thinker_layer_bytes: int
+    talker_layer_bytes: int
+    thinker_layers: int
+    talker_layers: int
+    thinker_kv_token_bytes: int
+    talker_kv_token_bytes: int
+    code2wav_frame_bytes: int    # activations per decoded frame and batch row
+    thinker_context: int         # max_position_embeddings
+    talker_context: int
+    exact_left_context_frames: int
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path, dtype: torch.dtype) -> "Footprint":
+        import torch
+
+        from omni_triton.models.audio_encoder import AudioEncoder
+        from omni_triton.models.code2wav import Code2Wav, exact_left_context_frames
+        from omni_triton.models.config import OmniConfig
+        from omni_triton.models.talker import Talker
+        from omni_triton.models.thinker import Thinker
+
+        config = OmniConfig.from_pretrained(checkpoint_dir)
+        element = torch.empty((), dtype=dtype).element_size()
+        with torch.device("meta"):
+            thinker, audio = Thinker(config.thinker), AudioEncoder(config.thinker.audio)
+            talker, code2wav = Talker(config.talker), Code2Wav(config.code2wav)
+        thinker_text, talker_text = config.thinker.text, config.talker.text
+        return cls(
+            thinker_bytes=(_numel(thinker) + _numel(audio)) * element, talker_bytes=_numel(talker) * element,
+            code2wav_bytes=_numel(code2wav) * element,
+            thinker_layer_bytes=_numel(thinker, "model.layers.") * element // thinker_text.num_layers,
+            talker_layer_bytes=_numel(talker, "model.layers.") * element // talker_text.num_layers,
+            thinker_layers=thinker_text.num_layers, talker_layers=talker_text.num_layers,
+            thinker_kv_token_bytes=_kv_token_bytes(thinker_text, dtype),
+            talker_kv_token_bytes=_kv_token_bytes(talker_text, dtype),
+            code2wav_frame_bytes=_code2wav_widest_per_frame(config.code2wav) * element * CODE2WAV_LIVE_TENSORS,
+            thinker_context=int(thinker_text.raw.get("max_position_embeddings", 32768)),
+            talker_context=int(talker_text.raw.get("max_position_embeddings", 32768)),
+            exact_left_context_frames=exact_left_context_frames(config.code2wav),
+        )
+
+    def with_layers(self, layers: int) -> "Footprint":
+        """The footprint with thinker and talker cut to at most ``layers`` layers (``--dummy-layers``)."""
+        thinker_layers, talker_layers = min(layers, self.thinker_layers), min(layers, self.talker_layers)
+        return replace(
+            self, thinker_layers=thinker_layers, talker_layers=talker_layers,
+            thinker_bytes=self.thinker_bytes - (self.thinker_layers - thinker_layers) * self.thinker_layer_bytes,
+            talker_bytes=self.talker_bytes - (self.talker_layers - talker_layers) * self.talker_layer_bytes,
+            thinker_kv_token_bytes=self.thinker_kv_token_bytes * thinker_layers // self.thinker_layers,
+            talker_kv_token_bytes=self.talker_kv_token_bytes * talker_layers // self.talker_layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.thinker_bytes + self.talker_bytes + self.code2wav_bytes
+
+
+def _numel(module: torch.nn.Module, prefix: str = "") -> int:
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return sum(t.numel() for name, t in tensors if name.startswith(prefix) and t.is_floating_point())
+
+
+def _kv_token_bytes(text, dtype: torch.dtype) -> int:
+    from omni_triton.engine.block_manager import kv_bytes_per_block
+
+    return kv_bytes_per_block(1, text.num_layers, text.num_kv_heads, text.head_dim, dtype)
+
+
+def _code2wav_widest_per_frame(config) -> int:
+    """Elements per codec frame of the vocoder's widest activation: a ConvNeXt block's 4x expansion after the
+    upsampling, or a decoder block's output (channels halve as the time axis grows by each rate)."""
+    time = math.prod(config.upsampling_ratios)
+    widest = 4 * config.hidden_size * time
+    channels = config.decoder_dim
+    for rate in config.upsample_rates:
+        channels, time = channels // 2, time * rate
+        widest = max(widest, channels * time)
+    return widest
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device_name: str
+    free_bytes: int
+    utilization: float
+    footprint: Footprint
+    reserved_bytes: int            # processes + engine steps + vocoder activations
+    code2wav_activation_bytes: int
+    thinker_tokens: int
+    talker_tokens: int
+
+    @property
+    def thinker_kv_bytes(self) -> int:
+        return self.thinker_tokens * self.footprint.thinker_kv_token_bytes
+
+    @property
+    def talker_kv_bytes(self) -> int:
+        return self.talker_tokens * self.footprint.talker_kv_token_bytes
+
+    def describe(self) -> str:
+        f = self.footprint
+        return (f"GPU memory ({self.device_name}): {_gib(self.free_bytes)} free at launch, "
+                f"{self.utilization:.0%} of it planned: weights {_gib(f.weight_bytes)} "
+                f"(thinker {f.thinker_layers} layers {_gib(f.thinker_bytes)}, "
+                f"talker {f.talker_layers} layers {_gib(f.talker_bytes)}, code2wav {_gib(f.code2wav_bytes)}), "
+                f"reserved {_gib(self.reserved_bytes)} (vocoder activations {_gib(self.code2wav_activation_bytes)}, "
+                f"CUDA contexts and engine steps)\n"
+                f"  KV cache: thinker {self.thinker_tokens} tokens = {_gib(self.thinker_kv_bytes)}, "
+                f"talker {self.talker_tokens} tokens = {_gib(self.talker_kv_bytes)}")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+def plan(footprint: Footprint, free_bytes: int, *, utilization: float = DEFAULT_UTILIZATION,
+         gpu_processes: int = SERVED_GPU_PROCESSES, max_inflight: int = 16, code2wav_batch: int = 8,
+         code2wav_frames: int | None = None, block_size: int = 16, device_name: str = "GPU",
+         layers_hint: bool = True) -> MemoryPlan:
+    """The KV budget of each engine on a GPU with ``free_bytes`` free (see the module doc). ``code2wav_frames``:
+    frames of the vocoder's largest call (default: exact left context + 25). Raises DoesNotFit, naming what to
+    change (and, with ``layers_hint``, the most layers that fit), when either engine would get fewer than
+    ``MIN_KV_TOKENS`` tokens."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    frames = code2wav_frames or footprint.exact_left_context_frames + 25
+    code2wav_activations = footprint.code2wav_frame_bytes * frames * code2wav_batch
+    reserved = gpu_processes * GPU_PROCESS_BYTES + 2 * ENGINE_STEP_BYTES + code2wav_activations
+    kv_bytes = int(free_bytes * utilization) - footprint.weight_bytes - reserved
+    thinker_bytes = int(max(kv_bytes, 0) * THINKER_KV_SHARE)
+    thinker_tokens = min(thinker_bytes // footprint.thinker_kv_token_bytes, max_inflight * footprint.thinker_context)
+    talker_tokens = min((max(kv_bytes, 0) - thinker_bytes) // footprint.talker_kv_token_bytes,
+                        max_inflight * footprint.talker_context)
+    result = MemoryPlan(device_name, free_bytes, utilization, footprint, reserved, code2wav_activations,
+                        thinker_tokens // block_size * block_size, talker_tokens // block_size * block_size)
+    if min(result.thinker_tokens, result.talker_tokens) >= MIN_KV_TOKENS:
+        return result
+    message = (f"the pipeline does not fit {device_name}: {_gib(free_bytes)} free, {utilization:.0%} of it planned, "
+               f"weights {_gib(footprint.weight_bytes)} + reserved {_gib(reserved)} (vocoder activations "
+               f"{_gib(code2wav_activations)} for {code2wav_batch} x {frames} frames) leave "
+               f"{_gib(max(kv_bytes, 0))} for the KV caches, under {MIN_KV_TOKENS} tokens per engine")
+    if layers_hint:
+        fitting = [n for n in range(footprint.thinker_layers - 1, 0, -1)
+                   if _fits(footprint.with_layers(n), free_bytes, utilization, gpu_processes, max_inflight,
+                            code2wav_batch, frames)]
+        if fitting:
+            message += (f"; random weights of {fitting[0]} layers fit (--config ... --dummy-layers {fitting[0]}), "
+                        f"with room for --max-inflight {max_inflight} requests of {TOKENS_PER_REQUEST_HINT} tokens")
+    raise DoesNotFit(message + "; or lower --left-context-frames / --code2wav-max-batch (vocoder activations), "
+                               "--max-inflight, or raise --gpu-memory-utilization")
+
+
+def _fits(footprint: Footprint, free_bytes: int, utilization: float, gpu_processes: int, max_inflight: int,
+          code2wav_batch: int, frames: int) -> bool:
+    try:
+        result = plan(footprint, free_bytes, utilization=utilization, gpu_processes=gpu_processes,
+                      max_inflight=max_inflight, code2wav_batch=code2wav_batch, code2wav_frames=frames,
+                      layers_hint=False)
+    except DoesNotFit:
+        return False
+    return result.thinker_tokens >= max_inflight * TOKENS_PER_REQUEST_HINT
+
+
+def free_gpu_memory() -> tuple[int, str]:
+    """(bytes free on the visible GPU with the least free, its name), read in a child process so that this one
+    holds no CUDA context while the server runs."""
+    probe = ("import json, torch\n"
+             "gpus = [(*torch.cuda.mem_get_info(i), torch.cuda.get_device_name(i)) "
+             "for i in range(torch.cuda.device_count())]\n"
+             "print(json.dumps(gpus))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    gpus = json.loads(result.stdout) if result.returncode == 0 and result.stdout.strip() else []
+    if not gpus:
+        raise DoesNotFit(f"cannot read the free GPU memory (no CUDA device visible to torch?): "
+                         f"{result.stderr.strip()[-500:]}; pass --kv-cache-tokens N")
+    free, total, name = min(gpus)
+    return int(free), f"{name}, {total / GIB:.0f} GiB"
+
+
+def host_memory_available() -> int | None:
+    try:
+        line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    thinker_tokens: int
+    talker_tokens: int
+    note: str  # what the launch prints: the budget and where it came from
+
+
+def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dtype: str, utilization: float,
+              max_inflight: int, code2wav_batch: int, first_chunk_frames: int, chunk_frames: int,
+              left_context_frames: int | None, block_size: int = 16,
+              gpu_processes: int = SERVED_GPU_PROCESSES) -> KvBudget:
+    """The engines' KV tokens for ``--kv-cache-tokens`` ``setting`` (``auto`` or a number). On cuda ``auto`` is
+    ``plan`` over the memory free now (raises DoesNotFit); a number is taken as it is, with its size and, where
+    it exceeds the plan, a warning in the note."""
+    import torch
+
+    footprint = Footprint.from_checkpoint(checkpoint_dir, getattr(torch, dtype))
+    if device != "cuda":
+        available = host_memory_available()
+        if available is not None and footprint.weight_bytes > available:
+            raise DoesNotFit(f"the weights take {_gib(footprint.weight_bytes)} in {dtype}, more than the "
+                             f"{_gib(available)} of host memory available: serve this model with --device cuda")
+        tokens = CPU_KV_CACHE_TOKENS if setting == "auto" else int(setting)
+        return KvBudget(tokens, tokens, f"KV cache: {tokens} tokens per engine")
+    from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+
+    frames = ChunkPolicy(first_chunk_frames, chunk_frames, left_context_frames).resolved(
+        footprint.exact_left_context_frames).max_frames_per_call()
+    free_bytes, device_name = free_gpu_memory()
+    arguments = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,
+                     code2wav_batch=code2wav_batch, code2wav_frames=frames, block_size=block_size,
+                     device_name=device_name)
+    if setting == "auto":
+        fitted = plan(footprint, free_bytes, **arguments)
+        return KvBudget(fitted.thinker_tokens, fitted.talker_tokens, "--kv-cache-tokens auto: " + fitted.describe())
+    tokens = int(setting)
+    note = (f"KV cache (--kv-cache-tokens {tokens}): thinker {_gib(tokens * footprint.thinker_kv_token_bytes)}, "
+            f"talker {_gib(tokens * footprint.talker_kv_token_bytes)}")
+    try:
+        fitted = plan(footprint, free_bytes, layers_hint=False, **arguments)
+    except DoesNotFit as error:
+        return KvBudget(tokens, tokens, f"{note}\n  warning: {error}")
+    if tokens > min(fitted.thinker_tokens, fitted.talker_tokens):
+        note += (f"\n  warning: more than fits {device_name} by the plan of --kv-cache-tokens auto "
+                 f"(thinker {fitted.thinker_tokens}, talker {fitted.talker_tokens} tokens): expect out-of-memory")
+    return KvBudget(tokens, tokens, note)
+
+
+def kv_tokens_setting(text: str) -> int | str:
+    """argparse type of ``--kv-cache-tokens``: ``auto`` or a number of tokens >= 1."""
+    if text == "auto":
+        return text
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens >= 1, got {text!r}")
+    return tokens
