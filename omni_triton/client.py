@@ -5,8 +5,8 @@ delta), TTFA (request sent -> first non-empty audio chunk) and RTF (generation w
 
 A failed request raises ``StreamError``: its ``code`` names the cause as Triton's error codes do (INVALID_ARG,
 UNAVAILABLE, CANCELLED, INTERNAL, ...; DEADLINE_EXCEEDED for a deadline), and its ``result`` holds what
-arrived before the error. Streams carry the ``triton_grpc_error`` header, with which the server ends a
-stream with the error's gRPC status: without it a streamed error carries a message only.
+arrived before the error. A streamed error carries a message only; the pipeline names its code in it
+(``omni_triton.error_tags``).
 
     python client/stream_client.py "Tell me a story" --out out.wav
 """
@@ -29,11 +29,14 @@ from typing import Callable
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from omni_triton.error_tags import code_of
+
 OUTPUT_SAMPLE_RATE = 24000
 INPUT_SAMPLE_RATE = 16000
-# With this stream header the server ends a stream on an error with the error's gRPC status code (Triton 2.51
-# and later); the stream cannot be used after that, so the client opens a new one for the next request.
-GRPC_ERROR_HEADERS = {"triton_grpc_error": "true"}
+# Streams do not carry the ``triton_grpc_error`` header (the server would end a stream on an error with the
+# error's gRPC status): tritonserver 2.51's gRPC frontend segfaults within a few dozen streams ended that way.
+# A streamed error then carries its message only, in which the pipeline names its code (``error_tags``).
+GRPC_ERROR_HEADERS: dict[str, str] = {}
 # gRPC status -> the Triton error code that the server answers with it (TRITONSERVER_Error_Code names).
 # DEADLINE_EXCEEDED has no Triton code: it comes from gRPC's own deadline (``deadline_s``) or from the client.
 TRITON_ERROR_CODES = {"INVALID_ARGUMENT": "INVALID_ARG", "UNIMPLEMENTED": "UNSUPPORTED"}
@@ -73,10 +76,11 @@ class StreamResult:
 
 
 def error_code(error: Exception) -> str:
-    """The Triton error code of a failed request (``UNKNOWN`` when the error carries no status)."""
+    """The Triton error code of a failed request: its gRPC status, else the code its message names
+    (``error_tags``), else ``UNKNOWN``."""
     status = error.status() if isinstance(error, InferenceServerException) else None
     if status is None:
-        return "UNKNOWN"
+        return code_of(error.message() if isinstance(error, InferenceServerException) else str(error)) or "UNKNOWN"
     name = str(status).removeprefix("StatusCode.")
     return TRITON_ERROR_CODES.get(name, name)
 
@@ -135,6 +139,7 @@ class OmniStreamClient:
         self.client = grpcclient.InferenceServerClient(url)
         self._responses: queue.Queue = queue.Queue()
         self._stream_open = False
+        self._awaiting = False  # a request was sent on the open stream and has not ended yet
         self._request_id: str | None = None  # the request in flight, for cancel()
         self._open_stream()
 
@@ -172,6 +177,7 @@ class OmniStreamClient:
                 deadline_s: float | None) -> StreamResult:
         request_id = self._request_id = uuid.uuid4().hex
         start = time.perf_counter()
+        self._awaiting = True
         try:
             self.client.async_stream_infer(self.model, inputs, request_id=request_id,
                                            enable_empty_final_response=True,
@@ -196,6 +202,7 @@ class OmniStreamClient:
                                                status="StatusCode.DEADLINE_EXCEEDED") from None
             now = time.perf_counter() - start
             if error is not None:
+                self._awaiting = False  # the server ended the stream with this error
                 result.total_s = now
                 if deadline_s is not None and error.status() == "StatusCode.DEADLINE_EXCEEDED":
                     raise InferenceServerException(f"deadline_s {deadline_s:g} s exceeded ({error.message()})",
@@ -216,6 +223,7 @@ class OmniStreamClient:
                 if on_audio:
                     on_audio(chunk)
             if response.get_response().parameters["triton_final_response"].bool_param:
+                self._awaiting = False
                 result.total_s = now
                 return result
 
@@ -239,11 +247,16 @@ class OmniStreamClient:
         self._stream_open = True
 
     def _close_stream(self) -> None:
-        # cancel_requests: a plain stop_stream() waits for every response, forever when a request never ends
-        # (e.g. after stream() gave up waiting); after a FINAL response there is nothing to cancel
+        # Cancel only a stream whose request may still answer: a plain stop_stream() waits for every response,
+        # forever when a request never ends (e.g. after stream() gave up waiting). A stream that is done (FINAL
+        # received, or ended by the server with an error) is closed without a cancel: cancelling a finished
+        # stream races with its completion in tritonserver 2.51's gRPC frontend, which then segfaulted in
+        # ModelStreamInferHandler::Process (about once in a few hundred streams; fixed upstream by
+        # triton-inference-server/server#7840, in 24.12 and later).
         if self._stream_open:
             self._stream_open = False
-            self.client.stop_stream(cancel_requests=True)
+            self.client.stop_stream(cancel_requests=self._awaiting)
+            self._awaiting = False
 
     def __enter__(self) -> "OmniStreamClient":
         return self

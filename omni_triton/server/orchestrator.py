@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from omni_triton.error_tags import triton_error
 from omni_triton.models.code2wav import Code2WavConfig, exact_left_context_frames
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
@@ -90,7 +91,7 @@ class Orchestrator:
         if down is not None or not self._slots.acquire(blocking=False):
             message = down or (f"server busy: {self._max_inflight} requests in flight (max_inflight_requests); "
                                "retry later")
-            error = self._pb.TritonError(message, self._pb.TritonError.UNAVAILABLE)
+            error = triton_error(self._pb, "UNAVAILABLE", message)
             sender.send(self._pb.InferenceResponse(error=error),
                         flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -102,7 +103,7 @@ class Orchestrator:
             deadline = _deadline(request)
         except ValueError as exc:
             self._slots.release()
-            error = self._pb.TritonError(str(exc), self._pb.TritonError.INVALID_ARG)
+            error = triton_error(self._pb, "INVALID_ARG", str(exc))
             sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         cancelled = threading.Event()
@@ -115,7 +116,7 @@ class Orchestrator:
     def _control(self, client_id: str, word: bytes, sender: Any) -> None:
         pb = self._pb
         if word != b"cancel":
-            error = pb.TritonError(f"CONTROL must be 'cancel', got {word!r}", pb.TritonError.INVALID_ARG)
+            error = triton_error(pb, "INVALID_ARG", f"CONTROL must be 'cancel', got {word!r}")
             sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         with self._lock:
@@ -167,16 +168,16 @@ class Orchestrator:
             error = None
         except Cancelled:
             reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
-            error = pb.TritonError(reason, pb.TritonError.CANCELLED)
+            error = triton_error(pb, "CANCELLED", reason)
         except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
             # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
             failure = str(exc) if isinstance(exc, StageFailed) else self._stages.failure(generations)
             if failure is not None:
                 logger.warning("request %s: %s", request_id, failure)
-                error = pb.TritonError(failure, pb.TritonError.UNAVAILABLE)
+                error = triton_error(pb, "UNAVAILABLE", failure)
             else:
                 logger.exception("request %s failed", request_id)
-                error = pb.TritonError(f"{type(exc).__name__}: {exc}", pb.TritonError.INTERNAL)
+                error = triton_error(pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
                 del self._active[request_id]

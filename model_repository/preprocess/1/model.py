@@ -2,6 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
+from omni_triton.error_tags import triton_error
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
@@ -49,5 +50,5 @@ class TritonPythonModel:
                 self.rejected_by_field[error.field] = self.rejected.Metric({"input": error.field})
             self.rejected_by_field[error.field].increment(1)
             return pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+                error=triton_error(pb_utils, "INVALID_ARG", str(error)))
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])
