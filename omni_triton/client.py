@@ -249,10 +249,9 @@ class OmniStreamClient:
     def _close_stream(self) -> None:
         # Cancel only a stream whose request may still answer: a plain stop_stream() waits for every response,
         # forever when a request never ends (e.g. after stream() gave up waiting). A stream that is done (FINAL
-        # received, or ended by the server with an error) is closed without a cancel: cancelling a finished
-        # stream races with its completion in tritonserver 2.51's gRPC frontend, which then segfaulted in
-        # ModelStreamInferHandler::Process (about once in a few hundred streams; fixed upstream by
-        # triton-inference-server/server#7840, in 24.12 and later).
+        # received, or ended with an error) has nothing to cancel and is closed plainly. (Not the same as
+        # ``_request_id``: cancel() closes the stream, which ends the gathering, before it sends the control
+        # cancel by id.)
         if self._stream_open:
             self._stream_open = False
             self.client.stop_stream(cancel_requests=self._awaiting)
