@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from omni_triton import trace
 from omni_triton.error_tags import code_of
 
 OUTPUT_SAMPLE_RATE = 24000
@@ -178,6 +179,7 @@ class OmniStreamClient:
         request_id = self._request_id = uuid.uuid4().hex
         start = time.perf_counter()
         self._awaiting = True
+        trace.event(request_id, "client.sent")
         try:
             self.client.async_stream_infer(self.model, inputs, request_id=request_id,
                                            enable_empty_final_response=True,
@@ -211,12 +213,16 @@ class OmniStreamClient:
             result.responses += 1
             delta = _text_delta(response)
             if delta:
+                if result.ttft_s is None:
+                    trace.event(request_id, "client.first_text")
                 result.ttft_s = now if result.ttft_s is None else result.ttft_s
                 result.text += delta
                 if on_text:
                     on_text(delta)
             audio = response.as_numpy("AUDIO")
             if audio is not None and audio.size:
+                if result.ttfa_s is None:
+                    trace.event(request_id, "client.first_audio")
                 result.ttfa_s = now if result.ttfa_s is None else result.ttfa_s
                 chunk = audio.reshape(-1).astype(np.float32)
                 result.audio_chunks.append(chunk)

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from omni_triton import trace
 from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
 from omni_triton.engine.runner import ModelRunner
 from omni_triton.engine.sampling import SamplingParams
@@ -75,6 +76,7 @@ class LLMEngine:
                                   kv_dtype=config.kv_dtype, fast_path=config.fast_path,
                                   max_num_seqs=config.max_num_seqs, cuda_graphs=config.cuda_graphs)
         self.requests: dict[str, Sequence] = {}
+        self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
 
     # -- client API -----------------------------------------------------------------------------------------
@@ -100,6 +102,7 @@ class LLMEngine:
         self.stage.init_sequence(seq, **stage_inputs)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        trace.event(request_id, f"{self.name}.added")
 
     def append(self, request_id: str, **inputs) -> None:
         """More input for a running request (talker: ``trailing_text_embeds`` [n, H], ``finished``)."""
@@ -139,6 +142,10 @@ class LLMEngine:
         self.last_step_size = len(batch)
         if not batch:
             return []
+        if trace.enabled():
+            for seq in batch.seqs:
+                if seq.num_computed_tokens == 0:
+                    trace.event(seq.request_id, f"{self.name}.prefill_start")
         result = self.runner.run(batch)
         outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in batch.seqs}
         for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
@@ -155,6 +162,8 @@ class LLMEngine:
             token_ids = result.sampled_token_ids.tolist()  # the step's one device -> host copy
             for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
                 seq.append_output(token_id)
+                if seq.num_generated == 1:
+                    trace.event(seq.request_id, f"{self.name}.first_token")
                 outputs[seq.request_id].new_token_ids.append(token_id)
                 reason = seq.check_stop(token_id)
                 if reason is None:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 
+from omni_triton import trace
 from omni_triton.pipeline.code2wav_stream import Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 
@@ -94,8 +95,13 @@ class Session:
             if audio_worker is not None:
                 audio_worker.raise_error()  # a failed audio path ends the request now, not when text ends
 
+        trace.event(self.request_id, "session.start")
+        first_chunk = True
         try:
             for chunk in self._stream("thinker", self.clients.thinker(self.request_id), check):
+                if first_chunk:
+                    trace.event(self.request_id, "session.thinker_first_chunk", tokens=len(chunk.token_ids))
+                    first_chunk = False
                 delta = self.detokenizer.push(chunk.token_ids)
                 if chunk.finished:
                     delta += self.detokenizer.flush()
@@ -104,10 +110,11 @@ class Session:
                 if not self.params.return_audio:
                     continue
                 if audio_worker is None:
+                    trace.event(self.request_id, "session.talker_start")
                     frames = self.clients.talker_start(self.request_id, chunk)
                     stopped = threading.Event()
                     audio_worker = _AudioWorker(self._stream("talker", frames, until=stopped), self.clients,
-                                                self.audio_stream_factory(), emit, stopped)
+                                                self.audio_stream_factory(), emit, stopped, self.request_id)
                 else:
                     self.clients.talker_append(self.request_id, chunk)
             if audio_worker is not None:
@@ -197,7 +204,7 @@ class _AudioWorker:
     """
 
     def __init__(self, frames: Iterator[torch.Tensor], clients: StageClients, stream: Code2WavStream, emit: Emit,
-                 stopped: threading.Event):
+                 stopped: threading.Event, request_id: str = ""):
         self._frames = frames  # Session._stream: it raises on a cancel, the deadline or a dead talker
         self._clients = clients
         self._stream = stream
@@ -205,12 +212,15 @@ class _AudioWorker:
         self._error: BaseException | None = None
         self._stopped = stopped  # ``frames`` ends once it is set
         self._done = threading.Event()
+        self._request_id = request_id  # for trace events only
+        self._traced: set[str] = set()  # trace events cover the way to the first audio, once each
         self._thread = threading.Thread(target=self._run, name="talker-frames", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             for frames in self._frames:  # ends early once stopped
+                self._trace_once("session.talker_first_frames")
                 self._stream.append(frames)
                 self._decode_due(final=False)
             if not self._stopped.is_set():
@@ -222,11 +232,18 @@ class _AudioWorker:
 
     def _decode_due(self, final: bool) -> None:
         while (job := self._stream.next_job(final=final)) is not None:
+            self._trace_once("session.code2wav_first_call")
             audio = self._clients.code2wav(job.codes, job.context_frames)
             if self._stopped.is_set():
                 return  # the session ended while this call was blocked (a code2wav that died): say nothing
             if audio.numel():
+                self._trace_once("session.code2wav_first_audio")
                 self._emit("", audio)
+
+    def _trace_once(self, name: str) -> None:
+        if trace.enabled() and name not in self._traced:
+            self._traced.add(name)
+            trace.event(self._request_id, name)
 
     def raise_error(self) -> None:
         if self._error is not None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from omni_triton import trace
 from omni_triton.error_tags import triton_error
 from omni_triton.models.code2wav import Code2WavConfig, exact_left_context_frames
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
@@ -111,6 +112,7 @@ class Orchestrator:
         with self._lock:
             self._cancel_events.setdefault(client_id, set()).add(cancelled)
         request_id = self._request_id(request)
+        trace.event(request_id, "orchestrator.received")
         self._pool.submit(self._run, request, sender, inputs, request_id, client_id, cancelled, deadline)
 
     def _control(self, client_id: str, word: bytes, sender: Any) -> None:

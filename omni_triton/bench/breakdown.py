@@ -1,0 +1,87 @@
+"""Where a request's time to first audio goes, from its trace events (``omni_triton.trace``). Pure functions.
+
+A request's milestones, in the order they happen, and the segment that ends at each (the time from the
+milestone before it). The served pipeline has every milestone; the in-process pipeline starts at
+``session.start`` and has no client, orchestrator or gRPC hops. Segments whose end or start milestone is
+missing are left out, so the segments present always add up to the span from the first to the last
+milestone present: with ``client.sent`` and ``client.first_audio``, that is the client's TTFA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# (milestone, the segment that ends there)
+MILESTONES = (
+    ("client.sent", None),
+    ("orchestrator.received", "gRPC in, ensemble, preprocess"),
+    ("session.start", "orchestrator admission"),
+    ("thinker.added", "BLS request to the thinker"),
+    ("thinker.prefill_start", "thinker queueing"),
+    ("thinker.first_token", "thinker prefill + first token"),
+    ("session.thinker_first_chunk", "first thinker chunk to the orchestrator"),
+    ("session.talker_start", "text out, talker request made"),
+    ("talker.added", "talker request to the talker"),
+    ("talker.prefill_start", "talker queueing"),
+    ("talker.first_token", "talker prefill + first frame"),
+    ("session.talker_first_frames", "first frame to the orchestrator"),
+    ("session.code2wav_first_call", "until the first chunk's frames"),
+    ("session.code2wav_first_audio", "code2wav first chunk"),
+    ("client.first_audio", "audio to host, response out"),
+)
+SEGMENTS = tuple(segment for _, segment in MILESTONES if segment is not None)
+
+
+def request_segments(events: dict[str, float]) -> dict[str, float]:
+    """One request's ``{event: time}`` -> ``{segment: seconds}`` between consecutive milestones present."""
+    segments: dict[str, float] = {}
+    previous: float | None = None
+    for milestone, segment in MILESTONES:
+        t = events.get(milestone)
+        if t is None:
+            continue
+        if previous is not None and segment is not None:
+            segments[segment] = t - previous
+        previous = t
+    return segments
+
+
+def join_client_ids(events: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Merge each orchestrator request (``<client id>#<n>``) into its client's events, keyed by client id;
+    ids without a client (the in-process pipeline's) stay as they are."""
+    joined: dict[str, dict[str, float]] = {}
+    for request_id, per_request in events.items():
+        client_id = request_id.split("#", 1)[0]
+        joined.setdefault(client_id, {}).update(per_request)
+    return joined
+
+
+def summarize(requests: list[dict[str, float]]) -> dict:
+    """Median and p95 of each segment over requests (milliseconds), and the median first-to-last span."""
+    per_request = [request_segments(events) for events in requests]
+    per_request = [segments for segments in per_request if segments]
+    table = {}
+    for segment in SEGMENTS:
+        values = [segments[segment] * 1e3 for segments in per_request if segment in segments]
+        if values:
+            table[segment] = {"p50_ms": float(np.percentile(values, 50)), "p95_ms": float(np.percentile(values, 95))}
+    spans = [sum(segments.values()) * 1e3 for segments in per_request]
+    return {"requests": len(per_request), "segments": table,
+            "total_p50_ms": float(np.percentile(spans, 50)) if spans else None}
+
+
+def markdown(rows: list[dict]) -> str:
+    """``rows``: ``{"system", "concurrency", **summarize(...)}`` -> one table, a column per system and level."""
+    if not rows:
+        return ""
+    header = [f"{row['system']} c{row['concurrency']}" for row in rows]
+    lines = ["| segment (p50 ms) | " + " | ".join(header) + " |", "|---|" + "---:|" * len(rows)]
+    for segment in SEGMENTS:
+        cells = [row["segments"].get(segment, {}).get("p50_ms") for row in rows]
+        if any(cell is not None for cell in cells):
+            lines.append(f"| {segment} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+    lines.append("| **sum (first to last milestone)** | "
+                 + " | ".join("" if row["total_p50_ms"] is None else f"**{row['total_p50_ms']:.1f}**" for row in rows)
+                 + " |")
+    lines.append("| requests | " + " | ".join(str(row["requests"]) for row in rows) + " |")
+    return "\n".join(lines) + "\n"

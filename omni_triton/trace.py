@@ -1,0 +1,80 @@
+"""Per-request event times for latency breakdowns: off unless ``OMNI_TRITON_TRACE_DIR`` names a directory.
+
+Every process of a deployment (each Triton stage's stub, the client, or one in-process pipeline) appends
+JSON lines to ``<dir>/<pid>.jsonl``: ``{"id": request id, "event": name, "t": CLOCK_MONOTONIC seconds,
+"pid": ...}``. CLOCK_MONOTONIC is one clock for every process of a machine, so events from different
+stages of one request can be subtracted (``benchmarks/ttfa_breakdown.py`` does). Callers record only a
+request's milestones up to its first audio (a few lines per request), so tracing does not change what it
+measures; off, ``event`` costs one attribute test.
+
+Event names are ``<where>.<what>``; the ids are the orchestrator's request ids (``<client id>#<n>``),
+which the stages key their state on too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+TRACE_DIR_ENV = "OMNI_TRITON_TRACE_DIR"
+
+
+class _TraceLog:
+    def __init__(self, directory: str | None):
+        self.enabled = bool(directory)
+        self._directory = Path(directory) if directory else None
+        self._lock = threading.Lock()
+        self._file = None
+
+    def event(self, request_id: str, name: str, **fields) -> None:
+        if not self.enabled:
+            return
+        t = time.monotonic()
+        line = json.dumps({"id": request_id, "event": name, "t": t, "pid": os.getpid(), **fields})
+        with self._lock:
+            if self._file is None:  # opened lazily: after Triton forked the stub, in the stub's own pid
+                self._directory.mkdir(parents=True, exist_ok=True)
+                self._file = open(self._directory / f"{os.getpid()}.jsonl", "a", buffering=1)
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+_log = _TraceLog(os.environ.get(TRACE_DIR_ENV))
+
+
+def configure(directory: str | Path | None) -> None:
+    """Trace this process into ``directory`` from now on (None: stop). Processes started later inherit the
+    environment, not this: set ``TRACE_DIR_ENV`` for them."""
+    global _log
+    old, _log = _log, _TraceLog(str(directory) if directory else None)
+    old.close()
+
+
+def enabled() -> bool:
+    return _log.enabled
+
+
+def event(request_id: str, name: str, **fields) -> None:
+    """Record ``name`` for ``request_id`` now (no-op when tracing is off)."""
+    _log.event(request_id, name, **fields)
+
+
+def read_events(directory: str | Path) -> dict[str, dict[str, float]]:
+    """``{request id: {event: earliest time}}`` from every process's file in ``directory``."""
+    events: dict[str, dict[str, float]] = {}
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            per_request = events.setdefault(record["id"], {})
+            per_request[record["event"]] = min(record["t"], per_request.get(record["event"], record["t"]))
+    return events

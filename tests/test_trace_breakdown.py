@@ -1,0 +1,117 @@
+"""Request traces (omni_triton.trace) and the TTFA breakdown built from them (omni_triton.bench.breakdown):
+the pure joins and sums, then a real in-process pipeline and a real tritonserver writing the traces."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_triton import trace
+from omni_triton.bench import breakdown
+from omni_triton.bench.breakdown import MILESTONES, SEGMENTS, join_client_ids, request_segments
+
+REQUEST = dict(max_tokens=6, min_tokens=6, ignore_eos=True, max_audio_frames=8, min_audio_frames=8,
+               temperature=0.0, seed=3)
+
+
+@pytest.fixture
+def traced(tmp_path):
+    trace.configure(tmp_path / "trace")
+    yield tmp_path / "trace"
+    trace.configure(None)
+
+
+def test_events_are_written_per_process_and_read_back_earliest_first(traced):
+    trace.event("a#1", "session.start")
+    trace.event("a#1", "session.start")  # a repeat (e.g. after a preemption) keeps the first time
+    trace.event("b", "thinker.added", tokens=3)
+    events = trace.read_events(traced)
+    assert set(events) == {"a#1", "b"}
+    assert list(events["b"]) == ["thinker.added"]
+    lines = [line for path in traced.glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert len(lines) == 3
+    assert events["a#1"]["session.start"] == min(float(line.split('"t": ')[1].split(",")[0])
+                                                 for line in lines if '"a#1"' in line)
+
+
+def test_tracing_off_writes_nothing(tmp_path):
+    trace.configure(None)
+    trace.event("x", "session.start")
+    assert not trace.enabled()
+    assert not list(tmp_path.rglob("*.jsonl"))
+
+
+def test_segments_add_up_to_the_span_and_skip_missing_milestones():
+    times = {name: float(i) ** 1.5 for i, (name, _) in enumerate(MILESTONES)}
+    segments = request_segments(times)
+    assert list(segments) == list(SEGMENTS)
+    assert sum(segments.values()) == pytest.approx(times["client.first_audio"] - times["client.sent"])
+    del times["talker.added"]  # its two segments become one, named after the later milestone
+    segments = request_segments(times)
+    assert "talker request to the talker" not in segments
+    assert segments["talker queueing"] == pytest.approx(times["talker.prefill_start"] - times["session.talker_start"])
+    assert sum(segments.values()) == pytest.approx(times["client.first_audio"] - times["client.sent"])
+
+
+def test_orchestrator_ids_join_their_client():
+    joined = join_client_ids({"abc": {"client.sent": 1.0}, "abc#7": {"session.start": 2.0},
+                              "inprocess-1": {"session.start": 3.0}})
+    assert joined == {"abc": {"client.sent": 1.0, "session.start": 2.0}, "inprocess-1": {"session.start": 3.0}}
+
+
+def test_summary_table_has_a_column_per_level():
+    times = {name: i * 0.01 for i, (name, _) in enumerate(MILESTONES)}
+    rows = [{"system": "server", "concurrency": c, **breakdown.summarize([times, times])} for c in (1, 32)]
+    table = breakdown.markdown(rows)
+    assert "| segment (p50 ms) | server c1 | server c32 |" in table
+    assert "| code2wav first chunk | 10.0 | 10.0 |" in table
+    assert rows[0]["total_p50_ms"] == pytest.approx(10.0 * len(SEGMENTS))
+
+
+def _assert_ordered_and_complete(events: dict[str, float], first: str, last: str):
+    names = [name for name, _ in MILESTONES]
+    expected = names[names.index(first):names.index(last) + 1]
+    assert [name for name in names if name in events] == expected
+    times = [events[name] for name in expected]
+    # The milestones happen in this order (a request's talker can only start after its first thinker chunk...)
+    assert times == sorted(times), dict(zip(expected, times))
+
+
+def test_inprocess_pipeline_records_every_milestone_in_order(tiny_checkpoint, traced):
+    from omni_triton.bench.workload import Workload, client_tensors
+    from omni_triton.pipeline.inprocess import InProcessPipeline
+
+    workload = Workload(prompt_tokens=4, thinker_tokens=REQUEST["max_tokens"], audio_frames=REQUEST["max_audio_frames"])
+    pipeline = InProcessPipeline(tiny_checkpoint)
+    try:
+        _, audio = pipeline.generate(client_tensors(workload, "hello there"))
+    finally:
+        pipeline.close()
+    assert audio.size
+    (events,) = trace.read_events(traced).values()
+    _assert_ordered_and_complete(events, "session.start", "session.code2wav_first_audio")
+
+
+@pytest.mark.server
+def test_served_request_records_every_milestone_from_client_to_client(tiny_checkpoint, tmp_path, monkeypatch):
+    from server_fixture import start_server
+
+    from omni_triton.client import OmniStreamClient
+    from omni_triton.server.repository import LaunchConfig
+
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path / "server-trace"))  # the stubs inherit it
+    handle = start_server(LaunchConfig(checkpoint_dir=tiny_checkpoint), tmp_path / "run")
+    trace.configure(tmp_path / "client-trace")
+    try:
+        with OmniStreamClient(handle.grpc_url) as client:
+            result = client.stream("hello there", **REQUEST)
+    finally:
+        trace.configure(None)
+        handle.server.stop()
+    assert result.ttfa_s is not None
+    events = join_client_ids({**trace.read_events(tmp_path / "server-trace"),
+                              **trace.read_events(tmp_path / "client-trace")})
+    (request,) = events.values()
+    _assert_ordered_and_complete(request, "client.sent", "client.first_audio")
+    segments = request_segments(request)
+    # the segments are the client's TTFA, cut where the stages saw the request
+    assert sum(segments.values()) == pytest.approx(result.ttfa_s, abs=5e-3)
