@@ -55,7 +55,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="codec frames in a stream's first audio chunk: few, for an early first audio "
                              "(12.5 frames per second; default: %(default)s)")
     launch.add_argument("--next-chunk-frames", type=int, default=defaults.next_chunk_frames,
-                        help="codec frames in each later audio chunk (default: %(default)s)")
+                        help="most codec frames in a later audio chunk; chunks ramp up to it, each at most twice the "
+                             "audio already out (default: %(default)s)")
     add_memory_arguments(launch)
     launch.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
                         help="tokens per engine step, decode + chunked prefill (default: %(default)s)")

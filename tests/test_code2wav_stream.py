@@ -73,7 +73,11 @@ def test_streaming_equals_one_pass(checkpoint, model, first, chunk):
     # same total length as one pass: N * spf - trim (the first chunk lacks the trim, later ones are N_i * spf)
     assert sum(c.numel() for c in chunks) == reference.numel() == model.output_length(frames.shape[0])
     assert chunks[0].numel() == first * model.samples_per_frame - model.trim_samples
-    assert all(c.numel() == model.samples_per_frame * n for c, n in zip(chunks[1:-1], [chunk] * len(chunks)))
+    policy, decoded, sizes = ChunkPolicy(first, chunk), first, []
+    for _ in chunks[1:-1]:
+        sizes.append(policy.chunk_size(decoded))
+        decoded += sizes[-1]
+    assert [c.numel() for c in chunks[1:-1]] == [model.samples_per_frame * n for n in sizes]
     assert max(chunk_errors(chunks, reference)) <= 1e-4
 
 
@@ -114,6 +118,18 @@ def test_batched_streams_equal_per_stream_decode(model):
     for together, alone in zip(batched, single):
         assert together.shape == alone.shape
         assert (together - alone).abs().max().item() <= 1e-4  # fp32 rounding of a different batch shape
+
+
+def test_chunks_ramp_up_to_the_chunk_size():
+    policy = ChunkPolicy(first_chunk_frames=4, chunk_frames=25, left_context_frames=10)
+    stream = Code2WavStream(policy, num_quantizers=1)
+    stream.append(torch.zeros(60, 1, dtype=torch.long))
+    sizes = []
+    while (job := stream.next_job(final=True)) is not None:
+        sizes.append(job.new_frames)
+    # each chunk at most twice the audio before it: made while that audio plays, it arrives in time
+    assert sizes == [4, 8, 24, 24]
+    assert [policy.chunk_size(n) for n in (0, 4, 12, 36, 1000)] == [4, 8, 24, 25, 25]
 
 
 def test_stream_chunking_and_buffer_trimming():

@@ -40,7 +40,10 @@ import torch
 @dataclass(frozen=True)
 class ChunkPolicy:
     first_chunk_frames: int = 4  # small first chunk: time-to-first-audio (4 frames = 320 ms of audio)
-    chunk_frames: int = 25  # later chunks: 2 s of audio per Code2Wav call
+    # Later chunks: up to 2 s of audio per Code2Wav call. They ramp up to it (``chunk_size``): a 25-frame
+    # second chunk had to be generated and decoded while the first one's 320 ms played, and at full size on
+    # an H200 it missed that by a few ms at concurrency 1 (every stream underran once).
+    chunk_frames: int = 25
     left_context_frames: int | None = None  # None: exact_left_context_frames of the model
 
     def __post_init__(self):
@@ -55,6 +58,14 @@ class ChunkPolicy:
         if self.left_context_frames is not None:
             return self
         return ChunkPolicy(self.first_chunk_frames, self.chunk_frames, exact_left_context)
+
+    def chunk_size(self, decoded_frames: int) -> int:
+        """New frames in the chunk after ``decoded_frames``: the first chunk, then at most twice the audio
+        already out (4, 8, 24, 25, ... with the defaults), so each chunk takes about as long to make as half
+        the audio before it lasts, up to ``chunk_frames``."""
+        if decoded_frames == 0:
+            return self.first_chunk_frames
+        return min(self.chunk_frames, 2 * decoded_frames)
 
     def max_frames_per_call(self) -> int:
         """Largest ``context + new`` frame count a decode call sees (engine profile maximum)."""
@@ -112,7 +123,7 @@ class Code2WavStream:
     def next_job(self, final: bool = False) -> ChunkJob | None:
         """The next chunk if a full one is pending (or, when ``final``, whatever remains), else None.
         Marks its frames decoded: call until it returns None."""
-        want = self.policy.first_chunk_frames if self.decoded_frames == 0 else self.policy.chunk_frames
+        want = self.policy.chunk_size(self.decoded_frames)
         new = min(want, self.pending_frames)
         if new == 0 or (new < want and not final):
             return None
