@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=_list(str), default=["omni"], help=f"comma-separated, of {MODELS}")
     parser.add_argument("--concurrency", type=_list(int), default=[1, 2, 4])
     parser.add_argument("--request-rate", type=_list(float), default=[0.5, 1.0, 2.0], help="requests/s")
-    parser.add_argument("--requests", type=int, default=16, help="requests per load point (default %(default)s)")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="requests per load point; 0: as many as the point's concurrency, at least 4 (the "
+                             "export holds every response's audio, so a large count makes a large file; "
+                             "default %(default)s)")
     parser.add_argument("--checkpoint", type=Path, help="generate the input data for this checkpoint")
     parser.add_argument("--quick", action="store_true", help="with --checkpoint: the --quick workload")
     parser.add_argument("--audio-frames", type=int, help="with --checkpoint: talker frames per request")
@@ -67,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     for model in args.models:
         for point in points:
+            requests = args.requests or max(4, point.get("concurrency", 0))
             summary, export = run_point(binary, model, args.url, inputs_dir / f"{model}.json", args.out,
-                                        requests=args.requests, extra=args.extra, **point)
+                                        requests=requests, extra=args.extra, **point)
             summaries.append(summary.to_dict() | {"export": str(export)})
             print(_row(summaries[-1]), flush=True)
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
