@@ -5,10 +5,12 @@
     omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --systems server,inprocess
 
 Systems: `server` (streaming, the system under test), `server-sequential` (same server, SEQUENTIAL=true),
-`inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate, concurrency 1; needs a checkpoint's
-weights, so not with --config). The report gives each as a ratio to `server`. With --config (random weights
-of a model config) the in-process pipeline builds the same seeded weights as the served stages; against a
-server started elsewhere (--url), pass the --config/--dummy-* options it was started with.
+`inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate(return_audio=True), concurrency 1, not
+streaming: its TTFA is its end-to-end time). The report gives each as a ratio to `server`. With --config
+(random weights of a model config) the in-process pipeline and transformers build the same seeded weights as
+the served stages (transformers: in bf16 on cuda, on the GPU directly; it holds the whole model, about 66 GiB
+at full size, so run it alone, after the server has stopped); against a server started elsewhere (--url),
+pass the --config/--dummy-* options it was started with.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workl
         notes.append(f"inprocess: {kv_note}")
         return InProcessRunner(config)
     from omni_triton.bench.runners.transformers_generate import TransformersRunner
-    return TransformersRunner(args.checkpoint, args.device)
+    return TransformersRunner(args.checkpoint, args.device, random_weights=args.source.random_weights,
+                              seed=args.source.seed)
 
 
 def bench_system(runner, workload: Workload, text: str) -> list[LevelSummary]:
@@ -180,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {local}: they need --checkpoint or --config", file=sys.stderr)
         systems = [s for s in systems if s not in local]
     if "transformers" in systems and args.source.random_weights:
-        notes.append("transformers skipped: it loads a checkpoint's weights, and these are random (dummy)")
-        print(notes[-1], file=sys.stderr)
-        systems.remove("transformers")
+        notes.append(f"transformers: random weights built from the same config.json with the same seed "
+                     f"({args.source.seed}) and the served stages' per-tensor values, in the same dtype on the "
+                     f"same device, so the same tensors (tests/test_transformers_random_baseline.py checks it on the CPU); "
+                     f"its vision tower (not served) is extra.")
     out_dir = args.out or Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.checkpoint is not None:
