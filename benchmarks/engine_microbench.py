@@ -32,9 +32,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
 from omni_triton.models.code2wav import exact_left_context_frames
+from omni_triton.models.code2wav_graphs import GraphSettings
+from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
                                       write_config_with_layers)
-from omni_triton.models.weights import load_code2wav, load_talker, load_thinker
+from omni_triton.models.weights import load_talker, load_thinker
 
 DECODE_STEPS = 16
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
@@ -242,8 +244,14 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
 
 
 def bench_code2wav(args, ceilings, batches: list[int]) -> dict:
+    """Eager: the model's forward. Graph: the code2wav stage's own path, the torch runtime's ``decode`` with
+    ``cuda_graphs`` (first-chunk graphs captured when it is built, batch buckets up to the largest batch here)."""
     device = torch.device(args.device)
-    model = load_code2wav(args.config_dir, device, args.dtype, load_format="dummy")
+    runtime = Code2WavRuntime.create(
+        "torch", args.config_dir, device=device, dtype=args.dtype, load_format="dummy",
+        cuda_graphs=device.type == "cuda",
+        graph_settings=GraphSettings.for_stage(max_batch=max(batches), first_chunk_frames=FIRST_CHUNK_FRAMES))
+    model = runtime.model
     config = model.config
     context = exact_left_context_frames(config)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -266,21 +274,20 @@ def bench_code2wav(args, ceilings, batches: list[int]) -> dict:
                 floor = floor_s(weight_bytes, counter.get_total_flops(), ceilings)
                 row.update({f"{name}_ms": 1e3 * seconds, f"{name}_floor_ms": 1e3 * floor,
                             f"{name}_ratio": seconds / floor, f"{name}_peak_gib": peak_gib(device)})
-                if name == "first" and device.type == "cuda":
-                    row["first_graph_ms"] = 1e3 * graph_replay_seconds(model, codes)
+                if name == "first" and runtime.graphs is not None:
+                    row["first_graph_ms"] = 1e3 * runtime_graph_seconds(runtime, codes)
             rows.append(row)
-    del model
+    del model, runtime
     return dict(rows=rows, left_context_frames=context)
 
 
-def graph_replay_seconds(model, codes: torch.Tensor) -> float:
-    """The same call replayed from a CUDA graph (what wiring one into the code2wav runtime would give)."""
-    model(codes)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(codes)
-    return timed(graph.replay, codes.device, repeat=20)
+def runtime_graph_seconds(runtime: Code2WavRuntime, codes: torch.Tensor) -> float:
+    """The runtime's ``decode`` of ``codes`` (input copy, graph replay, rows copied out), as the stage calls it."""
+    replays = runtime.graphs.replays
+    seconds = timed(lambda: runtime.decode(codes), codes.device, repeat=20)
+    if runtime.graphs.replays == replays:
+        raise RuntimeError(f"codes {tuple(codes.shape)} did not replay a graph: the timing would be eager")
+    return seconds
 
 
 def peak_gib(device: torch.device) -> float | None:
@@ -364,7 +371,8 @@ def markdown(result: dict) -> str:
         c = result["code2wav"]
         lines += [f"Code2Wav per chunk: first = {FIRST_CHUNK_FRAMES} frames; later = {CHUNK_FRAMES} frames + "
                   f"{c['left_context_frames']} frames of exact left context (eager; 'graph' = the first chunk "
-                  "replayed from a CUDA graph captured by this bench):", "",
+                  "through the code2wav runtime's CUDA-graph path, as the served stage runs it with --cuda-graphs on):",
+                  "",
                   "| batch | first ms | graph ms | floor ms | ratio | later ms | floor ms | ratio | peak GiB |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['batch']} | {_num(r.get('first_ms'))} | {_num(r.get('first_graph_ms'))} | "

@@ -8,6 +8,11 @@ when the .onnx file exists; else torch. The ONNX and TensorRT backends read only
 checkpoint (for shapes); the torch backend loads the ``code2wav.*`` weights. ONNX Runtime and TensorRT run on
 the caller's torch tensors through their device pointers (IO binding / tensor addresses): no host copies
 beyond what the execution provider itself needs.
+
+``cuda_graphs=True`` (torch backend on a CUDA device; elsewhere, and for the other backends, it changes
+nothing): short calls -- the first audio chunk and other calls of at most ``graph_settings.max_frames``
+frames -- replay captured CUDA graphs instead of launching every kernel (``code2wav_graphs``); the first-chunk
+shapes are captured when the runtime is built.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 import torch
 
 from omni_triton.models.code2wav import Code2Wav, Code2WavConfig
+from omni_triton.models.code2wav_graphs import Code2WavGraphs, GraphSettings
 
 KINDS = ("torch", "onnxruntime", "tensorrt", "auto")
 INPUT_NAME, OUTPUT_NAME = "codes", "waveform"
@@ -52,8 +58,11 @@ class Code2WavRuntime:
     def create(kind: str, checkpoint_dir: str | Path, *, onnx_path: str | Path | None = None,
                plan_path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, load_format: str = "safetensors",
-               seed: int = 0) -> "Code2WavRuntime":
-        """``load_format``/``seed``: the torch backend's weights (``models.weights.load_code2wav``)."""
+               seed: int = 0, cuda_graphs: bool = False,
+               graph_settings: GraphSettings = GraphSettings()) -> "Code2WavRuntime":
+        """``load_format``/``seed``: the torch backend's weights (``models.weights.load_code2wav``).
+        ``cuda_graphs``/``graph_settings``: the torch backend's graph replay of short calls, on CUDA only (the
+        TensorRT and ONNX Runtime backends ignore them)."""
         if kind not in KINDS:
             raise ValueError(f"Code2Wav runtime kind {kind!r} is not one of {KINDS}")
         device = torch.device(device)
@@ -61,7 +70,8 @@ class Code2WavRuntime:
             kind = _pick_auto(onnx_path, plan_path, device)
         config = Code2WavConfig.from_pretrained(checkpoint_dir)
         if kind == "torch":
-            return TorchCode2Wav(checkpoint_dir, config, device, dtype, load_format, seed)
+            return TorchCode2Wav(checkpoint_dir, config, device, dtype, load_format, seed,
+                                 cuda_graphs=cuda_graphs, graph_settings=graph_settings)
         if kind == "onnxruntime":
             return OnnxRuntimeCode2Wav(_existing(onnx_path, "onnx_path"), config, device)
         return TensorRTCode2Wav(_existing(plan_path, "plan_path"), config, device)
@@ -93,14 +103,24 @@ class TorchCode2Wav(Code2WavRuntime):
     kind = "torch"
 
     def __init__(self, checkpoint_dir, config: Code2WavConfig, device: torch.device, dtype: torch.dtype,
-                 load_format: str = "safetensors", seed: int = 0):
+                 load_format: str = "safetensors", seed: int = 0, *, cuda_graphs: bool = False,
+                 graph_settings: GraphSettings = GraphSettings()):
         super().__init__(config, device)
         from omni_triton.models.weights import load_code2wav
 
         self.model = load_code2wav(checkpoint_dir, device, dtype, load_format=load_format, seed=seed)
+        # None: every call eager (CPU, or graphs off)
+        self.graphs = (Code2WavGraphs(self._eager, self.num_quantizers, device, graph_settings)
+                       if cuda_graphs and device.type == "cuda" else None)
 
     @torch.inference_mode()
     def _run(self, codes: torch.Tensor) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.serves(codes.shape):
+            return self.graphs.run(codes)
+        return self._eager(codes)
+
+    @torch.inference_mode()
+    def _eager(self, codes: torch.Tensor) -> torch.Tensor:
         return self.model(codes).float()
 
 

@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 
 from omni_triton.engine import EngineConfig
 from omni_triton.models.code2wav import exact_left_context_frames
-from omni_triton.models.weights import load_code2wav
+from omni_triton.models.code2wav_graphs import GraphSettings
+from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.preprocess import Preprocessor
@@ -40,7 +41,9 @@ class InProcessPipeline:
                  policy: ChunkPolicy = ChunkPolicy(), limits: RequestLimits = RequestLimits(),
                  load_format: str = "safetensors", seed: int = 0):
         """``talker_engine_config``: default ``engine_config``. ``load_format`` dummy: seeded random weights
-        (``seed``) from the checkpoint dir's config.json, as the served stages load them."""
+        (``seed``) from the checkpoint dir's config.json, as the served stages load them. The vocoder is the
+        code2wav stage's torch runtime, with CUDA graphs for its short calls when ``engine_config.cuda_graphs``
+        (the same switch the served stages read)."""
         engine_config = engine_config or EngineConfig(num_blocks=1024, device=device, kv_dtype=dtype)
         talker_engine_config = talker_engine_config or engine_config
         self.device = torch.device(device)
@@ -49,7 +52,11 @@ class InProcessPipeline:
         weights = dict(load_format=load_format, seed=seed)
         self.thinker = ThinkerService(checkpoint_dir, engine_config, dtype, **weights)
         self.talker = TalkerService(checkpoint_dir, talker_engine_config, dtype, **weights)
-        self.vocoder = load_code2wav(checkpoint_dir, self.device, dtype, **weights).eval()
+        # decode_chunk decodes one stream's chunk per call: batch 1 is the only bucket
+        self.vocoder = Code2WavRuntime.create(
+            "torch", checkpoint_dir, device=self.device, dtype=dtype, **weights,
+            cuda_graphs=engine_config.cuda_graphs,
+            graph_settings=GraphSettings.for_stage(max_batch=1, first_chunk_frames=policy.first_chunk_frames))
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
@@ -96,7 +103,7 @@ class InProcessPipeline:
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.vocoder(codes.to(self.device))
+        return self.vocoder.decode(codes)
 
     def decode_chunk(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] -> the samples after the left context (what the code2wav model returns)."""

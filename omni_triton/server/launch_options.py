@@ -76,7 +76,9 @@ def add_engine_arguments(group) -> None:
                        help="cuda: the engines' Triton kernels and GPU sampling; measured by "
                             "benchmarks/engine_microbench.py, not yet verified served (default: %(default)s)")
     group.add_argument("--cuda-graphs", choices=["on", "off"], default="off",
-                       help="cuda, with --fast-path on: decode steps as CUDA graphs (default: %(default)s)")
+                       help="cuda: with --fast-path on, the engines' decode steps as CUDA graphs; with or without "
+                            "it, the code2wav torch runtime's short chunks (first-chunk shapes captured at start) "
+                            "(default: %(default)s)")
 
 
 def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path] | None = None) -> ModelSource:

@@ -1,9 +1,12 @@
 """Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks, left context cut off."""
 
+import json
+
 import torch
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.models.code2wav import check_code_range, code_embedding_rows
+from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
@@ -28,10 +31,15 @@ class TritonPythonModel:
         if kind == "auto" and params["engine_path"]:  # the engine file's kind says which runtime it is for
             engine_argument = "plan_path" if params["engine_path"].endswith(".plan") else "onnx_path"
         engine = {engine_argument: params["engine_path"]} if engine_argument else {}
+        # torch on a GPU: short calls replay CUDA graphs, batches padded up to buckets of this stage's max batch;
+        # the first-chunk shapes are captured here, before the first request
+        max_batch = int(json.loads(args["model_config"])["max_batch_size"])
+        graphs = dict(cuda_graphs=params["cuda_graphs"] == "on",
+                      graph_settings=GraphSettings.for_stage(max_batch, int(params["first_chunk_frames"])))
         with stage_loading("code2wav"):
             self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
                                                   dtype=getattr(torch, params["dtype"]), **engine,
-                                                  **load_options(params))
+                                                  **load_options(params), **graphs)
         self.embedding_rows = code_embedding_rows(self.vocoder.config)
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         # A MetricFamily must outlive its metrics: keep both.

@@ -1,0 +1,248 @@
+"""CUDA-graph replay of Code2Wav's short calls (``Code2WavRuntime.create(..., cuda_graphs=True)``).
+
+CPU: the option changes nothing there; the bucket / padding / copy-out logic; the switch reaches the code2wav
+stage's config.pbtxt and its model.py passes it to the runtime. GPU (skipped without CUDA): a replay equals the
+eager call of the same padded shape bit for bit (same kernels) at the first-chunk size and a lazily captured
+one, for batch 1 and batch 3 (padded to 4), also from several threads at once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+import threading
+import types
+
+import pytest
+import torch
+
+from _code2wav_helpers import calibrate_output_gain_
+from omni_triton.models.code2wav_graphs import (DEFAULT_MAX_FRAMES, Code2WavGraphs, GraphSettings, batch_buckets,
+                                                bucket_for, fill_static_input, graph_key, output_rows)
+from omni_triton.models.code2wav_runtime import Code2WavRuntime
+from omni_triton.server.repository import LaunchConfig, render_repository
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def random_codes(runtime: Code2WavRuntime, batch: int, frames: int, seed: int, device="cpu") -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, runtime.config.codebook_size, (batch, runtime.num_quantizers, frames),
+                         generator=generator).to(device)
+
+
+# ---------------------------------------------------------------- shape logic
+
+def test_batch_buckets_double_up_to_the_max_batch():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_a_batch_goes_to_the_smallest_bucket_that_holds_it():
+    buckets = (1, 2, 4, 8)
+    assert [bucket_for(b, buckets) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert bucket_for(9, buckets) is None
+
+
+def test_graph_key_pads_the_batch_never_the_frames():
+    buckets = (1, 2, 4)
+    assert graph_key(3, 4, buckets, max_frames=32) == (4, 4)
+    assert graph_key(1, 32, buckets, max_frames=32) == (1, 32)
+    assert graph_key(1, 33, buckets, max_frames=32) is None  # long call: eager
+    assert graph_key(5, 4, buckets, max_frames=32) is None  # batch past the largest bucket: eager
+
+
+def test_static_input_gets_the_rows_and_zero_padding():
+    static = torch.full((4, 3, 5), 7, dtype=torch.long)
+    codes = torch.arange(2 * 3 * 5).view(2, 3, 5)
+    fill_static_input(static, codes)
+    assert torch.equal(static[:2], codes)
+    assert not static[2:].any()  # the previous call's codes do not linger in the padding rows
+    full = torch.ones(4, 3, 5, dtype=torch.long)
+    fill_static_input(static, full)
+    assert torch.equal(static, full)
+
+
+def test_output_rows_are_a_copy_of_the_calls_rows():
+    static = torch.arange(12.0).view(4, 3)
+    rows = output_rows(static, 3)
+    static.zero_()  # the next replay
+    assert torch.equal(rows, torch.arange(9.0).view(3, 3))
+
+
+def test_settings_validate_and_a_stage_captures_its_first_chunk():
+    with pytest.raises(ValueError, match="frames_at_start"):
+        GraphSettings(max_frames=8, frames_at_start=(9,))
+    with pytest.raises(ValueError, match=">= 1"):
+        GraphSettings(max_batch=0)
+    assert GraphSettings.for_stage(8, 4) == GraphSettings(8, DEFAULT_MAX_FRAMES, (4,))
+    assert GraphSettings.for_stage(2, 40) == GraphSettings(2, 40, (40,))  # a long first chunk is still replayed
+
+
+# ---------------------------------------------------------------- CPU: no-op
+
+def test_cuda_graphs_change_nothing_on_the_cpu(tiny_checkpoint):
+    with_graphs = Code2WavRuntime.create("torch", tiny_checkpoint, cuda_graphs=True)
+    without = Code2WavRuntime.create("torch", tiny_checkpoint)
+    assert with_graphs.graphs is None and without.graphs is None
+    for batch, frames in ((1, 4), (3, 4), (2, 40)):
+        codes = random_codes(without, batch, frames, seed=frames)
+        expected = without.decode(codes)
+        assert torch.equal(with_graphs.decode(codes), expected)
+        with torch.inference_mode():
+            assert torch.equal(expected, without.model(codes).float())
+
+
+def test_graphs_refuse_a_cpu_device():
+    with pytest.raises(ValueError, match="CUDA device"):
+        Code2WavGraphs(lambda codes: codes, 16, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- the switch reaches the stage
+
+def _parameters(config_text: str) -> dict[str, str]:
+    return dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', config_text))
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_code2wav_config_renders_the_switch_and_first_chunk(tiny_checkpoint, tmp_path, cuda_graphs):
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=cuda_graphs, first_chunk_frames=6)
+    out = render_repository(config, tmp_path / "repository", ["code2wav"])
+    parameters = _parameters((out / "code2wav" / "config.pbtxt").read_text())
+    assert parameters["cuda_graphs"] == ("on" if cuda_graphs else "off")
+    assert parameters["first_chunk_frames"] == "6"
+
+
+class _Metric:
+    def set(self, value):
+        pass
+
+    def increment(self, value):
+        pass
+
+
+class _MetricFamily:
+    GAUGE, COUNTER = "gauge", "counter"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def Metric(self, *args, **kwargs):  # noqa: N802 (pb_utils' name)
+        return _Metric()
+
+
+def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_path, monkeypatch):
+    """The rendered model.py, run with a stand-in triton_python_backend_utils: what reaches Code2WavRuntime."""
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=True, first_chunk_frames=6,
+                          code2wav_max_batch=5)
+    out = render_repository(config, tmp_path / "repository", ["code2wav"])
+    parameters = _parameters((out / "code2wav" / "config.pbtxt").read_text())
+    model_config = {"max_batch_size": config.code2wav_max_batch,  # as Triton hands it to the model
+                    "parameters": {key: {"string_value": value} for key, value in parameters.items()}}
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
+                        types.SimpleNamespace(MetricFamily=_MetricFamily))
+    calls, create = [], Code2WavRuntime.create
+
+    def recording_create(kind, checkpoint_dir, **kwargs):
+        calls.append(kwargs)
+        return create(kind, checkpoint_dir, **kwargs)
+
+    monkeypatch.setattr(Code2WavRuntime, "create", staticmethod(recording_create))
+    spec = importlib.util.spec_from_file_location("code2wav_model_under_test", out / "code2wav" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        model = module.TritonPythonModel()
+        model.initialize({"model_config": json.dumps(model_config), "model_instance_device_id": "0"})
+    finally:
+        torch.set_num_threads(threads)  # the stage caps torch's threads for its process
+    (kwargs,) = calls
+    assert kwargs["cuda_graphs"] is True
+    assert kwargs["graph_settings"] == GraphSettings.for_stage(max_batch=5, first_chunk_frames=6)
+    assert model.vocoder.graphs is None  # on the CPU the switch changes nothing
+
+
+# ---------------------------------------------------------------- GPU: replay == eager
+
+FIRST_CHUNK, LAZY_FRAMES = 4, 12  # the first chunk, and the second chunk's call (8 new + 4 context frames)
+
+
+@pytest.fixture(scope="module")
+def gpu_runtime(tiny_checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True,
+                                     graph_settings=GraphSettings(max_batch=4, max_frames=16,
+                                                                  frames_at_start=(FIRST_CHUNK,)))
+    # Out of the +-1 clamp, so equal outputs are not equal only because both saturate. In place: the graphs
+    # read these same parameter tensors.
+    calibrate_output_gain_(runtime.model)
+    return runtime
+
+
+def _eager_padded(runtime: Code2WavRuntime, codes: torch.Tensor, bucket: int) -> torch.Tensor:
+    padded = torch.zeros(bucket, *codes.shape[1:], dtype=codes.dtype, device=codes.device)
+    padded[:codes.shape[0]] = codes
+    with torch.inference_mode():
+        return runtime.model(padded).float()[:codes.shape[0]]
+
+
+@cuda
+def test_first_chunk_shapes_are_captured_at_start(gpu_runtime):
+    assert {(b, FIRST_CHUNK) for b in (1, 2, 4)} <= gpu_runtime.graphs.captured_shapes
+
+
+@cuda
+@pytest.mark.parametrize("frames", [FIRST_CHUNK, LAZY_FRAMES])
+@pytest.mark.parametrize("batch, bucket", [(1, 1), (3, 4)])
+def test_replay_equals_eager(gpu_runtime, batch, bucket, frames):
+    codes = random_codes(gpu_runtime, batch, frames, seed=10 * batch + frames, device="cuda")
+    replays = gpu_runtime.graphs.replays
+    waveform = gpu_runtime.decode(codes)
+    assert gpu_runtime.graphs.replays == replays + 1
+    assert (bucket, frames) in gpu_runtime.graphs.captured_shapes
+    assert waveform.shape == (batch, gpu_runtime.output_length(frames)) and waveform.dtype == torch.float32
+    assert (waveform.abs() < 1.0).float().mean().item() > 0.9  # mostly not clamped: equality means something
+    torch.testing.assert_close(waveform, _eager_padded(gpu_runtime, codes, bucket), rtol=0, atol=0)
+    # Against the unpadded eager call: another shape, so cuDNN/cuBLAS may pick other kernels (TF32 convs by
+    # default) and round differently; a padding row leaking into the real ones would be off by O(0.1).
+    with torch.inference_mode():
+        torch.testing.assert_close(waveform, gpu_runtime.model(codes).float(), rtol=0, atol=5e-3)
+
+
+@cuda
+def test_long_or_wide_calls_run_eagerly(gpu_runtime):
+    replays = gpu_runtime.graphs.replays
+    for batch, frames in ((1, 17), (5, FIRST_CHUNK)):
+        codes = random_codes(gpu_runtime, batch, frames, seed=frames, device="cuda")
+        with torch.inference_mode():
+            expected = gpu_runtime.model(codes).float()
+        torch.testing.assert_close(gpu_runtime.decode(codes), expected, rtol=0, atol=0)
+    assert gpu_runtime.graphs.replays == replays
+
+
+@cuda
+def test_replays_from_several_threads_return_each_callers_rows(gpu_runtime):
+    inputs = [random_codes(gpu_runtime, 1, FIRST_CHUNK, seed=100 + i, device="cuda") for i in range(4)]
+    expected = [_eager_padded(gpu_runtime, codes, 1) for codes in inputs]
+    mismatches, errors = [], []
+
+    def decode_repeatedly(index: int) -> None:
+        try:
+            for _ in range(20):
+                if not torch.equal(gpu_runtime.decode(inputs[index]), expected[index]):
+                    mismatches.append(index)
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=decode_repeatedly, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and not mismatches
