@@ -3,6 +3,7 @@
     omni-triton bench --start-server --checkpoint CKPT --quick --out benchmarks/results/cpu-tiny
     omni-triton bench --url 127.0.0.1:8001 --checkpoint CKPT --concurrency 1,4,8,16,32,64
     omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --systems server,inprocess
+    omni-triton bench --merge RUN_A RUN_B RUN_C --out benchmarks/results/h200-full [--label h200-full]
 
 Systems: `server` (streaming, the system under test), `server-sequential` (same server, SEQUENTIAL=true),
 `inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate(return_audio=True), concurrency 1, not
@@ -11,6 +12,13 @@ streaming: its TTFA is its end-to-end time). The report gives each as a ratio to
 the served stages (transformers: in bf16 on cuda, on the GPU directly; it holds the whole model, about 66 GiB
 at full size, so run it alone, after the server has stopped); against a server started elsewhere (--url),
 pass the --config/--dummy-* options it was started with.
+
+--merge: one report from several runs' --out dirs (a sweep split into commands of a few minutes each: some
+levels or some systems per command). It concatenates their rows, recomputes the ratios to `server`, re-plots,
+and writes OUT/results.json (with `merged_from`: every run's dir, command, machine; every run's notes, KV plans
+included) and OUT/results.md (every command listed). It refuses runs that measured the same system at the same
+concurrency, runs whose workloads differ in prompt, thinker tokens or audio frames, and runs on another CPU or
+GPU model (omni_triton/bench/merge.py).
 """
 
 from __future__ import annotations
@@ -66,12 +74,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads in this process for inprocess/transformers (the server's stages "
                              "use 1 each by default)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
+                        help="instead of running: merge these runs' --out dirs into --out (rows concatenated, ratios "
+                             "and plots redone; refuses a level measured twice, other workload lengths, "
+                             "another CPU/GPU)")
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results/<UTC time>)")
     parser.add_argument("--label", help="report title (default: the output dir's name)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    if args.merge is not None:
+        if args.out is None:
+            parser.error("--merge needs --out (where the merged report goes)")
+        running = [flag for flag, given in (("--start-server", args.start_server), ("--checkpoint", args.checkpoint),
+                                            ("--config", args.config)) if given]
+        if running:
+            parser.error(f"--merge only merges finished runs: drop {', '.join(running)}")
     if args.start_server and args.checkpoint is None and args.config is None:
         parser.error("--start-server needs --checkpoint or --config")
     try:
@@ -169,8 +188,23 @@ def bench_system(runner, workload: Workload, text: str) -> list[LevelSummary]:
     return summaries
 
 
+def merge_runs(args: argparse.Namespace) -> int:
+    from omni_triton.bench.merge import MergeError, write_merged
+
+    try:
+        report, table = write_merged(args.merge, args.out, args.label, REFERENCE, SYSTEMS)
+    except MergeError as error:
+        print(f"omni-triton bench --merge: error: {error}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"wrote {args.out}/results.json, results.md (merged {len(args.merge)} runs)", file=sys.stderr)
+    return 1 if any(row["failed"] for row in report["results"]) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge is not None:
+        return merge_runs(args)
     base = PRESETS["quick" if args.quick else "full"]
     workload = with_overrides(base, concurrencies=args.concurrency, prompt_tokens=args.prompt_tokens,
                               thinker_tokens=args.thinker_tokens, audio_frames=args.audio_frames,

@@ -7,7 +7,7 @@ underruns playback that starts when the first chunk arrives.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -95,6 +95,17 @@ class LevelSummary:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LevelSummary":
+        """The row ``to_dict`` wrote (a results.json row). ValueError naming what is missing or unknown: a row of
+        another version would otherwise lose or invent metrics silently."""
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing, unknown = sorted(required - set(data)), sorted(set(data) - names)
+        if missing or unknown:
+            raise ValueError(f"not a LevelSummary row: missing {missing}, unknown {unknown}")
+        return cls(**{**data, "errors": list(data.get("errors", []))})
 
 
 def summarize(system: str, concurrency: int, timings: list[RequestTiming], wall_s: float,

@@ -61,6 +61,11 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
         "",
         f"Command: `{report['command']}`",
         "",
+    ]
+    if "merged_from" in report:  # a merge (bench/merge.py): the commands that measured the rows
+        lines += ["Merged from:", ""] + [f"- `{run_dir}`: `{command}`"
+                                         for run_dir, command in merged_commands(report["merged_from"])] + [""]
+    lines += [
         "Machine: " + ", ".join(f"{key} {value}" for key, value in report["machine"].items()),
         "",
         f"Workload: {workload['prompt_tokens']}-token prompt ({report['prompt_ids']} ids after the chat template), "
@@ -91,6 +96,15 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
     for note in report.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def merged_commands(merged_from: list[dict]) -> list[tuple[str, str]]:
+    """(dir, command) of every run that went into a merged report, a merge of merges included."""
+    found = []
+    for entry in merged_from:
+        found += (merged_commands(entry["merged_from"]) if "merged_from" in entry
+                  else [(entry["dir"], entry["command"])])
+    return found
 
 
 def plot(summaries: list[LevelSummary], out_dir: Path) -> list[Path] | str:

@@ -1,0 +1,143 @@
+"""`omni-triton bench --merge DIR [DIR ...] --out OUT`: one report from several bench runs.
+
+One command on a lent GPU machine may run 10 minutes at most, so a sweep runs as several `omni-triton bench`
+commands (some levels each, or some systems each), each with its own --out. Merging concatenates their rows,
+recomputes the ratios to `server` (a server row of one run and an inprocess row of another compare when they
+are at the same concurrency), re-plots, and keeps every input's command, machine, notes (KV plans included) in
+``merged_from``. Runs merge only when they measured the same thing: the same workload lengths (prompt, thinker
+tokens, audio frames), on the same CPU and GPU model, with no system measured twice at one concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from omni_triton.bench import report as reporting
+from omni_triton.bench.metrics import LevelSummary, ratios_to
+
+# Workload fields that must agree: what a request does. The rest (concurrencies, requests per level, warm-up)
+# may differ between the runs of one sweep.
+SAME_WORKLOAD = ("prompt_tokens", "thinker_tokens", "audio_frames")
+# Machine fields that must agree: what the numbers were measured on (load average, git commit may differ).
+SAME_MACHINE = ("cpu", "gpu")
+
+
+class MergeError(ValueError):
+    """Runs that cannot be merged; the message names the dirs and what differs."""
+
+
+def read_run(run_dir: Path) -> dict:
+    path = Path(run_dir) / "results.json"
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MergeError(f"{path}: no such file (is {run_dir} an `omni-triton bench --out` dir?)") from None
+    except json.JSONDecodeError as error:
+        raise MergeError(f"{path}: not JSON ({error})") from None
+    for key in ("results", "workload", "machine", "command"):
+        if key not in report:
+            raise MergeError(f"{path}: no {key!r}: not an `omni-triton bench` results.json")
+    return report
+
+
+def _check_agreement(runs: dict[Path, dict], section: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        values = {str(run_dir): run[section].get(key) for run_dir, run in runs.items()}
+        if len(set(map(json.dumps, values.values()))) > 1:
+            raise MergeError(f"runs differ in {section} {key}: "
+                             + ", ".join(f"{run_dir}: {value!r}" for run_dir, value in values.items()))
+
+
+def _rows(runs: dict[Path, dict]) -> list[LevelSummary]:
+    """Every run's rows, refusing a system measured twice at one concurrency."""
+    seen: dict[tuple[str, int], Path] = {}
+    rows = []
+    for run_dir, run in runs.items():
+        for row in run["results"]:
+            try:
+                summary = LevelSummary.from_dict(row)
+            except (TypeError, ValueError) as error:
+                raise MergeError(f"{run_dir}/results.json: {error}") from None
+            level = (summary.system, summary.concurrency)
+            if level in seen:
+                raise MergeError(f"{summary.system} at concurrency {summary.concurrency} is in both {seen[level]} "
+                                 f"and {run_dir}: merge runs that measured different levels or systems")
+            seen[level] = run_dir
+            rows.append(summary)
+    return rows
+
+
+def _agreed(values: list):
+    """The value where all agree, else the distinct values joined by " / " (for the report's header)."""
+    distinct = list(dict.fromkeys(json.dumps(value, sort_keys=True) for value in values))
+    return values[0] if len(distinct) == 1 else " / ".join(str(json.loads(value)) for value in distinct)
+
+
+def _combined(dicts: list[dict]) -> dict:
+    return {key: _agreed([d.get(key) for d in dicts]) for key in dict.fromkeys(key for d in dicts for key in d)}
+
+
+def merge(run_dirs: list[Path], out_dir: Path, label: str | None = None, reference: str = "server",
+          system_order: tuple[str, ...] = ()) -> tuple[dict, list[LevelSummary]]:
+    """The merged report (results.json's content) and its rows, ordered by ``system_order`` then concurrency.
+    Raises MergeError when the runs cannot be merged."""
+    run_dirs = [Path(d) for d in run_dirs]
+    if len(run_dirs) < 2:
+        raise MergeError(f"--merge needs at least two run dirs, got {len(run_dirs)}")
+    if len(set(map(Path.resolve, run_dirs))) < len(run_dirs):
+        raise MergeError(f"a run dir is given twice: {[str(d) for d in run_dirs]}")
+    if Path(out_dir).resolve() in {d.resolve() for d in run_dirs}:
+        raise MergeError(f"--out {out_dir} is one of the merged dirs: it would overwrite that run's results")
+    runs = {run_dir: read_run(run_dir) for run_dir in run_dirs}
+    _check_agreement(runs, "workload", SAME_WORKLOAD)
+    _check_agreement(runs, "machine", SAME_MACHINE)
+    order = {system: index for index, system in enumerate(system_order)}
+    summaries = sorted(_rows(runs), key=lambda s: (order.get(s.system, len(order)), s.system, s.concurrency))
+
+    workload = _combined([run["workload"] for run in runs.values()])
+    workload["concurrencies"] = sorted({s.concurrency for s in summaries})
+    known_prompt_ids = [run["prompt_ids"] for run in runs.values() if run.get("prompt_ids", "unknown") != "unknown"]
+    report = {
+        "label": label or Path(out_dir).name,
+        "command": "omni-triton bench " + shlex.join(
+            ["--merge", *map(str, run_dirs), "--out", str(out_dir)] + (["--label", label] if label else [])),
+        "merged_from": [_provenance(run_dir, run) for run_dir, run in runs.items()],
+        "machine": _combined([run["machine"] for run in runs.values()]),
+        "workload": workload,
+        "prompt_ids": _agreed(known_prompt_ids) if known_prompt_ids else "unknown",
+        "torch_threads": _agreed([run.get("torch_threads") for run in runs.values()]),
+        "results": [s.to_dict() for s in summaries],
+        "ratios_to": reference,
+        "ratios": ratios_to(reference, summaries),
+        "weights": _agreed([run.get("weights", "unknown") for run in runs.values()]),
+        # each run's notes (KV plans, skipped systems), named by the run they came from
+        "notes": [f"[{run_dir}] {note}" for run_dir, run in runs.items() for note in run.get("notes", [])],
+    }
+    return report, summaries
+
+
+def _provenance(run_dir: Path, run: dict) -> dict:
+    """What one merged run was: its dir, command, label and machine (with its load and git commit), the GPU
+    memory in use at its start; a merged run keeps its own inputs."""
+    entry = {"dir": str(run_dir), "command": run["command"], "label": run.get("label"), "machine": run["machine"],
+             "gpu_memory_used_gib_at_start": run.get("gpu_memory_used_gib_at_start")}
+    if "merged_from" in run:
+        entry["merged_from"] = run["merged_from"]
+    return entry
+
+
+def write_merged(run_dirs: list[Path], out_dir: Path, label: str | None = None, reference: str = "server",
+                 system_order: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """Merge ``run_dirs`` into ``out_dir`` (results.json, results.md, plots); the report and its markdown."""
+    report, summaries = merge(run_dirs, out_dir, label, reference, system_order)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = reporting.plot(summaries, out_dir)
+    if isinstance(plots, str):
+        report["notes"].append(plots)
+    reporting.write_json(out_dir / "results.json", report)
+    table = reporting.markdown(report, summaries, report["ratios"], reference)
+    (out_dir / "results.md").write_text(table)
+    return report, table
