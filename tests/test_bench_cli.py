@@ -17,7 +17,7 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
     out = tmp_path / "report"
     code = main(["--url", triton_server.grpc_url, "--checkpoint", str(tiny_checkpoint), "--quick",
                  "--systems", "server,inprocess", "--concurrency", "1,2", "--requests-per-level", "2",
-                 "--warmup", "0", "--out", str(out)])
+                 "--warmup", "0", "--trace", str(tmp_path / "trace"), "--out", str(out)])
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     rows = {(r["system"], r["concurrency"]): r for r in report["results"]}
@@ -30,5 +30,14 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
         assert frames_seconds - 1 / 12.5 < row["audio_s_per_request"] <= frames_seconds
     assert {(r["system"], r["concurrency"]) for r in report["ratios"]} == {("inprocess", 1), ("inprocess", 2)}
     assert "| server | 1 | 2 | 0 |" in (out / "results.md").read_text()
+    # --trace: a TTFA breakdown per level; this server was started without a trace dir, so its rows hold the
+    # client's own span only, while the in-process pipeline's show every stage (tests/test_trace_breakdown.py
+    # covers a traced server)
+    rows = {(r["system"], r["concurrency"]): r for r in report["ttfa_breakdown"]}
+    assert set(rows) == {("server", 1), ("server", 2), ("inprocess", 1), ("inprocess", 2)}
+    assert all(row["requests"] == 2 for row in rows.values())
+    assert {"thinker prefill + first token", "talker prefill + first frame", "code2wav first chunk"} <= set(
+        rows["inprocess", 1]["segments"])
+    assert "Where the time to first audio goes" in (out / "results.md").read_text()
     if not any("plots skipped" in note for note in report["notes"]):
         assert (out / "ttfa.png").is_file() and (out / "throughput.png").is_file()

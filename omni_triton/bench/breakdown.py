@@ -85,3 +85,22 @@ def markdown(rows: list[dict]) -> str:
                  + " |")
     lines.append("| requests | " + " | ".join(str(row["requests"]) for row in rows) + " |")
     return "\n".join(lines) + "\n"
+
+
+def report_section(rows: list[dict]) -> str:
+    """The results.md section for a report's ``ttfa_breakdown`` rows ("" without any)."""
+    if not rows:
+        return ""
+    return ("\nWhere the time to first audio goes (p50 per segment, from request traces; "
+            "omni_triton/bench/breakdown.py):\n\n" + markdown(rows))
+
+
+def level_row(system: str, concurrency: int, level_dir, server_dir=None) -> dict:
+    """The breakdown of one benchmark level: the client's (or the in-process pipeline's) events in
+    ``level_dir``, joined with the server's from ``server_dir`` for the requests this level sent."""
+    from omni_triton.trace import read_events
+
+    local = read_events(level_dir)
+    served = join_client_ids(read_events(server_dir)) if server_dir is not None else {}
+    requests = [{**served.get(request_id, {}), **events} for request_id, events in local.items()]
+    return {"system": system, "concurrency": concurrency, **summarize(requests)}

@@ -19,12 +19,19 @@ and writes OUT/results.json (with `merged_from`: every run's dir, command, machi
 included) and OUT/results.md (every command listed). It refuses runs that measured the same system at the same
 concurrency, runs whose workloads differ in prompt, thinker tokens or audio frames, and runs on another CPU or
 GPU model (omni_triton/bench/merge.py).
+
+--trace DIR: every measured request is traced (omni_triton/trace.py) and the report gets, per system and level,
+where the time to first audio went: client -> orchestrator, thinker queueing and prefill, the first thinker
+chunk, talker queueing and prefill, the first chunk's frames, code2wav, the way back
+(omni_triton/bench/breakdown.py). A server started here traces into DIR/server; one started elsewhere must have
+been started with OMNI_TRITON_TRACE_DIR=DIR/server.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
 import time
@@ -32,6 +39,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
+from omni_triton import trace
+from omni_triton.bench import breakdown
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
@@ -41,6 +50,7 @@ from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arg
                                                add_model_source_arguments, model_source, with_kv_budget)
 from omni_triton.server.memory_plan import SERVED_GPU_PROCESSES
 from omni_triton.server.repository import LaunchConfig
+from omni_triton.trace import TRACE_DIR_ENV
 
 SYSTEMS = ("server", "server-sequential", "inprocess", "transformers")
 REFERENCE = "server"
@@ -78,6 +88,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="instead of running: merge these runs' --out dirs into --out (rows concatenated, ratios "
                              "and plots redone; refuses a level measured twice, other workload lengths, "
                              "another CPU/GPU)")
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="trace every measured request (omni_triton.trace) under DIR and report where each "
+                             "level's time to first audio goes: this process's events in DIR/<system>-c<N>, the "
+                             "server's in DIR/server (set for a --start-server server; start a server of your own "
+                             f"with {TRACE_DIR_ENV}=DIR/server)")
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results/<UTC time>)")
     parser.add_argument("--label", help="report title (default: the output dir's name)")
     args = parser.parse_args(argv)
@@ -142,13 +157,27 @@ def served(args: argparse.Namespace, workload: Workload, notes: list[str]) -> It
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda")
     server = TritonServer(repository, install, options, log_path=run_dir / "tritonserver.log")
-    server.start()
+    with _environment(TRACE_DIR_ENV, str(args.trace / "server") if args.trace else None):
+        server.start()  # its stage processes inherit the trace directory
     try:
         print(f"tritonserver ready in {server.wait_ready(models, timeout_s=600):.1f} s at {server.grpc_url}",
               file=sys.stderr)
         yield server.grpc_url
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``name`` set to ``value`` (None: left as it is) inside the block."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
 
 
 def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workload, notes: list[str]):
@@ -166,7 +195,10 @@ def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workl
                               seed=args.source.seed)
 
 
-def bench_system(runner, workload: Workload, text: str) -> list[LevelSummary]:
+def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None = None,
+                 breakdowns: list[dict] | None = None) -> list[LevelSummary]:
+    """Every level of ``workload`` through ``runner``. With ``trace_dir``, each level's requests are traced
+    and its TTFA breakdown row is appended to ``breakdowns``."""
     from tqdm import tqdm
 
     tensors = client_tensors(workload, text, sequential=runner.sequential)
@@ -180,11 +212,19 @@ def bench_system(runner, workload: Workload, text: str) -> list[LevelSummary]:
     with tqdm(total=sum(workload.requests_at(c) for c in levels), desc=runner.name, unit="req") as progress:
         for concurrency in levels:
             progress.set_postfix(concurrency=concurrency)
-            with GpuMemoryPeak() as gpu_memory:
-                timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
-                                            on_done=lambda _: progress.update())
+            level_dir = trace_dir / f"{runner.name}-c{concurrency}" if trace_dir is not None else None
+            trace.configure(level_dir)
+            try:
+                with GpuMemoryPeak() as gpu_memory:
+                    timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
+                                                on_done=lambda _: progress.update())
+            finally:
+                trace.configure(None)
             summaries.append(replace(summarize(runner.name, concurrency, timings, wall_s),
                                      gpu_memory_peak_gib=gpu_memory.gib))
+            if level_dir is not None and breakdowns is not None:
+                server_dir = trace_dir / "server" if runner.name.startswith("server") else None
+                breakdowns.append(breakdown.level_row(runner.name, concurrency, level_dir, server_dir))
     return summaries
 
 
@@ -233,15 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     machine = reporting.machine_description()  # before the run: its load average is the other jobs'
     idle_gpu_mib = gpu_memory_used_mib()  # before any system holds GPU memory (None: no GPU or nvidia-smi)
     summaries: list[LevelSummary] = []
+    breakdowns: list[dict] = []
     server_systems = [s for s in systems if s.startswith("server")]
     if server_systems:
         with served(args, workload, notes) as url:
             for system in server_systems:
-                summaries += bench_system(make_runner(system, args, url, workload, notes), workload, text)
+                summaries += bench_system(make_runner(system, args, url, workload, notes), workload, text,
+                                          args.trace, breakdowns)
     for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
         runner = make_runner(system, args, args.url, workload, notes)
         try:
-            summaries += bench_system(runner, workload, text)
+            summaries += bench_system(runner, workload, text, args.trace, breakdowns)
         finally:
             runner.close()
 
@@ -255,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": [s.to_dict() for s in summaries],
         "ratios_to": REFERENCE,
         "ratios": ratios_to(REFERENCE, summaries),
+        "ttfa_breakdown": breakdowns,
         "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(idle_gpu_mib / 1024, 2),
         "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
                      "seed": args.source.seed} if args.source is not None else "unknown"),
@@ -267,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plots, file=sys.stderr)
     reporting.write_json(out_dir / "results.json", report)
     table = reporting.markdown(report, summaries, report["ratios"], REFERENCE)
+    table += breakdown.report_section(breakdowns)
     (out_dir / "results.md").write_text(table)
     print(table)
     print(f"wrote {out_dir}/results.json, results.md" + ("" if isinstance(plots, str) else ", ttfa.png, throughput.png"),

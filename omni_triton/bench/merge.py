@@ -14,6 +14,7 @@ import json
 import shlex
 from pathlib import Path
 
+from omni_triton.bench import breakdown
 from omni_triton.bench import report as reporting
 from omni_triton.bench.metrics import LevelSummary, ratios_to
 
@@ -112,6 +113,7 @@ def merge(run_dirs: list[Path], out_dir: Path, label: str | None = None, referen
         "ratios_to": reference,
         "ratios": ratios_to(reference, summaries),
         "weights": _agreed([run.get("weights", "unknown") for run in runs.values()]),
+        "ttfa_breakdown": [row for run in runs.values() for row in run.get("ttfa_breakdown", [])],
         # each run's notes (KV plans, skipped systems), named by the run they came from
         "notes": [f"[{run_dir}] {note}" for run_dir, run in runs.items() for note in run.get("notes", [])],
     }
@@ -139,5 +141,6 @@ def write_merged(run_dirs: list[Path], out_dir: Path, label: str | None = None, 
         report["notes"].append(plots)
     reporting.write_json(out_dir / "results.json", report)
     table = reporting.markdown(report, summaries, report["ratios"], reference)
+    table += breakdown.report_section(report["ttfa_breakdown"])
     (out_dir / "results.md").write_text(table)
     return report, table

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The full-size benchmark (Qwen3-Omni-30B-A3B dimensions, seeded random bf16 weights, one GPU), in parts that
+# each fit one 10-minute command on the GPU machine. Run from the project root:
+#
+#   bash benchmarks/full_size_sweep.sh served    OUT  # serve; bench server + server-sequential (traced); perf_analyzer
+#   bash benchmarks/full_size_sweep.sh baselines OUT  # the in-process pipeline (traced); transformers at concurrency 1
+#   bash benchmarks/full_size_sweep.sh exact     OUT  # served with the vocoder's exact left context, a few levels
+#
+# then merge: omni-triton bench --merge OUT/served OUT/inprocess OUT/transformers --out benchmarks/results/<device>-full
+#
+# Settings (environment): LEVELS (default 1,4,8,16,32,64), LEFT_CONTEXT (code2wav left context in frames,
+# default 25: what transformers' own Code2Wav.chunked_decode uses; "exact" = the receptive field, 578 frames),
+# PERF_LEVELS (perf_analyzer's concurrency levels), EXACT_LEVELS, CONFIG.
+set -uo pipefail
+part=${1:?part: served, baselines or exact}
+out=${2:?output directory}
+CONFIG=${CONFIG:-qwen3_omni_30b_a3b}
+LEVELS=${LEVELS:-1,4,8,16,32,64}
+PERF_LEVELS=${PERF_LEVELS:-1,4,16,64}
+EXACT_LEVELS=${EXACT_LEVELS:-1,32}
+LEFT_CONTEXT=${LEFT_CONTEXT:-25}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+
+context_args() {  # $1: frames or "exact"
+  [ "$1" = exact ] || echo "--left-context-frames $1"
+}
+MODEL="--device cuda --config $CONFIG --fast-path on --cuda-graphs on"
+omni() { python3 -m omni_triton.cli "$@"; }
+
+serve_in_background() {  # $1: left context, $2: run dir; the server traces into $2/trace/server
+  mkdir -p "$2"
+  OMNI_TRITON_TRACE_DIR="$2/trace/server" omni serve $MODEL $(context_args "$1") --max-inflight 64 \
+    --run-dir "$2/run" --http-port 18000 --grpc-port 18001 --metrics-port 18002 >"$2/serve.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 600); do
+    if curl -sf localhost:18000/v2/health/ready >/dev/null; then
+      echo "server ready after $SECONDS s of this part"; grep -E "KV cache|GiB" "$2/serve.log" | head -5; return 0
+    fi
+    kill -0 $server_pid 2>/dev/null || break
+    sleep 1
+  done
+  echo "server did not become ready"; tail -40 "$2/serve.log"; return 1
+}
+
+stop_server() {
+  kill -INT $server_pid 2>/dev/null; wait $server_pid 2>/dev/null
+  cp "$1/run/tritonserver.log" "$1/tritonserver.log" 2>/dev/null || true
+}
+
+case $part in
+served)
+  serve_in_background "$LEFT_CONTEXT" "$out/served" || exit 1
+  omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server,server-sequential \
+    --concurrency "$LEVELS" --trace "$out/served/trace" --out "$out/served" 2>&1 | grep -v "it/s\]$"
+  python3 client/perf/run_perf_analyzer.py --url 127.0.0.1:18001 --checkpoint "checkpoints/dummy/$CONFIG" \
+    --models omni --concurrency "$PERF_LEVELS" --request-rate "" --requests 0 --out "$out/perf" 2>&1 | tail -20
+  stop_server "$out/served"
+  ;;
+baselines)
+  omni bench $MODEL $(context_args "$LEFT_CONTEXT") --systems inprocess --concurrency "$LEVELS" \
+    --trace "$out/inprocess/trace" --out "$out/inprocess" 2>&1 | grep -v "it/s\]$"
+  omni bench $MODEL --systems transformers --concurrency 1 --requests-per-level 1 --warmup 0 \
+    --out "$out/transformers" 2>&1 | grep -v "it/s\]$"
+  ;;
+exact)
+  serve_in_background exact "$out/exact" || exit 1
+  omni bench --url 127.0.0.1:18001 $MODEL --systems server --concurrency "$EXACT_LEVELS" \
+    --trace "$out/exact/trace" --out "$out/exact" --label "left context exact (578 frames)" 2>&1 | grep -v "it/s\]$"
+  stop_server "$out/exact"
+  ;;
+*)
+  echo "unknown part $part (served, baselines, exact)"; exit 2
+  ;;
+esac
