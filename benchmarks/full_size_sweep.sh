@@ -34,7 +34,8 @@ serve_in_background() {  # $1: left context, $2: run dir; the server traces into
     --run-dir "$2/run" --http-port 18000 --grpc-port 18001 --metrics-port 18002 >"$2/serve.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 600); do
-    if curl -sf localhost:18000/v2/health/ready >/dev/null; then
+    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2)" \
+        2>/dev/null; then
       echo "server ready after $SECONDS s of this part"; grep -E "KV cache|GiB" "$2/serve.log" | head -5; return 0
     fi
     kill -0 $server_pid 2>/dev/null || break
