@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine_toy_model import ToyTalker, ToyThinker, reference_greedy
-from omni_triton.engine import (EngineConfig, EngineLoop, LLMEngine, SamplingParams, SequenceStatus, TalkerStage,
-                                ThinkerStage)
+from omni_triton.engine import (EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, SequenceStatus,
+                                TalkerStage, ThinkerStage)
 from omni_triton.engine.block_manager import kv_bytes_per_block, num_blocks_for_budget
 from omni_triton.engine.sampling import SampleRow, make_generator, sample
 from omni_triton.models.layers.attention import AttentionBatch, contiguous_batch
@@ -350,6 +350,63 @@ def test_engine_loop_talker_appends_from_another_thread(talker):
         loop.shutdown()
     assert tokens == ref_tokens
     torch.testing.assert_close(torch.cat(frames["a"]), torch.cat(ref_frames["a"]))
+
+
+def test_merge_outputs_concatenates_a_requests_outputs_in_order():
+    from omni_triton.engine.engine import merge_outputs
+
+    def out(request_id, tokens, start=0, rows=0, finished=False, reason=None, codes=None):
+        states = {"input_embeds": torch.full((rows, 2), float(start))} if rows else {}
+        extras = {"codes": codes} if codes is not None else {}
+        return RequestOutput(request_id, tokens, finished, reason, states, start, extras)
+
+    merged = merge_outputs([
+        out("a", [], start=0, rows=3), out("b", [7], codes=torch.tensor([[1, 2]])), out("a", [5], start=3, rows=1),
+        out("b", [8], codes=torch.tensor([[3, 4]]), finished=True, reason="length"),
+        out("b", [9]),  # the id reused by a new request after its request finished: not merged into it
+    ])
+    assert [(m.request_id, m.new_token_ids, m.finished) for m in merged] == [
+        ("a", [5], False), ("b", [7, 8], True), ("b", [9], False)]
+    a = merged[0]
+    assert a.states_start == 0 and a.states["input_embeds"][:, 0].tolist() == [0.0, 0.0, 0.0, 3.0]
+    assert merged[1].finish_reason == "length" and merged[1].extras["codes"].tolist() == [[1, 2], [3, 4]]
+
+
+def test_engine_loop_merges_what_queued_behind_a_slow_consumer(talker):
+    prefill, text = talker_inputs(4, 8, 4)
+    params = greedy(10)
+    ref_tokens, ref_frames = {}, {}
+    engine = talker_engine(talker)
+    engine.add_request("a", params, prompt_embeds=prefill, trailing_text_embeds=text, thinker_finished=True)
+    while engine.has_work():
+        collect(engine.step(), ref_tokens, ref_frames)
+
+    loop = EngineLoop(talker_engine(talker)).start()
+    try:
+        release, stalled, delivered = threading.Event(), threading.Event(), []
+
+        def slow_consumer(output):  # the first call blocks the response thread while the engine runs on
+            stalled.set()
+            release.wait(10)
+            delivered.append(output)
+
+        loop.add_request("a", params, callback=slow_consumer, prompt_embeds=prefill, trailing_text_embeds=text,
+                         thinker_finished=True)
+        assert stalled.wait(10)
+        deadline = time.time() + 30
+        while loop.engine.requests and time.time() < deadline:
+            time.sleep(0.01)
+        release.set()
+        while not delivered or not delivered[-1].finished:
+            time.sleep(0.01)
+    finally:
+        loop.shutdown()
+    tokens, frames = {}, {}
+    collect(delivered, tokens, frames)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.cat(frames["a"]), torch.cat(ref_frames["a"]))
+    # one call for the output being delivered when the consumer stalled, one for everything after it
+    assert len(delivered) <= 2 < len(ref_tokens["a"])
 
 
 # -- attention fast path ------------------------------------------------------------------------------------

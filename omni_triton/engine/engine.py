@@ -328,16 +328,63 @@ class EngineLoop:
 
     def _response_loop(self) -> None:
         while True:
-            output = self._responses.get()
-            if output is None:
+            outputs = [self._responses.get()]
+            # Everything queued behind a slow consumer goes at once, a request's outputs merged into one: a
+            # Triton stage sends one response per callback, and at 64 streams a response per step per request
+            # fell behind the steps (the talker's first frames waited seconds in this queue), while a merged
+            # output costs one send however many steps it covers.
+            while outputs[-1] is not None:
+                try:
+                    outputs.append(self._responses.get_nowait())
+                except queue.Empty:
+                    break
+            stop = outputs[-1] is None
+            for output in merge_outputs([output for output in outputs if output is not None]):
+                self._deliver(output)
+            if stop:
                 return
-            with self._callbacks_lock:
-                callback = self._callbacks.get(output.request_id)
-                if output.finished:
-                    self._callbacks.pop(output.request_id, None)
-            if callback is None:
-                continue
-            try:
-                callback(output)
-            except Exception:
-                logger.exception("output callback for request %r failed", output.request_id)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._callbacks_lock:
+            callback = self._callbacks.get(output.request_id)
+            if output.finished:
+                self._callbacks.pop(output.request_id, None)
+        if callback is None:
+            return
+        try:
+            callback(output)
+        except Exception:
+            logger.exception("output callback for request %r failed", output.request_id)
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request (in the order requests first appear): its consecutive outputs' tokens, state rows
+    and extras concatenated, finished (and its reason) from the last. The consumer sees what it would have seen
+    output by output, in fewer calls. A request id reused after its request finished starts a new output."""
+    merged: list[RequestOutput] = []
+    open_outputs: dict[str, RequestOutput] = {}
+    for output in outputs:
+        into = open_outputs.get(output.request_id)
+        if into is None:
+            into = RequestOutput(output.request_id, list(output.new_token_ids), output.finished,
+                                 output.finish_reason, dict(output.states), output.states_start,
+                                 dict(output.extras))
+            merged.append(into)
+        else:
+            into.new_token_ids += output.new_token_ids
+            into.finished, into.finish_reason = output.finished, output.finish_reason
+            if output.states:
+                if not into.states:
+                    into.states_start = output.states_start
+                into.states = _concat_rows(into.states, output.states)
+            into.extras = _concat_rows(into.extras, output.extras)
+        if into.finished:
+            open_outputs.pop(output.request_id, None)
+        else:
+            open_outputs[output.request_id] = into
+    return merged
+
+
+def _concat_rows(first: dict[str, torch.Tensor], then: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    names = first.keys() | then.keys()
+    return {name: torch.cat([part[name] for part in (first, then) if name in part]) for name in names}
