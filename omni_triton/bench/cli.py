@@ -196,9 +196,10 @@ def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workl
 
 
 def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None = None,
-                 breakdowns: list[dict] | None = None) -> list[LevelSummary]:
+                 breakdowns: list[dict] | None = None, after_level=lambda: None) -> list[LevelSummary]:
     """Every level of ``workload`` through ``runner``. With ``trace_dir``, each level's requests are traced
-    and its TTFA breakdown row is appended to ``breakdowns``."""
+    and its TTFA breakdown row is appended to ``breakdowns``; ``after_level`` is called after each level with
+    ``summaries`` (this system's so far) not yet returned: see main's ``save_partial``."""
     from tqdm import tqdm
 
     tensors = client_tensors(workload, text, sequential=runner.sequential)
@@ -225,6 +226,7 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             if level_dir is not None and breakdowns is not None:
                 server_dir = trace_dir / "server" if runner.name.startswith("server") else None
                 breakdowns.append(breakdown.level_row(runner.name, concurrency, level_dir, server_dir))
+            after_level(summaries)
     return summaries
 
 
@@ -274,36 +276,45 @@ def main(argv: list[str] | None = None) -> int:
     idle_gpu_mib = gpu_memory_used_mib()  # before any system holds GPU memory (None: no GPU or nvidia-smi)
     summaries: list[LevelSummary] = []
     breakdowns: list[dict] = []
+
+    def build_report(rows: list[LevelSummary], complete: bool) -> dict:
+        return {
+            "label": args.label or out_dir.name,
+            "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "machine": machine,
+            "workload": {**workload.__dict__, "prompt_text": text},
+            "prompt_ids": _prompt_ids(args.checkpoint, text),
+            "torch_threads": args.torch_threads,
+            "results": [s.to_dict() for s in rows],
+            "ratios_to": REFERENCE,
+            "ratios": ratios_to(REFERENCE, rows),
+            "ttfa_breakdown": breakdowns,
+            "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(idle_gpu_mib / 1024, 2),
+            "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
+                         "seed": args.source.seed} if args.source is not None else "unknown"),
+            "notes": notes + (["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]
+                              if "transformers" in systems else [])
+                     + ([] if complete else ["partial: the run stopped before its last level"]),
+        }
+
+    def save_partial(system_so_far: list[LevelSummary]) -> None:
+        """After every level: a run cut short (a command's time limit) keeps what it measured."""
+        reporting.write_json(out_dir / "results.json", build_report(summaries + system_so_far, complete=False))
+
     server_systems = [s for s in systems if s.startswith("server")]
     if server_systems:
         with served(args, workload, notes) as url:
             for system in server_systems:
                 summaries += bench_system(make_runner(system, args, url, workload, notes), workload, text,
-                                          args.trace, breakdowns)
+                                          args.trace, breakdowns, save_partial)
     for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
         runner = make_runner(system, args, args.url, workload, notes)
         try:
-            summaries += bench_system(runner, workload, text, args.trace, breakdowns)
+            summaries += bench_system(runner, workload, text, args.trace, breakdowns, save_partial)
         finally:
             runner.close()
 
-    report = {
-        "label": args.label or out_dir.name,
-        "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "machine": machine,
-        "workload": {**workload.__dict__, "prompt_text": text},
-        "prompt_ids": _prompt_ids(args.checkpoint, text),
-        "torch_threads": args.torch_threads,
-        "results": [s.to_dict() for s in summaries],
-        "ratios_to": REFERENCE,
-        "ratios": ratios_to(REFERENCE, summaries),
-        "ttfa_breakdown": breakdowns,
-        "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(idle_gpu_mib / 1024, 2),
-        "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
-                     "seed": args.source.seed} if args.source is not None else "unknown"),
-        "notes": notes + (["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]
-                          if "transformers" in systems else []),
-    }
+    report = build_report(summaries, complete=True)
     plots = reporting.plot(summaries, out_dir)
     if isinstance(plots, str):
         report["notes"].append(plots)
