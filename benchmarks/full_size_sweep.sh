@@ -2,21 +2,24 @@
 # The full-size benchmark (Qwen3-Omni-30B-A3B dimensions, seeded random bf16 weights, one GPU), in parts that
 # each fit one 10-minute command on the GPU machine. Run from the project root:
 #
-#   bash benchmarks/full_size_sweep.sh served    OUT  # serve; bench server + server-sequential (traced); perf_analyzer
-#   bash benchmarks/full_size_sweep.sh baselines OUT  # the in-process pipeline (traced); transformers at concurrency 1
-#   bash benchmarks/full_size_sweep.sh exact     OUT  # served with the vocoder's exact left context, a few levels
+#   bash benchmarks/full_size_sweep.sh served       OUT  # serve; bench server (LEVELS) + server-sequential (SEQ_LEVELS)
+#   bash benchmarks/full_size_sweep.sh perf         OUT  # serve; perf_analyzer (PERF_LEVELS); then exact context
+#   bash benchmarks/full_size_sweep.sh inprocess    OUT  # the in-process pipeline (traced)
+#   bash benchmarks/full_size_sweep.sh transformers OUT  # transformers' generate at concurrency 1
 #
-# then merge: omni-triton bench --merge OUT/served OUT/inprocess OUT/transformers --out benchmarks/results/<device>-full
+# then merge: omni-triton bench --merge OUT/served OUT/sequential OUT/inprocess OUT/transformers --out ...
+# Every bench run writes its results.json after each level, so a part cut short keeps what it measured.
 #
-# Settings (environment): LEVELS (default 1,4,8,16,32,64), LEFT_CONTEXT (code2wav left context in frames,
-# default 25: what transformers' own Code2Wav.chunked_decode uses; "exact" = the receptive field, 578 frames),
-# PERF_LEVELS (perf_analyzer's concurrency levels), EXACT_LEVELS, CONFIG.
+# Settings (environment): LEVELS (default 1,4,8,16,32,64), SEQ_LEVELS (1,4,16), LEFT_CONTEXT (code2wav left
+# context in frames, default 25: what transformers' own Code2Wav.chunked_decode uses; "exact" = the receptive
+# field, 578 frames), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG.
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}
 CONFIG=${CONFIG:-qwen3_omni_30b_a3b}
 LEVELS=${LEVELS:-1,4,8,16,32,64}
 PERF_LEVELS=${PERF_LEVELS:-1,4,16,64}
+SEQ_LEVELS=${SEQ_LEVELS:-1,4,16}
 EXACT_LEVELS=${EXACT_LEVELS:-1,32}
 LEFT_CONTEXT=${LEFT_CONTEXT:-25}
 export PYTHONUNBUFFERED=1
@@ -52,25 +55,34 @@ stop_server() {
 case $part in
 served)
   serve_in_background "$LEFT_CONTEXT" "$out/served" || exit 1
-  omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server,server-sequential \
-    --concurrency "$LEVELS" --trace "$out/served/trace" --out "$out/served" 2>&1 | grep -v "it/s\]$"
-  python3 client/perf/run_perf_analyzer.py --url 127.0.0.1:18001 --checkpoint "checkpoints/dummy/$CONFIG" \
-    --models omni --concurrency "$PERF_LEVELS" --request-rate "" --requests 0 --out "$out/perf" 2>&1 | tail -20
+  omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency "$LEVELS" \
+    --trace "$out/served/trace" --out "$out/served" >"$out/served/bench.log" 2>&1
+  omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server-sequential \
+    --concurrency "$SEQ_LEVELS" --out "$out/sequential" >"$out/served/bench-sequential.log" 2>&1
   stop_server "$out/served"
   ;;
-baselines)
-  omni bench $MODEL $(context_args "$LEFT_CONTEXT") --systems inprocess --concurrency "$LEVELS" \
-    --trace "$out/inprocess/trace" --out "$out/inprocess" 2>&1 | grep -v "it/s\]$"
-  omni bench $MODEL --systems transformers --concurrency 1 --requests-per-level 1 --warmup 0 \
-    --out "$out/transformers" 2>&1 | grep -v "it/s\]$"
-  ;;
-exact)
+perf)
+  serve_in_background "$LEFT_CONTEXT" "$out/perf-server" || exit 1
+  python3 client/perf/run_perf_analyzer.py --url 127.0.0.1:18001 --checkpoint "checkpoints/dummy/$CONFIG" \
+    --models omni --concurrency "$PERF_LEVELS" --request-rate "" --requests 0 --out "$out/perf" \
+    >"$out/perf-server/perf_analyzer.log" 2>&1
+  stop_server "$out/perf-server"
   serve_in_background exact "$out/exact" || exit 1
   omni bench --url 127.0.0.1:18001 $MODEL --systems server --concurrency "$EXACT_LEVELS" \
-    --trace "$out/exact/trace" --out "$out/exact" --label "left context exact (578 frames)" 2>&1 | grep -v "it/s\]$"
+    --trace "$out/exact/trace" --out "$out/exact" --label "left context exact (578 frames)" >"$out/exact/bench.log" 2>&1
   stop_server "$out/exact"
   ;;
+inprocess)
+  mkdir -p "$out/inprocess"
+  omni bench $MODEL $(context_args "$LEFT_CONTEXT") --systems inprocess --concurrency "$LEVELS" \
+    --trace "$out/inprocess/trace" --out "$out/inprocess" >"$out/inprocess/bench.log" 2>&1
+  ;;
+transformers)
+  mkdir -p "$out/transformers"
+  omni bench $MODEL --systems transformers --concurrency 1 --requests-per-level "${TRANSFORMERS_REQUESTS:-2}" \
+    --warmup 1 --out "$out/transformers" >"$out/transformers/bench.log" 2>&1
+  ;;
 *)
-  echo "unknown part $part (served, baselines, exact)"; exit 2
+  echo "unknown part $part (served, perf, inprocess, transformers)"; exit 2
   ;;
 esac
