@@ -34,12 +34,17 @@ def machine_description() -> dict:
             description["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    try:
-        description["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                                   cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
+    # a copy without git history (an exported tree run on another machine) names its commit in the environment
+    description["git_commit"] = os.environ.get("OMNI_TRITON_GIT_COMMIT") or _git_commit()
     return description
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def write_json(path: Path, report: dict) -> None:
