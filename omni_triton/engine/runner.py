@@ -8,7 +8,9 @@ The fast path (``fast_path`` on a CUDA device) is a switch around the same modul
   buffers; rows past the batch are padding (no KV write, zero context). A stage whose step completion samples
   (the talker: its code predictor's 15 draws) has sampling and completion inside the graph, so one frame is one
   replay; otherwise (the thinker) the graph ends at the logits and sampling runs after it on the device.
-Prefill, chunked prefill and mixed steps run eagerly.
+Prefill, chunked prefill and mixed steps run eagerly; for such a stage the completion of their sampled rows
+(``complete_step``: the code predictor's ~1,000 launches) still replays a graph of its own (``CompletionGraphs``,
+one per batch bucket, in the decode graphs' pool).
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ class StepResult:
 def graph_buckets(max_batch: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8, 16, 32, 48) if b < max_batch]
     return small + list(range(64, max_batch, 32)) + [max_batch] if max_batch > 48 else small + [max_batch]
+
+
+def bucket_for(buckets: list[int], rows: int) -> int | None:
+    """The smallest of the (ascending) ``buckets`` that holds ``rows``; None for no rows or too many."""
+    if rows < 1:
+        return None
+    return next((b for b in buckets if b >= rows), None)
+
+
+def fill_padded(static: torch.Tensor, values: torch.Tensor, bucket: int) -> None:
+    """A graph's static input: rows 0..n-1 of ``static`` take ``values`` [n, ...], rows n..bucket-1 (padding)
+    are zeroed (for token ids: id 0, a valid one)."""
+    rows = values.shape[0]
+    static[:rows].copy_(values)
+    static[rows:bucket].zero_()
 
 
 class ModelRunner:
@@ -132,8 +149,11 @@ class ModelRunner:
         """The stage's work after sampling (talker: the rest of the codec frame), for rows that go on."""
         extra = [name for name in self.streams if name != MAIN_STREAM]
         if self.samplers:
-            for name in extra:
+            for name in extra:  # the main token is appended already: no tokens_ahead, on either path below
                 self.prepare_sampler(name, seqs)
+            completion = self.graphs.completion if self.graphs is not None else None
+            if completion is not None and completion.serves(hidden, token_ids):
+                return completion.run(hidden, token_ids)
             sample_fns = {name: self.samplers[name].sample for name in extra}
         else:
             sample_fns = {name: _host_sample_fn([self.streams[name](seq) for seq in seqs]) for name in extra}
@@ -165,7 +185,10 @@ class DecodeGraphs:
         self.position_offsets: dict[str, int] = {}  # per request: rope position - sequence position past the prompt
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self.pool = None
         self._capture_all()
+        # steps that run eagerly still complete their sampled rows under a graph (after these: same pool)
+        self.completion = CompletionGraphs(runner, self.buckets, self.pool) if self.in_graph_sampling else None
 
     def serves(self, chunks: list[Chunk]) -> bool:
         return (len(chunks) <= self.buckets[-1]
@@ -181,7 +204,7 @@ class DecodeGraphs:
         outputs = {"hidden": hidden, "logits": logits, **{"captured." + k: v for k, v in captured.items()}}
         if self.in_graph_sampling:
             ids = runner.samplers[MAIN_STREAM].sample(logits, general=True)
-            sample_fns = {name: _general(sampler) for name, sampler in runner.samplers.items() if name != MAIN_STREAM}
+            sample_fns = _general_sample_fns(runner)
             outputs["token_ids"] = ids
             outputs.update({"completed." + k: v for k, v in
                             runner.stage.complete_step(hidden, ids, sample_fns).items()})
@@ -200,6 +223,7 @@ class DecodeGraphs:
                 self.outputs[batch_size] = self._body(batch_size)
             pool = graph.pool()
             self.graphs[batch_size] = graph
+        self.pool = pool
         torch.cuda.synchronize()
 
     def _position(self, seq: Sequence, start: int) -> int | list[int]:
@@ -242,12 +266,77 @@ class DecodeGraphs:
         return StepResult(chunks, list(range(num_rows)), captured, seqs, hidden, ids, completed)
 
 
+class CompletionGraphs:
+    """CUDA graphs of ``stage.complete_step`` alone, one per batch bucket, for a stage whose completion samples
+    (the talker: the code predictor's 15 draws, ~1,000 launches eagerly). Steps that are not pure decode
+    (prefill, chunked prefill, mixed) run eagerly, then ``ModelRunner.complete_step`` completes their sampled
+    rows with one replay here.
+
+    Static inputs: hidden [max_batch, H] (model dtype) and token ids [max_batch] (long). Padding rows are zero
+    hidden and id 0; every row of the completion is independent (the code predictor's per-frame KV cache is
+    built fresh inside the graph, one slice per row; it writes no engine KV; its sampler has no token history
+    and leaves padding rows greedy), so they never touch the real rows. The samplers are the ones the decode
+    graph samples with, called the same way (``_general_sample_fns``): the caller ``prepare``s them as for the
+    eager completion, so both draw the same per-row uniforms. Captured after the decode graphs in their memory
+    pool: outputs are cloned right after each replay, since any later replay may overwrite them."""
+
+    def __init__(self, runner: ModelRunner, buckets: list[int], pool):
+        self.runner = runner
+        self.buckets = list(buckets)
+        stage, device = runner.stage, runner.device
+        model = getattr(stage, "model", None)
+        self.dtype = (next(model.parameters()).dtype if isinstance(model, torch.nn.Module)
+                      else runner.kv_caches[0].dtype)
+        self.hidden = torch.zeros(self.buckets[-1], stage.hidden_size, dtype=self.dtype, device=device)
+        self.token_ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self.replays = 0  # completions served by a graph (tests, diagnostics)
+        self._capture_all(pool)
+
+    def _body(self, batch_size: int) -> dict[str, torch.Tensor]:
+        return self.runner.stage.complete_step(self.hidden[:batch_size], self.token_ids[:batch_size],
+                                               _general_sample_fns(self.runner))
+
+    @torch.inference_mode()
+    def _capture_all(self, pool) -> None:
+        for batch_size in reversed(self.buckets):
+            self._body(batch_size)  # compiles the Triton kernels and settles lazy state before capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch_size] = self._body(batch_size)
+            pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+
+    def serves(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> bool:
+        return (bucket_for(self.buckets, hidden.shape[0]) is not None and token_ids.shape == hidden.shape[:1]
+                and hidden.dtype == self.dtype and hidden.device == self.hidden.device
+                and hidden.shape[1:] == self.hidden.shape[1:])
+
+    def run(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``stage.complete_step(hidden, token_ids, ...)`` by replay; the samplers are prepared by the caller."""
+        num_rows = hidden.shape[0]
+        batch_size = bucket_for(self.buckets, num_rows)
+        fill_padded(self.hidden, hidden, batch_size)
+        fill_padded(self.token_ids, token_ids, batch_size)
+        self.graphs[batch_size].replay()
+        self.replays += 1
+        return _rows(self.outputs[batch_size], "", num_rows)
+
+
 def _rows(outputs: dict[str, torch.Tensor], prefix: str, num_rows: int) -> dict[str, torch.Tensor]:
     return {name[len(prefix):]: t[:num_rows].clone() for name, t in outputs.items() if name.startswith(prefix)}
 
 
 def _general(sampler: DeviceSampler):
     return lambda logits, group: sampler.sample(logits, group, general=True)
+
+
+def _general_sample_fns(runner: ModelRunner) -> dict:
+    """The extra streams' sample functions inside a graph (decode and completion graphs alike)."""
+    return {name: _general(sampler) for name, sampler in runner.samplers.items() if name != MAIN_STREAM}
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
