@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -58,6 +59,9 @@ class InProcessPipeline:
             cuda_graphs=engine_config.cuda_graphs,
             graph_settings=GraphSettings.for_stage(max_batch=1, first_chunk_frames=policy.first_chunk_frames))
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
+        # One vocoder thread, as the served code2wav stage has one instance: with every request's thread decoding
+        # at once, 64 streams ran the H200 out of memory (each thread its own library handles and workspaces).
+        self._vocoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         self._ids = itertools.count()
@@ -100,6 +104,7 @@ class InProcessPipeline:
     def close(self) -> None:
         self.thinker.shutdown()
         self.talker.shutdown()
+        self._vocoder_thread.shutdown()
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -107,7 +112,8 @@ class InProcessPipeline:
 
     def decode_chunk(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] -> the samples after the left context (what the code2wav model returns)."""
-        return self.decoder.decode([ChunkJob.after_context(codes, left_context_frames)])[0]
+        job = ChunkJob.after_context(codes, left_context_frames)
+        return self._vocoder_thread.submit(self.decoder.decode, [job]).result()[0]
 
 
 def _cache_tokens(config: EngineConfig) -> int:
