@@ -72,10 +72,10 @@ def add_memory_arguments(group) -> None:
 
 
 def add_engine_arguments(group) -> None:
-    group.add_argument("--fast-path", choices=["on", "off"], default="off",
-                       help="cuda: the engines' Triton kernels and GPU sampling; measured by "
-                            "benchmarks/engine_microbench.py, not yet verified served (default: %(default)s)")
-    group.add_argument("--cuda-graphs", choices=["on", "off"], default="off",
+    group.add_argument("--fast-path", choices=["on", "off"], default="on",
+                       help="cuda: the engines' Triton kernels and GPU sampling (off: the plain torch path, the "
+                            "reference; the CPU always runs it) (default: %(default)s)")
+    group.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                        help="cuda: with --fast-path on, the engines' decode steps as CUDA graphs; with or without "
                             "it, the code2wav torch runtime's short chunks (first-chunk shapes captured at start) "
                             "(default: %(default)s)")
