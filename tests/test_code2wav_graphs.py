@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from _code2wav_helpers import calibrate_output_gain_
+from omni_triton.graph_buckets import bucket_for, fill_padded
 from omni_triton.models.code2wav_graphs import (DEFAULT_MAX_FRAMES, Code2WavGraphs, GraphSettings, batch_buckets,
-                                                bucket_for, fill_static_input, graph_key, output_rows)
+                                                graph_key, output_rows)
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.server.repository import LaunchConfig, render_repository
 
@@ -44,8 +45,8 @@ def test_batch_buckets_double_up_to_the_max_batch():
 
 def test_a_batch_goes_to_the_smallest_bucket_that_holds_it():
     buckets = (1, 2, 4, 8)
-    assert [bucket_for(b, buckets) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert bucket_for(9, buckets) is None
+    assert [bucket_for(buckets, b) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert bucket_for(buckets, 9) is None
 
 
 def test_graph_key_pads_the_batch_never_the_frames():
@@ -59,11 +60,11 @@ def test_graph_key_pads_the_batch_never_the_frames():
 def test_static_input_gets_the_rows_and_zero_padding():
     static = torch.full((4, 3, 5), 7, dtype=torch.long)
     codes = torch.arange(2 * 3 * 5).view(2, 3, 5)
-    fill_static_input(static, codes)
+    fill_padded(static, codes, static.shape[0])
     assert torch.equal(static[:2], codes)
     assert not static[2:].any()  # the previous call's codes do not linger in the padding rows
     full = torch.ones(4, 3, 5, dtype=torch.long)
-    fill_static_input(static, full)
+    fill_padded(static, full, static.shape[0])
     assert torch.equal(static, full)
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage
-from omni_triton.engine.runner import bucket_for, fill_padded, graph_buckets
+from omni_triton.engine.runner import graph_buckets
+from omni_triton.graph_buckets import bucket_for, fill_padded
 from omni_triton.models.weights import load_talker
 
 pytestmark = pytest.mark.engine

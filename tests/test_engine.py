@@ -291,6 +291,16 @@ def test_talker_preempted_while_waiting_for_input_resumes_identically(talker):
         torch.testing.assert_close(torch.cat(frames[request_id]), torch.cat(ref_frames[request_id]))
 
 
+def talker_alone(talker, params, prefill, text):
+    """Request "a" with all its text at once, stepped by hand: the reference for the threaded loop."""
+    tokens, frames = {}, {}
+    engine = talker_engine(talker)
+    engine.add_request("a", params, prompt_embeds=prefill, trailing_text_embeds=text, thinker_finished=True)
+    while engine.has_work():
+        collect(engine.step(), tokens, frames)
+    return tokens, frames
+
+
 # -- threaded loop ------------------------------------------------------------------------------------------
 def test_engine_loop_streams_outputs_and_never_waits_on_a_slow_consumer(thinker, expected):
     loop = EngineLoop(thinker_engine(thinker, max_num_batched_tokens=16)).start()
@@ -328,11 +338,7 @@ def test_engine_loop_streams_outputs_and_never_waits_on_a_slow_consumer(thinker,
 def test_engine_loop_talker_appends_from_another_thread(talker):
     prefill, text = talker_inputs(4, 8, 4)
     params = greedy(10)
-    ref_tokens, ref_frames = {}, {}
-    engine = talker_engine(talker)
-    engine.add_request("a", params, prompt_embeds=prefill, trailing_text_embeds=text, thinker_finished=True)
-    while engine.has_work():
-        collect(engine.step(), ref_tokens, ref_frames)
+    ref_tokens, ref_frames = talker_alone(talker, params, prefill, text)
 
     loop = EngineLoop(talker_engine(talker)).start()
     try:
@@ -375,11 +381,7 @@ def test_merge_outputs_concatenates_a_requests_outputs_in_order():
 def test_engine_loop_merges_what_queued_behind_a_slow_consumer(talker):
     prefill, text = talker_inputs(4, 8, 4)
     params = greedy(10)
-    ref_tokens, ref_frames = {}, {}
-    engine = talker_engine(talker)
-    engine.add_request("a", params, prompt_embeds=prefill, trailing_text_embeds=text, thinker_finished=True)
-    while engine.has_work():
-        collect(engine.step(), ref_tokens, ref_frames)
+    ref_tokens, ref_frames = talker_alone(talker, params, prefill, text)
 
     loop = EngineLoop(talker_engine(talker)).start()
     try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_triton.graph_buckets import bucket_for, fill_padded
 from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
 from omni_triton.engine.scheduler import ScheduledBatch
 from omni_triton.engine.sequence import Sequence
@@ -43,21 +44,6 @@ class StepResult:
 def graph_buckets(max_batch: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8, 16, 32, 48) if b < max_batch]
     return small + list(range(64, max_batch, 32)) + [max_batch] if max_batch > 48 else small + [max_batch]
-
-
-def bucket_for(buckets: list[int], rows: int) -> int | None:
-    """The smallest of the (ascending) ``buckets`` that holds ``rows``; None for no rows or too many."""
-    if rows < 1:
-        return None
-    return next((b for b in buckets if b >= rows), None)
-
-
-def fill_padded(static: torch.Tensor, values: torch.Tensor, bucket: int) -> None:
-    """A graph's static input: rows 0..n-1 of ``static`` take ``values`` [n, ...], rows n..bucket-1 (padding)
-    are zeroed (for token ids: id 0, a valid one)."""
-    rows = values.shape[0]
-    static[:rows].copy_(values)
-    static[rows:bucket].zero_()
 
 
 class ModelRunner:
@@ -210,21 +196,10 @@ class DecodeGraphs:
                             runner.stage.complete_step(hidden, ids, sample_fns).items()})
         return outputs
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
         self.ints[3].fill_(-1)  # every row padding while capturing: no KV write, no context
         self.ints[4].fill_(0)
-        pool = None
-        for batch_size in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool
-            self._body(batch_size)  # compiles the Triton kernels and settles lazy state before capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch_size] = self._body(batch_size)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
-        self.pool = pool
-        torch.cuda.synchronize()
+        self.pool = _capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool=None)
 
     def _position(self, seq: Sequence, start: int) -> int | list[int]:
         """The rope position(s) of ``start``: past the prompt a fixed offset from it (looked up once per
@@ -237,7 +212,7 @@ class DecodeGraphs:
 
     def run(self, chunks: list[Chunk]) -> StepResult:
         runner, num_rows = self.runner, len(chunks)
-        batch_size = next(b for b in self.buckets if b >= num_rows)
+        batch_size = bucket_for(self.buckets, num_rows)  # serves() checked that one holds them
         seqs = [seq for seq, _, _ in chunks]
         self.inputs_embeds[:num_rows].copy_(runner.stage.embed_inputs(chunks))
         host = self.host_ints.numpy()
@@ -298,17 +273,8 @@ class CompletionGraphs:
         return self.runner.stage.complete_step(self.hidden[:batch_size], self.token_ids[:batch_size],
                                                _general_sample_fns(self.runner))
 
-    @torch.inference_mode()
     def _capture_all(self, pool) -> None:
-        for batch_size in reversed(self.buckets):
-            self._body(batch_size)  # compiles the Triton kernels and settles lazy state before capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch_size] = self._body(batch_size)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
-        torch.cuda.synchronize()
+        _capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool)
 
     def serves(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> bool:
         return (bucket_for(self.buckets, hidden.shape[0]) is not None and token_ids.shape == hidden.shape[:1]
@@ -324,6 +290,22 @@ class CompletionGraphs:
         self.graphs[batch_size].replay()
         self.replays += 1
         return _rows(self.outputs[batch_size], "", num_rows)
+
+
+@torch.inference_mode()
+def _capture_buckets(buckets: list[int], body, graphs: dict, outputs: dict, pool):
+    """One graph of ``body(batch_size)`` per bucket into ``graphs``/``outputs``, largest first so that the smaller
+    ones reuse its memory, all in one pool (``pool``: another set's, or None for a new one); returns the pool."""
+    for batch_size in reversed(buckets):
+        body(batch_size)  # compiles the Triton kernels and settles lazy state before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[batch_size] = body(batch_size)
+        pool = graph.pool()
+        graphs[batch_size] = graph
+    torch.cuda.synchronize()
+    return pool
 
 
 def _rows(outputs: dict[str, torch.Tensor], prefix: str, num_rows: int) -> dict[str, torch.Tensor]:

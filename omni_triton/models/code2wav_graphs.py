@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from omni_triton.graph_buckets import bucket_for, fill_padded
+
 # Frames past which a call runs eagerly. The pool, the output buffers and the number of distinct shapes (each a
 # capture: about two eager calls' time on first use) grow with the bound, while the gain shrinks: the fixed
 # ~25-30 ms of launches is most of a 4-frame call but a small part of a compute-bound long one (a later chunk,
@@ -73,24 +75,10 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(buckets + [max_batch])
 
 
-def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket that holds ``batch`` rows; None when none does (the call runs eagerly)."""
-    return next((bucket for bucket in buckets if bucket >= batch), None)
-
-
 def graph_key(batch: int, frames: int, buckets: tuple[int, ...], max_frames: int) -> tuple[int, int] | None:
     """(bucket, frames) of the graph that replays a [batch, G, frames] call; None: the call runs eagerly."""
-    bucket = bucket_for(batch, buckets)
+    bucket = bucket_for(buckets, batch)
     return None if bucket is None or frames > max_frames else (bucket, frames)
-
-
-def fill_static_input(static_codes: torch.Tensor, codes: torch.Tensor) -> None:
-    """Copy ``codes`` [b, G, N] into the first b rows of the graph's input [bucket, G, N]; zero the padding rows
-    (so a replay's input does not depend on the previous call's)."""
-    batch = codes.shape[0]
-    static_codes[:batch].copy_(codes, non_blocking=True)
-    if batch < static_codes.shape[0]:
-        static_codes[batch:].zero_()
 
 
 def output_rows(static_output: torch.Tensor, batch: int) -> torch.Tensor:
@@ -162,7 +150,7 @@ class Code2WavGraphs:
             if call is not None:
                 if self._last_copy_out is not None:  # the previous replay's rows are out (its caller's stream)
                     stream.wait_event(self._last_copy_out)
-                fill_static_input(call.codes, codes)
+                fill_padded(call.codes, codes, call.codes.shape[0])
                 call.graph.replay()
                 waveform = output_rows(call.waveform, batch)
                 self._last_copy_out = torch.cuda.Event()
