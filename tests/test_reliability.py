@@ -495,9 +495,10 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(tiny_checkpoint, 
 
 
 def test_killed_stage_stays_down_without_explicit_model_control(tiny_checkpoint, tmp_path):
-    """What ``omni-triton serve`` does today (--model-control-mode=none): the stage cannot be reloaded, so every
-    request is refused at once with UNAVAILABLE saying so (instead of failing after 1-3 s with "Stub process ...
-    is not healthy"), and the server stays up."""
+    """What ``omni-triton serve`` does by default (--model-control-mode=none): the stage cannot be reloaded, so
+    no reload is tried and every request is refused at once with UNAVAILABLE "down" saying what it takes
+    (instead of failing after 1-3 s with "Stub process ... is not healthy"), never "restarting", whatever the
+    timing; and the server stays up."""
     with fault_server(tiny_checkpoint, tmp_path, explicit_model_control=False) as server:
         os.kill(find_stubs(server.server.process.pid, ["talker"])["talker"], signal.SIGKILL)
         refusals, _ = _until_served(server, time.monotonic(), timeout_s=3.0, expect_served=False)

@@ -27,6 +27,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+UNSEEN_DEAD_STUB = -1  # no process has this pid: stub_alive() is False for it
+RELOAD_HINT = " (reloading a stage needs tritonserver --model-control-mode=explicit: serve --allow-stage-reload)"
+
 
 class StageSupervisor:
     def __init__(self, stages: tuple[str, ...], interval_s: float = 0.1, scan_every_s: float = 0.5,
@@ -63,7 +66,15 @@ class StageSupervisor:
         sent to it can abort the whole server (Triton 2.51 throws boost::interprocess::lock_exception when the
         stub died holding its message queue's lock), so the window in which one is sent must stay tiny."""
         with self._lock:
+            if stage not in self._down and self._stubs.get(stage, 0) is None:
+                self._locate(stage)
             return stage in self._down or self._dead(stage)
+
+    def _locate(self, stage: str) -> None:
+        """Find the stub of a stage the watcher has not seen yet (its scans are 0.5 s apart). Requests come only
+        once every stage is loaded, so a stage with no live stub then lost it before the watcher saw it: record
+        it as a dead pid, and the watcher handles it like any other death."""
+        self._stubs[stage] = find_stubs(self._server_pid, [stage]).get(stage, UNSEEN_DEAD_STUB)
 
     def _dead(self, stage: str) -> bool:
         pid = self._stubs.get(stage)
@@ -89,11 +100,17 @@ class StageSupervisor:
             if pid is not None and not stub_alive(pid, self._server_pid):
                 # One step under the lock: a request that saw the dead pid (``is_down``) must also see the new
                 # generation (``failure``), or it fails as INTERNAL "stage is down" instead of UNAVAILABLE.
+                # Without explicit model control no reload can succeed, so the stage is "down" from the first
+                # moment: saying "restarting" while a reload that must fail is tried would be untrue.
                 with self._lock:
                     self._generation[stage] += 1
-                    self._down[stage] = "is restarting (its process exited); retry shortly"
+                    self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
+                                         else f"is down: its process exited{RELOAD_HINT}")
                     self._stubs[stage] = None
-                self._restart(stage)
+                if self._explicit:
+                    self._restart(stage)
+                else:
+                    logger.error("%s stage: its stub process exited; it stays down%s", stage, RELOAD_HINT)
         missing = [stage for stage, pid in self._stubs.items() if pid is None]
         # Stages load after the orchestrator, and a reload starts a new process: look for them, not too often.
         if missing and time.monotonic() - self._scanned_at >= self._scan_every_s:
@@ -110,9 +127,8 @@ class StageSupervisor:
             self._reload(stage)
         except (OSError, ValueError) as error:  # it stays down, and says why
             logger.error("%s stage: reload failed: %s", stage, error)
-            hint = "" if self._explicit else "; reloading needs tritonserver --model-control-mode=explicit"
             with self._lock:
-                self._down[stage] = f"is down: its process exited and reloading it failed ({error}){hint}"
+                self._down[stage] = f"is down: its process exited and reloading it failed ({error})"
             return
         with self._lock:
             del self._down[stage]
