@@ -1,8 +1,12 @@
 """Batch buckets of CUDA graphs (the engines' decode and completion graphs, the vocoder's): a call of ``rows``
 rows replays the graph of the smallest bucket that holds it, its rows copied into the graph's static input
-and the padding rows zeroed. Pure helpers, shared by ``engine.runner`` and ``models.code2wav_graphs``."""
+and the padding rows zeroed; and the one way every graph here is captured. Shared by ``engine.runner`` and
+``models.code2wav_graphs``."""
 
 from __future__ import annotations
+
+import contextlib
+import gc
 
 import torch
 
@@ -20,3 +24,25 @@ def fill_padded(static: torch.Tensor, values: torch.Tensor, bucket: int) -> None
     rows = values.shape[0]
     static[:rows].copy_(values)
     static[rows:bucket].zero_()
+
+
+@contextlib.contextmanager
+def capturing(graph: "torch.cuda.CUDAGraph", pool=None, stream: "torch.cuda.Stream | None" = None):
+    """``torch.cuda.graph(graph, pool, stream)`` with Python's cyclic garbage collector kept out of the capture.
+
+    torch (>= 2.9) no longer collects garbage before a capture, so the collector may run in the middle of one,
+    whenever the captured Python code has allocated enough objects: it then frees whatever dead cycles hold, e.g.
+    an earlier engine with its graphs, pinned host buffers and events, and those frees call CUDA (event records
+    and queries on other streams, graph and pool teardown) in a way a capturing stream forbids: "operation not
+    permitted when stream is capturing", and the capture is invalidated. Hence: collect first, and no collection
+    until the capture ends. ``thread_local``: other threads of the process (an engine loop, a response thread)
+    may keep launching and allocating on their own streams while this thread captures."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if collecting:
+            gc.enable()

@@ -168,3 +168,36 @@ def test_sampled_talker_frames_do_not_depend_on_the_completion_graphs(talker):
                         max_num_batched_tokens=BUDGET)
     assert with_graphs == without
     assert with_graphs["0"] != with_graphs["2"]
+
+
+@cuda
+def test_capture_is_not_disturbed_by_garbage_collection_of_an_earlier_engine(talker):
+    """The failure met when this file ran after the other GPU test files: Python's cyclic collector ran inside a
+    capture (torch no longer collects before one) and freed an earlier engine's graphs and pinned buffers there,
+    which invalidated the capture. Here that is forced: an earlier engine left as a dead cycle, and the collector
+    set to run at almost every allocation; the new engine's captures must still succeed and serve."""
+    import gc
+
+    dead = talker_engine(talker, fast=True)
+    dead.runner.cycle = dead  # a reference cycle: only the collector frees it
+    frames_before = runs_one_request(dead)
+    del dead
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        engine = talker_engine(talker, fast=True)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert engine.runner.graphs is not None and engine.runner.graphs.completion is not None
+    assert runs_one_request(engine) == frames_before
+
+
+def runs_one_request(engine: LLMEngine) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    engine.add_request("r", GREEDY, prompt_embeds=torch.randn(5, engine.runner.stage.hidden_size,
+                                                              generator=gen).to(engine.runner.device),
+                       thinker_finished=True)
+    codes = []
+    while engine.has_work():
+        codes += [out.extras["codes"][0].tolist() for out in engine.step() if "codes" in out.extras]
+    return codes

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_triton.graph_buckets import bucket_for, fill_padded
+from omni_triton.graph_buckets import bucket_for, capturing, fill_padded
 from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
 from omni_triton.engine.scheduler import ScheduledBatch
 from omni_triton.engine.sequence import Sequence
@@ -300,7 +300,7 @@ def _capture_buckets(buckets: list[int], body, graphs: dict, outputs: dict, pool
         body(batch_size)  # compiles the Triton kernels and settles lazy state before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with capturing(graph, pool=pool):
             outputs[batch_size] = body(batch_size)
         pool = graph.pool()
         graphs[batch_size] = graph

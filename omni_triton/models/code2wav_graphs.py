@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from omni_triton.graph_buckets import bucket_for, fill_padded
+from omni_triton.graph_buckets import bucket_for, capturing, fill_padded
 
 # Frames past which a call runs eagerly. The pool, the output buffers and the number of distinct shapes (each a
 # capture: about two eager calls' time on first use) grow with the bound, while the gain shrinks: the fixed
@@ -179,10 +179,9 @@ class Code2WavGraphs:
                 self.forward(codes)
         caller.wait_stream(self._capture_stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the process (the engines' loops in the in-process pipeline, another
-        # decode) may keep allocating and launching while this thread captures.
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream,
-                                                      capture_error_mode="thread_local"):
+        # (capturing: other threads of the process, the engines' loops in the in-process pipeline or another
+        # decode, may keep allocating and launching while this thread captures.)
+        with torch.inference_mode(), capturing(graph, pool=self._pool, stream=self._capture_stream):
             waveform = self.forward(codes)
         call = _CapturedCall(graph, codes, waveform)
         self._graphs[(bucket, frames)] = call
