@@ -11,7 +11,7 @@ out=${OUT:-/tmp}
 first="tests/test_kernels.py tests/test_fast_path.py tests/test_code2wav_graphs.py tests/test_completion_graphs.py"
 rest=$(grep -l "torch.cuda.is_available()" tests/test_*.py | grep -v -F -x -f <(tr ' ' '\n' <<<"$first") | tr '\n' ' ')
 {
-  echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) torch $(python3 -c 'import torch; print(torch.__version__)') commit ${OMNI_TRITON_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) torch $(python3 -c 'import torch; print(torch.__version__)') commit ${OMNI_TRITON_GIT_COMMIT:-unknown (set OMNI_TRITON_GIT_COMMIT)}"
   echo "# python3 -m pytest -q -rs -p no:cacheprovider $first $rest"
   PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider $first $rest
   status=$?
