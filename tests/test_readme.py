@@ -33,7 +33,7 @@ def code_of(markdown: str) -> list[str]:
     """Fenced code blocks and inline code spans: where the README shows commands."""
     blocks = re.findall(r"^```[^\n]*\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
     prose = re.sub(r"^```[^\n]*\n.*?^```", "", markdown, flags=re.DOTALL | re.MULTILINE)
-    return blocks + re.findall(r"`([^`\n]+)`", prose)
+    return blocks + [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
 
 
 def named_commands(markdown: str) -> list[tuple[str, ...]]:
