@@ -10,7 +10,7 @@ was still alive, and writes the same as JSON.
 Variants: ``fixed`` (the default server), ``no-lock-fix`` (OMNI_TRITON_STUB_LOCK_FIX=0: the stub's
 ResponseIterator lock-order deadlock is back), ``no-retirement`` (OMNI_TRITON_BLS_ITERATOR_RETIREMENT_S=0:
 finished BLS iterators are dropped at once, so the stub's cleanup thread may free Python objects
-without the GIL). See README "What was verified".
+without the GIL). See docs/python_backend.md.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ elif command -v c++ >/dev/null || command -v g++ >/dev/null; then
   if [ -f "$sources/python_backend-r26.07-4b3337c.tar.gz" ]; then source_args=(--source "$sources"); fi
   "$VENV/bin/omni-triton" build python-backend "${source_args[@]}"
 else
-  echo "setup: no C++ compiler: serving with the Python backend bundled in nvidia-pytriton (see README, GPU)"
+  echo "setup: no C++ compiler: serving with the Python backend bundled in nvidia-pytriton (see docs/python_backend.md)"
 fi
 
 echo "setup: $("$VENV/bin/python" -c 'import sys, torch, tritonclient; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")') in $VENV"
