@@ -29,7 +29,7 @@ from omni_triton.pipeline.request_params import RequestLimits
 from omni_triton.pipeline.session import Session, SessionParams, ThinkerChunk
 from omni_triton.pipeline.stage_requests import talker_request, thinker_request
 from omni_triton.pipeline.talker_service import TalkerService
-from omni_triton.pipeline.thinker_service import ThinkerService
+from omni_triton.pipeline.thinker_service import ThinkerOutput, ThinkerService, merge_appends
 
 
 class StageFailed(RuntimeError):
@@ -157,6 +157,9 @@ class _DirectClients:
 
     def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None:
         self.pipeline.talker.append(request_id, chunk.payload)
+
+    def merge_payloads(self, payloads: list[ThinkerOutput]) -> ThinkerOutput:
+        return merge_appends(payloads)
 
     def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         return self.pipeline.decode_chunk(codes, left_context_frames)

@@ -34,6 +34,8 @@ class StageClients(Protocol):
     def thinker(self, request_id: str) -> Iterable[ThinkerChunk]: ...
     def talker_start(self, request_id: str, chunk: ThinkerChunk) -> Iterator[torch.Tensor]: ...
     def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None: ...
+    def merge_payloads(self, payloads: list[Any]) -> Any:
+        """One payload for consecutive thinker chunks past the first (rows concatenated in order)."""
     def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] (left context first) -> the new samples only."""
     def abort(self, request_id: str) -> None: ...
@@ -98,12 +100,15 @@ class Session:
         trace.event(self.request_id, "session.start")
         first_chunk = True
         try:
-            for chunk in self._stream("thinker", self.clients.thinker(self.request_id), check):
+            # Every thinker chunk that queued while this thread was busy (an append is a round trip to the
+            # talker) goes on as one: one text delta and one append, so the talker's trailing text never falls
+            # further behind the thinker than one round trip, however many streams share the orchestrator.
+            for chunks in self._stream("thinker", self.clients.thinker(self.request_id), check, coalesce=True):
                 if first_chunk:
-                    trace.event(self.request_id, "session.thinker_first_chunk", tokens=len(chunk.token_ids))
+                    trace.event(self.request_id, "session.thinker_first_chunk", tokens=len(chunks[0].token_ids))
                     first_chunk = False
-                delta = self.detokenizer.push(chunk.token_ids)
-                if chunk.finished:
+                delta = self.detokenizer.push([token for chunk in chunks for token in chunk.token_ids])
+                if chunks[-1].finished:
                     delta += self.detokenizer.flush()
                 if delta:
                     emit(delta, None)
@@ -111,12 +116,13 @@ class Session:
                     continue
                 if audio_worker is None:
                     trace.event(self.request_id, "session.talker_start")
-                    frames = self.clients.talker_start(self.request_id, chunk)
+                    frames = self.clients.talker_start(self.request_id, chunks[0])
                     stopped = threading.Event()
                     audio_worker = _AudioWorker(self._stream("talker", frames, until=stopped), self.clients,
                                                 self.audio_stream_factory(), emit, stopped, self.request_id)
-                else:
-                    self.clients.talker_append(self.request_id, chunk)
+                    chunks = chunks[1:]
+                if chunks:
+                    self.clients.talker_append(self.request_id, self._merged(chunks))
             if audio_worker is not None:
                 audio_worker.join(lambda: self._check("code2wav"))
         finally:
@@ -140,6 +146,14 @@ class Session:
             codes = torch.cat(all_frames, dim=0).T.contiguous()
             emit("", self.clients.code2wav(codes, 0))
 
+    def _merged(self, chunks: list[ThinkerChunk]) -> ThinkerChunk:
+        if len(chunks) == 1:
+            return chunks[0]
+        if trace.enabled():
+            trace.event(self.request_id, "session.appends_coalesced", chunks=len(chunks))
+        return ThinkerChunk([token for chunk in chunks for token in chunk.token_ids], chunks[-1].finished,
+                            self.clients.merge_payloads([chunk.payload for chunk in chunks]))
+
     def _check(self, stage: str) -> None:
         """Raise if the request must stop while it waits on ``stage``."""
         if self.is_cancelled():
@@ -149,9 +163,10 @@ class Session:
             raise StageFailed(failure)
 
     def _stream(self, stage: str, items: Iterable[T], check: Callable[[], None] | None = None,
-                until: threading.Event | None = None) -> Iterator[T]:
+                until: threading.Event | None = None, coalesce: bool = False) -> Iterator[Any]:
         """``items`` (a stage's response stream), read on a thread of their own and checked (default:
         ``_check(stage)``) at every item and every ``POLL_S`` without one; it ends early once ``until`` is set.
+        With ``coalesce``, it yields lists: each item with every later one already waiting in the queue.
 
         A BLS stream in this Triton version cannot be cancelled, and one from a stage whose process died
         never ends: waiting on it directly would hold the request, its admission slot and the other stages'
@@ -188,12 +203,30 @@ class Session:
                         raise error
                     return
                 check()
-                yield item
+                if not coalesce:
+                    yield item
+                    continue
+                batch = [item]
+                while (waiting := _get_nowait(responses)) is not None:
+                    if waiting[0] is _END:
+                        yield batch
+                        if waiting[1] is not None:
+                            raise waiting[1]
+                        return
+                    batch.append(waiting[0])
+                yield batch
         finally:
             listening.clear()
 
 
 _END = object()  # a stream's end in _stream's queue
+
+
+def _get_nowait(responses: queue.SimpleQueue) -> tuple[Any, BaseException | None] | None:
+    try:
+        return responses.get_nowait()
+    except queue.Empty:
+        return None
 
 
 class _AudioWorker:

@@ -33,6 +33,15 @@ class ThinkerOutput:
     error: str | None = None
 
 
+def merge_appends(outputs: list[ThinkerOutput]) -> ThinkerOutput:
+    """Consecutive outputs past a request's first as one (what the talker is appended): rows in order."""
+    if any(out.prompt_len for out in outputs):
+        raise ValueError("only outputs past the first (no prompt rows) are merged")
+    return ThinkerOutput(torch.cat([out.token_ids for out in outputs]), torch.cat([out.row_ids for out in outputs]),
+                         torch.cat([out.embeds for out in outputs]), torch.cat([out.hidden for out in outputs]),
+                         0, outputs[-1].finished)
+
+
 @dataclass(frozen=True)
 class ThinkerRequest:
     input_ids: list[int]
