@@ -20,6 +20,7 @@ from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arg
                                                add_model_source_arguments, model_source, with_kv_budget)
 from omni_triton.server.repository import (CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig,
                                           render_repository)
+from omni_triton.server.mps import MPS_CHOICES, MpsError
 from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES
 from omni_triton.server.tritonserver import (ServerOptions, TritonInstall, TritonServer, TritonServerError,
                                              find_tritonserver, process_tree_rss_bytes)
@@ -93,6 +94,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--allow-stage-reload", action="store_true",
                         help="model-control-mode explicit, so that a stage whose stub process died is reloaded "
                              "(the repository load/unload API is then open to clients too; default: off)")
+    server.add_argument("--mps", choices=MPS_CHOICES, default="auto",
+                        help="CUDA MPS for the stages sharing a GPU (--device cuda): auto uses the host's control "
+                             "daemon or starts one of its own when nvidia-cuda-mps-control is installed, else goes "
+                             "without; on insists; off never (default: %(default)s)")
     server.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
 
 
@@ -128,7 +133,7 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     repository = render_repository(config, args.run_dir / "repository", models)
     options = ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                             metrics_port=args.metrics_port, gpu=config.device == "cuda",
-                            stage_reload=args.allow_stage_reload)
+                            stage_reload=args.allow_stage_reload, mps=args.mps)
     server = TritonServer(repository, install, options, log_path=args.run_dir / "tritonserver.log",
                           echo_log=echo_log)
     print(f"tritonserver ({install.origin}: {install.binary})\n"
@@ -139,6 +144,7 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
           + f", device {config.device} {config.resolved_dtype}, interstage memory {config.interstage_memory}, "
           f"repository {repository}\n  {kv_note}", flush=True)
     server.start()
+    print(f"  CUDA MPS: {server.mps.note}", flush=True)
     try:
         waited = server.wait_ready(timeout_s=args.ready_timeout)
     except BaseException:
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         return 130
-    except (TritonServerError, InferenceServerException, LaunchOptionError, DoesNotFit) as error:
+    except (TritonServerError, InferenceServerException, LaunchOptionError, DoesNotFit, MpsError) as error:
         print(f"omni-triton: {error}", file=sys.stderr)
         return 1
 

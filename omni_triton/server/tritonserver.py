@@ -29,6 +29,7 @@ from typing import Callable
 
 from omni_triton.server import bundled_backend
 from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
+from omni_triton.server.mps import MpsDaemon, start_mps
 from omni_triton.server.stage_supervisor import find_stubs, stub_alive
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
@@ -212,6 +213,7 @@ class ServerOptions:
     log_verbose: int = 0
     exit_timeout_s: int = 10
     extra_args: list[str] = field(default_factory=list)
+    mps: str = "off"  # CUDA MPS for the stages sharing a GPU: auto | on | off (omni_triton.server.mps)
 
 
 class TritonServer:
@@ -226,6 +228,7 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else self.repository.parent / "tritonserver.log"
         self.echo_log = echo_log
         self.process: subprocess.Popen | None = None
+        self.mps: MpsDaemon | None = None
         self._stop_echo = threading.Event()
 
     # -- addresses -------------------------------------------------------------------------------
@@ -281,10 +284,12 @@ class TritonServer:
         if not self.repository.is_dir():
             raise TritonServerError(f"model repository {self.repository} does not exist")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.mps = start_mps(self.options.mps, self.options.gpu)
         with open(self.log_path, "wb") as log:
             # A new session makes the server and its stub processes one process group to signal.
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.install.environment(),
+                                            stdin=subprocess.DEVNULL,
+                                            env={**self.install.environment(), **self.mps.environment},
                                             start_new_session=True)
         if self.echo_log:
             threading.Thread(target=self._echo_log, daemon=True).start()
@@ -321,6 +326,13 @@ class TritonServer:
         """SIGINT (graceful: Triton drains requests and unloads every model), then SIGTERM, then SIGKILL, to
         the whole group."""
         self._stop_echo.set()
+        try:
+            return self._stop_server(timeout_s)
+        finally:
+            if self.mps is not None:
+                self.mps.stop()  # after the server: its clients must be gone first
+
+    def _stop_server(self, timeout_s: float) -> int | None:
         stubs = list(self.stub_pids().values())
         process, self.process = self.process, None
         if process is None:
