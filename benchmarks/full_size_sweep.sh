@@ -10,9 +10,10 @@
 # then merge: omni-triton bench --merge OUT/served OUT/sequential OUT/inprocess OUT/transformers --out ...
 # Every bench run writes its results.json after each level, so a part cut short keeps what it measured.
 #
-# Settings (environment): LEVELS (default 1,4,8,16,32,64), SEQ_LEVELS (1,4,16), LEFT_CONTEXT (code2wav left
-# context in frames, default 25: what transformers' own Code2Wav.chunked_decode uses; "exact" = the receptive
-# field, 578 frames), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG.
+# Settings (environment): LEVELS (default 1,4,8,16,32,64), SEQ_LEVELS (1,4,16; empty: no sequential run),
+# LEFT_CONTEXT (code2wav left context in frames, default 25: what transformers' own Code2Wav.chunked_decode uses;
+# "exact" or "default" = no --left-context-frames, serve's default), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32),
+# CONFIG, SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows).
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}
@@ -25,15 +26,16 @@ LEFT_CONTEXT=${LEFT_CONTEXT:-25}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 
-context_args() {  # $1: frames or "exact"
-  [ "$1" = exact ] || echo "--left-context-frames $1"
+context_args() {  # $1: frames, or "exact"/"default" (serve's default)
+  [ "$1" = exact ] || [ "$1" = default ] || echo "--left-context-frames $1"
 }
+SERVE_ARGS=${SERVE_ARGS:-}
 MODEL="--device cuda --config $CONFIG --fast-path on --cuda-graphs on"
 omni() { python3 -m omni_triton.cli "$@"; }
 
 serve_in_background() {  # $1: left context, $2: run dir; the server traces into $2/trace/server
   mkdir -p "$2"
-  OMNI_TRITON_TRACE_DIR="$2/trace/server" omni serve $MODEL $(context_args "$1") --max-inflight 64 \
+  OMNI_TRITON_TRACE_DIR="$2/trace/server" omni serve $MODEL $(context_args "$1") --max-inflight 64 $SERVE_ARGS \
     --run-dir "$2/run" --http-port 18000 --grpc-port 18001 --metrics-port 18002 >"$2/serve.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 600); do
@@ -56,9 +58,9 @@ case $part in
 served)
   serve_in_background "$LEFT_CONTEXT" "$out/served" || exit 1
   omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency "$LEVELS" \
-    --trace "$out/served/trace" --out "$out/served" >"$out/served/bench.log" 2>&1
-  omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server-sequential \
-    --concurrency "$SEQ_LEVELS" --out "$out/sequential" >"$out/served/bench-sequential.log" 2>&1
+    --trace "$out/served/trace" --out "$out/served" ${LABEL:+--label "$LABEL"} >"$out/served/bench.log" 2>&1
+  [ -z "$SEQ_LEVELS" ] || omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") \
+    --systems server-sequential --concurrency "$SEQ_LEVELS" --out "$out/sequential" >"$out/served/bench-sequential.log" 2>&1
   stop_server "$out/served"
   ;;
 perf)
