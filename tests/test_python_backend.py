@@ -91,7 +91,7 @@ def test_our_patches_apply_to_the_pinned_sources(tmp_path):
 
 @pytest.mark.server
 def test_the_built_backend_serves_without_workarounds_and_stops_cleanly(tiny_checkpoint, tmp_path):
-    """No preloaded library, no iterator retirement; a stop after streaming takes < 3 s and logs no crash."""
+    """No preloaded library, no iterator retirement; a stop after streaming is graceful (every model unloads after SIGINT, no escalation) and logs no crash."""
     built, why_not = load_built_backend()
     if built is None:
         pytest.skip(why_not)
@@ -118,7 +118,10 @@ def test_the_built_backend_serves_without_workarounds_and_stops_cleanly(tiny_che
     log = handle.server.log_path.read_text(errors="replace")
     alarms = [line for line in log.splitlines() if any(alarm in line for alarm in SHUTDOWN_ALARMS)]
     assert not alarms, f"shutdown logged: {alarms[:5]}"
-    assert stop_s < 3.0, f"stop took {stop_s:.1f} s"
+    # graceful: every model unloaded after SIGINT (a stop that needed SIGTERM/SIGKILL hung somewhere); how long
+    # that takes depends on the machine's load, so it is printed, not bounded
+    print(f"\nstop: {handle.server.stop_outcome} in {stop_s:.1f} s")
+    assert handle.server.stop_outcome == "graceful", f"stop {handle.server.stop_outcome} after {stop_s:.1f} s"
     leftover = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{handle.server.shm_prefix}"],
                               capture_output=True, text=True).stdout.split()
     assert not leftover, f"stub processes left: {leftover}"

@@ -165,8 +165,9 @@ def test_deadline_bounds_a_killed_client(server):
     idle_s = _kill_after_first_audio(server, deadline_s)
     print(f"\nkilled client with deadline_s={deadline_s}: stages idle {idle_s:.2f} s after the kill")
     # the request reached the server before the victim printed its first audio, so its deadline is earlier
-    # than kill + deadline_s; 1 s of slack for the next chunk boundary and the gauges' refresh
-    assert idle_s < deadline_s + 1.0
+    # than kill + deadline_s; slack for the next chunk boundary and the gauges' refresh on a loaded 2-core
+    # machine, still well short of the request's natural end (4-5 s after the kill, previous test)
+    assert idle_s < deadline_s + 2.0
     assert_serves(server)
 
 
@@ -175,7 +176,7 @@ def test_deadline_ends_a_live_request_with_an_error_naming_it(server):
                          timeout_s=30, parameters={"deadline_s": 1.0})
     assert outcome.error is not None and "deadline_s exceeded" in outcome.error, outcome.error
     assert outcome.audio, "audio streams until the deadline"
-    assert outcome.seconds < 1.0 + 1.5
+    assert outcome.seconds < 1.0 + 2.5, "ended by its deadline, well before its natural end (~5 s)"
     for bad in ("soon", -1, 0):
         outcome = raw_stream(server.grpc_url, build_inputs("hi", max_tokens=2), timeout_s=30,
                              parameters={"deadline_s": bad})

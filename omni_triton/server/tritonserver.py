@@ -229,6 +229,7 @@ class TritonServer:
         self.echo_log = echo_log
         self.process: subprocess.Popen | None = None
         self.mps: MpsDaemon | None = None
+        self.stop_outcome = ""  # how the last stop ended: "graceful", or the signal it had to escalate to
         self._stop_echo = threading.Event()
 
     # -- addresses -------------------------------------------------------------------------------
@@ -337,9 +338,12 @@ class TritonServer:
         process, self.process = self.process, None
         if process is None:
             return None
+        self.stop_outcome = "graceful"
         for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if process.poll() is not None:
                 break
+            if sig != signal.SIGINT:
+                self.stop_outcome = f"escalated to {sig.name}"
             try:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:
