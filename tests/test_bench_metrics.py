@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from omni_triton.bench.driver import run_level
-from omni_triton.bench.metrics import (RequestTiming, audio_seconds, ratios_to, rtf, summarize, ttfa, ttft,
-                                       underruns)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omni_triton.bench.metrics import (RequestTiming, audio_seconds, dry_time, gapless_start_delay, ratios_to, rtf,
+                                       summarize, ttfa, ttft, underruns)
 from omni_triton.bench.perf_analyzer import export_span_s, perf_analyzer_command, request_records
 from omni_triton.bench.report import markdown, plot
 from omni_triton.bench.runners import SharedWorker
@@ -51,6 +54,59 @@ def test_underruns_count_chunks_that_arrive_after_playback_ran_dry(chunks, expec
     assert underruns([(t, int(s * RATE)) for t, s in chunks], RATE) == expected
 
 
+@pytest.mark.parametrize("chunks, expected", [
+    ([(1.0, 0.5), (1.5, 0.5), (1.9, 1.0)], 0.0),   # every chunk in time
+    ([(1.0, 0.5), (1.6, 0.5)], 0.1),              # 0.1 s of silence before the second chunk
+    ([(1.0, 0.2), (1.5, 0.2), (1.6, 1.0)], 0.3),  # one gap of 0.3 s; the burst after it does not add any
+    ([(1.0, 0.2), (1.5, 0.2), (2.0, 1.0)], 0.6),  # two gaps of 0.3 s
+    ([(1.0, 2.0), (1.5, 0.1), (2.9, 0.1)], 0.0),  # a big first chunk covers late small ones
+    ([(3.0, 0.1)], 0.0),                          # a late first chunk is TTFA, not dry time
+    ([], 0.0),
+])
+def test_dry_time_is_the_silence_after_the_first_chunk(chunks, expected):
+    assert dry_time([(t, int(s * RATE)) for t, s in chunks], RATE) == pytest.approx(expected)
+
+
+def test_gapless_start_delay_is_ttfa_plus_dry_time():
+    assert gapless_start_delay(timing(chunks=[(1.0, 0.2), (1.5, 0.2), (2.0, 1.0)]), RATE) == pytest.approx(1.6)
+    assert gapless_start_delay(timing(text_times=[0.1]), RATE) is None
+
+
+def _pause_and_resume_silence(chunks: list[tuple[float, int]]) -> float:
+    """A player that starts at the first chunk, plays at real time and waits whenever it has nothing."""
+    played_until, silent = chunks[0][0], 0.0
+    for arrival, samples in chunks:
+        if arrival > played_until:
+            silent += arrival - played_until
+            played_until = arrival
+        played_until += samples / RATE
+    return silent
+
+
+chunk_timelines = st.lists(st.tuples(st.floats(0.0, 2.0), st.integers(1, 2 * RATE)), min_size=1, max_size=30).map(
+    lambda gaps: [(sum(g for g, _ in gaps[:i + 1]), samples) for i, (_, samples) in enumerate(gaps)])
+
+
+@given(chunk_timelines)
+def test_dry_time_is_the_silence_heard_and_the_least_buffer_for_gapless_play(chunks):
+    dry = dry_time(chunks, RATE)
+    assert dry == pytest.approx(_pause_and_resume_silence(chunks), abs=1e-9)
+    start = chunks[0][0]
+
+    def gaps_when_starting_at(play_start: float) -> bool:
+        played = 0
+        for arrival, samples in chunks:
+            if arrival > play_start + played / RATE + 1e-9:
+                return True
+            played += samples
+        return False
+
+    assert not gaps_when_starting_at(start + dry)
+    if dry > 1e-6:
+        assert gaps_when_starting_at(start + dry - 1e-6)
+    assert (underruns(chunks, RATE) == 0) == (dry == 0)
+
+
 # -- one level ---------------------------------------------------------------------------------------
 
 def test_summarize_percentiles_throughput_and_continuity():
@@ -66,11 +122,24 @@ def test_summarize_percentiles_throughput_and_continuity():
     assert s.requests_per_s == pytest.approx(4 / 8.0)
     assert s.audio_s_per_s == pytest.approx(4 * 2.0 / 8.0) and s.audio_s_per_request == pytest.approx(2.0)
     assert s.continuity == pytest.approx(1 / 4)
+    # three streams ran dry for 1 s (their second chunk came 2 s after a 1 s first chunk), one did not
+    assert (s.ran_dry, s.ran_dry_fraction) == (3, pytest.approx(3 / 4))
+    assert s.dry_p50 == pytest.approx(1.0) and s.dry_p95 == pytest.approx(1.0)
+    gapless = [0.1, 1.2, 1.3, 1.4]  # TTFA + dry time
+    assert s.gapless_start_p50 == pytest.approx(np.percentile(gapless, 50))
+    assert s.gapless_start_p95 == pytest.approx(np.percentile(gapless, 95))
+
+
+def test_a_stream_runs_dry_only_past_50_ms():
+    timings = [timing(chunks=[(0.1, 0.5), (0.1 + 0.5 + late, 0.5)]) for late in (0.0, 0.049, 0.051, 0.3)]
+    s = summarize("server", 4, timings, wall_s=1.0, sample_rate=RATE)
+    assert (s.ran_dry, s.ran_dry_fraction) == (2, 0.5)
 
 
 def test_summarize_with_every_request_failed_has_no_latencies():
     s = summarize("server", 1, [timing(error="down")] * 2, wall_s=1.0)
     assert s.failed == 2 and s.ttfa_p50 is None and s.continuity is None and s.requests_per_s == 0
+    assert s.ran_dry is None and s.dry_p50 is None and s.gapless_start_p50 is None
 
 
 def test_summarize_rejects_a_zero_wall_time():
@@ -206,18 +275,21 @@ def test_perf_analyzer_command_takes_one_load_kind(tmp_path):
 # -- report -----------------------------------------------------------------------------------------------
 
 def test_markdown_and_plots(tmp_path):
-    summaries = [summarize(system, c, [timing([0.01 * c], [(0.1 * c, 2.0)], total=1.0)], wall_s=1.0)
+    summaries = [summarize(system, c, [timing([0.01 * c], [(0.1 * c, 0.5), (0.1 * c + 0.5 + 0.1 * c, 1.5)],
+                                              total=1.0)], wall_s=1.0)
                  for system in ("server", "inprocess") for c in (1, 2)]
     report = {"label": "t", "command": "omni-triton bench --quick", "machine": {"cores": 2},
               "workload": QUICK.__dict__, "prompt_ids": 24, "notes": ["a note"]}
     table = markdown(report, summaries, ratios_to("server", summaries), "server")
     rows = [line for line in table.splitlines() if line.startswith("| server |") or line.startswith("| inprocess |")]
-    assert len(rows) == 4 + 2  # 4 result rows, 2 ratio rows
+    assert len(rows) == 4 + 4 + 2  # 4 result rows, 4 listener rows, 2 ratio rows
     assert "| server | 2 | 1 | 0 | 20 | 200 |" in table and "a note" in table
+    # concurrency 2: 200 ms of silence after the first chunk, so a gapless start at 200 + 200 ms; it ran dry
+    assert "| server | 2 | 200 | 200 | 400 | 400 | 1 | 100 |" in table
     json.dumps(report)
     pytest.importorskip("matplotlib")
     paths = plot(summaries, tmp_path)
-    assert sorted(p.name for p in paths) == ["throughput.png", "ttfa.png"]
+    assert sorted(p.name for p in paths) == ["gapless_start.png", "ran_dry.png", "throughput.png", "ttfa.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
 
 

@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     table += breakdown.report_section(breakdowns)
     (out_dir / "results.md").write_text(table)
     print(table)
-    print(f"wrote {out_dir}/results.json, results.md" + ("" if isinstance(plots, str) else ", ttfa.png, throughput.png"),
-          file=sys.stderr)
+    print(f"wrote {out_dir}/results.json, results.md"
+          + ("" if isinstance(plots, str) else "".join(f", {path.name}" for path in plots)), file=sys.stderr)
     return 1 if any(s.failed for s in summaries) else 0
 
 

@@ -3,6 +3,9 @@
 TTFA: request sent -> first non-empty audio chunk.   TTFT: request sent -> first non-empty text delta.
 RTF: generation wall time / audio duration.          Continuity: fraction of requests whose audio never
 underruns playback that starts when the first chunk arrives.
+Dry time: how long a listener who starts playing at the first chunk hears silence after it (everything received
+had already played); a stream "ran dry" when its dry time is > ``RAN_DRY_S``.
+Gapless start delay: TTFA + dry time, how long a player must buffer before it starts to play without a gap.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 import numpy as np
 
 OUTPUT_SAMPLE_RATE = 24000
+RAN_DRY_S = 0.050  # dry time above this is a gap a listener hears (DESIGN.md section 6)
 
 
 @dataclass
@@ -61,6 +65,29 @@ def underruns(audio_chunks: list[tuple[float, int]], sample_rate: int = OUTPUT_S
     return late
 
 
+def dry_time(audio_chunks: list[tuple[float, int]], sample_rate: int = OUTPUT_SAMPLE_RATE) -> float:
+    """Seconds of silence after the first chunk for a player that starts at the first chunk's arrival, plays
+    at real time and pauses while it has nothing: the most any chunk arrived after the real-time play time of
+    its first sample, ``max_k(arrival_k - first_arrival - audio before k)``, or 0. The pauses add up to that
+    running maximum, and it is also the least extra buffering that makes playback gapless: a player that
+    starts ``dry_time`` later never waits for a chunk, one that starts any earlier does."""
+    if not audio_chunks:
+        return 0.0
+    start = audio_chunks[0][0]
+    dry = 0.0
+    played_samples = 0
+    for arrival, samples in audio_chunks:
+        dry = max(dry, arrival - start - played_samples / sample_rate)
+        played_samples += samples
+    return dry
+
+
+def gapless_start_delay(timing: RequestTiming, sample_rate: int = OUTPUT_SAMPLE_RATE) -> float | None:
+    """TTFA + dry time: from the request sent, how long a player must wait before it plays without a gap."""
+    first = ttfa(timing)
+    return None if first is None else first + dry_time(timing.audio_chunks, sample_rate)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -91,6 +118,13 @@ class LevelSummary:
     audio_s_per_s: float
     continuity: float | None
     errors: list[str] = field(default_factory=list)
+    # What a listener hears (defaults: rows written before these metrics existed still load)
+    dry_p50: float | None = None             # dry time after the first chunk, seconds
+    dry_p95: float | None = None
+    gapless_start_p50: float | None = None   # TTFA + dry time, seconds
+    gapless_start_p95: float | None = None
+    ran_dry: int | None = None               # streams whose dry time was > RAN_DRY_S
+    ran_dry_fraction: float | None = None    # ... of the successful streams with audio
     gpu_memory_peak_gib: float | None = None  # device-wide, the most in use during the level (bench.gpu_memory)
 
     def to_dict(self) -> dict:
@@ -119,6 +153,9 @@ def summarize(system: str, concurrency: int, timings: list[RequestTiming], wall_
     rtfs = [v for v in (rtf(t, sample_rate) for t in done) if v is not None]
     with_audio = [t for t in done if t.audio_chunks]
     continuous = [underruns(t.audio_chunks, sample_rate) == 0 for t in with_audio]
+    dry = [dry_time(t.audio_chunks, sample_rate) for t in with_audio]
+    gapless = [gapless_start_delay(t, sample_rate) for t in with_audio]
+    ran_dry = sum(d > RAN_DRY_S for d in dry)
     return LevelSummary(
         system=system, concurrency=concurrency, requests=len(timings), failed=len(timings) - len(done),
         wall_s=wall_s,
@@ -131,6 +168,9 @@ def summarize(system: str, concurrency: int, timings: list[RequestTiming], wall_
         audio_s_per_s=sum(audio_seconds(t, sample_rate) for t in done) / wall_s,
         continuity=sum(continuous) / len(continuous) if continuous else None,
         errors=sorted({t.error for t in timings if t.error is not None}),
+        dry_p50=percentile(dry, 50), dry_p95=percentile(dry, 95),
+        gapless_start_p50=percentile(gapless, 50), gapless_start_p95=percentile(gapless, 95),
+        ran_dry=ran_dry if with_audio else None, ran_dry_fraction=ran_dry / len(with_audio) if with_audio else None,
     )
 
 

@@ -8,7 +8,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from omni_triton.bench.metrics import RATIO_METRICS, LevelSummary
+from omni_triton.bench.metrics import RAN_DRY_S, RATIO_METRICS, LevelSummary
 
 
 def machine_description() -> dict:
@@ -87,6 +87,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
                      f"{_ms(s.ttfa_p50)} | {_ms(s.ttfa_p95)} | {_ms(s.ttfa_p99)} | {_num(s.rtf_mean, 3)} | "
                      f"{_num(s.rtf_p95, 3)} | {_num(s.audio_s_per_request)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
                      f"{_num(s.continuity)} | {_num(s.gpu_memory_peak_gib, 1)} |")
+    lines += listener_table(summaries)
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
                       "audio s/s: <1 is less throughput):", "",
@@ -103,6 +104,24 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
     return "\n".join(lines) + "\n"
 
 
+def listener_table(summaries: list[LevelSummary]) -> list[str]:
+    """What a listener hears (DESIGN.md section 6): dry time after the first chunk, the start delay a player
+    needs for gapless playback (TTFA + dry time) and the streams that ran dry (dry time > RAN_DRY_S)."""
+    rows = [s for s in summaries if s.ran_dry is not None]
+    if not rows:
+        return []
+    lines = ["", f"What a listener hears: dry time = silence after the first chunk at real-time playback; gapless "
+                 f"start = TTFA + dry time; ran dry = dry time > {RAN_DRY_S * 1000:.0f} ms.", "",
+             "| system | conc | dry p50 ms | dry p95 ms | gapless start p50 ms | gapless start p95 ms | ran dry "
+             "| ran dry % |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        lines.append(f"| {s.system} | {s.concurrency} | {_ms(s.dry_p50)} | {_ms(s.dry_p95)} | "
+                     f"{_ms(s.gapless_start_p50)} | {_ms(s.gapless_start_p95)} | {s.ran_dry} | "
+                     f"{_num(100 * s.ran_dry_fraction, 0)} |")
+    return lines
+
+
 def merged_commands(merged_from: list[dict]) -> list[tuple[str, str]]:
     """(dir, command) of every run that went into a merged report, a merge of merges included."""
     found = []
@@ -112,9 +131,19 @@ def merged_commands(merged_from: list[dict]) -> list[tuple[str, str]]:
     return found
 
 
+# filename -> ((metric, legend suffix), ...), y label, scale from the summary's unit
+CHARTS = {
+    "ttfa.png": ((("ttfa_p50", "p50"), ("ttfa_p95", "p95")), "TTFA (ms)", 1000),
+    "throughput.png": ((("requests_per_s", ""),), "requests / second (fixed audio length each)", 1),
+    "gapless_start.png": ((("gapless_start_p50", "p50"), ("gapless_start_p95", "p95")),
+                          "gapless start delay: TTFA + dry time (ms)", 1000),
+    "ran_dry.png": ((("ran_dry_fraction", ""),), f"streams that ran dry (> {RAN_DRY_S * 1000:.0f} ms), %", 100),
+}
+
+
 def plot(summaries: list[LevelSummary], out_dir: Path) -> list[Path] | str:
-    """ttfa.png and throughput.png vs concurrency, one line per system; a message instead when matplotlib
-    is not installed (pip install 'omni-triton[bench]')."""
+    """The CHARTS vs concurrency, one line per system; a message instead when matplotlib is not installed
+    (pip install 'omni-triton[bench]')."""
     try:
         import matplotlib
 
@@ -123,10 +152,8 @@ def plot(summaries: list[LevelSummary], out_dir: Path) -> list[Path] | str:
     except ImportError:
         return "plots skipped: matplotlib is not installed (pip install 'omni-triton[bench]')"
     systems = list(dict.fromkeys(s.system for s in summaries))
-    charts = {"ttfa.png": (("ttfa_p50", "p50"), ("ttfa_p95", "p95")), "throughput.png": (("requests_per_s", ""),)}
-    labels = {"ttfa.png": "TTFA (ms)", "throughput.png": "requests / second (fixed audio length each)"}
     paths = []
-    for filename, metrics in charts.items():
+    for filename, (metrics, label, scale) in CHARTS.items():
         figure, axes = plt.subplots(figsize=(6, 4))
         for index, system in enumerate(systems):
             rows = [s for s in summaries if s.system == system]
@@ -135,17 +162,20 @@ def plot(summaries: list[LevelSummary], out_dir: Path) -> list[Path] | str:
                 if not points:
                     continue
                 x, y = zip(*points)
-                y = [v * 1000 for v in y] if filename == "ttfa.png" else y
-                axes.plot(x, y, marker="o", color=f"C{index}", linestyle="-" if suffix in ("", "p50") else "--",
-                          label=f"{system} {suffix}".strip())
+                axes.plot(x, [v * scale for v in y], marker="o", color=f"C{index}",
+                          linestyle="-" if suffix in ("", "p50") else "--", label=f"{system} {suffix}".strip())
+        if not axes.get_lines():  # e.g. no system returned audio: no listener chart
+            plt.close(figure)
+            continue
         levels = sorted({s.concurrency for s in summaries})
         values = [v for line in axes.get_lines() for v in line.get_ydata() if v > 0]
-        if values and max(values) > 30 * min(values):  # e.g. a non-streaming baseline 100x the others
+        # e.g. a non-streaming baseline 100x the others; a fraction stays linear
+        if filename != "ran_dry.png" and values and max(values) > 30 * min(values):
             axes.set_yscale("log")
         axes.set_xscale("log", base=2)
         axes.set_xticks(levels, [str(c) for c in levels])
         axes.set_xlabel("concurrency")
-        axes.set_ylabel(labels[filename])
+        axes.set_ylabel(label)
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize=8)
         figure.tight_layout()
