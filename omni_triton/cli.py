@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 from omni_triton.server.memory_plan import DoesNotFit
-from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_memory_arguments,
-                                               add_model_source_arguments, model_source, with_kv_budget)
+from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
+                                               add_memory_arguments, add_model_source_arguments, model_source,
+                                               with_kv_budget)
 from omni_triton.server.repository import (CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig,
                                           render_repository)
 from omni_triton.server.mps import MPS_CHOICES, MpsError
@@ -64,6 +65,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(launch)
     launch.add_argument("--max-inflight", type=int, default=defaults.max_inflight_requests,
                         help="concurrent requests per stage (default: %(default)s)")
+    add_load_arguments(launch)
     launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap,
                         help="largest MAX_TOKENS a request may ask for (default: %(default)s)")
     launch.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars,
@@ -118,6 +120,8 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
         left_context_frames=args.left_context_frames, max_batched_tokens=args.max_batched_tokens,
         fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
         max_inflight_requests=args.max_inflight, max_tokens_cap=args.max_tokens_cap,
+        chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
+        admission_capacity=args.admission_capacity,
         max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
         torch_threads={stage: args.torch_threads for stage in STAGES},
         code2wav_runtime=args.code2wav_runtime, code2wav_engine_path=args.code2wav_engine,

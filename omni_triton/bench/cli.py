@@ -46,8 +46,9 @@ from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
-from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_memory_arguments,
-                                               add_model_source_arguments, model_source, with_kv_budget)
+from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
+                                               add_memory_arguments, add_model_source_arguments, model_source,
+                                               with_kv_budget)
 from omni_triton.server.memory_plan import SERVED_GPU_PROCESSES
 from omni_triton.server.repository import LaunchConfig
 from omni_triton.trace import TRACE_DIR_ENV
@@ -70,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_model_source_arguments(target)
     add_memory_arguments(target)
     add_engine_arguments(target)
+    add_load_arguments(target)
     load = parser.add_argument_group("workload (defaults: DESIGN.md section 6, or --quick)")
     load.add_argument("--quick", action="store_true", help="CPU/CI preset: 16-token prompt, 16 tokens, 25 frames, "
                                                            "concurrency 1,2,4")
@@ -126,7 +128,9 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
                           load_format=args.source.load_format, dummy_seed=args.source.seed,
                           interstage_memory=interstage_memory, max_inflight_requests=max(16, *workload.concurrencies),
                           fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
-                          left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch)
+                          left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch,
+                          chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
+                          admission_capacity=args.admission_capacity)
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization, gpu_processes)
 
 

@@ -31,8 +31,9 @@ so padding frames only change samples past each chunk's own ``frames * spf - tri
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -97,10 +98,13 @@ class ChunkJob:
 class Code2WavStream:
     """One request's codec frames: collects them and hands out the next chunk to decode when it is due."""
 
-    def __init__(self, policy: ChunkPolicy, num_quantizers: int):
+    def __init__(self, policy: ChunkPolicy, num_quantizers: int, pacer: Any = None):
+        """``pacer``: a ``chunk_pacing.ChunkPacer`` choosing chunk sizes from the stream's frame rate and the
+        listener's buffer; None: the policy's fixed ramp."""
         if policy.left_context_frames is None:
             raise ValueError("Code2WavStream needs a resolved policy (ChunkPolicy.resolved(exact_left_context))")
         self.policy = policy
+        self.pacer = pacer
         self.num_quantizers = num_quantizers
         self._pieces: list[torch.Tensor] = []  # [n, G] pieces not yet merged into the buffer
         self._buffer = torch.empty(0, num_quantizers, dtype=torch.long)
@@ -123,7 +127,8 @@ class Code2WavStream:
     def next_job(self, final: bool = False) -> ChunkJob | None:
         """The next chunk if a full one is pending (or, when ``final``, whatever remains), else None.
         Marks its frames decoded: call until it returns None."""
-        want = self.policy.chunk_size(self.decoded_frames)
+        want = (self.policy.chunk_size(self.decoded_frames) if self.pacer is None
+                else self.pacer.chunk_size(self.decoded_frames, self.pending_frames, time.monotonic()))
         new = min(want, self.pending_frames)
         if new == 0 or (new < want and not final):
             return None

@@ -22,6 +22,7 @@ from omni_triton.engine import EngineConfig
 from omni_triton.models.code2wav import exact_left_context_frames
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
+from omni_triton.pipeline.chunk_pacing import ChunkPacer
 from omni_triton.pipeline.code2wav_stream import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.preprocess import Preprocessor
@@ -40,11 +41,11 @@ class InProcessPipeline:
     def __init__(self, checkpoint_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  engine_config: EngineConfig | None = None, talker_engine_config: EngineConfig | None = None,
                  policy: ChunkPolicy = ChunkPolicy(), limits: RequestLimits = RequestLimits(),
-                 load_format: str = "safetensors", seed: int = 0):
+                 load_format: str = "safetensors", seed: int = 0, chunk_pacing: str = "adaptive"):
         """``talker_engine_config``: default ``engine_config``. ``load_format`` dummy: seeded random weights
         (``seed``) from the checkpoint dir's config.json, as the served stages load them. The vocoder is the
         code2wav stage's torch runtime, with CUDA graphs for its short calls when ``engine_config.cuda_graphs``
-        (the same switch the served stages read)."""
+        (the same switch the served stages read). ``chunk_pacing``: adaptive (``ChunkPacer``) or ramp, as served."""
         engine_config = engine_config or EngineConfig(num_blocks=1024, device=device, kv_dtype=dtype)
         talker_engine_config = talker_engine_config or engine_config
         self.device = torch.device(device)
@@ -63,8 +64,13 @@ class InProcessPipeline:
         # at once, 64 streams ran the H200 out of memory (each thread its own library handles and workspaces).
         self._vocoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
+        self.chunk_pacing = chunk_pacing
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         self._ids = itertools.count()
+
+    def _audio_stream(self) -> Code2WavStream:
+        pacer = ChunkPacer(self.policy) if self.chunk_pacing == "adaptive" else None
+        return Code2WavStream(self.policy, self.vocoder.num_quantizers, pacer)
 
     def stream(self, client_inputs: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Client tensors (as the ``omni`` model takes them) -> (text delta, audio or None) as produced."""
@@ -75,7 +81,7 @@ class InProcessPipeline:
                           SessionParams(return_audio=bool(tensors["RETURN_AUDIO"][0]),
                                         sequential=bool(tensors["SEQUENTIAL"][0])),
                           clients, IncrementalDetokenizer(self.tokenizer),
-                          lambda: Code2WavStream(self.policy, self.vocoder.num_quantizers))
+                          self._audio_stream)
         results: queue.SimpleQueue = queue.SimpleQueue()
         done = object()
 

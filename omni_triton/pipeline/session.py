@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
@@ -118,8 +119,9 @@ class Session:
                     trace.event(self.request_id, "session.talker_start")
                     frames = self.clients.talker_start(self.request_id, chunks[0])
                     stopped = threading.Event()
-                    audio_worker = _AudioWorker(self._stream("talker", frames, until=stopped), self.clients,
-                                                self.audio_stream_factory(), emit, stopped, self.request_id)
+                    audio_worker = _AudioWorker(
+                        lambda idle: self._stream("talker", frames, until=stopped, idle=idle), self.clients,
+                        self.audio_stream_factory(), emit, stopped, self.request_id)
                     chunks = chunks[1:]
                 if chunks:
                     self.clients.talker_append(self.request_id, self._merged(chunks))
@@ -163,9 +165,11 @@ class Session:
             raise StageFailed(failure)
 
     def _stream(self, stage: str, items: Iterable[T], check: Callable[[], None] | None = None,
-                until: threading.Event | None = None, coalesce: bool = False) -> Iterator[Any]:
+                until: threading.Event | None = None, coalesce: bool = False,
+                idle: Callable[[], None] | None = None) -> Iterator[Any]:
         """``items`` (a stage's response stream), read on a thread of their own and checked (default:
-        ``_check(stage)``) at every item and every ``POLL_S`` without one; it ends early once ``until`` is set.
+        ``_check(stage)``) at every item and every ``POLL_S`` without one, when ``idle`` is called too (in the
+        consuming thread); it ends early once ``until`` is set.
         With ``coalesce``, it yields lists: each item with every later one already waiting in the queue.
 
         A BLS stream in this Triton version cannot be cancelled, and one from a stage whose process died
@@ -197,6 +201,8 @@ class Session:
                     item, error = responses.get(timeout=POLL_S)
                 except queue.Empty:
                     check()
+                    if idle is not None:
+                        idle()
                     continue
                 if item is _END:
                     if error is not None:
@@ -233,12 +239,16 @@ class _AudioWorker:
     """Consumes the talker's frame stream on its own thread and emits decoded audio chunks.
 
     It runs beside the thinker loop so that text keeps flowing to the talker while frames are
-    decoded; errors are re-raised in the request's thread (``raise_error``, ``join``).
+    decoded; errors are re-raised in the request's thread (``raise_error``, ``join``). A stream with a
+    ``ChunkPacer`` is told every frame arrival, decode time and audio sent, and is looked at again while no
+    frame comes (``frames(idle)``'s wake-ups), so a stalled talker does not hold frames a listener needs.
     """
 
-    def __init__(self, frames: Iterator[torch.Tensor], clients: StageClients, stream: Code2WavStream, emit: Emit,
-                 stopped: threading.Event, request_id: str = ""):
-        self._frames = frames  # Session._stream: it raises on a cancel, the deadline or a dead talker
+    def __init__(self, frames: Callable[[Callable[[], None]], Iterator[torch.Tensor]], clients: StageClients,
+                 stream: Code2WavStream, emit: Emit, stopped: threading.Event, request_id: str = ""):
+        self._pacer = stream.pacer
+        # Session._stream: it raises on a cancel, the deadline or a dead talker
+        self._frames = frames(self._on_idle)
         self._clients = clients
         self._stream = stream
         self._emit = emit
@@ -254,6 +264,8 @@ class _AudioWorker:
         try:
             for frames in self._frames:  # ends early once stopped
                 self._trace_once("session.talker_first_frames")
+                if self._pacer is not None:
+                    self._pacer.frames_arrived(frames.shape[0], time.monotonic())
                 self._stream.append(frames)
                 self._decode_due(final=False)
             if not self._stopped.is_set():
@@ -266,12 +278,21 @@ class _AudioWorker:
     def _decode_due(self, final: bool) -> None:
         while (job := self._stream.next_job(final=final)) is not None:
             self._trace_once("session.code2wav_first_call")
+            started = time.monotonic()
             audio = self._clients.code2wav(job.codes, job.context_frames)
             if self._stopped.is_set():
                 return  # the session ended while this call was blocked (a code2wav that died): say nothing
             if audio.numel():
                 self._trace_once("session.code2wav_first_audio")
                 self._emit("", audio)
+            if self._pacer is not None:
+                now = time.monotonic()
+                self._pacer.decode_took(now - started)
+                self._pacer.audio_sent(job.new_frames * self._pacer.frame_s, now)
+
+    def _on_idle(self) -> None:
+        if self._pacer is not None and not self._stopped.is_set():
+            self._decode_due(final=False)
 
     def _trace_once(self, name: str) -> None:
         if trace.enabled() and name not in self._traced:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION, SERVED_GPU_PROCESSES,
                                             THINKER_KV_SHARE, kv_budget, kv_tokens_setting)
-from omni_triton.server.repository import LOAD_FORMATS, LaunchConfig
+from omni_triton.server.repository import CHUNK_PACING, LOAD_FORMATS, LaunchConfig, admission_capacity_setting
 
 
 class LaunchOptionError(ValueError):
@@ -79,6 +79,29 @@ def add_engine_arguments(group) -> None:
                        help="cuda: with --fast-path on, the engines' decode steps as CUDA graphs; with or without "
                             "it, the code2wav torch runtime's short chunks (first-chunk shapes captured at start) "
                             "(default: %(default)s)")
+
+
+def add_load_arguments(group) -> None:
+    """How streams are paced and admitted under load (docs/load.md)."""
+    group.add_argument("--chunk-pacing", choices=CHUNK_PACING, default=LaunchConfig.chunk_pacing,
+                       help="adaptive: each stream's audio chunks follow its frame rate and its listener's buffer "
+                            "(decoded early when waiting would let the listener run dry, else growing to "
+                            "--next-chunk-frames); ramp: the fixed ramp alone (default: %(default)s)")
+    group.add_argument("--admission-queue", type=int, metavar="N",
+                       help="requests that may wait for admission (FIFO; the wait counts in their TTFA); past it "
+                            "a request is refused with UNAVAILABLE (default: --max-inflight)")
+    group.add_argument("--admission-capacity", type=_admission_capacity, metavar="auto|off|AUDIO_S_PER_S",
+                       help="admit a stream only while every running one keeps real time: auto (estimated from "
+                            "the frame rate streams get, learned online), off (--max-inflight alone), or a fixed "
+                            "capacity in audio-seconds per second (default: auto on cuda, off on cpu)")
+
+
+def _admission_capacity(text: str) -> str:
+    try:
+        admission_capacity_setting(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path] | None = None) -> ModelSource:

@@ -9,6 +9,13 @@ Each stage reports a snapshot of its own state (engine stats, sessions in flight
     omni_kv_blocks_used{stage}       paged-KV blocks held
     omni_kv_blocks_free{stage}       paged-KV blocks free
     omni_pending_audio_frames{stage} codec frames received but not yet decoded (orchestrator)
+  admission (orchestrator; docs/load.md):
+    omni_admission_queue_length{stage}          requests waiting for admission now
+    omni_admission_waited_requests{stage}       requests started after waiting (cumulative)
+    omni_admission_wait_seconds{stage}          their waits, summed (cumulative; / waited = mean wait)
+    omni_admission_refused_requests{stage}      requests refused with UNAVAILABLE (cumulative)
+    omni_realtime_capacity_audio_s_per_s{stage} estimated audio-seconds per second at the running streams
+                                                (0: admission by real-time capacity is off)
 """
 
 from __future__ import annotations
@@ -23,6 +30,11 @@ GAUGES = {
     "omni_kv_blocks_used": "Paged KV-cache blocks in use",
     "omni_kv_blocks_free": "Paged KV-cache blocks free",
     "omni_pending_audio_frames": "Codec frames received but not yet decoded to audio",
+    "omni_admission_queue_length": "Requests waiting for admission",
+    "omni_admission_waited_requests": "Requests started after waiting for admission (cumulative)",
+    "omni_admission_wait_seconds": "Seconds requests waited for admission, summed (cumulative)",
+    "omni_admission_refused_requests": "Requests refused with UNAVAILABLE by admission (cumulative)",
+    "omni_realtime_capacity_audio_s_per_s": "Estimated audio-seconds per second at the running streams (0: off)",
 }
 
 

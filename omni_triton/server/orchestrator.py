@@ -2,8 +2,10 @@
 
 The Triton model file only parses its config and hands requests here. Each request gets its own
 thread because BLS decoupled calls in this Triton version return blocking iterators: one slow stage
-must not stall the other streams. Admission is bounded: past ``max_inflight`` requests a new one is
-refused at once with UNAVAILABLE instead of queueing without limit.
+must not stall the other streams. Admission (``admission``): a request starts while fewer than
+``max_inflight`` stream and, with a capacity, while one more stream would leave every playing one real time;
+otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
+``waited_s``), and past ``admission_queue`` waiting it is refused at once with UNAVAILABLE naming the limit.
 
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
@@ -29,8 +31,9 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -39,11 +42,14 @@ from tokenizers import Tokenizer
 from omni_triton import trace
 from omni_triton.error_tags import triton_error
 from omni_triton.models.code2wav import Code2WavConfig, exact_left_context_frames
+from omni_triton.pipeline.chunk_pacing import ChunkPacer
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
+from omni_triton.server.admission import Admission, RealtimeCapacity
 from omni_triton.server.bls_clients import BlsStageClients
 from omni_triton.server.metrics import HostHopCounter
+from omni_triton.server.repository import CHUNK_PACING
 from omni_triton.server.stage_io import from_torch
 from omni_triton.server.stage_supervisor import StageSupervisor
 
@@ -53,10 +59,16 @@ REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "SP
                   "TOP_K", "REPETITION_PENALTY", "TALKER_REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS",
                   "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL")
 BLS_STAGES = ("thinker", "talker", "code2wav")
+DISPATCH_S = 0.05  # how often waiting requests are looked at (cancelled? capacity freed?) without an event
+CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observation this often
 
 
 class Orchestrator:
-    def __init__(self, pb_utils: Any, checkpoint_dir: str, device: str, policy: ChunkPolicy, max_inflight: int):
+    def __init__(self, pb_utils: Any, checkpoint_dir: str, device: str, policy: ChunkPolicy, max_inflight: int,
+                 chunk_pacing: str = "adaptive", admission_queue: int = 0, capacity: RealtimeCapacity | None = None):
+        """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone)."""
+        if chunk_pacing not in CHUNK_PACING:
+            raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
         self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device != "cpu")
         self._tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
@@ -64,22 +76,35 @@ class Orchestrator:
         self._num_quantizers = code2wav_config.num_quantizers
         self._policy = policy.resolved(exact_left_context_frames(code2wav_config))
         self._on_gpu = device != "cpu"
-        self._slots = threading.BoundedSemaphore(max_inflight)
-        self._max_inflight = max_inflight
+        self._chunk_pacing = chunk_pacing
+        self._admission = Admission(max_inflight, admission_queue, capacity)
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._request_counter = 0
         self._lock = threading.Lock()
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
         self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
         self._stages = StageSupervisor(BLS_STAGES)
+        self._ended_frames: dict[str, int] = {}  # request id -> frames, for streams ended since the last sample
+        self._seen_frames: dict[str, int] = {}   # request id -> frames at the last sample (dispatcher only)
+        self._stopping = threading.Event()
+        self._wake = threading.Event()  # a stream ended: a waiting request may start
+        self._dispatcher = threading.Thread(target=self._dispatch, name="omni-admission", daemon=True)
+        self._dispatcher.start()
 
     def snapshot(self) -> dict[str, float]:
-        """Gauge values: requests in flight and codec frames they hold that are not decoded yet."""
+        """Gauge values: requests in flight, codec frames they hold that are not decoded yet, admission."""
         with self._lock:
             streams = [stream for stream in self._active.values() if stream is not None]
             active = len(self._active)
+        admission = self._admission
+        capacity = admission.capacity.audio_s_per_s(max(1, admission.running)) if admission.capacity else 0.0
         return {"omni_active_requests": active,
-                "omni_pending_audio_frames": sum(stream.pending_frames for stream in streams)}
+                "omni_pending_audio_frames": sum(stream.pending_frames for stream in streams),
+                "omni_admission_queue_length": admission.queued,
+                "omni_admission_waited_requests": admission.waited,
+                "omni_admission_wait_seconds": admission.wait_s,
+                "omni_admission_refused_requests": admission.refused,
+                "omni_realtime_capacity_audio_s_per_s": capacity}
 
     def submit(self, request: Any) -> None:
         """Start streaming ``request``; every response goes out through its response sender."""
@@ -89,12 +114,8 @@ class Orchestrator:
             self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
             return
         down = self._stages.unavailable()
-        if down is not None or not self._slots.acquire(blocking=False):
-            message = down or (f"server busy: {self._max_inflight} requests in flight (max_inflight_requests); "
-                               "retry later")
-            error = triton_error(self._pb, "UNAVAILABLE", message)
-            sender.send(self._pb.InferenceResponse(error=error),
-                        flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if down is not None:
+            self._refuse(sender, down)
             return
         inputs = {name: self._pb.get_input_tensor_by_name(request, name) for name in REQUEST_INPUTS}
         missing = [name for name, tensor in inputs.items() if tensor is None]
@@ -103,17 +124,77 @@ class Orchestrator:
                 raise ValueError(f"missing inputs {missing}")
             deadline = _deadline(request)
         except ValueError as exc:
-            self._slots.release()
             error = triton_error(self._pb, "INVALID_ARG", str(exc))
             sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         cancelled = threading.Event()
         client_id = request.request_id()
-        with self._lock:
-            self._cancel_events.setdefault(client_id, set()).add(cancelled)
         request_id = self._request_id(request)
         trace.event(request_id, "orchestrator.received")
-        self._pool.submit(self._run, request, sender, inputs, request_id, client_id, cancelled, deadline)
+        ticket = _Ticket(request, sender, inputs, request_id, client_id, cancelled, deadline,
+                         _CancelCheck(request, cancelled, deadline))
+        with self._lock:  # before it may start: a cancel sent while it waits must find it
+            self._cancel_events.setdefault(client_id, set()).add(cancelled)
+        decision = self._admission.arrive(ticket, time.monotonic())
+        if decision == "start":
+            self._start(ticket, waited_s=0.0)
+        elif decision == "refused":
+            self._forget(ticket)
+            self._refuse(sender, self._admission.refusal())
+
+    def _refuse(self, sender: Any, message: str) -> None:
+        error = triton_error(self._pb, "UNAVAILABLE", message)
+        sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _start(self, ticket: "_Ticket", waited_s: float) -> None:
+        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s)
+        self._pool.submit(self._run, ticket)
+
+    def _forget(self, ticket: "_Ticket") -> None:
+        with self._lock:
+            events = self._cancel_events[ticket.client_id]
+            events.discard(ticket.cancelled)
+            if not events:
+                del self._cancel_events[ticket.client_id]
+
+    def _dispatch(self) -> None:
+        """Starts waiting requests in arrival order when a stream ends or capacity frees up, ends those
+        cancelled or past their deadline while waiting, and feeds the capacity estimate."""
+        last_sample = time.monotonic()
+        while not self._stopping.is_set():
+            self._wake.wait(DISPATCH_S)
+            self._wake.clear()
+            try:
+                last_sample = self._dispatch_once(last_sample)
+            except Exception:  # a dead dispatcher would leave every waiting request waiting forever
+                logger.exception("admission dispatcher")
+
+    def _dispatch_once(self, last_sample: float) -> float:
+        """One look at the queue; returns when capacity was last sampled."""
+        now = time.monotonic()
+        for ticket in self._admission.drop(lambda ticket: ticket.is_cancelled()):
+            self._forget(ticket)
+            reason = "deadline_s exceeded" if now > ticket.deadline else "request cancelled"
+            error = triton_error(self._pb, "CANCELLED", f"{reason} while waiting for admission")
+            ticket.sender.send(self._pb.InferenceResponse(error=error),
+                               flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if self._admission.capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
+            self._observe_capacity(now - last_sample)
+            last_sample = now
+        for ticket, waited_s in self._admission.due(now):
+            self._start(ticket, waited_s)
+        return last_sample
+
+    def _observe_capacity(self, seconds: float) -> None:
+        """Frames received since the last sample over the streams that received some -> the capacity estimate
+        (a stream waiting for thinker text or draining its last chunks does not count as producing)."""
+        with self._lock:
+            totals = {rid: stream.total_frames for rid, stream in self._active.items() if stream is not None}
+            ended, self._ended_frames = self._ended_frames, {}
+        totals.update(ended)
+        deltas = [total - self._seen_frames.get(rid, 0) for rid, total in totals.items()]
+        self._seen_frames = {rid: total for rid, total in totals.items() if rid not in ended}
+        self._admission.capacity.observe(sum(delta > 0 for delta in deltas), sum(deltas), seconds)
 
     def _control(self, client_id: str, word: bytes, sender: Any) -> None:
         pb = self._pb
@@ -127,6 +208,8 @@ class Orchestrator:
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def shutdown(self) -> None:
+        self._stopping.set()
+        self._dispatcher.join()
         self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._host_hops.close()
@@ -137,9 +220,10 @@ class Orchestrator:
             self._request_counter += 1
             return f"{request.request_id() or 'req'}#{self._request_counter}"
 
-    def _run(self, request: Any, sender: Any, inputs: dict[str, Any], request_id: str, client_id: str,
-             cancelled: threading.Event, deadline: float) -> None:
+    def _run(self, ticket: "_Ticket") -> None:
         pb = self._pb
+        request, sender, inputs, request_id = ticket.request, ticket.sender, ticket.inputs, ticket.request_id
+        cancelled, deadline = ticket.cancelled, ticket.deadline
         send_lock = threading.Lock()
         with self._lock:
             self._active[request_id] = None
@@ -163,7 +247,7 @@ class Orchestrator:
                 clients,
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
-                is_cancelled=_CancelCheck(request, cancelled, deadline),
+                is_cancelled=ticket.is_cancelled,
                 stage_failure=lambda stage: self._stages.failure(generations, stage),
             )
             session.run(emit)
@@ -182,12 +266,12 @@ class Orchestrator:
                 error = triton_error(pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
-                del self._active[request_id]
-                events = self._cancel_events[client_id]
-                events.discard(cancelled)
-                if not events:
-                    del self._cancel_events[client_id]
-            self._slots.release()
+                stream = self._active.pop(request_id)
+                if stream is not None:  # its last frames count in the next capacity sample
+                    self._ended_frames[request_id] = stream.total_frames
+            self._forget(ticket)
+            self._admission.finished()
+            self._wake.set()
         with send_lock:
             try:
                 if error is None:
@@ -198,7 +282,8 @@ class Orchestrator:
                 logger.info("request %s: final response not delivered", request_id)
 
     def _open_audio_stream(self, request_id: str) -> Code2WavStream:
-        stream = Code2WavStream(self._policy, self._num_quantizers)
+        pacer = ChunkPacer(self._policy) if self._chunk_pacing == "adaptive" else None
+        stream = Code2WavStream(self._policy, self._num_quantizers, pacer)
         with self._lock:
             self._active[request_id] = stream
         return stream
@@ -212,6 +297,19 @@ def _deadline(request: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
     return time.monotonic() + value
+
+
+@dataclass
+class _Ticket:
+    """A request from its arrival on: what its session needs, whether it waits in the admission queue or runs."""
+    request: Any
+    sender: Any
+    inputs: dict[str, Any]
+    request_id: str
+    client_id: str
+    cancelled: threading.Event
+    deadline: float
+    is_cancelled: Callable[[], bool]
 
 
 class _CancelCheck:

@@ -30,6 +30,9 @@ INTERSTAGE_MEMORY = ("device", "host")
 # safetensors: the checkpoint's weights. dummy: seeded random weights built on the device from the checkpoint
 # dir's config.json (omni_triton.models.weights), e.g. a dir written by build_engines.dummy_checkpoint.
 LOAD_FORMATS = ("safetensors", "dummy")
+# adaptive: each stream's chunk sizes follow its frame rate and its listener's buffer (pipeline/chunk_pacing.py);
+# ramp: ChunkPolicy's fixed ramp alone (4, 8, 24, 25, ...)
+CHUNK_PACING = ("adaptive", "ramp")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,12 @@ class LaunchConfig:
     first_chunk_frames: int = 4
     next_chunk_frames: int = 25
     left_context_frames: int | None = None  # None: the vocoder's exact context (rendered "exact")
+    chunk_pacing: str = "adaptive"        # adaptive: chunk sizes follow each stream (chunk_pacing.py) | ramp
+    # Admission (server/admission.py): requests that may wait for a start (None: max_inflight_requests), and
+    # the real-time capacity that gates starts: "auto" (learned), "off" (max_inflight alone), or a fixed number of
+    # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
+    admission_queue: int | None = None
+    admission_capacity: str | None = None
     kv_cache_tokens: int = CPU_KV_CACHE_TOKENS  # KV budget of the thinker (and of the talker, unless set), in tokens
     talker_kv_cache_tokens: int | None = None  # None: kv_cache_tokens
     kv_block_size: int = 16
@@ -87,6 +96,12 @@ class LaunchConfig:
             raise ValueError(f"talker_kv_cache_tokens must be >= 1, got {self.talker_kv_cache_tokens}")
         if self.left_context_frames is not None and self.left_context_frames < 1:
             raise ValueError(f"left_context_frames must be >= 1, got {self.left_context_frames}")
+        if self.chunk_pacing not in CHUNK_PACING:
+            raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {self.chunk_pacing!r}")
+        if self.admission_queue is not None and self.admission_queue < 0:
+            raise ValueError(f"admission_queue must be >= 0, got {self.admission_queue}")
+        if self.admission_capacity is not None:
+            admission_capacity_setting(self.admission_capacity)
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
             raise ValueError(f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
                              f"got {self.default_max_tokens}")
@@ -94,6 +109,14 @@ class LaunchConfig:
     @property
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    @property
+    def resolved_admission_queue(self) -> int:
+        return self.max_inflight_requests if self.admission_queue is None else self.admission_queue
+
+    @property
+    def resolved_admission_capacity(self) -> str:
+        return self.admission_capacity or ("auto" if self.device == "cuda" else "off")
 
     @property
     def resolved_talker_kv_cache_tokens(self) -> int:
@@ -114,12 +137,27 @@ class LaunchConfig:
             kv_cache_tokens=self.resolved_talker_kv_cache_tokens if model == "talker" else self.kv_cache_tokens,
             talker_kv_cache_tokens=self.resolved_talker_kv_cache_tokens,
             left_context_frames="exact" if self.left_context_frames is None else self.left_context_frames,
+            admission_queue=self.resolved_admission_queue,
+            admission_capacity=self.resolved_admission_capacity,
             code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",
             code_groups=_checkpoint_code_groups(checkpoint),
             fast_path="on" if self.fast_path else "off",
             cuda_graphs="on" if self.cuda_graphs else "off",
         )
         return {k: str(v) for k, v in values.items()}
+
+
+def admission_capacity_setting(text: str) -> float | str:
+    """``--admission-capacity``: "auto", "off", or audio-seconds per second > 0 (ValueError naming it)."""
+    if text in ("auto", "off"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"admission_capacity must be auto, off or audio-seconds per second > 0, got {text!r}")
+    return value
 
 
 def _checkpoint_code_groups(checkpoint: Path) -> int:

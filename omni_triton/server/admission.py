@@ -1,0 +1,148 @@
+"""Admission by real-time capacity: start a stream only when the server can keep every playing stream fed.
+
+A listener needs 1 audio-second per second. ``RealtimeCapacity`` estimates what the server generates at a
+number of concurrent streams: the talker's time per frame step grows about linearly with its batch (H200,
+full size: 7.4 ms at 1 stream, 9.5 at 32, 11.3 at 64), so it keeps ``step_s(b) = a + c * b`` fitted online to
+what the orchestrator sees (frames received per second over the streams producing them), starting from a
+prior. Audio-seconds per second at ``b`` streams = ``b / step_s(b) * FRAME_S``. A new stream is admitted when
+``b + 1`` streams would each still get ``headroom`` x real time; a forced capacity (a launch option) replaces
+the estimate with a fixed number of audio-seconds per second (tests; a deployment that measured its own).
+
+``Admission`` holds the running count and a FIFO of waiting requests: a request starts at once when nothing
+waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
+frees up), else -- past ``queue_limit`` waiting -- is refused. It counts what waited, for how long, and what
+was refused (the orchestrator's gauges). Pure logic: times come in as arguments.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+FRAME_S = 1 / 12.5           # audio per codec frame
+HEADROOM = 1.1               # each stream should get at least this x real time
+PRIOR_STEP_S = (0.0075, 6e-5)  # (a, c): the served talker's frame step on an H200 at full size (DESIGN.md 5)
+
+
+class RealtimeCapacity:
+    def __init__(self, forced_audio_s_per_s: float | None = None, prior: tuple[float, float] = PRIOR_STEP_S,
+                 prior_weight: float = 0.5, smoothing: float = 0.3, headroom: float = HEADROOM):
+        """``forced_audio_s_per_s``: a fixed capacity instead of the learned one. ``prior_weight``: how much the
+        prior counts against one observed batch size; ``smoothing``: weight of a new observation in its batch
+        size's running mean."""
+        if forced_audio_s_per_s is not None and not forced_audio_s_per_s > 0:
+            raise ValueError(f"admission capacity must be > 0 audio-seconds per second, got {forced_audio_s_per_s}")
+        self.forced = forced_audio_s_per_s
+        self.prior, self.prior_weight, self.smoothing, self.headroom = prior, prior_weight, smoothing, headroom
+        self._step_s: dict[int, float] = {}  # streams -> running mean of seconds per frame step
+
+    def observe(self, streams: int, frames: int, seconds: float) -> None:
+        """``frames`` received in ``seconds`` over ``streams`` streams that were producing them."""
+        if streams < 1 or frames < 1 or seconds <= 0:
+            return
+        step = streams * seconds / frames  # each stream got frames / streams of them
+        old = self._step_s.get(streams)
+        self._step_s[streams] = step if old is None else old + self.smoothing * (step - old)
+
+    def step_s(self, streams: int) -> float:
+        """Fitted seconds per frame step at ``streams`` streams: least squares over the observed batch sizes and
+        the prior (two points at 1 and 64 streams); never below what the fit's slope 0 would give."""
+        a0, c0 = self.prior
+        points = [(b, s, 1.0) for b, s in self._step_s.items()]
+        points += [(1, a0 + c0, self.prior_weight), (64, a0 + 64 * c0, self.prior_weight)]
+        total = sum(w for *_, w in points)
+        mean_b = sum(b * w for b, _, w in points) / total
+        mean_s = sum(s * w for _, s, w in points) / total
+        spread = sum(w * (b - mean_b) ** 2 for b, _, w in points)
+        slope = max(0.0, sum(w * (b - mean_b) * (s - mean_s) for b, s, w in points) / spread)
+        return max(1e-6, mean_s + slope * (streams - mean_b))
+
+    def audio_s_per_s(self, streams: int) -> float:
+        """What the server generates with ``streams`` streams running (all of them together)."""
+        if self.forced is not None:
+            return self.forced
+        return streams / self.step_s(streams) * FRAME_S if streams else 0.0
+
+    def admits(self, running: int) -> bool:
+        """Whether ``running + 1`` streams would each still get ``headroom`` x real time."""
+        return self.audio_s_per_s(running + 1) >= (running + 1) * self.headroom
+
+
+@dataclass
+class Waiting:
+    item: Any
+    since: float
+
+
+class Admission:
+    """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
+
+    def __init__(self, max_running: int, queue_limit: int, capacity: RealtimeCapacity | None):
+        if max_running < 1 or queue_limit < 0:
+            raise ValueError(f"max_running must be >= 1 and queue_limit >= 0, got {max_running}, {queue_limit}")
+        self.max_running, self.queue_limit, self.capacity = max_running, queue_limit, capacity
+        self._lock = threading.Lock()
+        self._queue: deque[Waiting] = deque()
+        self.running = 0
+        self.waited = 0          # requests that started after waiting in the queue
+        self.wait_s = 0.0        # their waits, summed
+        self.refused = 0
+
+    def _can_start(self) -> bool:
+        if self.running >= self.max_running:
+            return False
+        return self.running == 0 or self.capacity is None or self.capacity.admits(self.running)
+
+    def arrive(self, item: Any, now: float) -> str:
+        """'start' (counted as running now), 'queued' or 'refused'."""
+        with self._lock:
+            if not self._queue and self._can_start():
+                self.running += 1
+                return "start"
+            if len(self._queue) < self.queue_limit:
+                self._queue.append(Waiting(item, now))
+                return "queued"
+            self.refused += 1
+            return "refused"
+
+    def refusal(self) -> str:
+        """Why ``arrive`` refused, naming the limit."""
+        with self._lock:
+            if self.queue_limit:
+                return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
+                        f"behind {self.running} streaming; retry later")
+            if self.running >= self.max_running:
+                return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
+            return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
+                    f"{self.capacity.audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); retry later")
+
+    def finished(self) -> None:
+        with self._lock:
+            self.running -= 1
+
+    def due(self, now: float) -> list[tuple[Any, float]]:
+        """Waiting requests that may start now, in arrival order, with their waits (counted as running)."""
+        started = []
+        with self._lock:
+            while self._queue and self._can_start():
+                waiting = self._queue.popleft()
+                self.running += 1
+                self.waited += 1
+                self.wait_s += now - waiting.since
+                started.append((waiting.item, now - waiting.since))
+        return started
+
+    def drop(self, predicate) -> list[Any]:
+        """Remove the waiting requests for which ``predicate(item)`` is true (cancelled, past their deadline)."""
+        with self._lock:
+            kept, gone = deque(), []
+            for waiting in self._queue:
+                (gone.append(waiting.item) if predicate(waiting.item) else kept.append(waiting))
+            self._queue = kept
+        return gone
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
