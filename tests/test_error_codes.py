@@ -24,7 +24,7 @@ SHORT_REQUEST = dict(max_tokens=4, max_audio_frames=4, temperature=0.0)
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     with serving(tiny_checkpoint, tmp_path_factory.mktemp("error-codes"), max_inflight_requests=1,
-                 **TEST_LIMITS) as handle:
+                 admission_queue=0, **TEST_LIMITS) as handle:
         yield handle
 
 

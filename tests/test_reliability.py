@@ -43,8 +43,9 @@ PROMPTS = [f"Burst request number {i}: say something." for i in range(4 * MAX_IN
 def server(tiny_checkpoint, tmp_path_factory):
     from server_fixture import start_server
 
+    # admission_queue 0: past MAX_INFLIGHT a request is refused at once (queueing: tests/test_admission_server.py)
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
-                          max_inflight_requests=MAX_INFLIGHT, **TEST_LIMITS)
+                          max_inflight_requests=MAX_INFLIGHT, admission_queue=0, **TEST_LIMITS)
     handle = start_server(config, tmp_path_factory.mktemp("reliability"))
     try:
         yield handle
@@ -407,7 +408,7 @@ def fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
     from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
-                          max_inflight_requests=MAX_INFLIGHT,
+                          max_inflight_requests=MAX_INFLIGHT, admission_queue=0,
                           **dict(TEST_LIMITS, max_tokens_cap=1024, kv_cache_tokens=4096))
     models = servable_models()
     # exit_timeout_s: a killed stage's old model never unloads (its requests in flight never end), so the

@@ -28,14 +28,14 @@ PRIOR_STEP_S = (0.0075, 6e-5)  # (a, c): the served talker's frame step on an H2
 
 class RealtimeCapacity:
     def __init__(self, forced_audio_s_per_s: float | None = None, prior: tuple[float, float] = PRIOR_STEP_S,
-                 prior_weight: float = 0.5, smoothing: float = 0.3, headroom: float = HEADROOM):
-        """``forced_audio_s_per_s``: a fixed capacity instead of the learned one. ``prior_weight``: how much the
-        prior counts against one observed batch size; ``smoothing``: weight of a new observation in its batch
-        size's running mean."""
+                 smoothing: float = 0.3, headroom: float = HEADROOM):
+        """``forced_audio_s_per_s``: a fixed capacity instead of the learned one. ``prior``: (a, c) of
+        ``step_s`` before observations; ``smoothing``: weight of a new observation in its batch size's running
+        mean."""
         if forced_audio_s_per_s is not None and not forced_audio_s_per_s > 0:
             raise ValueError(f"admission capacity must be > 0 audio-seconds per second, got {forced_audio_s_per_s}")
         self.forced = forced_audio_s_per_s
-        self.prior, self.prior_weight, self.smoothing, self.headroom = prior, prior_weight, smoothing, headroom
+        self.prior, self.smoothing, self.headroom = prior, smoothing, headroom
         self._step_s: dict[int, float] = {}  # streams -> running mean of seconds per frame step
 
     def observe(self, streams: int, frames: int, seconds: float) -> None:
@@ -47,16 +47,20 @@ class RealtimeCapacity:
         self._step_s[streams] = step if old is None else old + self.smoothing * (step - old)
 
     def step_s(self, streams: int) -> float:
-        """Fitted seconds per frame step at ``streams`` streams: least squares over the observed batch sizes and
-        the prior (two points at 1 and 64 streams); never below what the fit's slope 0 would give."""
+        """Seconds per frame step at ``streams`` streams: the prior until a batch size is observed, the prior's
+        slope through the one observed, then a least-squares line through the observed (slope >= 0: more
+        streams are never cheaper)."""
         a0, c0 = self.prior
-        points = [(b, s, 1.0) for b, s in self._step_s.items()]
-        points += [(1, a0 + c0, self.prior_weight), (64, a0 + 64 * c0, self.prior_weight)]
-        total = sum(w for *_, w in points)
-        mean_b = sum(b * w for b, _, w in points) / total
-        mean_s = sum(s * w for _, s, w in points) / total
-        spread = sum(w * (b - mean_b) ** 2 for b, _, w in points)
-        slope = max(0.0, sum(w * (b - mean_b) * (s - mean_s) for b, s, w in points) / spread)
+        if not self._step_s:
+            return a0 + c0 * streams
+        if len(self._step_s) == 1:
+            ((b, s),) = self._step_s.items()
+            return max(1e-6, s + c0 * (streams - b))
+        points = list(self._step_s.items())
+        mean_b = sum(b for b, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        spread = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = max(0.0, sum((b - mean_b) * (s - mean_s) for b, s in points) / spread)
         return max(1e-6, mean_s + slope * (streams - mean_b))
 
     def audio_s_per_s(self, streams: int) -> float:

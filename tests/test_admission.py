@@ -1,0 +1,92 @@
+"""Admission by real-time capacity (omni_triton/server/admission.py): the capacity estimate and the queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_triton.server.admission import FRAME_S, Admission, RealtimeCapacity
+from omni_triton.server.repository import admission_capacity_setting
+
+
+def talker(step_s, streams: int, seconds: float = 1.0) -> tuple[int, int, float]:
+    """What the orchestrator sees in ``seconds`` when each frame step of ``streams`` streams takes step_s(b)."""
+    return streams, round(streams * seconds / step_s(streams)), seconds
+
+
+def test_capacity_learns_a_slower_server_than_its_prior_and_stops_admitting_at_real_time():
+    capacity = RealtimeCapacity()
+    assert capacity.admits(32)  # the prior (an H200): ~10 ms per step at 32 streams is 8x real time
+    slow = lambda b: 0.02 + 0.004 * b  # noqa: E731 -- real time (80 ms a step) at b = 15
+    for streams in (1, 2, 4, 8, 12):
+        for _ in range(10):
+            capacity.observe(*talker(slow, streams))
+    assert capacity.step_s(12) == pytest.approx(slow(12), rel=0.1)
+    running = next(b for b in range(64) if not capacity.admits(b))
+    # b + 1 streams must each get 1.1x real time: step <= 80 ms / 1.1 at b + 1 -> b + 1 <= 13.2
+    assert running in (12, 13), running
+    assert capacity.audio_s_per_s(13) == pytest.approx(13 / slow(13) * FRAME_S, rel=0.1)
+
+
+def test_capacity_never_assumes_more_streams_are_cheaper():
+    capacity = RealtimeCapacity(prior=(0.01, 0.0))
+    capacity.observe(1, 100, 1.0)   # 10 ms a step at 1 stream
+    capacity.observe(8, 400, 1.0)   # 20 ms at 8
+    assert capacity.step_s(64) >= capacity.step_s(8) >= capacity.step_s(1) > 0
+
+
+def test_forced_capacity_counts_streams_at_real_time():
+    capacity = RealtimeCapacity(forced_audio_s_per_s=2.5)
+    capacity.observe(1, 1, 100.0)  # ignored: the number is fixed
+    assert capacity.admits(0) and capacity.admits(1) and not capacity.admits(2)  # 3 x 1.1 > 2.5
+    with pytest.raises(ValueError, match="capacity"):
+        RealtimeCapacity(forced_audio_s_per_s=0)
+
+
+def test_requests_past_capacity_wait_in_order_and_past_the_queue_are_refused():
+    admission = Admission(max_running=8, queue_limit=2, capacity=RealtimeCapacity(forced_audio_s_per_s=1.0))
+    assert admission.arrive("a", now=0.0) == "start"  # nothing runs: always starts
+    assert [admission.arrive(x, now=1.0) for x in "bcd"] == ["queued", "queued", "refused"]
+    assert "admission_queue" in admission.refusal() and admission.refused == 1
+    assert admission.due(now=2.0) == []  # a still plays
+    admission.finished()
+    assert admission.due(now=3.0) == [("b", 2.0)]  # one at a time, oldest first
+    admission.finished()
+    assert admission.due(now=3.5) == [("c", 2.5)]
+    assert (admission.waited, admission.wait_s, admission.queued, admission.running) == (2, 4.5, 0, 1)
+
+
+def test_a_new_request_does_not_overtake_the_queue():
+    admission = Admission(max_running=1, queue_limit=4, capacity=None)
+    assert admission.arrive("a", 0.0) == "start" and admission.arrive("b", 0.0) == "queued"
+    admission.finished()
+    assert admission.arrive("c", 1.0) == "queued"  # b waited first
+    assert admission.due(1.0) == [("b", 1.0)]
+
+
+def test_without_a_queue_the_refusal_names_the_limit_that_was_hit():
+    slots = Admission(max_running=1, queue_limit=0, capacity=None)
+    assert slots.arrive("a", 0) == "start" and slots.arrive("b", 0) == "refused"
+    assert "max_inflight_requests" in slots.refusal() and "busy" in slots.refusal()
+    capacity = Admission(max_running=4, queue_limit=0, capacity=RealtimeCapacity(forced_audio_s_per_s=1.0))
+    assert capacity.arrive("a", 0) == "start" and capacity.arrive("b", 0) == "refused"
+    assert "run dry" in capacity.refusal() and "admission_queue 0" in capacity.refusal()
+
+
+def test_waiting_requests_that_were_cancelled_are_dropped():
+    admission = Admission(max_running=1, queue_limit=3, capacity=None)
+    for name in "abcd":
+        admission.arrive(name, 0.0)
+    assert admission.drop(lambda name: name in "bd") == ["b", "d"]
+    admission.finished()
+    assert admission.due(1.0) == [("c", 1.0)]
+
+
+@pytest.mark.parametrize("text, expected", [("auto", "auto"), ("off", "off"), ("2.5", 2.5)])
+def test_capacity_setting(text, expected):
+    assert admission_capacity_setting(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "fast", "inf", "nan"])
+def test_capacity_setting_rejects(text):
+    with pytest.raises(ValueError, match="admission_capacity"):
+        admission_capacity_setting(text)

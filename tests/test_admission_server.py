@@ -1,0 +1,121 @@
+"""Admission by real-time capacity on a real tritonserver (tiny checkpoint): a forced capacity of 1 audio-second
+per second admits one stream at a time whatever the CPU's speed, so a burst beyond it queues, is served in
+arrival order, and past the queue limit is refused with UNAVAILABLE naming the limit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import TEST_LIMITS
+from reliability_helpers import read_gauges, seconds_until_idle
+
+from omni_triton.client import OmniStreamClient, StreamError
+
+pytestmark = pytest.mark.reliability
+
+QUEUE = 2
+# ~2 s of generation on the tiny model: the first stream is still playing while the others arrive
+REQUEST = dict(max_tokens=12, max_audio_frames=150, min_audio_frames=150, ignore_eos=True, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    from server_fixture import serving
+
+    with serving(tiny_checkpoint, tmp_path_factory.mktemp("admission"), max_inflight_requests=4,
+                 admission_queue=QUEUE, admission_capacity="1", **TEST_LIMITS) as handle:
+        yield handle
+
+
+def orchestrator_gauge(server, name: str) -> float:
+    return read_gauges(server.metrics_url).get((name, "orchestrator"), 0.0)
+
+
+def wait_for_gauge(server, name: str, value: float, timeout_s: float = 30.0) -> None:
+    start = time.monotonic()
+    while orchestrator_gauge(server, name) != value:
+        assert time.monotonic() - start < timeout_s, f"{name} never reached {value}"
+        time.sleep(0.02)
+
+
+class Listener:
+    """One request on a thread of its own, with the arrival time of every audio chunk."""
+
+    def __init__(self, server, text: str):
+        self.audio_times: list[float] = []
+        self.result, self.error = None, None
+        self._client = OmniStreamClient(server.grpc_url)
+        self._thread = threading.Thread(target=self._run, args=(text,))
+        self._thread.start()
+
+    def _run(self, text: str) -> None:
+        try:
+            self.result = self._client.stream(text, timeout_s=120, on_audio=lambda _: self.audio_times.append(
+                time.monotonic()), **REQUEST)
+        except StreamError as error:
+            self.error = error
+        finally:
+            self._client.close()
+
+    def join(self) -> "Listener":
+        self._thread.join(180)
+        assert not self._thread.is_alive()
+        return self
+
+
+def test_a_burst_beyond_capacity_waits_in_order_and_past_the_queue_is_refused(server):
+    before = {name: orchestrator_gauge(server, name)
+              for name in ("omni_admission_waited_requests", "omni_admission_refused_requests")}
+    first = Listener(server, "first: tell me a story")
+    wait_for_gauge(server, "omni_active_requests", 1)
+    waiting = []
+    for position in range(QUEUE):  # one at a time, so that their arrival order is known
+        waiting.append(Listener(server, f"waiting {position}: tell me a story"))
+        wait_for_gauge(server, "omni_admission_queue_length", position + 1)
+    assert orchestrator_gauge(server, "omni_active_requests") == 1  # capacity 1: they wait, not run
+    refused = Listener(server, "one too many").join()
+
+    assert refused.error is not None and refused.error.code == "UNAVAILABLE", refused.error
+    assert "admission_queue" in refused.error.message() and "busy" in refused.error.message()
+    assert first.join().error is None and first.result.audio.size
+    for listener in waiting:
+        assert listener.join().error is None, listener.error
+        assert listener.result.audio.size == first.result.audio.size  # served in full
+    # in arrival order, one at a time: each starts once the one before has sent all its audio
+    order = [first, *waiting]
+    for earlier, later in zip(order, order[1:]):
+        assert later.audio_times[0] > earlier.audio_times[-1]
+    assert orchestrator_gauge(server, "omni_admission_waited_requests") - before[
+        "omni_admission_waited_requests"] == QUEUE
+    assert orchestrator_gauge(server, "omni_admission_refused_requests") - before[
+        "omni_admission_refused_requests"] == 1
+    assert orchestrator_gauge(server, "omni_admission_wait_seconds") > 0
+    assert orchestrator_gauge(server, "omni_realtime_capacity_audio_s_per_s") == 1.0
+    seconds_until_idle(server.metrics_url, timeout_s=5.0)
+    assert orchestrator_gauge(server, "omni_admission_queue_length") == 0
+
+
+def test_a_request_cancelled_while_waiting_leaves_the_queue(server):
+    first = Listener(server, "first: tell me a story")
+    wait_for_gauge(server, "omni_active_requests", 1)
+    client = OmniStreamClient(server.grpc_url)
+    outcome = {}
+
+    def wait_then_cancel():
+        try:
+            client.stream("cancelled while waiting", timeout_s=60, **REQUEST)
+        except StreamError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=wait_then_cancel)
+    thread.start()
+    wait_for_gauge(server, "omni_admission_queue_length", 1)
+    client.cancel()
+    thread.join(60)
+    client.close()
+    assert "error" in outcome and outcome["error"].code in ("CANCELLED", "UNAVAILABLE"), outcome
+    wait_for_gauge(server, "omni_admission_queue_length", 0)
+    assert first.join().error is None
+    seconds_until_idle(server.metrics_url, timeout_s=5.0)
