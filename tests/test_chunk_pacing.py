@@ -8,14 +8,17 @@ last wake-up when none comes, asks the stream for due chunks, and each decode ca
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_triton.bench.metrics import dry_time
 from omni_triton.pipeline.chunk_pacing import FRAME_S, ChunkPacer
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
+from omni_triton.pipeline.session import Session, SessionParams, ThinkerChunk
 
 POLICY = ChunkPolicy(first_chunk_frames=4, chunk_frames=25, left_context_frames=25)
 POLL_S = 0.05
@@ -151,3 +154,61 @@ def test_pacer_reads_the_listeners_buffer_as_a_player_that_pauses():
 def test_pacer_rejects_nonsense_settings():
     with pytest.raises(ValueError, match="poll_s"):
         ChunkPacer(POLICY, poll_s=0)
+
+
+# -- the session's audio worker: a stalled talker is looked at again ------------------------------------
+
+class _SilentText:
+    def push(self, token_ids):
+        return ""
+
+    def flush(self):
+        return ""
+
+
+class _StallingTalker:
+    """StageClients whose talker sends 4 frames, then 3, then stalls until ``release`` is set."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def thinker(self, request_id):
+        yield ThinkerChunk([1], finished=True)
+
+    def talker_start(self, request_id, chunk):
+        yield torch.zeros(4, 2, dtype=torch.long)
+        yield torch.zeros(3, 2, dtype=torch.long)
+        assert self.release.wait(30), "the test never released the talker"
+
+    def talker_append(self, request_id, chunk):
+        pass
+
+    def code2wav(self, codes, left_context_frames):
+        return torch.zeros((codes.shape[1] - left_context_frames) * 10)
+
+    def abort(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_paced_stream_decodes_frames_a_stalled_talker_left_pending(paced):
+    clients = _StallingTalker()
+    policy = ChunkPolicy(first_chunk_frames=4, chunk_frames=25, left_context_frames=2)
+    chunks, second_chunk = [], threading.Event()
+
+    def emit(text, audio):
+        if audio is not None:
+            chunks.append(audio.numel() // 10)
+            if len(chunks) == 2:
+                second_chunk.set()
+
+    session = Session("r", SessionParams(return_audio=True, sequential=False), clients, _SilentText(),
+                      lambda: Code2WavStream(policy, 2, ChunkPacer(policy) if paced else None))
+    runner = threading.Thread(target=session.run, args=(emit,))
+    runner.start()
+    # paced: the 3 frames go out before the first chunk's 320 ms have played; the ramp waits for 8 frames
+    got_second = second_chunk.wait(5.0 if paced else 1.0)
+    clients.release.set()
+    runner.join(30)
+    assert got_second == paced
+    assert chunks == [4, 3]
