@@ -78,6 +78,8 @@ def test_request_past_admission_is_UNAVAILABLE(server):
         holder.cancel()
         held.join(30)
         holder.close()
+    # the client's cancel returns at once; the server frees the slot when the session sees it (a race otherwise)
+    seconds_until_idle(server.metrics_url, timeout_s=10.0)
     assert_serves(server)
 
 
