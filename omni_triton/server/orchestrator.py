@@ -84,8 +84,10 @@ class Orchestrator:
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
         self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
         self._stages = StageSupervisor(BLS_STAGES)
-        self._ended_frames: dict[str, int] = {}  # request id -> frames, for streams ended since the last sample
-        self._seen_frames: dict[str, int] = {}   # request id -> frames at the last sample (dispatcher only)
+        # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
+        # received frames in the window before it
+        self._seen_frames: dict[str, int] = {}
+        self._producing: set[str] = set()
         self._stopping = threading.Event()
         self._wake = threading.Event()  # a stream ended: a waiting request may start
         self._dispatcher = threading.Thread(target=self._dispatch, name="omni-admission", daemon=True)
@@ -186,15 +188,16 @@ class Orchestrator:
         return last_sample
 
     def _observe_capacity(self, seconds: float) -> None:
-        """Frames received since the last sample over the streams that received some -> the capacity estimate
-        (a stream waiting for thinker text or draining its last chunks does not count as producing)."""
+        """Frames received since the last sample -> the capacity estimate. Only streams that received frames in
+        the sample before too and still run count: one that started or ended inside the window, or waited for
+        thinker text, got frames for part of it only and would make the server look slower than it is."""
         with self._lock:
             totals = {rid: stream.total_frames for rid, stream in self._active.items() if stream is not None}
-            ended, self._ended_frames = self._ended_frames, {}
-        totals.update(ended)
-        deltas = [total - self._seen_frames.get(rid, 0) for rid, total in totals.items()]
-        self._seen_frames = {rid: total for rid, total in totals.items() if rid not in ended}
-        self._admission.capacity.observe(sum(delta > 0 for delta in deltas), sum(deltas), seconds)
+        deltas = {rid: total - self._seen_frames.get(rid, 0) for rid, total in totals.items()}
+        steady = [delta for rid, delta in deltas.items() if delta > 0 and rid in self._producing]
+        self._producing = {rid for rid, delta in deltas.items() if delta > 0}
+        self._seen_frames = totals
+        self._admission.capacity.observe(len(steady), sum(steady), seconds)
 
     def _control(self, client_id: str, word: bytes, sender: Any) -> None:
         pb = self._pb
@@ -266,9 +269,7 @@ class Orchestrator:
                 error = triton_error(pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
-                stream = self._active.pop(request_id)
-                if stream is not None:  # its last frames count in the next capacity sample
-                    self._ended_frames[request_id] = stream.total_frames
+                del self._active[request_id]
             self._forget(ticket)
             self._admission.finished()
             self._wake.set()
