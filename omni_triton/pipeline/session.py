@@ -246,7 +246,7 @@ class _AudioWorker:
 
     def __init__(self, frames: Callable[[Callable[[], None]], Iterator[torch.Tensor]], clients: StageClients,
                  stream: Code2WavStream, emit: Emit, stopped: threading.Event, request_id: str = ""):
-        self._pacer = stream.pacer
+        self._pacer = getattr(stream, "pacer", None)  # a stand-in stream (tests) may have none
         # Session._stream: it raises on a cancel, the deadline or a dead talker
         self._frames = frames(self._on_idle)
         self._clients = clients
