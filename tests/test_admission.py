@@ -90,3 +90,11 @@ def test_capacity_setting(text, expected):
 def test_capacity_setting_rejects(text):
     with pytest.raises(ValueError, match="admission_capacity"):
         admission_capacity_setting(text)
+
+
+def test_capacity_keys_steps_by_the_streams_sharing_the_server():
+    capacity = RealtimeCapacity(prior=(0.01, 0.0))
+    capacity.observe(2, 50, 1.0, batch=8)  # two steady streams got 25 frames each while 8 shared the server
+    assert capacity.step_s(8) == pytest.approx(0.04)
+    capacity.observe(3, 10, 1.0, batch=2)  # nonsense (more steady streams than the batch): ignored
+    assert capacity.step_s(2) == pytest.approx(0.04)

@@ -38,13 +38,15 @@ class RealtimeCapacity:
         self.prior, self.smoothing, self.headroom = prior, smoothing, headroom
         self._step_s: dict[int, float] = {}  # streams -> running mean of seconds per frame step
 
-    def observe(self, streams: int, frames: int, seconds: float) -> None:
-        """``frames`` received in ``seconds`` over ``streams`` streams that were producing them."""
-        if streams < 1 or frames < 1 or seconds <= 0:
+    def observe(self, streams: int, frames: int, seconds: float, batch: int | None = None) -> None:
+        """``frames`` received in ``seconds`` over ``streams`` streams that were producing them throughout, while
+        ``batch`` streams (default ``streams``) shared the server."""
+        batch = streams if batch is None else batch
+        if streams < 1 or frames < 1 or seconds <= 0 or batch < streams:
             return
         step = streams * seconds / frames  # each stream got frames / streams of them
-        old = self._step_s.get(streams)
-        self._step_s[streams] = step if old is None else old + self.smoothing * (step - old)
+        old = self._step_s.get(batch)
+        self._step_s[batch] = step if old is None else old + self.smoothing * (step - old)
 
     def step_s(self, streams: int) -> float:
         """Seconds per frame step at ``streams`` streams: the prior until a batch size is observed, the prior's

@@ -197,7 +197,7 @@ class Orchestrator:
         steady = [delta for rid, delta in deltas.items() if delta > 0 and rid in self._producing]
         self._producing = {rid for rid, delta in deltas.items() if delta > 0}
         self._seen_frames = totals
-        self._admission.capacity.observe(len(steady), sum(steady), seconds)
+        self._admission.capacity.observe(len(steady), sum(steady), seconds, batch=len(self._producing))
 
     def _control(self, client_id: str, word: bytes, sender: Any) -> None:
         pb = self._pb
@@ -213,6 +213,8 @@ class Orchestrator:
     def shutdown(self) -> None:
         self._stopping.set()
         self._dispatcher.join()
+        for ticket in self._admission.drop(lambda ticket: True):  # nothing will start them now
+            self._refuse(ticket.sender, "server shutting down")
         self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._host_hops.close()
