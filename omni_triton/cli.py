@@ -17,7 +17,8 @@ from pathlib import Path
 
 from omni_triton.server.memory_plan import DoesNotFit
 from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_memory_arguments,
-                                               add_model_source_arguments, model_source, with_kv_budget)
+                                               add_model_source_arguments, add_placement_arguments, model_source,
+                                               placement, with_kv_budget)
 from omni_triton.server.repository import (CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig,
                                           render_repository)
 from omni_triton.server.mps import MPS_CHOICES, MpsError
@@ -59,6 +60,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most codec frames in a later audio chunk; chunks ramp up to it, each at most twice the "
                              "audio already out (default: %(default)s)")
     add_memory_arguments(launch)
+    add_placement_arguments(launch)
     launch.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
                         help="tokens per engine step, decode + chunked prefill (default: %(default)s)")
     add_engine_arguments(launch)
@@ -121,9 +123,16 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
         max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
         torch_threads={stage: args.torch_threads for stage in STAGES},
         code2wav_runtime=args.code2wav_runtime, code2wav_engine_path=args.code2wav_engine,
-        code2wav_max_batch=args.code2wav_max_batch,
+        code2wav_max_batch=args.code2wav_max_batch, placement=placement(args),
     )
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization)
+
+
+def server_options(args: argparse.Namespace, config: LaunchConfig) -> ServerOptions:
+    """The tritonserver options of ``serve`` (``deploy render`` checks its manifests against them)."""
+    return ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                         metrics_port=args.metrics_port, gpu=config.device == "cuda",
+                         gpu_ids=config.placement.used_gpus(), stage_reload=args.allow_stage_reload, mps=args.mps)
 
 
 def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
@@ -131,18 +140,15 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     config, kv_note = launch_config(args, install)
     models = args.models.split(",") if args.models else None
     repository = render_repository(config, args.run_dir / "repository", models)
-    options = ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                            metrics_port=args.metrics_port, gpu=config.device == "cuda",
-                            stage_reload=args.allow_stage_reload, mps=args.mps)
-    server = TritonServer(repository, install, options, log_path=args.run_dir / "tritonserver.log",
-                          echo_log=echo_log)
+    server = TritonServer(repository, install, server_options(args, config),
+                          log_path=args.run_dir / "tritonserver.log", echo_log=echo_log)
     print(f"tritonserver ({install.origin}: {install.binary})\n"
           f"  python backend: {install.python_backend_note}\n"
           f"  checkpoint {config.checkpoint_dir}"
           + (f" (random weights: --load-format dummy, seed {config.dummy_seed})" if config.load_format == "dummy"
              else "")
           + f", device {config.device} {config.resolved_dtype}, interstage memory {config.interstage_memory}, "
-          f"repository {repository}\n  {kv_note}", flush=True)
+          f"repository {repository}\n  placement: {config.placement.describe(config.device)}\n  {kv_note}", flush=True)
     server.start()
     print(f"  CUDA MPS: {server.mps.note}", flush=True)
     try:

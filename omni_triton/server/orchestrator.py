@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -56,14 +56,15 @@ BLS_STAGES = ("thinker", "talker", "code2wav")
 
 
 class Orchestrator:
-    def __init__(self, pb_utils: Any, checkpoint_dir: str, device: str, policy: ChunkPolicy, max_inflight: int):
+    def __init__(self, pb_utils: Any, checkpoint_dir: str, device: torch.device, policy: ChunkPolicy,
+                 max_inflight: int, stage_instances: Mapping[str, int] | None = None):
         self._pb = pb_utils
-        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device != "cpu")
+        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device.type == "cuda")
         self._tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         code2wav_config = Code2WavConfig.from_pretrained(checkpoint_dir)
         self._num_quantizers = code2wav_config.num_quantizers
         self._policy = policy.resolved(exact_left_context_frames(code2wav_config))
-        self._on_gpu = device != "cpu"
+        self._gpu = device.index if device.type == "cuda" else None  # where stage outputs are asked to land
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._max_inflight = max_inflight
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
@@ -71,7 +72,7 @@ class Orchestrator:
         self._lock = threading.Lock()
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
         self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
-        self._stages = StageSupervisor(BLS_STAGES)
+        self._stages = StageSupervisor({stage: (stage_instances or {}).get(stage, 1) for stage in BLS_STAGES})
 
     def snapshot(self) -> dict[str, float]:
         """Gauge values: requests in flight and codec frames they hold that are not decoded yet."""
@@ -155,7 +156,7 @@ class Orchestrator:
                 sender.send(pb.InferenceResponse(outputs))
 
         generations = self._stages.generations()
-        clients = BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check, stage_down=self._stages.is_down)
+        clients = BlsStageClients(pb, inputs, self._gpu, self._host_hops.check, stage_down=self._stages.is_down)
         try:
             session = Session(
                 request_id,

@@ -12,7 +12,7 @@ from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.stage_io import (configure_interstage_memory, from_torch, host_array, load_options,
-                                         stage_loading, to_torch)
+                                         stage_device, stage_loading, to_torch)
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -25,8 +25,7 @@ class TritonPythonModel:
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
-        self.device = torch.device(params["device"] if params["device"] == "cpu"
-                                   else f"cuda:{args['model_instance_device_id']}")
+        self.device = stage_device(params, args)
         kind, engine_argument = RUNTIMES[params["runtime"]]
         if kind == "auto" and params["engine_path"]:  # the engine file's kind says which runtime it is for
             engine_argument = "plan_path" if params["engine_path"].endswith(".plan") else "onnx_path"

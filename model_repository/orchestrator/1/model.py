@@ -6,7 +6,8 @@ from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.server.metrics import StageMetrics
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.orchestrator import Orchestrator
-from omni_triton.server.stage_io import configure_interstage_memory
+from omni_triton.server.placement import parse_instances
+from omni_triton.server.stage_io import configure_interstage_memory, stage_device
 
 
 class TritonPythonModel:
@@ -19,8 +20,9 @@ class TritonPythonModel:
         policy = ChunkPolicy(first_chunk_frames=int(params["first_chunk_frames"]),
                              chunk_frames=int(params["next_chunk_frames"]),
                              left_context_frames=None if left_context == "exact" else int(left_context))
-        self.orchestrator = Orchestrator(pb_utils, params["checkpoint_dir"], params["device"], policy,
-                                         max_inflight=int(params["max_inflight_requests"]))
+        self.orchestrator = Orchestrator(pb_utils, params["checkpoint_dir"], stage_device(params, args), policy,
+                                         max_inflight=int(params["max_inflight_requests"]),
+                                         stage_instances=parse_instances(params["stage_instances"]))
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot)
 
     def execute(self, requests):
