@@ -10,7 +10,8 @@ from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
-from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
+from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
+                                          report_native_crashes)
 from omni_triton.server.stage_io import (configure_interstage_memory, from_torch, host_array, load_options,
                                          stage_device, stage_loading, to_torch)
 
@@ -47,8 +48,9 @@ class TritonPythonModel:
                                   pb_utils.MetricFamily.GAUGE),
             pb_utils.MetricFamily("omni_code2wav_decoded_frames_total",
                                   "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER)]
-        self.batch_chunks, self.decoded_frames = (family.Metric({}) for family in self.metric_families)
-        self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda")
+        labels = replica_labels(args)
+        self.batch_chunks, self.decoded_frames = (family.Metric(labels) for family in self.metric_families)
+        self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda", labels=labels)
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
