@@ -4,6 +4,7 @@
     omni-triton serve --device cuda --config qwen3_omni_30b_a3b   full size, seeded random bf16 weights
     omni-triton demo  ["text"] [--out out.wav]      start a server, stream one request, stop
     omni-triton build tiny|onnx|trt|python-backend [builder options]
+    omni-triton deploy deploy/values/*.yaml         Kubernetes manifests (deploy/k8s/<values name>/)
 """
 
 from __future__ import annotations
@@ -212,6 +213,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from omni_triton.deploy import main as deploy_main
+
+    return deploy_main(args.deploy_args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from omni_triton.bench.cli import main as bench_main
 
@@ -243,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("builder_args", nargs=argparse.REMAINDER, help="options for the builder (see KIND --help)")
     build.set_defaults(handler=cmd_build)
 
+    deploy = commands.add_parser("deploy", add_help=False,
+                                 help="Kubernetes manifests for deploy/values/*.yaml (see deploy --help)")
+    deploy.add_argument("deploy_args", nargs=argparse.REMAINDER, help="values files and --out DIR")
+    deploy.set_defaults(handler=cmd_deploy)
+
     bench = commands.add_parser("bench", add_help=False,
                                 help="TTFA/RTF/throughput sweep against baselines (see bench --help)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options for the benchmark")
@@ -254,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help): hand it everything after "bench"
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
+    if argv[:1] == ["deploy"]:  # likewise
+        return cmd_deploy(argparse.Namespace(deploy_args=argv[1:]))
     args = build_parser().parse_args(argv)
     from tritonclient.utils import InferenceServerException
 
