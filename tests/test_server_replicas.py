@@ -6,23 +6,21 @@ finished (its sequence stays open until the frames stream ends)."""
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 from omni_triton.client import OmniStreamClient
 from omni_triton.server.placement import Placement
 from server_fixture import serving
-from test_server_pipeline import GREEDY, PROMPTS, inprocess, inprocess_run, stream  # noqa: F401 (fixture)
+from test_server_pipeline import (PROMPTS, check_concurrent_streams, inprocess, stream,  # noqa: F401 (fixture)
+                                  wait_idle)
 
 pytestmark = pytest.mark.server
 
 REPLICAS = Placement(instances={"talker": 2, "code2wav": 2})
-HELD = ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames")
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +46,6 @@ def per_instance(values: dict, metric: str, model: str) -> dict[str, float]:
     return found
 
 
-def wait_idle(server, timeout_s: float) -> dict:
-    """Poll until no stage instance holds anything (or fail with what is still held)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = series(server)
-        held = {key: v for key, v in values.items() if key[0] in HELD and v}
-        if not held and values:
-            return values
-        if time.monotonic() > deadline:
-            raise AssertionError(f"stage instances still hold state after {timeout_s} s: {held}")
-        time.sleep(0.1)
-
-
 def test_each_replica_reports_its_own_series(replicated):
     values = series(replicated)
     assert sorted(per_instance(values, "omni_kv_blocks_free", "talker")) == ["talker_0_0", "talker_0_1"]
@@ -71,13 +56,8 @@ def test_each_replica_reports_its_own_series(replicated):
 
 def test_concurrent_streams_over_replicas_equal_the_inprocess_pipeline(replicated, inprocess):
     before = series(replicated)
-    alone = [inprocess_run(inprocess, prompt, **GREEDY) for prompt in PROMPTS]
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        served = list(pool.map(lambda prompt: stream(replicated, prompt, **GREEDY), PROMPTS))
-    for prompt, result, (text, audio) in zip(PROMPTS, served, alone):
-        assert result.text == text, prompt
-        np.testing.assert_allclose(result.audio, audio, atol=1e-4, err_msg=prompt)
-    after = wait_idle(replicated, timeout_s=10.0)
+    check_concurrent_streams(replicated, inprocess)
+    after = wait_idle(replicated, timeout_s=10.0, read=series)
     # both vocoder replicas decoded frames, and both talkers held KV blocks at some point (their free count
     # is back where it was, so look at the vocoder counters and at the talker stubs' CPU time instead)
     decoded = {name: value - per_instance(before, "omni_code2wav_decoded_frames_total", "code2wav")[name]
@@ -122,7 +102,7 @@ def test_cancel_after_the_thinker_finished_reaches_the_holding_talker(replicated
         finally:
             client.client.close()
         assert first_audio, "the request was cancelled before it produced audio"
-        values = wait_idle(replicated, timeout_s=10.0)
+        values = wait_idle(replicated, timeout_s=10.0, read=series)
         used = defaultdict(float)
         for name, value in per_instance(values, "omni_kv_blocks_used", "talker").items():
             used[name] += value
