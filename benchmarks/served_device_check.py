@@ -42,7 +42,8 @@ from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_t
 def host_hop_counters(metrics_url: str) -> dict[str, float]:
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     counters: dict[str, float] = {}  # summed over a stage's replicas (their model_instance label)
-    for stage, value in re.findall(r'^omni_interstage_host_tensors_total\{stage="(\w+)"[^}]*\} (\S+)$', text, re.M):
+    for labels, value in re.findall(r'^omni_interstage_host_tensors_total\{([^}]*)\} (\S+)$', text, re.M):
+        stage = re.search(r'stage="(\w+)"', labels).group(1)
         counters[stage] = counters.get(stage, 0.0) + float(value)
     return counters
 
