@@ -108,3 +108,13 @@ def test_cancel_after_the_thinker_finished_reaches_the_holding_talker(replicated
             used[name] += value
         assert set(used) == {"talker_0_0", "talker_0_1"} and not any(used.values()), used
     assert stream(replicated, "after cancel", max_tokens=4, max_audio_frames=4, temperature=0.0).audio.size
+
+
+def test_a_talker_done_before_the_thinker_takes_no_more_chunks(replicated):
+    """Two frames end the talker's stream (and its sequence) while the thinker still streams text: the thinker
+    chunks after that are not sent to the ended sequence (Triton would refuse them without START)."""
+    for attempt in range(3):
+        result = stream(replicated, f"short audio, long text {attempt}", max_tokens=48, ignore_eos=True,
+                        max_audio_frames=2, temperature=0.0)
+        assert result.text and result.audio.size == 2 * 1920 - 555
+    wait_idle(replicated, timeout_s=10.0, read=series)
