@@ -14,6 +14,10 @@
 # LEFT_CONTEXT (code2wav left context in frames, default 25: what transformers' own Code2Wav.chunked_decode uses;
 # "exact" or "default" = no --left-context-frames, serve's default), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32),
 # CONFIG, SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows).
+# Two talker + two code2wav instances against one each on one GPU (docs/scaling.md):
+#   LEVELS=32,64 SEQ_LEVELS= LABEL="one instance each" bash benchmarks/full_size_sweep.sh served OUT/one
+#   LEVELS=32,64 SEQ_LEVELS= LABEL="talker x2, code2wav x2" SERVE_ARGS="--instances talker=2,code2wav=2" \
+#     bash benchmarks/full_size_sweep.sh served OUT/replicas
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}

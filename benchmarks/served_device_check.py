@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from omni_triton.client import OmniStreamClient
+from omni_triton.server.launch_options import add_placement_arguments, placement
 from omni_triton.server.repository import LaunchConfig, render_repository
 from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
                                              process_tree_rss_bytes)
@@ -40,8 +41,11 @@ from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_t
 
 def host_hop_counters(metrics_url: str) -> dict[str, float]:
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return {stage: float(value) for stage, value in
-            re.findall(r'^omni_interstage_host_tensors_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
+    counters: dict[str, float] = {}  # summed over a stage's replicas (their model_instance label)
+    for labels, value in re.findall(r'^omni_interstage_host_tensors_total\{([^}]*)\} (\S+)$', text, re.M):
+        stage = re.search(r'stage="(\w+)"', labels).group(1)
+        counters[stage] = counters.get(stage, 0.0) + float(value)
+    return counters
 
 
 class _PreprocessedInputs:
@@ -270,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the engines' Triton kernels and GPU sampling (serve --fast-path)")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="off",
                         help="CUDA-graph decode, with --fast-path on (serve --cuda-graphs)")
+    add_placement_arguments(parser)  # e.g. --instances talker=2,code2wav=2: replicas on the GPU too
     parser.add_argument("--out", default="served_device_check.json")
     parser.add_argument("--log", help="tritonserver log path (default: in a temporary directory)")
     parser.add_argument("--log-verbose", type=int, default=0)
@@ -288,10 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     config = LaunchConfig(checkpoint_dir=Path(checkpoint), device=args.device, dtype=args.dtype,
                           interstage_memory=args.interstage_memory or install.interstage_memory(args.device),
                           max_inflight_requests=64, fast_path=args.fast_path == "on",
-                          cuda_graphs=args.cuda_graphs == "on")
+                          cuda_graphs=args.cuda_graphs == "on", placement=placement(args))
     repository = render_repository(config, workdir / "repository")
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            gpu=args.device == "cuda", log_verbose=args.log_verbose)
+                            gpu=args.device == "cuda", gpu_ids=config.placement.used_gpus(),
+                            log_verbose=args.log_verbose)
     server = TritonServer(repository, install, options, log_path=args.log or workdir / "tritonserver.log")
     print(f"python backend: {install.python_backend_note}; interstage memory {config.interstage_memory}", flush=True)
     server.start()

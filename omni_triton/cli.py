@@ -4,6 +4,7 @@
     omni-triton serve --device cuda --config qwen3_omni_30b_a3b   full size, seeded random bf16 weights
     omni-triton demo  ["text"] [--out out.wav]      start a server, stream one request, stop
     omni-triton build tiny|onnx|trt|python-backend [builder options]
+    omni-triton deploy deploy/values/*.yaml         Kubernetes manifests (deploy/k8s/<values name>/)
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from omni_triton.server.memory_plan import DoesNotFit
 from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
-                                               add_memory_arguments, add_model_source_arguments, model_source,
-                                               with_kv_budget)
+                                               add_memory_arguments, add_model_source_arguments,
+                                               add_placement_arguments, model_source, placement, with_kv_budget)
 from omni_triton.server.repository import (CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig,
                                           render_repository)
 from omni_triton.server.mps import MPS_CHOICES, MpsError
@@ -60,6 +61,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most codec frames in a later audio chunk; chunks ramp up to it, each at most twice the "
                              "audio already out (default: %(default)s)")
     add_memory_arguments(launch)
+    add_placement_arguments(launch)
     launch.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
                         help="tokens per engine step, decode + chunked prefill (default: %(default)s)")
     add_engine_arguments(launch)
@@ -125,9 +127,16 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
         max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
         torch_threads={stage: args.torch_threads for stage in STAGES},
         code2wav_runtime=args.code2wav_runtime, code2wav_engine_path=args.code2wav_engine,
-        code2wav_max_batch=args.code2wav_max_batch,
+        code2wav_max_batch=args.code2wav_max_batch, placement=placement(args),
     )
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization)
+
+
+def server_options(args: argparse.Namespace, config: LaunchConfig) -> ServerOptions:
+    """The tritonserver options of ``serve`` (``deploy render`` checks its manifests against them)."""
+    return ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                         metrics_port=args.metrics_port, gpu=config.device == "cuda",
+                         gpu_ids=config.placement.used_gpus(), stage_reload=args.allow_stage_reload, mps=args.mps)
 
 
 def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
@@ -135,18 +144,15 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     config, kv_note = launch_config(args, install)
     models = args.models.split(",") if args.models else None
     repository = render_repository(config, args.run_dir / "repository", models)
-    options = ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                            metrics_port=args.metrics_port, gpu=config.device == "cuda",
-                            stage_reload=args.allow_stage_reload, mps=args.mps)
-    server = TritonServer(repository, install, options, log_path=args.run_dir / "tritonserver.log",
-                          echo_log=echo_log)
+    server = TritonServer(repository, install, server_options(args, config),
+                          log_path=args.run_dir / "tritonserver.log", echo_log=echo_log)
     print(f"tritonserver ({install.origin}: {install.binary})\n"
           f"  python backend: {install.python_backend_note}\n"
           f"  checkpoint {config.checkpoint_dir}"
           + (f" (random weights: --load-format dummy, seed {config.dummy_seed})" if config.load_format == "dummy"
              else "")
           + f", device {config.device} {config.resolved_dtype}, interstage memory {config.interstage_memory}, "
-          f"repository {repository}\n  {kv_note}", flush=True)
+          f"repository {repository}\n  placement: {config.placement.describe(config.device)}\n  {kv_note}", flush=True)
     server.start()
     print(f"  CUDA MPS: {server.mps.note}", flush=True)
     try:
@@ -210,6 +216,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from omni_triton.deploy import main as deploy_main
+
+    return deploy_main(args.deploy_args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from omni_triton.bench.cli import main as bench_main
 
@@ -241,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("builder_args", nargs=argparse.REMAINDER, help="options for the builder (see KIND --help)")
     build.set_defaults(handler=cmd_build)
 
+    deploy = commands.add_parser("deploy", add_help=False,
+                                 help="Kubernetes manifests for deploy/values/*.yaml (see deploy --help)")
+    deploy.add_argument("deploy_args", nargs=argparse.REMAINDER, help="values files and --out DIR")
+    deploy.set_defaults(handler=cmd_deploy)
+
     bench = commands.add_parser("bench", add_help=False,
                                 help="TTFA/RTF/throughput sweep against baselines (see bench --help)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options for the benchmark")
@@ -252,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help): hand it everything after "bench"
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
+    if argv[:1] == ["deploy"]:  # likewise
+        return cmd_deploy(argparse.Namespace(deploy_args=argv[1:]))
     args = build_parser().parse_args(argv)
     from tritonclient.utils import InferenceServerException
 

@@ -108,7 +108,7 @@ def test_auto_kv_budget_reaches_each_stage_of_a_cuda_launch(full_size_dir, monke
     from omni_triton.server.launch_options import with_kv_budget
     from omni_triton.server.repository import LaunchConfig
 
-    monkeypatch.setattr(memory_plan, "free_gpu_memory", lambda: (H200_FREE, "H200, 140 GiB"))
+    monkeypatch.setattr(memory_plan, "gpu_memory", lambda: {0: (H200_FREE, "H200, 140 GiB")})
     launch = LaunchConfig(checkpoint_dir=full_size_dir, device="cuda", load_format="dummy", left_context_frames=72)
     config, note = with_kv_budget(launch, "auto", 0.95)
     assert 300_000 < config.kv_cache_tokens < config.resolved_talker_kv_cache_tokens

@@ -65,11 +65,12 @@ def metrics(server) -> dict[tuple[str, str], float]:
     return values
 
 
-def wait_idle(server, timeout_s: float = 5.0) -> dict:
-    """Poll the stage gauges until nothing is held anywhere (or fail with what is still held)."""
+def wait_idle(server, timeout_s: float = 5.0, read=metrics) -> dict:
+    """Poll the stage gauges (``read(server)``: {(name, labels): value}) until nothing is held anywhere (or fail
+    with what is still held)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        values = metrics(server)
+        values = read(server)
         held = {key: v for key, v in values.items()
                 if key[0] in ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames") and v}
         if not held and values:
@@ -137,13 +138,18 @@ def test_audio_input_request(triton_server, inprocess):
     assert stream(triton_server, "What did I say?", **GREEDY).audio.tobytes() != served.audio.tobytes()
 
 
-def test_concurrent_streams_each_get_their_own_output(triton_server, inprocess):
-    alone = [inprocess_run(inprocess, prompt, **GREEDY) for prompt in PROMPTS]
+def check_concurrent_streams(server, pipeline) -> None:
+    """Every prompt at once over ``server``: each stream gets what the in-process ``pipeline`` gives alone."""
+    alone = [inprocess_run(pipeline, prompt, **GREEDY) for prompt in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        served = list(pool.map(lambda prompt: stream(triton_server, prompt, **GREEDY), PROMPTS))
+        served = list(pool.map(lambda prompt: stream(server, prompt, **GREEDY), PROMPTS))
     for prompt, result, (text, audio) in zip(PROMPTS, served, alone):
         assert result.text == text, prompt
         np.testing.assert_allclose(result.audio, audio, atol=1e-4, err_msg=prompt)
+
+
+def test_concurrent_streams_each_get_their_own_output(triton_server, inprocess):
+    check_concurrent_streams(triton_server, inprocess)
     # seeded sampling: two concurrent requests with one seed agree, another seed differs
     sampled = dict(temperature=0.9, top_k=20, max_tokens=12, max_audio_frames=12)
     with ThreadPoolExecutor(3) as pool:

@@ -275,6 +275,9 @@ class EngineLoop:
 
     # -- threads --------------------------------------------------------------------------------------------
     def _step_loop(self) -> None:
+        device = self.engine.runner.device
+        if device.type == "cuda":  # CUDA's current device is per thread: kernels and syncs here are the stage's
+            torch.cuda.set_device(device)
         while not self._stop.is_set():
             # block for commands when idle, or when everything runnable is stuck behind blocks held by
             # requests waiting for input (only an append or abort can change that)

@@ -3,7 +3,9 @@
 Tensors returned by one stage are handed to the next as they are (``pb_utils.Tensor`` objects, on
 the GPU when the stages run there), so no stage-to-stage hop goes through host memory. The talker
 is a sequence-batched model: every chunk of one request carries the same correlation id, START on
-the first and END on the last, so they all reach the engine that holds that request's state.
+the first, so they all reach the engine that holds that request's state. END comes last, on an abort request
+sent once the frames stream ended (a no-op then) or to cancel the request: with several talker instances,
+only a request on the sequence's own correlation id is sure to reach the instance that holds it.
 
 ``pb_utils`` is passed in because it only exists inside the Python backend stub.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -44,18 +47,20 @@ class StageError(RuntimeError):
 
 
 class BlsStageClients:
-    def __init__(self, pb_utils: Any, request_inputs: dict[str, Any], on_gpu: bool,
+    def __init__(self, pb_utils: Any, request_inputs: dict[str, Any], gpu: int | None,
                  check_device: Callable[..., None] = lambda *tensors: None,
                  stage_down: Callable[[str], bool] = lambda stage: False):
         self._pb = pb_utils
         self._stage_down = stage_down  # a call to a stage that is down fails at once (it would wait 1-3 s)
         self._check_device = check_device  # counts inter-stage tensors that came back in host memory
         self._inputs = request_inputs  # the orchestrator's own validated input tensors, by name
-        on_device = on_gpu and device_tensors_between_stages()
-        self._memory = (pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0) if on_device
+        # stage outputs are asked for on the orchestrator's GPU (``gpu``; None: on the CPU)
+        on_device = gpu is not None and device_tensors_between_stages()
+        self._memory = (pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, gpu) if on_device
                         else pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
         self._talker_correlation_id: int | None = None
         self._talker_ended = False
+        self._talker_end_lock = threading.Lock()  # the frames reader and an abort may both end the sequence
 
     # -- thinker -----------------------------------------------------------------------------------
     def thinker(self, request_id: str) -> Iterable[ThinkerChunk]:
@@ -76,11 +81,16 @@ class BlsStageClients:
         self._talker_correlation_id = _next_correlation_id()
         extra = [self._pb.Tensor(name, host_array(self._inputs[name]).reshape(1, -1)) for name in TALKER_PARAMS]
         request = self._talker_request(request_id, chunk, start=True, extra=extra)
-        return self._frames(_stream(request))
+        return self._frames(request_id, _stream(request))
 
     def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None:
-        request = self._talker_request(request_id, chunk, start=False, extra=[])
-        for response in _stream(request):
+        # Sent under the lock that ends the sequence: a talker that reached its last frame before the thinker
+        # finished has had its sequence ended, and a request after the END would not find it.
+        with self._talker_end_lock:
+            if self._talker_ended:
+                return
+            responses = _stream(self._talker_request(request_id, chunk, start=False, extra=[]))
+        for response in responses:
             self._outputs(response)  # raises on error; append requests carry no outputs
 
     def merge_payloads(self, payloads: list[dict[str, Any]]) -> dict[str, Any]:
@@ -93,17 +103,14 @@ class BlsStageClients:
 
     def _talker_request(self, request_id: str, chunk: ThinkerChunk, *, start: bool, extra: list) -> Any:
         pb = self._pb
-        flags = pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0
-        if chunk.finished:
-            flags |= pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-            self._talker_ended = True
+        flags = pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0  # END: _end_talker_sequence
         # the talker is sequence-batched, so every input carries a leading batch dim of 1
         finished = pb.Tensor("THINKER_FINISHED", np.array([[chunk.finished]], dtype=bool))
         inputs = [_batched(pb, chunk.payload[name], name) for name in TALKER_FORWARDED] + [finished, *extra]
         return self._request("talker", inputs, ["CODES"], request_id=request_id,
                              correlation_id=self._talker_correlation_id, flags=flags)
 
-    def _frames(self, responses: Iterable[Any]) -> Iterator[torch.Tensor]:
+    def _frames(self, request_id: str, responses: Iterable[Any]) -> Iterator[torch.Tensor]:
         for response in responses:
             outputs = self._outputs(response)
             if outputs is not None and "CODES" in outputs:
@@ -112,6 +119,25 @@ class BlsStageClients:
                 codes = codes.reshape(-1, codes.shape[-1])
                 if codes.numel():
                     yield codes
+        self._end_talker_sequence(request_id)  # the stream ended: the talker holds nothing of it any more
+
+    def _end_talker_sequence(self, request_id: str) -> None:
+        """END the talker sequence (once) with an abort on its own correlation id: the sequence batcher routes
+        it to the instance that holds the request, which drops what is left of it (nothing once its frames
+        stream ended). A StageError means there is nothing left to drop: the stage forgot the request or is
+        down (its state died with its process)."""
+        pb = self._pb
+        control = pb.Tensor("CONTROL", np.array([[b"abort"]], dtype=np.object_))  # batch dim: sequence-batched
+        with contextlib.suppress(StageError):
+            with self._talker_end_lock:
+                if self._talker_correlation_id is None or self._talker_ended:
+                    return
+                self._talker_ended = True
+                responses = _stream(self._request("talker", [control], [], request_id=request_id,
+                                                  correlation_id=self._talker_correlation_id,
+                                                  flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END))
+            for response in responses:
+                self._outputs(response)
 
     # -- code2wav ------------------------------------------------------------------------------------
     def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
@@ -129,25 +155,10 @@ class BlsStageClients:
         """Tell thinker and talker to drop the request (frees its KV blocks and pending chunks). A StageError
         means there is nothing left to free: the stage already forgot the request, or it is down (its state
         died with its process)."""
-        pb = self._pb
-        control = pb.Tensor("CONTROL", np.array([b"abort"], dtype=np.object_))
+        control = self._pb.Tensor("CONTROL", np.array([b"abort"], dtype=np.object_))
         with contextlib.suppress(StageError):
             self._drain(self._request("thinker", [control], [], request_id=request_id))
-        with contextlib.suppress(StageError):
-            if self._talker_correlation_id is not None:
-                batched_control = pb.Tensor("CONTROL", np.array([[b"abort"]], dtype=np.object_))
-                if self._talker_ended:
-                    # the original sequence is closed: a fresh one-request sequence carries the abort
-                    correlation_id = _next_correlation_id()
-                    flags = pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START | pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-                else:
-                    # End the original sequence with the abort. A fresh sequence would leave this one open,
-                    # holding a sequence-batcher slot until max_sequence_idle_microseconds; once every slot
-                    # was held that way, the fresh abort itself waited for a slot and the request hung.
-                    correlation_id, flags = self._talker_correlation_id, pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-                    self._talker_ended = True
-                self._drain(self._request("talker", [batched_control], [], request_id=request_id,
-                                          correlation_id=correlation_id, flags=flags))
+        self._end_talker_sequence(request_id)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _request(self, model: str, inputs: list, outputs: list[str], **kwargs: Any) -> Any:

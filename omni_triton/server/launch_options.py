@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION, SERVED_GPU_PROCESSES,
+from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION,
                                             THINKER_KV_SHARE, kv_budget, kv_tokens_setting)
+from omni_triton.server.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
+                                          parse_stage_gpus)
 from omni_triton.server.repository import CHUNK_PACING, LOAD_FORMATS, LaunchConfig, admission_capacity_setting
 
 
@@ -104,6 +106,38 @@ def _admission_capacity(text: str) -> str:
     return text
 
 
+def add_placement_arguments(group) -> None:
+    """--stage-gpus and --instances: where each stage runs (omni_triton.server.placement)."""
+    group.add_argument("--stage-gpus", type=_option_type(parse_stage_gpus), default={}, metavar="STAGE=GPUS,...",
+                       help=f"cuda: the GPU(s) of each stage ({', '.join(GPU_STAGES)}), e.g. "
+                            "thinker=0,talker=1,code2wav=1; several GPUs with ':' (talker=1:2); stages not named run "
+                            "on GPU 0, the orchestrator on the thinker's (default: all on GPU 0)")
+    group.add_argument("--instances", type=_option_type(parse_instances), default={}, metavar="STAGE=N,...",
+                       help=f"instances of {' and '.join(REPLICABLE_STAGES)} per GPU of the stage (Triton "
+                            "instance_group count; the memory plan gives each its KV cache), e.g. "
+                            "talker=2,code2wav=2 (default: 1 each)")
+
+
+def _option_type(parse: Callable[[str], dict]) -> Callable[[str], dict]:
+    def parse_argument(text: str) -> dict:
+        try:
+            return parse(text)
+        except PlacementError as error:  # argparse shows an ArgumentTypeError's own message
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parse_argument
+
+
+def placement(args: argparse.Namespace) -> Placement:
+    """The placement ``args`` give (raises LaunchOptionError naming the option and value)."""
+    if args.stage_gpus and args.device != "cuda":
+        raise LaunchOptionError(f"--stage-gpus places stages on GPUs: it needs --device cuda (got --device "
+                                f"{args.device})")
+    try:
+        return Placement(gpus=args.stage_gpus, instances=args.instances)
+    except PlacementError as error:
+        raise LaunchOptionError(str(error)) from None
+
+
 def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path] | None = None) -> ModelSource:
     """The weights ``args`` name (raises LaunchOptionError for options that do not go together); without
     --checkpoint or --config, ``default_checkpoint()``."""
@@ -133,14 +167,15 @@ def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path
 
 
 def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
-                   gpu_processes: int = SERVED_GPU_PROCESSES) -> tuple[LaunchConfig, str]:
-    """``config`` with the engines' KV tokens of ``--kv-cache-tokens`` ``setting`` (``memory_plan.kv_budget``:
-    raises DoesNotFit), and the note saying the budget. ``gpu_processes``: 1 for the in-process pipeline."""
+                   gpu_processes: int | None = None) -> tuple[LaunchConfig, str]:
+    """``config`` with the engines' KV tokens of ``--kv-cache-tokens`` ``setting`` (``memory_plan.kv_budget``,
+    per GPU of the config's placement: raises DoesNotFit), and the note saying the budget. ``gpu_processes``:
+    1 for the in-process pipeline (default: as served)."""
     budget = kv_budget(setting, device=config.device, checkpoint_dir=config.checkpoint_dir,
                        dtype=config.resolved_dtype, utilization=utilization,
                        max_inflight=config.max_inflight_requests, code2wav_batch=config.code2wav_max_batch,
                        first_chunk_frames=config.first_chunk_frames, chunk_frames=config.next_chunk_frames,
                        left_context_frames=config.left_context_frames, block_size=config.kv_block_size,
-                       gpu_processes=gpu_processes)
+                       gpu_processes=gpu_processes, placement=config.placement)
     return replace(config, kv_cache_tokens=budget.thinker_tokens,
                    talker_kv_cache_tokens=budget.talker_tokens), budget.note

@@ -14,7 +14,9 @@ then, times ``utilization`` (headroom for fragmentation), go:
   the thinker, talker, code2wav and orchestrator stubs) and ``ENGINE_STEP_BYTES`` per engine (one step's
   activations, logits, sampler state): allowances, not measurements.
 
-What is left is KV cache: ``THINKER_KV_SHARE`` of the bytes the thinker's, the rest the talker's (at the
+With stages on several GPUs, or several instances of a stage (``placement.py``), each GPU is planned from what it
+holds: the weights, processes, engine steps and vocoder activations of every instance on it, and what is left
+shared by the engine instances there. What is left is KV cache: ``THINKER_KV_SHARE`` of the bytes the thinker's, the rest the talker's (at the
 released dimensions a thinker token takes 96 KiB and a talker token 20 KiB, so the talker gets about twice
 the thinker's tokens: spoken answers are longer in codec frames than in text tokens). Each engine is capped
 at ``max_inflight`` requests of its longest context. On the CPU the default stays ``CPU_KV_CACHE_TOKENS``, and
@@ -23,13 +25,16 @@ a model whose weights exceed the host memory available (the full-size config in 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
+
+from omni_triton.server.placement import ENGINE_STAGES, REPLICABLE_STAGES, Placement
 
 if TYPE_CHECKING:  # torch is imported where a footprint is measured: `omni-triton --help` stays quick
     import torch
@@ -138,15 +143,43 @@ def _code2wav_widest_per_frame(config) -> int:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class GpuPlan:
+    """One GPU of a plan: what it holds and the KV tokens each engine instance on it gets."""
+
+    gpu: int
     device_name: str
     free_bytes: int
+    held: dict[str, int]             # stage -> instances on this GPU
+    weight_bytes: int
+    reserved_bytes: int              # processes + engine steps + vocoder activations
+    code2wav_activation_bytes: int
+    kv_bytes: int                    # what is left for the KV caches (negative: over by that much)
+    thinker_tokens: int | None       # per thinker instance here (None: none here)
+    talker_tokens: int | None        # per talker instance here
+
+    def fits(self) -> bool:
+        engines = [t for t in (self.thinker_tokens, self.talker_tokens) if t is not None]
+        return self.kv_bytes >= 0 and all(tokens >= MIN_KV_TOKENS for tokens in engines)
+
+    def holds(self) -> str:
+        return " + ".join(f"{stage} x{count}" for stage, count in self.held.items())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
     utilization: float
     footprint: Footprint
-    reserved_bytes: int            # processes + engine steps + vocoder activations
-    code2wav_activation_bytes: int
-    thinker_tokens: int
+    gpus: tuple[GpuPlan, ...]
+    thinker_tokens: int              # per engine instance: the least any GPU gives (one value per stage config)
     talker_tokens: int
+
+    @property
+    def device_name(self) -> str:
+        return self.gpus[0].device_name
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(gpu.reserved_bytes for gpu in self.gpus)
 
     @property
     def thinker_kv_bytes(self) -> int:
@@ -158,14 +191,17 @@ class MemoryPlan:
 
     def describe(self) -> str:
         f = self.footprint
-        return (f"GPU memory ({self.device_name}): {_gib(self.free_bytes)} free at launch, "
-                f"{self.utilization:.0%} of it planned: weights {_gib(f.weight_bytes)} "
-                f"(thinker {f.thinker_layers} layers {_gib(f.thinker_bytes)}, "
-                f"talker {f.talker_layers} layers {_gib(f.talker_bytes)}, code2wav {_gib(f.code2wav_bytes)}), "
-                f"reserved {_gib(self.reserved_bytes)} (vocoder activations {_gib(self.code2wav_activation_bytes)}, "
-                f"CUDA contexts and engine steps)\n"
-                f"  KV cache: thinker {self.thinker_tokens} tokens = {_gib(self.thinker_kv_bytes)}, "
-                f"talker {self.talker_tokens} tokens = {_gib(self.talker_kv_bytes)}")
+        lines = [f"GPU memory, {self.utilization:.0%} of what is free at launch planned; weights: thinker "
+                 f"{f.thinker_layers} layers {_gib(f.thinker_bytes)}, talker {f.talker_layers} layers "
+                 f"{_gib(f.talker_bytes)}, code2wav {_gib(f.code2wav_bytes)} per instance"]
+        for gpu in self.gpus:
+            lines.append(f"  GPU {gpu.gpu} ({gpu.device_name}): {_gib(gpu.free_bytes)} free, holds {gpu.holds()}: "
+                         f"weights {_gib(gpu.weight_bytes)}, reserved {_gib(gpu.reserved_bytes)} (vocoder "
+                         f"activations {_gib(gpu.code2wav_activation_bytes)}, CUDA contexts and engine steps), "
+                         f"KV {_gib(max(gpu.kv_bytes, 0))}")
+        lines.append(f"  KV cache: thinker {self.thinker_tokens} tokens = {_gib(self.thinker_kv_bytes)}, "
+                     f"talker {self.talker_tokens} tokens = {_gib(self.talker_kv_bytes)} (per instance)")
+        return "\n".join(lines)
 
 
 def _gib(num_bytes: int) -> str:
@@ -173,35 +209,55 @@ def _gib(num_bytes: int) -> str:
 
 
 def plan(footprint: Footprint, free_bytes: int, *, utilization: float = DEFAULT_UTILIZATION,
-         gpu_processes: int = SERVED_GPU_PROCESSES, max_inflight: int = 16, code2wav_batch: int = 8,
+         gpu_processes: int | None = SERVED_GPU_PROCESSES, max_inflight: int = 16, code2wav_batch: int = 8,
          code2wav_frames: int | None = None, block_size: int = 16, device_name: str = "GPU",
          layers_hint: bool = True) -> MemoryPlan:
-    """The KV budget of each engine on a GPU with ``free_bytes`` free (see the module doc). ``code2wav_frames``:
-    frames of the vocoder's largest call (default: exact left context + 25). Raises DoesNotFit, naming what to
-    change (and, with ``layers_hint``, the most layers that fit), when either engine would get fewer than
-    ``MIN_KV_TOKENS`` tokens."""
+    """``plan_placement`` for every stage on one GPU with ``free_bytes`` free."""
+    return plan_placement(footprint, {0: (free_bytes, device_name)}, Placement(), utilization=utilization,
+                          gpu_processes=gpu_processes, max_inflight=max_inflight, code2wav_batch=code2wav_batch,
+                          code2wav_frames=code2wav_frames, block_size=block_size, layers_hint=layers_hint)
+
+
+def plan_placement(footprint: Footprint, gpus: Mapping[int, tuple[int, str]], placement: Placement, *,
+                   utilization: float = DEFAULT_UTILIZATION, gpu_processes: int | None = None,
+                   max_inflight: int = 16, code2wav_batch: int = 8, code2wav_frames: int | None = None,
+                   block_size: int = 16, layers_hint: bool = True) -> MemoryPlan:
+    """The KV budget of each engine instance when the stages sit on GPUs as ``placement`` says; ``gpus``: GPU id
+    -> (bytes free, name). Each GPU is planned from what it holds (see the module doc; several instances on one
+    GPU share what is left, the thinker's share going to the thinker when it is there too); each engine then
+    gets the least any of its GPUs gives. ``gpu_processes``: CUDA processes on each GPU (None: as served,
+    tritonserver + the orchestrator + the stage instances there; 1: the in-process pipeline). ``code2wav_frames``:
+    frames of the vocoder's largest call (default: exact left context + 25). Raises DoesNotFit, naming the GPU,
+    what it holds and what would fit (and, with ``layers_hint``, the most layers that fit), when a GPU is over or
+    an engine would get fewer than ``MIN_KV_TOKENS`` tokens."""
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    check_visible(gpus, placement)
     frames = code2wav_frames or footprint.exact_left_context_frames + 25
-    code2wav_activations = footprint.code2wav_frame_bytes * frames * code2wav_batch
-    reserved = gpu_processes * GPU_PROCESS_BYTES + 2 * ENGINE_STEP_BYTES + code2wav_activations
-    kv_bytes = int(free_bytes * utilization) - footprint.weight_bytes - reserved
-    thinker_bytes = int(max(kv_bytes, 0) * THINKER_KV_SHARE)
-    thinker_tokens = min(thinker_bytes // footprint.thinker_kv_token_bytes, max_inflight * footprint.thinker_context)
-    talker_tokens = min((max(kv_bytes, 0) - thinker_bytes) // footprint.talker_kv_token_bytes,
-                        max_inflight * footprint.talker_context)
-    result = MemoryPlan(device_name, free_bytes, utilization, footprint, reserved, code2wav_activations,
-                        thinker_tokens // block_size * block_size, talker_tokens // block_size * block_size)
-    if min(result.thinker_tokens, result.talker_tokens) >= MIN_KV_TOKENS:
-        return result
-    message = (f"the pipeline does not fit {device_name}: {_gib(free_bytes)} free, {utilization:.0%} of it planned, "
-               f"weights {_gib(footprint.weight_bytes)} + reserved {_gib(reserved)} (vocoder activations "
-               f"{_gib(code2wav_activations)} for {code2wav_batch} x {frames} frames) leave "
-               f"{_gib(max(kv_bytes, 0))} for the KV caches, under {MIN_KV_TOKENS} tokens per engine")
+    sizing = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,
+                  code2wav_batch=code2wav_batch, frames=frames, block_size=block_size)
+    per_gpu = tuple(_plan_gpu(footprint, gpu, *gpus[gpu], placement.held(gpu), **sizing)
+                    for gpu in placement.used_gpus())
+    over = [gpu for gpu in per_gpu if not gpu.fits()]
+    if not over:
+        thinker, talker = ([getattr(gpu_plan, f"{stage}_tokens") for gpu_plan in per_gpu if stage in gpu_plan.held]
+                           for stage in ENGINE_STAGES)
+        return MemoryPlan(utilization, footprint, per_gpu, min(thinker), min(talker))
+    gpu = over[0]
+    message = (f"the placement does not fit GPU {gpu.gpu} ({gpu.device_name}): {_gib(gpu.free_bytes)} free, "
+               f"{utilization:.0%} of it planned; it holds {gpu.holds()}: weights {_gib(gpu.weight_bytes)} + "
+               f"reserved {_gib(gpu.reserved_bytes)} (vocoder activations {_gib(gpu.code2wav_activation_bytes)} "
+               f"for {code2wav_batch} x {frames} frames per code2wav instance) leave {_gib(max(gpu.kv_bytes, 0))} "
+               f"for the KV caches, under {MIN_KV_TOKENS} tokens per engine")
+    fewer = _fewer_instances_that_fit(footprint, gpu, sizing)
+    if fewer is not None:
+        message += (f"; on GPU {gpu.gpu} fits: {' + '.join(f'{s} x{n}' for s, n in fewer.items())} "
+                    f"(--instances {','.join(f'{s}={n}' for s, n in fewer.items() if s in REPLICABLE_STAGES)})")
+    elif len(gpu.held) > 1 and len(gpus) > 1:
+        message += "; or spread the stages over more GPUs (--stage-gpus)"
     if layers_hint:
         fitting = [n for n in range(footprint.thinker_layers - 1, 0, -1)
-                   if _fits(footprint.with_layers(n), free_bytes, utilization, gpu_processes, max_inflight,
-                            code2wav_batch, frames)]
+                   if _fits(footprint.with_layers(n), gpus, placement, sizing)]
         if fitting:
             message += (f"; random weights of {fitting[0]} layers fit (--config ... --dummy-layers {fitting[0]}), "
                         f"with room for --max-inflight {max_inflight} requests of {TOKENS_PER_REQUEST_HINT} tokens")
@@ -209,19 +265,59 @@ def plan(footprint: Footprint, free_bytes: int, *, utilization: float = DEFAULT_
                                "--max-inflight, or raise --gpu-memory-utilization")
 
 
-def _fits(footprint: Footprint, free_bytes: int, utilization: float, gpu_processes: int, max_inflight: int,
-          code2wav_batch: int, frames: int) -> bool:
-    try:
-        result = plan(footprint, free_bytes, utilization=utilization, gpu_processes=gpu_processes,
-                      max_inflight=max_inflight, code2wav_batch=code2wav_batch, code2wav_frames=frames,
-                      layers_hint=False)
-    except DoesNotFit:
-        return False
-    return result.thinker_tokens >= max_inflight * TOKENS_PER_REQUEST_HINT
+def check_visible(gpus: Mapping[int, object], placement: Placement) -> None:
+    invisible = [gpu for gpu in placement.used_gpus() if gpu not in gpus]
+    if invisible:
+        raise DoesNotFit(f"--stage-gpus: GPU {invisible[0]} is not visible here ({len(gpus)} GPU(s): ids "
+                         f"{', '.join(map(str, sorted(gpus)))}); placement {placement.describe()}")
 
 
-def free_gpu_memory() -> tuple[int, str]:
-    """(bytes free on the visible GPU with the least free, its name), read in a child process so that this one
+def _plan_gpu(footprint: Footprint, gpu: int, free_bytes: int, device_name: str, held: dict[str, int], *,
+              utilization: float, gpu_processes: int | None, max_inflight: int, code2wav_batch: int, frames: int,
+              block_size: int) -> GpuPlan:
+    stage_bytes = {"thinker": footprint.thinker_bytes, "talker": footprint.talker_bytes,
+                   "code2wav": footprint.code2wav_bytes, "orchestrator": 0}
+    weights = sum(stage_bytes[stage] * count for stage, count in held.items())
+    # the orchestrator handles every stage's tensors, so it holds a CUDA context on each GPU, its own or not
+    processes = gpu_processes or (1 + sum(held.values()) + ("orchestrator" not in held))
+    engines = held.get("thinker", 0) + held.get("talker", 0)
+    activations = footprint.code2wav_frame_bytes * frames * code2wav_batch * held.get("code2wav", 0)
+    reserved = processes * GPU_PROCESS_BYTES + engines * ENGINE_STEP_BYTES + activations
+    kv_bytes = int(free_bytes * utilization) - weights - reserved
+    left = max(kv_bytes, 0)
+    thinker_bytes = int(left * THINKER_KV_SHARE) if "talker" in held else left
+    tokens = {}
+    for stage, budget in (("thinker", thinker_bytes), ("talker", left - thinker_bytes if "thinker" in held else left)):
+        if stage in held:
+            token_bytes = getattr(footprint, f"{stage}_kv_token_bytes")
+            context = getattr(footprint, f"{stage}_context")
+            fitted = min(budget // held[stage] // token_bytes, max_inflight * context)
+            tokens[stage] = fitted // block_size * block_size
+    return GpuPlan(gpu, device_name, free_bytes, held, weights, reserved, activations, kv_bytes,
+                   tokens.get("thinker"), tokens.get("talker"))
+
+
+def _fewer_instances_that_fit(footprint: Footprint, gpu: GpuPlan, sizing: dict) -> dict[str, int] | None:
+    """The most instances of the replicable stages (at least one each) that fit ``gpu``, with what else it
+    holds; None when one each does not fit either, or when there is nothing to take away."""
+    counts = [range(gpu.held[stage], 0, -1) if stage in REPLICABLE_STAGES else (gpu.held[stage],)
+              for stage in gpu.held]
+    options = sorted(itertools.product(*counts), key=sum, reverse=True)
+    for option in options[1:]:
+        held = dict(zip(gpu.held, option))
+        if _plan_gpu(footprint, gpu.gpu, gpu.free_bytes, gpu.device_name, held, **sizing).fits():
+            return held
+    return None
+
+
+def _fits(footprint: Footprint, gpus: Mapping[int, tuple[int, str]], placement: Placement, sizing: dict) -> bool:
+    plans = [_plan_gpu(footprint, gpu, *gpus[gpu], placement.held(gpu), **sizing) for gpu in placement.used_gpus()]
+    return all(p.fits() for p in plans) and all(
+        p.thinker_tokens >= sizing["max_inflight"] * TOKENS_PER_REQUEST_HINT for p in plans if "thinker" in p.held)
+
+
+def gpu_memory() -> dict[int, tuple[int, str]]:
+    """GPU id -> (bytes free, name and size) for every visible GPU, read in a child process so that this one
     holds no CUDA context while the server runs."""
     probe = ("import json, torch\n"
              "gpus = [(*torch.cuda.mem_get_info(i), torch.cuda.get_device_name(i)) "
@@ -232,8 +328,7 @@ def free_gpu_memory() -> tuple[int, str]:
     if not gpus:
         raise DoesNotFit(f"cannot read the free GPU memory (no CUDA device visible to torch?): "
                          f"{result.stderr.strip()[-500:]}; pass --kv-cache-tokens N")
-    free, total, name = min(gpus)
-    return int(free), f"{name}, {total / GIB:.0f} GiB"
+    return {index: (int(free), f"{name}, {total / GIB:.0f} GiB") for index, (free, total, name) in enumerate(gpus)}
 
 
 def host_memory_available() -> int | None:
@@ -253,11 +348,12 @@ class KvBudget:
 
 def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dtype: str, utilization: float,
               max_inflight: int, code2wav_batch: int, first_chunk_frames: int, chunk_frames: int,
-              left_context_frames: int | None, block_size: int = 16,
-              gpu_processes: int = SERVED_GPU_PROCESSES) -> KvBudget:
+              left_context_frames: int | None, block_size: int = 16, gpu_processes: int | None = None,
+              placement: Placement = Placement()) -> KvBudget:
     """The engines' KV tokens for ``--kv-cache-tokens`` ``setting`` (``auto`` or a number). On cuda ``auto`` is
-    ``plan`` over the memory free now (raises DoesNotFit); a number is taken as it is, with its size and, where
-    it exceeds the plan, a warning in the note."""
+    ``plan_placement`` over the memory free now on each GPU of ``placement`` (raises DoesNotFit); a number is
+    taken as it is, with its size and, where it exceeds the plan, a warning in the note. A GPU the placement
+    names that is not visible is refused either way."""
     import torch
 
     footprint = Footprint.from_checkpoint(checkpoint_dir, getattr(torch, dtype))
@@ -272,22 +368,22 @@ def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dt
 
     frames = ChunkPolicy(first_chunk_frames, chunk_frames, left_context_frames).resolved(
         footprint.exact_left_context_frames).max_frames_per_call()
-    free_bytes, device_name = free_gpu_memory()
+    gpus = gpu_memory()
     arguments = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,
-                     code2wav_batch=code2wav_batch, code2wav_frames=frames, block_size=block_size,
-                     device_name=device_name)
+                     code2wav_batch=code2wav_batch, code2wav_frames=frames, block_size=block_size)
     if setting == "auto":
-        fitted = plan(footprint, free_bytes, **arguments)
+        fitted = plan_placement(footprint, gpus, placement, **arguments)
         return KvBudget(fitted.thinker_tokens, fitted.talker_tokens, "--kv-cache-tokens auto: " + fitted.describe())
     tokens = int(setting)
     note = (f"KV cache (--kv-cache-tokens {tokens}): thinker {_gib(tokens * footprint.thinker_kv_token_bytes)}, "
-            f"talker {_gib(tokens * footprint.talker_kv_token_bytes)}")
+            f"talker {_gib(tokens * footprint.talker_kv_token_bytes)} per instance")
+    check_visible(gpus, placement)
     try:
-        fitted = plan(footprint, free_bytes, layers_hint=False, **arguments)
+        fitted = plan_placement(footprint, gpus, placement, layers_hint=False, **arguments)
     except DoesNotFit as error:
         return KvBudget(tokens, tokens, f"{note}\n  warning: {error}")
     if tokens > min(fitted.thinker_tokens, fitted.talker_tokens):
-        note += (f"\n  warning: more than fits {device_name} by the plan of --kv-cache-tokens auto "
+        note += (f"\n  warning: more than fits by the plan of --kv-cache-tokens auto "
                  f"(thinker {fitted.thinker_tokens}, talker {fitted.talker_tokens} tokens): expect out-of-memory")
     return KvBudget(tokens, tokens, note)
 

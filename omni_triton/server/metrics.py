@@ -16,6 +16,8 @@ Each stage reports a snapshot of its own state (engine stats, sessions in flight
     omni_admission_refused_requests{stage}      requests refused with UNAVAILABLE (cumulative)
     omni_realtime_capacity_audio_s_per_s{stage} estimated audio-seconds per second at the running streams
                                                 (0: admission by real-time capacity is off)
+
+A stage with several instances (``serve --instances``) labels each replica's series ``model_instance`` too.
 """
 
 from __future__ import annotations
@@ -61,14 +63,16 @@ def release_metrics(metrics: dict, families: dict) -> None:
 
 class StageMetrics:
     def __init__(self, pb_utils: Any, stage: str, snapshot: Callable[[], dict[str, float]],
-                 interval_s: float = 0.1):
+                 interval_s: float = 0.1, labels: dict[str, str] | None = None):
+        """``labels``: more labels beside ``stage`` (a replica's ``model_instance``, ``model_args.replica_labels``)."""
         self._snapshot = snapshot
         self._interval_s = interval_s
         names = snapshot().keys()
         # families are process-wide in the stub; keep them alive as long as their metrics
         self._families = {name: pb_utils.MetricFamily(name=name, description=GAUGES[name],
                                                       kind=pb_utils.MetricFamily.GAUGE) for name in names}
-        self._gauges = {name: family.Metric(labels={"stage": stage}) for name, family in self._families.items()}
+        self._gauges = {name: family.Metric(labels={"stage": stage, **(labels or {})})
+                        for name, family in self._families.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{stage}-metrics", daemon=True)
         self._thread.start()
@@ -97,13 +101,13 @@ class HostHopCounter:
     deployment host memory is where they belong, so nothing is counted.
     """
 
-    def __init__(self, pb_utils: Any, stage: str, on_gpu: bool):
+    def __init__(self, pb_utils: Any, stage: str, on_gpu: bool, labels: dict[str, str] | None = None):
         self.on_gpu = on_gpu
         self._family = pb_utils.MetricFamily(
             name="omni_interstage_host_tensors_total",
             description="Inter-stage tensors received in host memory on a GPU deployment (should be 0)",
             kind=pb_utils.MetricFamily.COUNTER)
-        self._counter = self._family.Metric(labels={"stage": stage})
+        self._counter = self._family.Metric(labels={"stage": stage, **(labels or {})})
 
     def close(self) -> None:
         """Release the counter: call from the model's finalize (see ``release_metrics``)."""

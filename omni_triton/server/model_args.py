@@ -13,6 +13,16 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
 
+def replica_labels(args: dict) -> dict[str, str]:
+    """Metric labels that tell this instance from its replicas (``serve --instances``): its instance name
+    (talker_0_1) under ``model_instance`` when the model has several instances, else none. Without it the
+    replicas would write one series, each overwriting the others' gauges. (Not ``instance``: Prometheus sets
+    that label to the scraped target.)"""
+    groups = json.loads(args["model_config"]).get("instance_group", [])
+    instances = sum(int(group.get("count", 1)) * max(1, len(group.get("gpus", []))) for group in groups)
+    return {"model_instance": args["model_instance_name"]} if instances > 1 else {}
+
+
 def limit_torch_threads(threads: int) -> None:
     """Each stage is its own stub process: without a cap, every one of them spawns a thread per core."""
     import torch

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -64,18 +64,19 @@ CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observatio
 
 
 class Orchestrator:
-    def __init__(self, pb_utils: Any, checkpoint_dir: str, device: str, policy: ChunkPolicy, max_inflight: int,
-                 chunk_pacing: str = "adaptive", admission_queue: int = 0, capacity: RealtimeCapacity | None = None):
+    def __init__(self, pb_utils: Any, checkpoint_dir: str, device: torch.device, policy: ChunkPolicy,
+                 max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
+                 capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone)."""
         if chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
-        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device != "cpu")
+        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device.type == "cuda")
         self._tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         code2wav_config = Code2WavConfig.from_pretrained(checkpoint_dir)
         self._num_quantizers = code2wav_config.num_quantizers
         self._policy = policy.resolved(exact_left_context_frames(code2wav_config))
-        self._on_gpu = device != "cpu"
+        self._gpu = device.index if device.type == "cuda" else None  # where stage outputs are asked to land
         self._chunk_pacing = chunk_pacing
         self._admission = Admission(max_inflight, admission_queue, capacity)
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
@@ -83,7 +84,7 @@ class Orchestrator:
         self._lock = threading.Lock()
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
         self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
-        self._stages = StageSupervisor(BLS_STAGES)
+        self._stages = StageSupervisor({stage: (stage_instances or {}).get(stage, 1) for stage in BLS_STAGES})
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
         # received frames in the window before it
         self._seen_frames: dict[str, int] = {}
@@ -244,7 +245,7 @@ class Orchestrator:
                 sender.send(pb.InferenceResponse(outputs))
 
         generations = self._stages.generations()
-        clients = BlsStageClients(pb, inputs, self._on_gpu, self._host_hops.check, stage_down=self._stages.is_down)
+        clients = BlsStageClients(pb, inputs, self._gpu, self._host_hops.check, stage_down=self._stages.is_down)
         try:
             session = Session(
                 request_id,

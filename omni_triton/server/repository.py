@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from omni_triton.server.memory_plan import CPU_KV_CACHE_TOKENS
+from omni_triton.server.placement import GPU_STAGES, Placement
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_repository"
 STAGES = ("preprocess", "orchestrator", "thinker", "talker", "code2wav")
@@ -73,6 +74,7 @@ class LaunchConfig:
     code2wav_runtime: str = "torch"       # torch | onnx | trt | auto
     code2wav_engine_path: Path | None = None  # the .onnx file or TensorRT .plan for onnx | trt
     code2wav_max_batch: int = 8
+    placement: Placement = field(default_factory=Placement)  # GPUs and instances per stage (see placement.py)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -125,11 +127,13 @@ class LaunchConfig:
     def template_values(self, model: str) -> dict[str, str]:
         """The ${...} values for one model (torch_threads and kv_cache_tokens are that model's own)."""
         checkpoint = Path(self.checkpoint_dir).resolve()
-        values = {k: v for k, v in asdict(self).items() if k not in ("torch_threads",)}
+        values = {k: v for k, v in asdict(self).items() if k not in ("torch_threads", "placement")}
         values.update(
             checkpoint_dir=checkpoint,
             dtype=self.resolved_dtype,
-            instance_kind="KIND_GPU" if self.device == "cuda" else "KIND_CPU",
+            instance_group=self.placement.instance_group(model, self.device) if model in GPU_STAGES else "",
+            # the orchestrator watches every stage instance's process (stage_supervisor)
+            stage_instances=",".join(f"{stage}={self.placement.count(stage)}" for stage in GPU_STAGES),
             # inter-stage states (thinker embeddings/hidden) travel in the engines' dtype
             state_data_type={"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}[
                 self.resolved_dtype],

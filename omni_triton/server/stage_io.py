@@ -37,15 +37,28 @@ def device_tensors_between_stages() -> bool:
     return not _host_only
 
 
-def engine_config(params: Mapping[str, str]) -> tuple[EngineConfig, torch.dtype]:
-    """The engine settings every AR stage reads from its config.pbtxt parameters."""
-    device = params["device"]
+def stage_device(params: Mapping[str, str], args: Mapping[str, str]) -> torch.device:
+    """This model instance's device: the GPU Triton placed it on (``model_instance_device_id``, from the
+    instance_group's ``gpus``), made current for the calling thread (the stub's, which runs initialize and
+    execute), so that what uses the current device (kernel launches, syncs, memory queries) uses this one and
+    not cuda:0; or the CPU."""
+    if params["device"] == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(args["model_instance_device_id"]))
+    torch.cuda.set_device(device)
+    return device
+
+
+def engine_config(params: Mapping[str, str], device: torch.device | None = None) -> tuple[EngineConfig, torch.dtype]:
+    """The engine settings every AR stage reads from its config.pbtxt parameters, on ``device`` (default: the
+    parameters' device kind, i.e. the current GPU)."""
+    device = str(device) if device is not None else "cpu" if params["device"] == "cpu" else "cuda"
     dtype = getattr(torch, params["dtype"])
     block_size = int(params["kv_block_size"])
     config = EngineConfig(block_size=block_size, num_blocks=max(1, int(params["kv_cache_tokens"]) // block_size),
                           max_num_batched_tokens=int(params["max_batched_tokens"]),
                           max_num_seqs=int(params["max_inflight_requests"]),
-                          device="cpu" if device == "cpu" else "cuda", kv_dtype=dtype,
+                          device=device, kv_dtype=dtype,
                           fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on")
     return config, dtype
 

@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +33,17 @@ RELOAD_HINT = " (reloading a stage needs tritonserver --model-control-mode=expli
 
 
 class StageSupervisor:
-    def __init__(self, stages: tuple[str, ...], interval_s: float = 0.1, scan_every_s: float = 0.5,
+    def __init__(self, stages: Mapping[str, int], interval_s: float = 0.1, scan_every_s: float = 0.5,
                  reload_timeout_s: float = 600.0):
+        """``stages``: stage -> its instances (stub processes) to watch."""
         self._server_pid = os.getppid()  # tritonserver: every stub is its child
         flags = _server_flags(self._server_pid)
         self._http_url = _http_url(flags)
         self._explicit = flags.get("--model-control-mode") == "explicit"
         self._reload_timeout_s = reload_timeout_s
         self._interval_s, self._scan_every_s = interval_s, scan_every_s
-        self._stubs: dict[str, int | None] = dict.fromkeys(stages)  # stage -> its stub's pid, once found
+        self._instances = dict(stages)
+        self._stubs: dict[str, dict[str, int]] = {stage: {} for stage in stages}  # stage -> {instance: pid} found
         self._scanned_at = float("-inf")
         self._lock = threading.Lock()
         self._generation = dict.fromkeys(stages, 0)  # stub deaths seen, per stage
@@ -66,19 +69,20 @@ class StageSupervisor:
         sent to it can abort the whole server (Triton 2.51 throws boost::interprocess::lock_exception when the
         stub died holding its message queue's lock), so the window in which one is sent must stay tiny."""
         with self._lock:
-            if stage not in self._down and self._stubs.get(stage, 0) is None:
+            if stage not in self._down and len(self._stubs.get(stage, {})) < self._instances.get(stage, 0):
                 self._locate(stage)
             return stage in self._down or self._dead(stage)
 
     def _locate(self, stage: str) -> None:
-        """Find the stub of a stage the watcher has not seen yet (its scans are 0.5 s apart). Requests come only
-        once every stage is loaded, so a stage with no live stub then lost it before the watcher saw it: record
-        it as a dead pid, and the watcher handles it like any other death."""
-        self._stubs[stage] = find_stubs(self._server_pid, [stage]).get(stage, UNSEEN_DEAD_STUB)
+        """Find the stubs of a stage the watcher has not seen all of yet (its scans are 0.5 s apart). Requests
+        come only once every stage is loaded, so an instance with no live stub then lost it before the watcher
+        saw it: record it as a dead pid, and the watcher handles it like any other death."""
+        found = find_stub_instances(self._server_pid, [stage]).get(stage, {})
+        unseen = {f"unseen-{index}": UNSEEN_DEAD_STUB for index in range(self._instances[stage] - len(found))}
+        self._stubs[stage] = {**found, **unseen}
 
     def _dead(self, stage: str) -> bool:
-        pid = self._stubs.get(stage)
-        return pid is not None and not stub_alive(pid, self._server_pid)
+        return any(not stub_alive(pid, self._server_pid) for pid in self._stubs.get(stage, {}).values())
 
     def unavailable(self) -> str | None:
         """Why new requests must be refused now (a stage is down), or None."""
@@ -96,29 +100,31 @@ class StageSupervisor:
                 logger.exception("stage supervisor check failed")
 
     def _check(self) -> None:
-        for stage, pid in self._stubs.items():
-            if pid is not None and not stub_alive(pid, self._server_pid):
+        for stage in list(self._stubs):
+            if self._dead(stage):
                 # One step under the lock: a request that saw the dead pid (``is_down``) must also see the new
                 # generation (``failure``), or it fails as INTERNAL "stage is down" instead of UNAVAILABLE.
+                # One instance gone reloads the stage (all its instances: Triton reloads a model as a whole).
                 # Without explicit model control no reload can succeed, so the stage is "down" from the first
                 # moment: saying "restarting" while a reload that must fail is tried would be untrue.
                 with self._lock:
                     self._generation[stage] += 1
                     self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
                                          else f"is down: its process exited{RELOAD_HINT}")
-                    self._stubs[stage] = None
+                    self._stubs[stage] = {}
                 if self._explicit:
                     self._restart(stage)
                 else:
                     logger.error("%s stage: its stub process exited; it stays down%s", stage, RELOAD_HINT)
-        missing = [stage for stage, pid in self._stubs.items() if pid is None]
-        # Stages load after the orchestrator, and a reload starts a new process: look for them, not too often.
+        missing = [stage for stage, stubs in self._stubs.items() if len(stubs) < self._instances[stage]]
+        # Stages load after the orchestrator, and a reload starts new processes: look for them, not too often.
         if missing and time.monotonic() - self._scanned_at >= self._scan_every_s:
             self._scanned_at = time.monotonic()
-            for stage, pid in find_stubs(self._server_pid, missing).items():
+            for stage, stubs in find_stub_instances(self._server_pid, missing).items():
                 with self._lock:
-                    self._stubs[stage] = pid
-                    self._down.pop(stage, None)  # e.g. restarted by a Triton build that does that itself
+                    self._stubs[stage].update(stubs)
+                    if len(self._stubs[stage]) >= self._instances[stage]:
+                        self._down.pop(stage, None)  # e.g. restarted by a Triton build that does that itself
 
     def _restart(self, stage: str) -> None:
         logger.error("%s stage: its stub process exited; reloading it", stage)
@@ -171,11 +177,17 @@ def stub_alive(pid: int, parent: int) -> bool:
 
 
 def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
-    """The live model-instance stubs of ``stages`` among ``parent``'s children. A stub's argv is
-    [stub, <repository>/<model>/<version>/model.py, shm region, 2 sizes, parent pid, backend dir, ipc handle,
-    name]; the name is the instance's (talker_0_0) except in the short-lived stub that auto-completes the
-    model's config while it loads, where it is the model's own: that one exiting is no death."""
-    found = {}
+    """stage -> the pid of its first live instance stub (for stages of one instance)."""
+    return {stage: stubs[min(stubs)] for stage, stubs in find_stub_instances(parent, stages).items()}
+
+
+def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, int]]:
+    """stage -> {instance name: pid} of the live model-instance stubs of ``stages`` among ``parent``'s
+    children. A stub's argv is [stub, <repository>/<model>/<version>/model.py, shm region, 2 sizes, parent pid,
+    backend dir, ipc handle, name]; the name is the instance's (talker_0_0, talker_0_1) except in the
+    short-lived stub that auto-completes the model's config while it loads, where it is the model's own: that
+    one exiting is no death."""
+    found: dict[str, dict[str, int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
             continue
@@ -185,7 +197,7 @@ def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
             continue
         parts = Path(argv[1]).parts if len(argv) > 8 else ()
         if len(parts) >= 3 and parts[-1] == "model.py" and parts[-3] in stages and argv[8] != parts[-3]:
-            found[parts[-3]] = int(entry.name)
+            found.setdefault(parts[-3], {})[argv[8]] = int(entry.name)
     return found
 
 

@@ -30,7 +30,7 @@ from typing import Callable
 from omni_triton.server import bundled_backend
 from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
 from omni_triton.server.mps import MpsDaemon, start_mps
-from omni_triton.server.stage_supervisor import find_stubs, stub_alive
+from omni_triton.server.stage_supervisor import find_stub_instances, stub_alive
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
@@ -206,6 +206,7 @@ class ServerOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     gpu: bool = False
+    gpu_ids: tuple[int, ...] = (0,)  # the GPUs the stages run on (gpu): each gets a CUDA memory pool
     # Lets the orchestrator reload a stage whose stub died (Triton 2.51 never restarts one) through the
     # repository API, which clients can then reach too: off by default, keep the server on loopback.
     stage_reload: bool = False
@@ -274,7 +275,7 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if o.gpu:
-            args.append(f"--cuda-memory-pool-byte-size=0:{o.cuda_memory_pool_bytes}")
+            args += [f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_memory_pool_bytes}" for gpu in o.gpu_ids]
         else:  # no CUDA driver: don't try to pin host memory
             args.append("--pinned-memory-pool-byte-size=0")
         if self.install.supports("--allow-client-shm"):  # Triton >= 2.69 refuses client shm otherwise
@@ -410,9 +411,13 @@ class TritonServer:
                 else:
                     time.sleep(0.2)
 
-    def stub_pids(self) -> dict[str, int]:
-        """model name -> pid of its Python-backend stub process."""
-        return find_stubs(self.process.pid, self.repository_models()) if self.process is not None else {}
+    def stub_pids(self, models: list[str] | None = None) -> dict[str, int]:
+        """instance name (talker_0_0, talker_0_1) -> pid of its Python-backend stub process, for ``models``
+        (default: all)."""
+        if self.process is None:
+            return {}
+        stubs = find_stub_instances(self.process.pid, self.repository_models() if models is None else models)
+        return {name: pid for instances in stubs.values() for name, pid in instances.items()}
 
     def supervise(self, ready_timeout_s: float, max_restarts: int, log: Callable[[str], None],
                   reloaded_by_orchestrator: tuple[str, ...] = ()) -> int:
@@ -421,7 +426,7 @@ class TritonServer:
         is left and start again, up to ``max_restarts`` times. Stubs of ``reloaded_by_orchestrator`` are left
         to the orchestrator (``--allow-stage-reload``). Returns the exit code of the run not restarted."""
         def watched_stubs() -> dict[str, int]:
-            return {m: pid for m, pid in self.stub_pids().items() if m not in reloaded_by_orchestrator}
+            return self.stub_pids([m for m in self.repository_models() if m not in reloaded_by_orchestrator])
 
         restarts, watched = 0, watched_stubs()
         while True:

@@ -10,9 +10,10 @@ from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
-from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
+from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
+                                          report_native_crashes)
 from omni_triton.server.stage_io import (configure_interstage_memory, from_torch, host_array, load_options,
-                                         stage_loading, to_torch)
+                                         stage_device, stage_loading, to_torch)
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -25,8 +26,7 @@ class TritonPythonModel:
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
-        self.device = torch.device(params["device"] if params["device"] == "cpu"
-                                   else f"cuda:{args['model_instance_device_id']}")
+        self.device = stage_device(params, args)
         kind, engine_argument = RUNTIMES[params["runtime"]]
         if kind == "auto" and params["engine_path"]:  # the engine file's kind says which runtime it is for
             engine_argument = "plan_path" if params["engine_path"].endswith(".plan") else "onnx_path"
@@ -48,8 +48,9 @@ class TritonPythonModel:
                                   pb_utils.MetricFamily.GAUGE),
             pb_utils.MetricFamily("omni_code2wav_decoded_frames_total",
                                   "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER)]
-        self.batch_chunks, self.decoded_frames = (family.Metric({}) for family in self.metric_families)
-        self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda")
+        labels = replica_labels(args)
+        self.batch_chunks, self.decoded_frames = (family.Metric(labels) for family in self.metric_families)
+        self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda", labels=labels)
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ from omni_triton.server.admission import RealtimeCapacity
 from omni_triton.server.metrics import StageMetrics
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.orchestrator import Orchestrator
+from omni_triton.server.placement import parse_instances
 from omni_triton.server.repository import admission_capacity_setting
-from omni_triton.server.stage_io import configure_interstage_memory
+from omni_triton.server.stage_io import configure_interstage_memory, stage_device
 
 
 class TritonPythonModel:
@@ -23,10 +24,11 @@ class TritonPythonModel:
                              left_context_frames=None if left_context == "exact" else int(left_context))
         capacity = admission_capacity_setting(params["admission_capacity"])
         self.orchestrator = Orchestrator(
-            pb_utils, params["checkpoint_dir"], params["device"], policy,
+            pb_utils, params["checkpoint_dir"], stage_device(params, args), policy,
             max_inflight=int(params["max_inflight_requests"]), chunk_pacing=params["chunk_pacing"],
             admission_queue=int(params["admission_queue"]),
-            capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity))
+            capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity),
+            stage_instances=parse_instances(params["stage_instances"]))
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot)
 
     def execute(self, requests):

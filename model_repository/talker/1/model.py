@@ -5,9 +5,10 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
-from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
+from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
+                                          report_native_crashes)
 from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, host_array,
-                                         input_arrays, load_options, send_output, stage_loading,
+                                         input_arrays, load_options, send_output, stage_device, stage_loading,
                                          talker_output_tensors, thinker_output_from_request)
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
@@ -21,12 +22,13 @@ class TritonPythonModel:
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
-        config, dtype = engine_config(params)
+        config, dtype = engine_config(params, stage_device(params, args))
         with stage_loading("talker"):
             self.service = TalkerService(params["checkpoint_dir"], config, dtype, **load_options(params))
-        self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=params["device"] != "cpu")
+        labels = replica_labels(args)
+        self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=params["device"] != "cpu", labels=labels)
         self.metrics = StageMetrics(pb_utils, "talker", lambda: engine_snapshot(
-            self.service.loop.stats(), extra_active=self.service.num_pending))
+            self.service.loop.stats(), extra_active=self.service.num_pending), labels=labels)
 
     def execute(self, requests):
         for request in requests:

@@ -8,7 +8,8 @@ from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.server.metrics import StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, input_arrays,
-                                         load_options, send_output, stage_loading, thinker_output_tensors)
+                                         load_options, send_output, stage_device, stage_loading,
+                                         thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
 
 REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K",
@@ -21,7 +22,7 @@ class TritonPythonModel:
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
-        config, dtype = engine_config(params)
+        config, dtype = engine_config(params, stage_device(params, args))
         with stage_loading("thinker"):
             self.service = ThinkerService(params["checkpoint_dir"], config, dtype, **load_options(params))
         self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()))

@@ -1,0 +1,187 @@
+"""Stage placement and replicas (`serve --stage-gpus / --instances`): option parsing and its errors, the
+instance_group each model's config.pbtxt gets, and the KV plan per GPU on fake free-memory numbers. No server
+here (tests/test_server_replicas.py serves two talker and two code2wav instances)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from omni_triton import cli
+from omni_triton.server.launch_options import LaunchOptionError, placement
+from omni_triton.server.memory_plan import GIB, MIN_KV_TOKENS, DoesNotFit, Footprint, plan, plan_placement
+from omni_triton.server.placement import Placement, PlacementError, parse_instances, parse_stage_gpus
+from omni_triton.server.repository import LaunchConfig, render_repository
+
+H200 = (int(139.3 * GIB), "H200, 140 GiB")  # what torch reports free on an idle one
+SPLIT = Placement(gpus={"thinker": (0,), "talker": (1,), "code2wav": (1,)})
+
+
+@pytest.fixture(scope="module")
+def full_footprint():
+    from omni_triton.models.config import FULL_SIZE_CONFIG, resolve_config_dir
+
+    return Footprint.from_checkpoint(resolve_config_dir(FULL_SIZE_CONFIG), torch.bfloat16)
+
+
+def _instance_group(repository, model: str) -> str:
+    return re.search(r"^instance_group \[.*\]$", (repository / model / "config.pbtxt").read_text(), re.M).group(0)
+
+
+def test_stage_gpus_and_instances_render_into_each_instance_group(tiny_checkpoint, tmp_path):
+    placed = Placement(gpus={"thinker": (0,), "talker": (1, 2), "code2wav": (1,)},
+                       instances={"talker": 2, "code2wav": 3})
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=placed),
+                            tmp_path / "gpu")
+    assert _instance_group(out, "thinker") == "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"
+    assert _instance_group(out, "talker") == "instance_group [ { count: 2 kind: KIND_GPU gpus: [ 1, 2 ] } ]"
+    assert _instance_group(out, "code2wav") == "instance_group [ { count: 3 kind: KIND_GPU gpus: [ 1 ] } ]"
+    # the orchestrator follows the thinker, and is told how many instances of each stage to watch
+    assert _instance_group(out, "orchestrator") == "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"
+    orchestrator = (out / "orchestrator" / "config.pbtxt").read_text()
+    assert 'key: "stage_instances" value: { string_value: "thinker=1,talker=2,code2wav=3,orchestrator=1" }' \
+        in orchestrator
+    assert _instance_group(out, "preprocess") == "instance_group [ { count: 1 kind: KIND_CPU } ]"
+    # the default on a GPU: every stage on GPU 0 only (Triton's own default would put one on every GPU)
+    default = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda"), tmp_path / "default")
+    for model in ("thinker", "talker", "code2wav", "orchestrator"):
+        assert _instance_group(default, model) == "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"
+    cpu = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, placement=Placement(
+        instances={"talker": 2, "code2wav": 2})), tmp_path / "cpu")
+    assert _instance_group(cpu, "talker") == "instance_group [ { count: 2 kind: KIND_CPU } ]"
+    assert _instance_group(cpu, "thinker") == "instance_group [ { count: 1 kind: KIND_CPU } ]"
+
+
+def test_option_values_parse_and_round_trip():
+    assert parse_stage_gpus("thinker=0,talker=1:2, code2wav=1") == {"thinker": (0,), "talker": (1, 2),
+                                                                     "code2wav": (1,)}
+    assert parse_instances("talker=2,code2wav=2") == {"talker": 2, "code2wav": 2}
+    placed = Placement(gpus=parse_stage_gpus("thinker=0,talker=1:2"), instances=parse_instances("talker=2"))
+    assert placed.as_options() == ["--stage-gpus", "thinker=0,talker=1:2", "--instances", "talker=2"]
+    assert placed.used_gpus() == (0, 1, 2) and placed.held(1) == {"talker": 2}
+    assert placed.held(0) == {"thinker": 1, "code2wav": 1, "orchestrator": 1}
+
+
+@pytest.mark.parametrize("parse, text, message", [
+    (parse_stage_gpus, "thinker:0", r"--stage-gpus thinker:0: expected STAGE=VALUE pairs.*got 'thinker:0'"),
+    (parse_stage_gpus, "talker=one", r"--stage-gpus talker=one: 'one' is not a number"),
+    (parse_stage_gpus, "talker=1,talker=2", r"--stage-gpus talker=1,talker=2: stage 'talker' given twice"),
+    (parse_instances, "code2wav=x", r"--instances code2wav=x: 'x' is not a number"),
+])
+def test_malformed_values_are_refused_naming_option_and_value(parse, text, message):
+    with pytest.raises(PlacementError, match=message):
+        parse(text)
+
+
+@pytest.mark.parametrize("gpus, instances, message", [
+    ({"vocoder": (0,)}, {}, r"--stage-gpus: unknown stage 'vocoder' \(stages: thinker, talker, code2wav, "),
+    ({}, {"preprocess": 2}, r"--instances: unknown stage 'preprocess'"),
+    ({"talker": (1, 1)}, {}, r"--stage-gpus talker=1:1: expected distinct GPU ids >= 0"),
+    ({"talker": (-1,)}, {}, r"--stage-gpus talker=-1: expected distinct GPU ids >= 0"),
+    ({}, {"talker": 0}, r"--instances talker=0: expected a count >= 1"),
+    ({}, {"thinker": 2}, r"--instances thinker=2: only talker and code2wav take more than one instance"),
+    ({}, {"orchestrator": 2}, r"--instances orchestrator=2: only talker and code2wav"),
+    ({"thinker": (0, 1)}, {}, r"--stage-gpus thinker=0:1: the thinker runs one instance, on one GPU"),
+])
+def test_impossible_placements_are_refused_naming_option_and_value(gpus, instances, message):
+    with pytest.raises(PlacementError, match=message):
+        Placement(gpus=gpus, instances=instances)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stage-gpus", "talker=1"], "--stage-gpus places stages on GPUs: it needs --device cuda"),
+    (["--device", "cuda", "--instances", "thinker=2"], "--instances thinker=2: only talker and code2wav"),
+])
+def test_serve_refuses_placements_by_option(argv, message):
+    args = cli.build_parser().parse_args(["serve", *argv])
+    with pytest.raises(LaunchOptionError, match=re.escape(message)):
+        placement(args)
+
+
+def test_serve_reports_a_malformed_value_through_argparse(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--instances", "talker=two"])
+    assert "argument --instances: --instances talker=two: 'two' is not a number" in capsys.readouterr().err
+
+
+def test_one_gpu_plan_equals_the_default_placement(full_footprint):
+    alone = plan(full_footprint, H200[0], code2wav_frames=97, device_name=H200[1])
+    placed = plan_placement(full_footprint, {0: H200}, Placement(), code2wav_frames=97)
+    assert (alone.thinker_tokens, alone.talker_tokens) == (placed.thinker_tokens, placed.talker_tokens)
+    held = placed.gpus[0]
+    assert held.held == {"thinker": 1, "talker": 1, "code2wav": 1, "orchestrator": 1}
+    assert held.weight_bytes == full_footprint.weight_bytes
+
+
+def test_replicas_on_one_gpu_share_its_kv_memory(full_footprint):
+    one = plan_placement(full_footprint, {0: H200}, Placement(), code2wav_frames=97)
+    two = plan_placement(full_footprint, {0: H200}, Placement(instances={"talker": 2, "code2wav": 2}),
+                         code2wav_frames=97)
+    gpu = two.gpus[0]
+    # a second talker and code2wav: their weights, processes, engine step and activations come off the KV
+    extra = (full_footprint.talker_bytes + full_footprint.code2wav_bytes + one.gpus[0].code2wav_activation_bytes)
+    assert gpu.weight_bytes == one.gpus[0].weight_bytes + full_footprint.talker_bytes + full_footprint.code2wav_bytes
+    assert gpu.kv_bytes < one.gpus[0].kv_bytes - extra
+    # what is left splits as before (the thinker's share to the thinker), the two talkers halve the talkers' share
+    shrink = gpu.kv_bytes / one.gpus[0].kv_bytes
+    assert two.thinker_tokens == pytest.approx(one.thinker_tokens * shrink, rel=0.01)
+    assert two.talker_tokens == pytest.approx(one.talker_tokens * shrink / 2, rel=0.01)
+    used = (gpu.weight_bytes + gpu.reserved_bytes + two.thinker_kv_bytes + 2 * two.talker_kv_bytes)
+    assert used <= 0.95 * H200[0]
+
+
+def test_split_placement_plans_each_gpu_from_what_it_holds(full_footprint):
+    split = plan_placement(full_footprint, {0: H200, 1: H200}, SPLIT, max_inflight=64, code2wav_frames=97)
+    thinker_gpu, talker_gpu = split.gpus
+    assert thinker_gpu.held == {"thinker": 1, "orchestrator": 1}
+    assert talker_gpu.held == {"talker": 1, "code2wav": 1}
+    assert thinker_gpu.weight_bytes == full_footprint.thinker_bytes
+    assert talker_gpu.talker_tokens is not None and thinker_gpu.talker_tokens is None
+    one = plan_placement(full_footprint, {0: H200}, Placement(), max_inflight=64, code2wav_frames=97)
+    # the thinker gets the whole of GPU 0's KV memory, not 70% of what one GPU left
+    assert split.thinker_tokens > 1.5 * one.thinker_tokens
+    assert split.talker_tokens == min(64 * full_footprint.talker_context, talker_gpu.talker_tokens)
+    assert "GPU 1 (H200, 140 GiB)" in split.describe() and "talker x1 + code2wav x1" in split.describe()
+
+
+def test_a_placement_that_does_not_fit_names_the_gpu_and_what_would_fit(full_footprint):
+    h100 = (int(78.6 * GIB), "H100, 80 GiB")
+    crowded = Placement(gpus={"thinker": (0,), "talker": (1,), "code2wav": (1,)},
+                        instances={"talker": 8, "code2wav": 2})
+    small = {0: H200, 1: (int(20 * GIB), "L4, 24 GiB")}
+    with pytest.raises(DoesNotFit) as refused:
+        plan_placement(full_footprint, small, crowded, code2wav_frames=97)
+    message = str(refused.value)
+    assert "does not fit GPU 1 (L4, 24 GiB)" in message and "it holds talker x8 + code2wav x2" in message
+    fits = re.search(r"on GPU 1 fits: talker x(\d+) \+ code2wav x(\d+) \(--instances talker=\1,code2wav=\2\)",
+                     message)
+    assert fits, message
+    talkers, vocoders = int(fits.group(1)), int(fits.group(2))
+    assert 1 <= talkers < 8 and 1 <= vocoders <= 2
+    fitted = plan_placement(full_footprint, small, Placement(gpus=crowded.gpus,
+                            instances={"talker": talkers, "code2wav": vocoders}), code2wav_frames=97)
+    assert fitted.talker_tokens >= MIN_KV_TOKENS
+    # the whole pipeline on one H100 still names the layers that fit
+    with pytest.raises(DoesNotFit, match=r"does not fit GPU 0 \(H100.*--dummy-layers \d+"):
+        plan_placement(full_footprint, {0: h100}, Placement(), code2wav_frames=97)
+
+
+def test_a_gpu_that_is_not_visible_is_refused(full_footprint):
+    with pytest.raises(DoesNotFit, match=r"--stage-gpus: GPU 1 is not visible here \(1 GPU\(s\): ids 0\)"):
+        plan_placement(full_footprint, {0: H200}, SPLIT)
+
+
+def test_serve_gives_tritonserver_a_cuda_pool_on_every_gpu_it_uses(tiny_checkpoint):
+    from omni_triton.server.tritonserver import TritonInstall, TritonServer
+
+    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--stage-gpus", "thinker=0,talker=2"])
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=placement(args))
+    options = cli.server_options(args, config)
+    install = TritonInstall(binary=tiny_checkpoint / "tritonserver", backend_dir=tiny_checkpoint, lib_dirs=(),
+                            origin="explicit")
+    install.__dict__["help_text"] = ""  # no binary to ask: a build without --allow-client-shm
+    command = TritonServer(tiny_checkpoint, install, options).command()
+    pools = [arg for arg in command if arg.startswith("--cuda-memory-pool-byte-size=")]
+    assert [pool.split("=")[1].split(":")[0] for pool in pools] == ["0", "2"]
