@@ -4,6 +4,7 @@
     omni-triton serve --device cuda --config qwen3_omni_30b_a3b   full size, seeded random bf16 weights
     omni-triton demo  ["text"] [--out out.wav]      start a server, stream one request, stop
     omni-triton build tiny|onnx|trt|python-backend [builder options]
+    omni-triton api   [--triton-grpc HOST:8001] [--port 9000]   OpenAI-compatible HTTP API (docs/openai_api.md)
 """
 
 from __future__ import annotations
@@ -206,6 +207,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+def cmd_api(args: argparse.Namespace) -> int:
+    from omni_triton.api.server import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-triton", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -230,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("kind", choices=sorted(BUILDERS), help="what to build; options after it go to the builder")
     build.add_argument("builder_args", nargs=argparse.REMAINDER, help="options for the builder (see KIND --help)")
     build.set_defaults(handler=cmd_build)
+
+    from omni_triton.api.server import add_api_arguments
+
+    api = commands.add_parser("api", help="OpenAI-compatible HTTP API (chat completions with audio, speech) in "
+                                          "front of a running tritonserver")
+    add_api_arguments(api)
+    api.set_defaults(handler=cmd_api)
 
     bench = commands.add_parser("bench", add_help=False,
                                 help="TTFA/RTF/throughput sweep against baselines (see bench --help)")
