@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--concurrency", default="1,16", help="comma-separated levels (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="turns per system and level (default: %(default)s)")
     parser.add_argument("--requests-per-round", type=int,
-                        help="requests per system, level and round (default: 2 x concurrency, at least 4)")
+                        help="requests per system, level and round (default: 2 x concurrency, at least 16)")
     parser.add_argument("--prompt-tokens", type=int, default=QUICK.prompt_tokens,
                         help="user text tokens (default: %(default)s)")
     parser.add_argument("--thinker-tokens", type=int, default=QUICK.thinker_tokens,
@@ -65,12 +65,30 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, args.server_args
 
 
-@contextlib.contextmanager
-def triton(args: argparse.Namespace, workload, server_args: list[str], notes: list[str]) -> Iterator[str]:
+def server_options(args: argparse.Namespace, server_args: list[str]) -> argparse.Namespace | None:
+    """`omni-triton bench`'s options for the server started here (None: --triton-grpc names a running one);
+    sets ``args.checkpoint`` to what it serves (a --config's random-weight checkpoint, or the tiny one)."""
     if args.triton_grpc:
+        if args.checkpoint is None:
+            raise SystemExit("--triton-grpc needs --checkpoint (the served checkpoint's tokenizer)")
+        return None
+    given = "--config" in server_args or args.checkpoint is not None
+    if not given:
+        from build_engines.tiny_checkpoint import build
+
+        args.checkpoint = DEFAULT_TINY if (DEFAULT_TINY / "config.json").is_file() else build(DEFAULT_TINY)
+    checkpoint = [] if "--config" in server_args else ["--checkpoint", str(args.checkpoint)]
+    bench_args = bench_cli.parse_args(["--start-server", *checkpoint, *server_args])
+    args.checkpoint = bench_args.checkpoint
+    return bench_args
+
+
+@contextlib.contextmanager
+def triton(args: argparse.Namespace, bench_args: argparse.Namespace | None, workload,
+           notes: list[str]) -> Iterator[str]:
+    if bench_args is None:
         yield args.triton_grpc
         return
-    bench_args = bench_cli.parse_args(["--start-server", "--checkpoint", str(args.checkpoint), *server_args])
     with bench_cli.served(bench_args, workload, notes) as url:
         yield url
 
@@ -107,13 +125,9 @@ def ms(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args, server_args = parse_args(argv)
-    if args.checkpoint is None:
-        from build_engines.tiny_checkpoint import build
-
-        args.checkpoint = build(DEFAULT_TINY) if not (DEFAULT_TINY / "config.json").is_file() else DEFAULT_TINY
+    bench_args = server_options(args, server_args)
     workload = with_overrides(QUICK, concurrencies=args.levels, prompt_tokens=args.prompt_tokens,
-                              thinker_tokens=args.thinker_tokens, audio_frames=args.audio_frames,
-                              requests_per_level=args.requests_per_round)
+                              thinker_tokens=args.thinker_tokens, audio_frames=args.audio_frames)
     text = prompt_text(workload.prompt_tokens, args.checkpoint / "tokenizer.json")
     tensors = client_tensors(workload, text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     timings: dict[tuple[str, int], list] = {}
     walls: dict[tuple[str, int], float] = {}
-    with triton(args, workload, server_args, notes) as grpc_url, \
+    with triton(args, bench_args, workload, notes) as grpc_url, \
             api_process(grpc_url, args.checkpoint, args.out / "api_overhead_api.log") as api_url:
         runners = [TritonStreamRunner(grpc_url), OpenAIApiRunner(api_url)]
         for runner in runners:  # warm both paths (first requests compile, connect, fill caches)
@@ -130,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             order = runners if round_index % 2 == 0 else runners[::-1]
             for concurrency in args.levels:
                 for runner in order:
-                    level, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency))
+                    level, wall_s = run_level(runner, tensors, concurrency,
+                                              args.requests_per_round or max(16, 2 * concurrency))
                     key = ("grpc" if runner.name == "server" else "api", concurrency)
                     timings.setdefault(key, []).extend(level)
                     walls[key] = walls.get(key, 0.0) + wall_s
@@ -160,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": "python benchmarks/api_overhead.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "machine": machine, "checkpoint": str(args.checkpoint),
               "workload": {**workload.__dict__, "prompt_text": text}, "rounds": args.rounds,
+              "requests_per_round": {c: args.requests_per_round or max(16, 2 * c) for c in args.levels},
               "notes": notes + ["TTFA: request sent -> first non-empty audio chunk at the client; gRPC: "
                                 "OmniStreamClient, API: streamed chat completion over httpx (SSE), same server."],
               "rows": rows, "table": table}

@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -79,11 +79,8 @@ def create_app(triton_grpc: str, model: str = "omni", checkpoint_dir: str | Path
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
-        _check_model(body.model, model)
-        omni = chat_request(body)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        pieces = await _started(request.app.state.bridge, omni, completion_id)
+        body, omni, completion_id, pieces = await _begin(request, model, ChatCompletionRequest, chat_request,
+                                                         "chatcmpl")
         answer = ChatAnswer(completion_id, model, body, omni, counter)
         if body.stream:
             return StreamingResponse(answer.events(pieces), media_type="text/event-stream")
@@ -91,17 +88,24 @@ def create_app(triton_grpc: str, model: str = "omni", checkpoint_dir: str | Path
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
-        body = await _parse(request, SpeechRequest)
-        _check_model(body.model, model)
-        omni = speech_request(body)
-        speech_id = f"speech-{uuid.uuid4().hex}"
-        pieces = await _started(request.app.state.bridge, omni, speech_id)
+        body, omni, _, pieces = await _begin(request, model, SpeechRequest, speech_request, "speech")
         answer = SpeechAnswer(pieces, body.response_format)
         if body.stream_format == "sse":
             return StreamingResponse(answer.events(omni, counter), media_type="text/event-stream")
         return StreamingResponse(answer.audio(), media_type=SPEECH_MEDIA_TYPES[body.response_format])
 
     return app
+
+
+async def _begin(request: Request, served_model: str, schema: type[BaseModel], to_omni: Callable,
+                 id_prefix: str) -> tuple[Any, OmniRequest, str, AsyncIterator[Piece]]:
+    """Parse and check the body, and start its Triton request: (body, its omni request, the request id, the
+    pieces, the first already received)."""
+    body = await _parse(request, schema)
+    _check_model(body.model, served_model)
+    omni = to_omni(body)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    return body, omni, request_id, await _started(request.app.state.bridge, omni, request_id)
 
 
 async def _parse(request: Request, schema: type[BaseModel]):
