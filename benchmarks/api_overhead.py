@@ -38,6 +38,7 @@ from omni_triton.bench.workload import QUICK, client_tensors, prompt_text, with_
 from omni_triton.server.tritonserver import free_port  # noqa: E402
 
 DEFAULT_TINY = Path("checkpoints/tiny")
+API_LOG = Path("build/api_overhead_api.log")  # the API process's log: not a result
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -131,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     text = prompt_text(workload.prompt_tokens, args.checkpoint / "tokenizer.json")
     tensors = client_tensors(workload, text)
     args.out.mkdir(parents=True, exist_ok=True)
+    API_LOG.parent.mkdir(parents=True, exist_ok=True)
     machine = reporting.machine_description()
     notes: list[str] = []
     timings: dict[tuple[str, int], list] = {}
     walls: dict[tuple[str, int], float] = {}
     with triton(args, bench_args, workload, notes) as grpc_url, \
-            api_process(grpc_url, args.checkpoint, args.out / "api_overhead_api.log") as api_url:
+            api_process(grpc_url, args.checkpoint, API_LOG) as api_url:
         runners = [TritonStreamRunner(grpc_url), OpenAIApiRunner(api_url)]
         for runner in runners:  # warm both paths (first requests compile, connect, fill caches)
             run_level(runner, tensors, 1, max(1, workload.warmup_requests))

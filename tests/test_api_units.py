@@ -52,3 +52,20 @@ def test_streamed_wav_reads_as_wav():
 def test_frames_and_sse():
     assert [audio_frames(n) for n in (0, 1, 1920, 1921)] == [0, 1, 1, 2]
     assert sse({"a": 1}) == b'data: {"a":1}\n\n' and sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_the_benchmark_sends_what_the_api_takes():
+    """The bench runner's request body for the fixed workload is a valid chat completion that asks for the
+    same things the gRPC runner's tensors do."""
+    from omni_triton.api.prompt import chat_request
+    from omni_triton.api.schema import ChatCompletionRequest
+    from omni_triton.bench.runners.openai_api import chat_body
+    from omni_triton.bench.workload import QUICK, client_tensors
+
+    body = chat_body(client_tensors(QUICK, "a calm story"))
+    omni = chat_request(ChatCompletionRequest.model_validate(body))
+    assert omni.turn.text == "a calm story" and omni.turn.audio is None
+    assert {k: v for k, v in omni.scalars.items() if v is not None} == {
+        "max_tokens": QUICK.thinker_tokens, "min_tokens": QUICK.thinker_tokens, "ignore_eos": True,
+        "max_audio_frames": QUICK.audio_frames, "min_audio_frames": QUICK.audio_frames, "temperature": 0.0,
+        "seed": QUICK.seed, "return_audio": True}
