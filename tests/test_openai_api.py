@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import threading
 import time
 import wave
@@ -21,7 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from omni_triton.api.app import create_app  # noqa: E402
 from omni_triton.client import OmniStreamClient, to_pcm16, write_wav  # noqa: E402
 from omni_triton.server.tritonserver import free_port  # noqa: E402
-from reliability_helpers import VICTIM_REQUEST, seconds_until_idle  # noqa: E402
+from reliability_helpers import VICTIM_REQUEST, held_state, read_gauges, seconds_until_idle  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -277,29 +278,51 @@ def test_unreachable_triton_is_503(triton_server):
 
 # -- a client that goes away ---------------------------------------------------------------------------
 
+LONG_CHAT = dict(model="omni", messages=[{"role": "user", "content": "Tell me a very long story."}],
+                 modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+                 max_tokens=VICTIM_REQUEST["max_tokens"], temperature=VICTIM_REQUEST["temperature"],
+                 **{k: VICTIM_REQUEST[k] for k in ("max_audio_frames", "min_audio_frames", "ignore_eos")})
+
+
+def _wait_for_cancel(bridge, cancelled_before: int, prefix: str) -> None:
+    deadline = time.monotonic() + 60  # a hang guard, not a latency bound
+    while len(bridge.cancelled) == cancelled_before:
+        assert time.monotonic() < deadline, "the API never cancelled the Triton request"
+        time.sleep(0.05)
+    assert bridge.cancelled[-1].startswith(prefix)
+
+
 def test_disconnect_mid_stream_cancels_the_triton_request(api, client, triton_server):
     """The HTTP client drops the connection at its first audio; the API cancels the Triton request (the
     orchestrator accepts the control cancel for its id) and every stage frees its state."""
     bridge = api.app.state.bridge
     cancelled_before = len(bridge.cancelled)
-    body = dict(model="omni", messages=[{"role": "user", "content": "Tell me a very long story."}],
-                modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, stream=True,
-                max_tokens=VICTIM_REQUEST["max_tokens"], temperature=VICTIM_REQUEST["temperature"],
-                **{k: VICTIM_REQUEST[k] for k in ("max_audio_frames", "min_audio_frames", "ignore_eos")})
     with httpx.Client(timeout=120) as http, http.stream("POST", api.url + "/v1/chat/completions",
-                                                        json=body) as response:
+                                                        json=dict(LONG_CHAT, stream=True)) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and '"data":' in line:
                 break  # the first audio: leave (closing the response drops the connection)
         else:
             pytest.fail("the stream ended before its first audio")
-    deadline = time.monotonic() + 60
-    while len(bridge.cancelled) == cancelled_before:
-        assert time.monotonic() < deadline, "the API never cancelled the Triton request"
-        time.sleep(0.05)
-    assert bridge.cancelled[-1].startswith("chatcmpl-")
+    _wait_for_cancel(bridge, cancelled_before, "chatcmpl-")
     seconds_until_idle(triton_server.metrics_url, timeout_s=60.0)
     # and the server serves the next request
     assert client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=2).choices[0].message.content is not None
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_cancels_it(api, triton_server):
+    """A non-streamed request whose client goes away while the stages hold it is cancelled too."""
+    bridge = api.app.state.bridge
+    cancelled_before = len(bridge.cancelled)
+    body = json.dumps(LONG_CHAT).encode()
+    with socket.create_connection(("127.0.0.1", api.port), timeout=60) as connection:
+        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 60  # a hang guard
+        while not held_state(read_gauges(triton_server.metrics_url)):
+            assert time.monotonic() < deadline, "the request never reached the stages"
+            time.sleep(0.05)
+    _wait_for_cancel(bridge, cancelled_before, "chatcmpl-")
+    seconds_until_idle(triton_server.metrics_url, timeout_s=60.0)
