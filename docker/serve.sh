@@ -7,13 +7,8 @@
 # --allow-client-shm=true itself when the binary knows the flag (Triton >= 2.69, NGC 26.04+).
 set -euo pipefail
 
-serve_env="${ARTIFACTS_DIR:-/artifacts}/serve.env"
-if [[ ! -f "$serve_env" ]]; then
-    echo "serve: $serve_env is missing: run the build service first (docker compose up runs it)" >&2
-    exit 2
-fi
-# shellcheck source=/dev/null
-source "$serve_env"  # CHECKPOINT_DIR, CODE2WAV_RUNTIME, CODE2WAV_ENGINE
+# shellcheck source=docker/serve-env.sh
+source "$(dirname "$0")/serve-env.sh"  # CHECKPOINT_DIR, CODE2WAV_RUNTIME, CODE2WAV_ENGINE
 
 # OMNI_SERVE_ARGS is split into words on purpose: it carries several flags.
 # shellcheck disable=SC2086

@@ -5,6 +5,7 @@
     omni-triton demo  ["text"] [--out out.wav]      start a server, stream one request, stop
     omni-triton build tiny|onnx|trt|python-backend [builder options]
     omni-triton deploy deploy/values/*.yaml         Kubernetes manifests (deploy/k8s/<values name>/)
+    omni-triton api   [--triton-grpc HOST:8001] [--port 9000]   OpenAI-compatible HTTP API (docs/openai_api.md)
 """
 
 from __future__ import annotations
@@ -228,6 +229,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+def cmd_api(args: argparse.Namespace) -> int:
+    from omni_triton.api.server import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-triton", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -257,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="Kubernetes manifests for deploy/values/*.yaml (see deploy --help)")
     deploy.add_argument("deploy_args", nargs=argparse.REMAINDER, help="values files and --out DIR")
     deploy.set_defaults(handler=cmd_deploy)
+
+    from omni_triton.api.server import add_api_arguments
+
+    api = commands.add_parser("api", help="OpenAI-compatible HTTP API (chat completions with audio, speech) in "
+                                          "front of a running tritonserver")
+    add_api_arguments(api)
+    api.set_defaults(handler=cmd_api)
 
     bench = commands.add_parser("bench", add_help=False,
                                 help="TTFA/RTF/throughput sweep against baselines (see bench --help)")

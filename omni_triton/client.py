@@ -24,7 +24,7 @@ import uuid
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import numpy as np
 from tritonclient.utils import InferenceServerException
@@ -211,7 +211,7 @@ class OmniStreamClient:
                                                    status=error.status()) from None
                 raise error
             result.responses += 1
-            delta = _text_delta(response)
+            delta = text_delta(response)
             if delta:
                 if result.ttft_s is None:
                     trace.event(request_id, "client.first_text")
@@ -291,7 +291,7 @@ def send_cancel(client, request_id: str, timeout_s: float = 10.0) -> None:
         client.stop_stream(cancel_requests=True)
 
 
-def _text_delta(response) -> str:
+def text_delta(response) -> str:
     text = response.as_numpy("TEXT_DELTA")
     if text is None or text.size == 0:
         return ""
@@ -301,18 +301,31 @@ def _text_delta(response) -> str:
 
 # -- WAV files ------------------------------------------------------------------------------------
 
-def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int = OUTPUT_SAMPLE_RATE) -> None:
-    pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
-    with wave.open(str(path), "wb") as out:
+def to_pcm16(audio: np.ndarray) -> np.ndarray:
+    """Float samples in [-1, 1] as 16-bit little-endian PCM (clipped, rounded)."""
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
+
+
+def write_wav(path: str | Path | BinaryIO, audio: np.ndarray, sample_rate: int = OUTPUT_SAMPLE_RATE) -> None:
+    """16-bit mono WAV to a path or a binary file object."""
+    with wave.open(path if hasattr(path, "write") else str(path), "wb") as out:
         out.setnchannels(1)
         out.setsampwidth(2)
         out.setframerate(sample_rate)
-        out.writeframes(pcm.tobytes())
+        out.writeframes(to_pcm16(audio).tobytes())
 
 
-def read_wav(path: str | Path, sample_rate: int = INPUT_SAMPLE_RATE) -> np.ndarray:
-    """A PCM WAV file as float32 mono at ``sample_rate`` (channels averaged, linear resampling)."""
-    with wave.open(str(path), "rb") as source:
+def read_wav(path: str | Path | BinaryIO, sample_rate: int = INPUT_SAMPLE_RATE) -> np.ndarray:
+    """A PCM WAV file (a path or a binary file object) as float32 mono at ``sample_rate`` (channels averaged,
+    linear resampling). Raises ValueError for what is not a PCM WAV."""
+    try:
+        return _read_wav(path, sample_rate)
+    except (wave.Error, EOFError) as error:
+        raise ValueError(f"{path}: not a PCM WAV file ({error})") from None
+
+
+def _read_wav(path: str | Path | BinaryIO, sample_rate: int) -> np.ndarray:
+    with wave.open(path if hasattr(path, "read") else str(path), "rb") as source:
         width, channels, rate = source.getsampwidth(), source.getnchannels(), source.getframerate()
         raw = source.readframes(source.getnframes())
     if width == 1:

@@ -47,3 +47,10 @@ def test_stream_client_documents_the_request_semantics(capsys):
     assert "else 1.0" in entries["--repetition-penalty"]
     assert "1.05" in entries["--talker-repetition-penalty"] and "-1 = a fresh random seed" in entries["--seed"]
     assert all("default" in text for text in entries.values())
+
+
+def test_api_options_have_help_with_their_default(capsys):
+    entries = option_entries(help_of(cli.main, ["api"], capsys))
+    assert {"--triton-grpc", "--host", "--port", "--checkpoint"} <= set(entries)
+    undocumented = {option: text for option, text in entries.items() if "default" not in text}
+    assert not undocumented, undocumented

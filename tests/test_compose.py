@@ -29,6 +29,7 @@ COMPOSE_FILE = ROOT / "docker-compose.yaml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 BUILD_SCRIPT = ROOT / "docker" / "build-artifacts.sh"
 SERVE_SCRIPT = ROOT / "docker" / "serve.sh"
+API_SCRIPT = ROOT / "docker" / "api.sh"
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver"
 
 
@@ -64,9 +65,9 @@ def seconds(duration: str) -> float:
 # -- compose structure -----------------------------------------------------------------------------------
 
 def test_services_and_profiles(services):
-    assert set(services) == {"build", "triton", "sdk"}
+    assert set(services) == {"build", "triton", "sdk", "api"}
     assert services["sdk"].get("profiles") == ["sdk"], "perf_analyzer must not start with a plain `up`"
-    assert "profiles" not in services["build"] and "profiles" not in services["triton"]
+    assert all("profiles" not in services[name] for name in ("build", "triton", "api"))
 
 
 @pytest.mark.parametrize("name", ["build", "triton"])
@@ -104,6 +105,25 @@ def test_triton_healthcheck(services):
     assert seconds(check["start_period"]) >= 300, "the 30B checkpoint needs minutes to load"
     assert seconds(check["timeout"]) < seconds(check["interval"])
     assert seconds(services["triton"]["stop_grace_period"]) > 20, "serve stops tritonserver with a 20 s timeout"
+
+
+def test_api_service(services):
+    """The OpenAI-compatible API: this package's image without a GPU, started once Triton is healthy, reading
+    the build's serve.env (for the checkpoint's tokenizer) from the artifacts volume."""
+    api, triton = services["api"], services["triton"]
+    assert api["image"] == triton["image"] and api["build"] == triton["build"]
+    assert "deploy" not in api, "the API streams to triton over gRPC: it needs no GPU"
+    assert api["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    assert api["environment"]["TRITON_GRPC"] == "triton:8001", "triton's gRPC port, by service name"
+    assert [str(p) for p in api["ports"]] == ["9000:9000"]
+    assert "artifacts:/artifacts:ro" in api["volumes"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in api["volumes"]}
+    assert mounts["/checkpoints"] == {v.split(":")[1]: v.split(":")[0] for v in triton["volumes"]}["/checkpoints"]
+    check = api["healthcheck"]
+    assert check["test"][0] == "CMD" and "http://localhost:9000/health" in " ".join(check["test"])
+    assert seconds(check["timeout"]) < seconds(check["interval"])
+    assert "9000" in re.search(r"^EXPOSE (.*)$", DOCKERFILE.read_text(), re.M).group(1).split()
+    assert "optional-dependencies']['api']" in DOCKERFILE.read_text(), "the image must install the api extra"
 
 
 def test_service_order(services):
@@ -157,7 +177,7 @@ def test_dockerfile_and_sdk_use_one_ngc_tag(services):
 
 
 def test_image_files_exist_and_are_kept_by_dockerignore(services):
-    for service in ("build", "triton"):
+    for service in ("build", "triton", "api"):
         script = ROOT / services[service]["command"][0]
         assert script.is_file() and os.access(script, os.X_OK), f"{script} must exist and be executable"
     for copied in re.findall(r"^COPY (\S+) ", DOCKERFILE.read_text(), re.M):
@@ -214,7 +234,7 @@ def fake_cli(tmp_path):
         full_env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                     "ARTIFACTS_DIR": str(tmp_path / "artifacts"), **env}
         for key in ("OMNI_CHECKPOINT", "CODE2WAV_RUNTIME", "CODE2WAV_TRT_PRECISION", "OMNI_SERVE_ARGS",
-                    "FAKE_TENSORRT"):
+                    "FAKE_TENSORRT", "OMNI_API_ARGS", "TRITON_GRPC"):
             if key not in env:
                 full_env.pop(key, None)
         before = len(log.read_text().splitlines()) if log.exists() else 0
@@ -301,6 +321,17 @@ def test_serve_script_serves_what_was_built(fake_cli, tmp_path):
     assert "--code2wav-engine" not in calls[0] and calls[0][-2:] == ["--code2wav-runtime", "torch"]
 
 
+def test_api_script_serves_the_built_checkpoint(fake_cli, tmp_path):
+    missing, calls = fake_cli(API_SCRIPT)
+    assert missing.returncode == 2 and calls == [] and "serve.env" in missing.stderr
+
+    fake_cli(BUILD_SCRIPT)
+    result, calls = fake_cli(API_SCRIPT, TRITON_GRPC="triton:8001", OMNI_API_ARGS="--log-level warning")
+    assert result.returncode == 0, result.stderr
+    assert calls == [["api", "--triton-grpc", "triton:8001", "--host", "0.0.0.0", "--port", "9000",
+                      "--checkpoint", str(tmp_path / "artifacts/checkpoints/tiny"), "--log-level", "warning"]]
+
+
 # -- the commands the scripts run must parse with the real CLI ---------------------------------------------
 
 class _Parsed(BaseException):  # not an Exception: a CLI's `except Exception` must not swallow it
@@ -346,8 +377,10 @@ def test_script_commands_parse_with_the_cli(fake_cli, tmp_path, monkeypatch, cap
     fake_cli(BUILD_SCRIPT, OMNI_CHECKPOINT=str(checkpoint), CODE2WAV_RUNTIME="onnx")
     fake_cli(BUILD_SCRIPT)
     fake_cli(SERVE_SCRIPT)
+    fake_cli(API_SCRIPT)
     log = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert {tuple(c[:2]) for c in log} >= {("build", "tiny"), ("build", "onnx"), ("build", "trt"), ("serve", "--checkpoint")}
+    assert {tuple(c[:2]) for c in log} >= {("build", "tiny"), ("build", "onnx"), ("build", "trt"),
+                                           ("serve", "--checkpoint"), ("api", "--triton-grpc")}
 
     missing_builders = set()
     for argv in log:
