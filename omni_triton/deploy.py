@@ -260,7 +260,7 @@ def _adapter_rules(values: Values, labels: dict) -> dict:
 
 def api_arguments(values: Values) -> list[str]:
     return list(values.api_args) or ["api", "--host", "0.0.0.0", "--port", str(API_PORT),
-                                     "--url", f"{values.name}:{GRPC_PORT}"]
+                                     "--triton-grpc", f"{values.name}:{GRPC_PORT}"]
 
 
 def _api_deployment(values: Values, labels: dict) -> dict:

@@ -146,3 +146,21 @@ def test_values_serve_would_refuse_are_refused_by_name(change, message, tmp_path
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(deploy.ValuesError, match=message):
         deploy.render(deploy.Values.load(path), str(path))
+
+
+@pytest.mark.parametrize("values_path", VALUES, ids=lambda path: path.stem)
+def test_rendered_api_arguments_are_what_the_api_takes(values_path):
+    """The OpenAI API Deployment's arguments parse with `omni-triton api`'s own parser and reach this
+    overlay's Triton Service over gRPC."""
+    documents = [doc for docs in _documents(ROOT / "deploy" / "k8s" / values_path.stem).values() for doc in docs if doc]
+    api = [doc for doc in documents if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("-api")]
+    services = {doc["metadata"]["name"]: doc for doc in documents if doc["kind"] == "Service"}
+    if not api:
+        pytest.skip(f"{values_path.stem} deploys no API")
+    container = api[0]["spec"]["template"]["spec"]["containers"][0]
+    args = cli.build_parser().parse_args(container["args"])
+    assert args.handler is cli.cmd_api
+    host, port = args.triton_grpc.rsplit(":", 1)
+    assert host in services, (host, list(services))
+    assert int(port) in [p["port"] for p in services[host]["spec"]["ports"] if p["name"] == "grpc"]
+    assert args.port == container["ports"][0]["containerPort"]
