@@ -217,8 +217,10 @@ def test_fast_path_switch_selects_the_fused_frame_only_on_cuda_tensors(monkeypat
     hidden = torch.zeros(1, SMALL["hidden_size"], device=DEVICE)
     result = predictor.predict(hidden, hidden)
     assert isinstance(result[0], str) == (DEVICE == "cuda") and len(calls) == (DEVICE == "cuda")
-    predictor.use_kernels = False
+    predictor.use_fused_steps = False  # the per-layer kernels only: the module path
     assert isinstance(predictor.predict(hidden, hidden)[0], torch.Tensor)
+    predictor.use_fused_steps, predictor.use_kernels = True, False
+    assert isinstance(predictor.predict(hidden, hidden)[0], torch.Tensor) and len(calls) == (DEVICE == "cuda")
 
 
 @cuda

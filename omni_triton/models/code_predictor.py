@@ -4,10 +4,11 @@ Per frame and row: prefill [talker final hidden, embed(code0)] -> code 1 (lm_hea
 codec_embedding[g-1](code g) -> code g+1 (lm_head[g]). Every row of a batch is at the same step, so the
 KV cache is a tiny contiguous ``[B, G+1, kv_heads, head_dim]`` per layer, built fresh for each frame.
 
-On CUDA with the fast path on (``KernelSwitch``), each step runs through fused kernels instead of the decoder
-modules (``predict_with_kernels``): per layer norm+qkv, attention (``kernels.frame_attention``), o_proj+residual,
-norm+gate/up+SiLU, down+residual (``kernels.small_linear``), then norm+lm_head: ~23 launches a step instead of
-~65. The modules stay the reference (and the CPU path); the kernels round where they round.
+On CUDA with the fast path on (``KernelSwitch``: ``use_kernels`` and ``use_fused_steps``), each step runs
+through fused kernels instead of the decoder modules (``predict_with_kernels``): per layer norm+qkv, attention
+(``kernels.frame_attention``), o_proj+residual, norm+gate/up+SiLU, down+residual (``kernels.small_linear``),
+then norm+lm_head: ~28 launches a step (with sampling and the embedding) instead of ~65. The modules stay the
+reference (and the CPU path); the kernels round where they round.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class CodePredictor(KernelSwitch, nn.Module):
     def predict(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
                 sample_fn: SampleFn = greedy) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """talker_hidden, code0_embeds [B, H] -> (residual codes [B, G-1], their embeddings G-1 x [B, H])."""
-        if self.kernels_for(talker_hidden) and self.fusable():
+        if self.kernels_for(talker_hidden) and self.use_fused_steps and self.fusable():
             return self.predict_with_kernels(talker_hidden, code0_embeds, sample_fn)
         rows, hidden_size = talker_hidden.shape
         cfg = self.config
