@@ -177,31 +177,32 @@ def make_engine(stage, model, args, max_batch: int, context: int, variant: str) 
         device=args.device, kv_dtype=dtype, fast_path=fast_path))
 
 
-def variant_runs(make, batches: list[int], variants: list[str], device: torch.device) -> dict[str, dict[int, tuple]]:
-    """{variant: {batch: (prefill s, decode step s, peak GiB)}}: one engine per variant (``make(variant)`` ->
-    (engine, adder)), each warmed up at the smallest and largest batch so every step shape is compiled, then
-    the variants measured in turn at each batch (interleaved, so drift in clocks or load hits all alike)."""
+def variant_runs(make, cases: list, warmups: list, variants: list[str], device: torch.device) -> dict[str, dict]:
+    """{variant: {case: (prefill s, decode step s, peak GiB)}}: one engine per variant (``make(variant)`` ->
+    (engine, adder); ``adder(case)()`` adds a case's requests), each warmed up on ``warmups`` so every step
+    shape is compiled, then the variants measured in turn on each case (interleaved, so drift in clocks or
+    load hits all alike)."""
     engines = {}
     for variant in variants:
         engines[variant] = make(variant)
-        for batch in (1, max(batches)):
-            run_batch(*engines[variant], batch, device)
-    runs: dict[str, dict[int, tuple]] = {variant: {} for variant in variants}
-    for batch in batches:
+        for case in warmups:
+            run_batch(*engines[variant], case, device)
+    runs: dict[str, dict] = {variant: {} for variant in variants}
+    for case in cases:
         for variant, engine_adder in engines.items():
             torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-            prefill_s, step_s = run_batch(*engine_adder, batch, device)
-            runs[variant][batch] = (prefill_s, step_s, peak_gib(device))
+            prefill_s, step_s = run_batch(*engine_adder, case, device)
+            runs[variant][case] = (prefill_s, step_s, peak_gib(device))
     del engines
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return runs
 
 
-def run_batch(engine: LLMEngine, adder, batch: int, device: torch.device) -> tuple[float, float]:
-    """(prefill seconds until every request of ``adder(batch)`` sampled its first token, median decode step
+def run_batch(engine: LLMEngine, adder, case, device: torch.device) -> tuple[float, float]:
+    """(prefill seconds until every request of ``adder(case)`` sampled its first token, median decode step
     seconds)."""
-    adder(batch)()
+    adder(case)()
     sync(device)
     start = time.perf_counter()
     while any(seq.num_generated == 0 for seq in engine.requests.values()):
@@ -222,39 +223,44 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
     text = model.config.text
     params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
     element = next(model.parameters()).element_size()
+    longest = max(args.prefill_lens)
+
+    def make(variant):
+        engine = make_engine(ThinkerStage(model), model, args, max(batches), longest + DECODE_STEPS + 2, variant)
+        generator = torch.Generator().manual_seed(0)
+
+        def adder(case):
+            prompt_len, batch = case
+
+            def add():
+                for i in range(batch):
+                    prompt = torch.randint(0, text.vocab_size, (prompt_len,), generator=generator).tolist()
+                    engine.add_request(f"b{batch}-{i}", params, prompt_token_ids=prompt)
+            return add
+        return engine, adder
+
+    cases = [(n, batch) for n in args.prefill_lens for batch in batches]
+    warmups = [(n, batch) for n in args.prefill_lens for batch in (1, max(batches))]
+    runs = variant_runs(make, cases, warmups, args.variants, device)
     rows = []
-    for prompt_len in args.prefill_lens:
-        def make(variant):
-            engine = make_engine(ThinkerStage(model), model, args, max(batches), prompt_len + DECODE_STEPS + 2, variant)
-            generator = torch.Generator().manual_seed(prompt_len)  # the same prompts for every variant
-
-            def adder(batch):
-                def add():
-                    for i in range(batch):
-                        prompt = torch.randint(0, text.vocab_size, (prompt_len,), generator=generator).tolist()
-                        engine.add_request(f"b{batch}-{i}", params, prompt_token_ids=prompt)
-                return add
-            return engine, adder
-
-        runs = variant_runs(make, batches, args.variants, device)
-        for batch in batches:
-            context = prompt_len + DECODE_STEPS // 2
-            decode_bytes = decoder_bytes(model, (), text, batch) + kv_bytes(text, batch * context, element)
-            decode_floor = floor_s(decode_bytes, active_flops(model, (), text, batch, context), ceilings)
-            tokens = batch * prompt_len
-            step_tokens = min(tokens, args.max_num_batched_tokens)
-            prefill_floor = -(-tokens // step_tokens) * floor_s(
-                decoder_bytes(model, (), text, step_tokens), active_flops(model, (), text, step_tokens, prompt_len // 2),
-                ceilings)
-            row = dict(prompt_len=prompt_len, batch=batch, decode_floor_ms=1e3 * decode_floor,
-                       prefill_floor_ms=1e3 * prefill_floor, variants={})
-            for variant, by_batch in runs.items():
-                prefill_s, step_s, peak = by_batch[batch]
-                row["variants"][variant] = dict(
-                    decode_ms=1e3 * step_s, decode_ratio=step_s / decode_floor,
-                    decode_gb_s=decode_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
-                    prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
-            rows.append(row)
+    for prompt_len, batch in cases:
+        context = prompt_len + DECODE_STEPS // 2
+        decode_bytes = decoder_bytes(model, (), text, batch) + kv_bytes(text, batch * context, element)
+        decode_floor = floor_s(decode_bytes, active_flops(model, (), text, batch, context), ceilings)
+        tokens = batch * prompt_len
+        step_tokens = min(tokens, args.max_num_batched_tokens)
+        prefill_floor = -(-tokens // step_tokens) * floor_s(
+            decoder_bytes(model, (), text, step_tokens), active_flops(model, (), text, step_tokens, prompt_len // 2),
+            ceilings)
+        row = dict(prompt_len=prompt_len, batch=batch, decode_floor_ms=1e3 * decode_floor,
+                   prefill_floor_ms=1e3 * prefill_floor, variants={})
+        for variant, by_case in runs.items():
+            prefill_s, step_s, peak = by_case[prompt_len, batch]
+            row["variants"][variant] = dict(
+                decode_ms=1e3 * step_s, decode_ratio=step_s / decode_floor,
+                decode_gb_s=decode_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
+                prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
+        rows.append(row)
     set_fused_steps(model, True)
     if args.profile:
         profile_steps(model, ThinkerStage(model), args, [1, max(batches)], args.prefill_lens[-1])
@@ -287,7 +293,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
             return add
         return engine, adder
 
-    runs = variant_runs(make, batches, args.variants, device)
+    runs = variant_runs(make, batches, [1, max(batches)], args.variants, device)
     rows = []
     for batch in batches:
         floor, num_bytes = talker_frame_floor(model, batch, prompt_len + DECODE_STEPS // 2, ceilings)
