@@ -5,7 +5,7 @@ for CUDA tensors and only while ``use_kernels`` is on (the default). ``set_fast_
 the plain torch path on the GPU too: the eager baseline the fast path is checked and timed against.
 
 A second switch, ``use_fused_steps`` (``set_fused_steps``), covers the whole-step fusions on top of the
-per-layer kernels (the code predictor's fused frame): off, the fast path is the per-layer kernels alone, which
+per-layer kernels (the code predictor's fused frame, the one-launch prefill attention): off, the fast path is the per-layer kernels alone, which
 is what ``benchmarks/engine_microbench.py`` times as the "landed" variant beside the fused one.
 
 Switching on also packs the projections that read one input (q/k/v, gate/up) into one weight tensor each,
@@ -59,3 +59,8 @@ def set_fused_steps(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, KernelSwitch):
             module.use_fused_steps = enabled
+
+
+def fused_steps_on(model: nn.Module) -> bool:
+    """Whether ``model``'s whole-step fusions are on (for the parts an engine builds outside the modules)."""
+    return all(module.use_fused_steps for module in model.modules() if isinstance(module, KernelSwitch))
