@@ -510,17 +510,19 @@ def main(argv=None) -> None:
                   dtype=str(args.dtype).removeprefix("torch."),
                   copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12, torch=torch.__version__,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
-    for stage, bench in (("thinker", bench_thinker), ("talker", bench_talker), ("code2wav", bench_code2wav)):
-        if stage in args.stages.split(","):
-            result[stage] = bench(args, (bandwidth, matmul), batches)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            print(markdown({k: v for k, v in result.items() if k not in {"thinker", "talker", "code2wav"} - {stage}}),
-                  flush=True)
+    benches = {"thinker": bench_thinker, "talker": bench_talker, "code2wav": bench_code2wav}
+    stages = args.stages.split(",")
+    if set(stages) - set(benches):
+        parser.error(f"--stages: unknown {sorted(set(stages) - set(benches))}; choose from {', '.join(benches)}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_microbench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "engine_microbench.md").write_text(markdown(result))
+    for stage in stages:  # in the order given; the files are rewritten after each, so a cut-off run keeps its part
+        result[stage] = benches[stage](args, (bandwidth, matmul), batches)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(markdown({k: v for k, v in result.items() if k not in set(benches) - {stage}}), flush=True)
+        (out / "engine_microbench.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "engine_microbench.md").write_text(markdown(result))
     print(f"wrote {out / 'engine_microbench.json'} and {out / 'engine_microbench.md'}")
 
 

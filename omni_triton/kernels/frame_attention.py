@@ -34,19 +34,22 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM)
-    one = tl.arange(0, 1)
+    # the new key goes through the shared q/k norm+rope helper as a tile of two rows, the second masked off
+    # (a two-row tile rather than a one-row one: the smallest shape every Triton version lays out happily)
+    pair = tl.arange(0, 2)[:, None]
+    first = pair < 1
     q_size = num_kv_heads * GROUP * HEAD_DIM
     kv_size = num_kv_heads * HEAD_DIM
     cache = row.to(tl.int64) * stride_cache_row + kv_head * stride_cache_head
     for j in tl.static_range(NEW):  # the new keys (normed, rotated) and values into the cache
         token = (row * NEW + j).to(tl.int64)
         position = start + j
-        k_row = qkv_ptr + token * stride_qkv + q_size + kv_head * HEAD_DIM + one[:, None]
-        key = norm_rope_heads(k_row, one[:, None] >= 0, k_norm_ptr, cos_ptr + position * stride_rope,
+        k_row = qkv_ptr + token * stride_qkv + q_size + kv_head * HEAD_DIM + pair * 0
+        key = norm_rope_heads(k_row, first, k_norm_ptr, cos_ptr + position * stride_rope,
                               sin_ptr + position * stride_rope, eps, HEAD_DIM)
         value = tl.load(qkv_ptr + token * stride_qkv + q_size + kv_size + kv_head * HEAD_DIM + dims)
-        tl.store(keys_ptr + cache + position * HEAD_DIM + one[:, None] * 0 + dims[None, :],
-                 key.to(keys_ptr.dtype.element_ty))
+        tl.store(keys_ptr + cache + position * HEAD_DIM + pair * 0 + dims[None, :],
+                 key.to(keys_ptr.dtype.element_ty), mask=first)
         tl.store(values_ptr + cache + position * HEAD_DIM + dims, value.to(values_ptr.dtype.element_ty))
     tl.debug_barrier()  # the stores above are read back below by other threads of this program
     group = tl.arange(0, BLOCK_G)
@@ -95,6 +98,6 @@ def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weigh
         _frame_attention_kernel[(rows, num_kv_heads)](
             qkv, q_norm_weight, k_norm_weight, cos, sin, keys, values, out, start, num_kv_heads, qkv.stride(0),
             out.stride(0), keys.stride(0), keys.stride(1), cos.stride(0), eps, scale,
-            NEW=new, GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+            NEW=new, GROUP=group, BLOCK_G=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_L=triton.next_power_of_2(max_len), num_warps=4)
     return out
