@@ -254,21 +254,24 @@ def test_fused_frame_kernels_at_released_dims_in_bf16(rows):
 
 @cuda
 def test_fused_frame_replays_under_a_cuda_graph():
+    """Captured once, replayed on new inputs: the same codes and embeddings as the eager fused frame on them."""
     predictor = random_predictor(RELEASED, torch.bfloat16, seed=3)
     rows = 8
-    hidden = torch.randn(rows, 1024, device=DEVICE, dtype=torch.bfloat16)
-    code0_embeds = torch.randn(rows, 1024, device=DEVICE, dtype=torch.bfloat16)
-    eager_codes, eager_embeds = predictor.predict(hidden, code0_embeds)
-    static_hidden, static_code0 = hidden.clone(), code0_embeds.clone()
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(2, rows, 1024, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    static_hidden, static_code0 = inputs[0][0].clone(), inputs[0][1].clone()
+    predictor.predict(static_hidden, static_code0)  # compiled, packed and the rotary table made before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graph_codes, graph_embeds = predictor.predict(static_hidden, static_code0)
-    static_hidden.copy_(hidden.flip(0))
-    static_code0.copy_(code0_embeds.flip(0))
-    graph.replay()
-    assert torch.equal(graph_codes, eager_codes.flip(0))
-    assert torch.equal(torch.stack(graph_embeds, 1), torch.stack(eager_embeds, 1).flip(0))
+    for hidden, code0_embeds in inputs:
+        static_hidden.copy_(hidden)
+        static_code0.copy_(code0_embeds)
+        graph.replay()
+        eager_codes, eager_embeds = predictor.predict(hidden, code0_embeds)
+        assert torch.equal(graph_codes, eager_codes)
+        assert torch.equal(torch.stack(graph_embeds, 1), torch.stack(eager_embeds, 1))
 
 
 @cuda
@@ -290,5 +293,5 @@ def test_fused_frame_launches_far_fewer_kernels():
     module, fused = launches(False), launches(True)
     predictor.use_kernels = True
     steps = predictor.num_code_groups - 1
-    assert fused <= 28 * steps + 2, fused  # per step: 5 layers x 5 + lm_head + argmax + embedding (+ stack)
+    assert fused <= 30 * steps, fused  # per step: 5 layers x 5 + lm_head + argmax + embedding (+ 2 stacks)
     assert fused * 2 < module, (fused, module)
