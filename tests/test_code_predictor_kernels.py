@@ -35,7 +35,7 @@ RELEASED = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_l
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.detach().double() - want.double()).norm() / want.detach().double().norm().clamp_min(1e-30))
+    return float((got.detach().double() - want.detach().double()).norm() / want.detach().double().norm().clamp_min(1e-30))
 
 
 def tolerance(dtype: torch.dtype) -> float:
