@@ -57,6 +57,32 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping
 
 
 @triton.jit
+def _paged_tile(q, cache_ptr, table_ptr, kv_head, start, end, last_visible, m_i, l_i, acc, row_size, value_offset,
+                scale, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                ROUND_SCORES: tl.constexpr):
+    """One online-softmax step over key positions start..start+BLOCK_N-1 (< end) of one sequence's pages
+    (``table_ptr``: its block-table row), for query rows that see keys up to ``last_visible`` (one position
+    per row) -> updated (running max, running sum, accumulator)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_mask = pos < end
+    page = tl.load(table_ptr + pos // PAGE, mask=pos_mask, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    key_ptrs = cache_ptr + slot[:, None] * row_size + kv_head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    keys = tl.load(key_ptrs, mask=pos_mask[:, None], other=0.0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+    if ROUND_SCORES:  # the torch decode path rounds the product to the activation dtype
+        scores = scores.to(q.dtype).to(tl.float32)
+    visible = pos_mask[None, :] & (pos[None, :] <= last_visible[:, None])
+    scores = tl.where(visible, scores * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    probs = tl.exp(scores - m_new[:, None])
+    values = tl.load(key_ptrs + value_offset, mask=pos_mask[:, None], other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(probs, axis=1), acc
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_table, value_offset, num_kv_heads,
                          num_heads, scale, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -78,23 +104,11 @@ def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, o
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    positions = tl.arange(0, BLOCK_N)
+    every_key = tl.zeros([BLOCK_G], dtype=tl.int32) + end  # one query per row: no causal limit inside the context
     for start in range(begin, end, BLOCK_N):
-        pos = start + positions
-        pos_mask = pos < end
-        page = tl.load(block_tables_ptr + seq * stride_table + pos // PAGE, mask=pos_mask, other=0)
-        slot = page.to(tl.int64) * PAGE + pos % PAGE
-        key_ptrs = cache_ptr + slot[:, None] * row_size + kv_head * HEAD_DIM + dims[None, :]
-        keys = tl.load(key_ptrs, mask=pos_mask[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION).to(q.dtype).to(tl.float32) * scale
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        probs = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(probs, axis=1)
-        values = tl.load(key_ptrs + value_offset, mask=pos_mask[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _paged_tile(q, cache_ptr, block_tables_ptr + seq * stride_table, kv_head, start, end,
+                                    every_key, m_i, l_i, acc, row_size, value_offset, scale, HEAD_DIM, PAGE, BLOCK_N,
+                                    PRECISION, ROUND_SCORES=True)
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (no context): acc is 0
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -151,24 +165,11 @@ def _paged_prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, tiles_ptr, seqs_pt
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     end = tl.minimum(context_len, context_len - query_len + first_query + BLOCK_M)
-    positions = tl.arange(0, BLOCK_N)
     for start in range(0, end, BLOCK_N):
-        pos = start + positions
-        pos_mask = pos < end
-        page = tl.load(block_tables_ptr + seq * stride_table + pos // PAGE, mask=pos_mask, other=0)
-        slot = page.to(tl.int64) * PAGE + pos % PAGE
-        key_ptrs = cache_ptr + slot[:, None] * row_size + kv_head * HEAD_DIM + dims[None, :]
-        keys = tl.load(key_ptrs, mask=pos_mask[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
         # every row sees key 0 in the first tile, so m_i is finite from then on (no inf - inf)
-        scores = tl.where(pos_mask[None, :] & (pos[None, :] <= query_pos[:, None]), scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        probs = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(probs, axis=1)
-        values = tl.load(key_ptrs + value_offset, mask=pos_mask[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _paged_tile(q, cache_ptr, block_tables_ptr + seq * stride_table, kv_head, start, end,
+                                    query_pos, m_i, l_i, acc, row_size, value_offset, scale, HEAD_DIM, PAGE, BLOCK_N,
+                                    PRECISION, ROUND_SCORES=False)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=query_mask[:, None])
