@@ -76,11 +76,14 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M
              mask=out_mask)
 
 
-def block_sizes(rows: int, cols: int) -> tuple[int, int, int]:
+def block_sizes(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): rows padded to a dot tile (16..64); column blocks of 16 for narrow outputs
-    (the predictor's o/down projections, N=1024: 64 programs) and 32 for wide ones (qkv 4096, gate/up 3072,
-    lm_head 2048: 64-128 programs), so a few hundred KB of W per program at most."""
-    return min(64, max(16, triton.next_power_of_2(rows))), 16 if cols <= 1024 else 32, 128
+    (the predictor's o/down projections, N=1024: 64 programs) with K steps of 256, so each program keeps as
+    many weight bytes in flight as a wide one; column blocks of 32 and K steps of 128 for wide outputs (qkv
+    4096, gate/up 3072, lm_head 2048: 64-128 programs). At most a few hundred KB of W per program."""
+    narrow = cols <= 1024
+    block_k = min(256 if narrow else 128, max(16, triton.next_power_of_2(depth)))
+    return min(64, max(16, triton.next_power_of_2(rows))), 16 if narrow else 32, block_k
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
@@ -100,7 +103,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     out = torch.empty(rows, cols, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k = block_sizes(rows, cols)
+    block_m, block_n, block_k = block_sizes(rows, cols, depth)
     grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
     _small_linear_kernel[grid](
         x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
