@@ -43,7 +43,7 @@ from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
                                       write_config_with_layers)
-from omni_triton.models.layers.fast_kernels import set_fused_steps
+from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps
 from omni_triton.models.weights import load_talker, load_thinker
 
 DECODE_STEPS = 16
@@ -166,10 +166,18 @@ def talker_prefill_floor(talker, batch: int, prompt_len: int, step_tokens: int, 
 
 # ---------------------------------------------------------------------------------------------- stages
 
-def make_engine(stage, model, args, max_batch: int, context: int, variant: str) -> LLMEngine:
-    """An engine for ``variant``; the fusion switch is set before the engine captures its graphs."""
+def apply_variant(model: torch.nn.Module, variant: str) -> None:
+    """The model's switches as ``variant`` wants them. They live on the shared model, so they are set again
+    before every run of a variant's engine (its graphs were captured with them; its eager steps read them)."""
     fast_path, fused_steps = VARIANTS[variant]
+    set_fast_kernels(model, fast_path)
     set_fused_steps(model, fused_steps)
+
+
+def make_engine(stage, model, args, max_batch: int, context: int, variant: str) -> LLMEngine:
+    """An engine for ``variant``, its switches set before it captures its graphs."""
+    fast_path, _ = VARIANTS[variant]
+    apply_variant(model, variant)
     dtype = next(model.parameters()).dtype
     blocks = max_batch * (-(-context // 16) + 1) + 16
     return LLMEngine(stage, EngineConfig(
@@ -177,7 +185,7 @@ def make_engine(stage, model, args, max_batch: int, context: int, variant: str) 
         device=args.device, kv_dtype=dtype, fast_path=fast_path))
 
 
-def variant_runs(make, cases: list, warmups: list, variants: list[str], device: torch.device) -> dict[str, dict]:
+def variant_runs(model, make, cases: list, warmups: list, variants: list[str], device: torch.device) -> dict[str, dict]:
     """{variant: {case: (prefill s, decode step s, peak GiB)}}: one engine per variant (``make(variant)`` ->
     (engine, adder); ``adder(case)()`` adds a case's requests), each warmed up on ``warmups`` so every step
     shape is compiled, then the variants measured in turn on each case (interleaved, so drift in clocks or
@@ -190,6 +198,7 @@ def variant_runs(make, cases: list, warmups: list, variants: list[str], device: 
     runs: dict[str, dict] = {variant: {} for variant in variants}
     for case in cases:
         for variant, engine_adder in engines.items():
+            apply_variant(model, variant)
             torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
             prefill_s, step_s = run_batch(*engine_adder, case, device)
             runs[variant][case] = (prefill_s, step_s, peak_gib(device))
@@ -241,7 +250,7 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
 
     cases = [(n, batch) for n in args.prefill_lens for batch in batches]
     warmups = [(n, batch) for n in args.prefill_lens for batch in (1, max(batches))]
-    runs = variant_runs(make, cases, warmups, args.variants, device)
+    runs = variant_runs(model, make, cases, warmups, args.variants, device)
     rows = []
     for prompt_len, batch in cases:
         context = prompt_len + DECODE_STEPS // 2
@@ -261,7 +270,7 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
                 decode_gb_s=decode_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
                 prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
         rows.append(row)
-    set_fused_steps(model, True)
+    apply_variant(model, "fused")
     if args.profile:
         profile_steps(model, ThinkerStage(model), args, [1, max(batches)], args.prefill_lens[-1])
     del model
@@ -293,7 +302,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
             return add
         return engine, adder
 
-    runs = variant_runs(make, batches, [1, max(batches)], args.variants, device)
+    runs = variant_runs(model, make, batches, [1, max(batches)], args.variants, device)
     rows = []
     for batch in batches:
         floor, num_bytes = talker_frame_floor(model, batch, prompt_len + DECODE_STEPS // 2, ceilings)
@@ -306,7 +315,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
                                             frame_gb_s=num_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
                                             prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
         rows.append(row)
-    set_fused_steps(model, True)
+    apply_variant(model, "fused")
     if args.profile:
         profile_steps(model, talker_stage(model, args), args, [1, max(batches)], prompt_len)
     layers = text.num_layers
