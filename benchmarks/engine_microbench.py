@@ -174,7 +174,8 @@ def apply_variant(model: torch.nn.Module, variant: str) -> None:
     set_fused_steps(model, fused_steps)
 
 
-def make_engine(stage, model, args, max_batch: int, context: int, variant: str) -> LLMEngine:
+def make_engine(stage, model, args, max_batch: int, context: int, variant: str, cuda_graphs: bool = True
+                ) -> LLMEngine:
     """An engine for ``variant``, its switches set before it captures its graphs."""
     fast_path, _ = VARIANTS[variant]
     apply_variant(model, variant)
@@ -182,7 +183,32 @@ def make_engine(stage, model, args, max_batch: int, context: int, variant: str) 
     blocks = max_batch * (-(-context // 16) + 1) + 16
     return LLMEngine(stage, EngineConfig(
         block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
-        device=args.device, kv_dtype=dtype, fast_path=fast_path))
+        device=args.device, kv_dtype=dtype, fast_path=fast_path, cuda_graphs=cuda_graphs))
+
+
+def launch_counts(model, make, case, variants: list[str], device: torch.device) -> dict[str, dict[str, int]]:
+    """{variant: {"prefill_step": kernels, "decode_step": kernels}}: GPU kernels launched by the first (prefill)
+    step and by one decode step of ``case``, on an engine without CUDA graphs (so each launch shows; under a
+    graph they are the same kernels, replayed). CUDA only: {} elsewhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return {}
+    counts = {}
+    for variant in variants:
+        engine, adder = make(variant, cuda_graphs=False)
+        adder(case)()
+        counts[variant] = {}
+        for name in ("prefill_step", "decode_step", "decode_step"):  # the first decode step compiles: count the second
+            sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                sync(device)
+            counts[variant][name] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        while engine.has_work():
+            engine.step()
+        del engine
+    return counts
 
 
 def variant_runs(model, make, cases: list, warmups: list, variants: list[str], device: torch.device) -> dict[str, dict]:
@@ -234,8 +260,9 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
     element = next(model.parameters()).element_size()
     longest = max(args.prefill_lens)
 
-    def make(variant):
-        engine = make_engine(ThinkerStage(model), model, args, max(batches), longest + DECODE_STEPS + 2, variant)
+    def make(variant, cuda_graphs=True):
+        engine = make_engine(ThinkerStage(model), model, args, max(batches), longest + DECODE_STEPS + 2, variant,
+                             cuda_graphs)
         generator = torch.Generator().manual_seed(0)
 
         def adder(case):
@@ -251,6 +278,7 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
     cases = [(n, batch) for n in args.prefill_lens for batch in batches]
     warmups = [(n, batch) for n in args.prefill_lens for batch in (1, max(batches))]
     runs = variant_runs(model, make, cases, warmups, args.variants, device)
+    launches = launch_counts(model, make, (args.prefill_lens[0], 1), args.variants, device)
     rows = []
     for prompt_len, batch in cases:
         context = prompt_len + DECODE_STEPS // 2
@@ -274,7 +302,7 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
     if args.profile:
         profile_steps(model, ThinkerStage(model), args, [1, max(batches)], args.prefill_lens[-1])
     del model
-    return dict(rows=rows, layers=text.num_layers)
+    return dict(rows=rows, layers=text.num_layers, launches=launches, launches_prompt_len=args.prefill_lens[0])
 
 
 def talker_stage(model, args) -> TalkerStage:
@@ -289,9 +317,9 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
     prompt_len = args.talker_prompt_len
     params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
 
-    def make(variant):
+    def make(variant, cuda_graphs=True):
         engine = make_engine(talker_stage(model, args), model, args, max(batches), prompt_len + DECODE_STEPS + 2,
-                             variant)
+                             variant, cuda_graphs)
         generator = torch.Generator().manual_seed(1)
 
         def adder(batch):
@@ -303,6 +331,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
         return engine, adder
 
     runs = variant_runs(model, make, batches, [1, max(batches)], args.variants, device)
+    launches = launch_counts(model, make, 1, args.variants, device)
     rows = []
     for batch in batches:
         floor, num_bytes = talker_frame_floor(model, batch, prompt_len + DECODE_STEPS // 2, ceilings)
@@ -320,7 +349,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
         profile_steps(model, talker_stage(model, args), args, [1, max(batches)], prompt_len)
     layers = text.num_layers
     del model
-    return dict(rows=rows, prompt_len=prompt_len, layers=layers)
+    return dict(rows=rows, prompt_len=prompt_len, layers=layers, launches=launches)
 
 
 def bench_code2wav(args, ceilings, batches: list[int]) -> dict:
@@ -435,6 +464,14 @@ def variant_cells(row: dict, variants: list[str], key: str) -> str:
     return " | ".join(cells)
 
 
+def launch_lines(launches: dict | None, what: str) -> list[str]:
+    """'Kernel launches ...' line of a stage (none on CPU)."""
+    if not launches:
+        return []
+    per_variant = "; ".join(f"{variant} {c['prefill_step']} / {c['decode_step']}" for variant, c in launches.items())
+    return [f"GPU kernels launched at batch 1 by {what} (eager, no CUDA graphs): {per_variant}.", ""]
+
+
 def markdown(result: dict) -> str:
     variants = result["variants"]
     names = " | ".join(variants)
@@ -456,6 +493,8 @@ def markdown(result: dict) -> str:
             lines += [f"| {r['batch']} | {r['prefill_floor_ms']:.2f} | {variant_cells(r, variants, 'prefill')} |"
                       for r in rows]
             lines.append("")
+        lines += launch_lines(t.get("launches"), f"the prefill step of one {t.get('launches_prompt_len')}-token "
+                              "prompt / one decode step")
     if "talker" in result:
         t = result["talker"]
         lines += [f"Talker frame ({t['layers']} layers; talker step + 15 code-predictor steps + sampling, one "
@@ -467,6 +506,8 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['batch']} | {r['prefill_floor_ms']:.2f} | {variant_cells(r, variants, 'prefill')} |"
                   for r in t["rows"]]
         lines.append("")
+        lines += launch_lines(t.get("launches"), f"the prefill step of one {t['prompt_len']}-position prompt "
+                              "(with its first frame) / one frame")
     if "code2wav" in result:
         c = result["code2wav"]
         lines += [f"Code2Wav per chunk: first = {FIRST_CHUNK_FRAMES} frames; later = {CHUNK_FRAMES} frames + "
