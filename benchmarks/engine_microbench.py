@@ -1,19 +1,26 @@
-"""Engine microbenchmark: per-step time of each stage next to its floor, measured in the same run.
+"""Engine microbenchmark: per-step time of each stage next to its floor, measured in the same run, for each
+variant of the fast path side by side (before/after in one command).
 
-    python benchmarks/engine_microbench.py --device cuda --dtype bfloat16 --out-dir benchmarks/results/NAME
+    python benchmarks/engine_microbench.py --device cuda --stages thinker,talker --out-dir benchmarks/results/NAME
     python benchmarks/engine_microbench.py --config tiny --stages thinker,talker     # CPU smoke run
 
-Per batch size: thinker decode step, thinker prefill of 512-token prompts, talker frame (talker decode step +
-15 code-predictor steps + sampling: one engine step), code2wav per chunk (the first chunk of 4 frames; a later
-chunk of 25 frames with the exact left context), and peak GPU memory per stage. Weights are random (``dummy``
-load format) with the dimensions of ``--config`` (a shipped config, default qwen3_omni_30b_a3b, or a checkpoint
-dir); ``--layers`` keeps fewer thinker/talker layers to fit smaller GPUs (the floors scale with it).
+Variants (``--variants``, default ``landed,fused``): ``eager`` = the plain torch path on the GPU (slow at full
+size: ~170 ms a thinker step); ``landed`` = the fast path of per-layer Triton kernels + CUDA graphs with the
+whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = everything on. Each
+variant gets its own engine (graphs captured for it) over the same model and the same random inputs.
+
+Per batch size: thinker decode step at ~L tokens of context and thinker prefill of L-token prompts for each L
+of ``--prefill-lens`` (default 108,512); talker frame (talker decode step + 15 code-predictor steps + sampling:
+one engine step) and talker prefill (``--talker-prompt-len`` positions, until every row sampled its first
+frame); code2wav per chunk (the first chunk of 4 frames; a later chunk of 25 frames with the exact left
+context), and peak GPU memory per stage. Weights are random (``dummy`` load format) with the dimensions of
+``--config`` (a shipped config, default qwen3_omni_30b_a3b, or a checkpoint dir); ``--layers`` keeps fewer
+thinker/talker layers to fit smaller GPUs (the floors scale with it).
 
 Floor of a step = max(bytes it must read / measured copy bandwidth, FLOPs / measured bf16 matmul rate):
 decode reads the dense weights, the experts that the batch's tokens hit (expected fraction under uniform
 routing), the lm_head and the KV cache; prefill reads every weight once; code2wav FLOPs are counted by
-``torch.utils.flop_counter``. ``--fast-path off`` runs the plain torch path (old numbers:
-``benchmarks/results/h200-engine``). ``--profile`` prints the top kernels of a few eager fast-path steps.
+``torch.utils.flop_counter``. ``--profile`` prints the top kernels of a few eager fast-path steps.
 """
 
 from __future__ import annotations
@@ -36,9 +43,12 @@ from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
                                       write_config_with_layers)
+from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps
 from omni_triton.models.weights import load_talker, load_thinker
 
 DECODE_STEPS = 16
+# variant -> (fast_path, whole-step fusions); see the module docstring
+VARIANTS = {"eager": (False, False), "landed": (True, False), "fused": (True, True)}
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
 
 
@@ -119,35 +129,115 @@ def floor_s(num_bytes: float, flops: float, ceilings: tuple[float, float]) -> fl
     return max(num_bytes / ceilings[0], flops / ceilings[1])
 
 
-def talker_frame_floor(talker, batch: int, context: int, ceilings) -> tuple[float, float]:
-    """(seconds, bytes) of one frame: the talker step + one code-predictor forward per residual codebook."""
-    text = talker.config.text
+TALKER_SKIP = ("code_predictor.", "text_projection.", "hidden_projection.")
+
+
+def predictor_cost(talker, batch: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one frame's code predictor: one forward of its layers per residual codebook, each
+    lm_head once."""
     element = next(talker.parameters()).element_size()
-    skip = ("code_predictor.", "text_projection.", "hidden_projection.")
-    num_bytes = decoder_bytes(talker, skip, text, batch) + kv_bytes(text, batch * context, element)
-    flops = active_flops(talker, skip, text, batch, context)
     predictor = talker.code_predictor
     layers = sum(p.numel() for n, p in predictor.model.named_parameters() if p.dim() > 1 and "embed" not in n)
     heads = sum(h.weight.numel() for h in predictor.lm_head)
     steps = talker.num_code_groups - 1
-    num_bytes += (steps * layers + heads) * element
-    flops += 2 * batch * (steps * layers + heads / steps)
+    return (steps * layers + heads) * element, 2 * batch * (steps * layers + heads / steps)
+
+
+def talker_frame_floor(talker, batch: int, context: int, ceilings) -> tuple[float, float]:
+    """(seconds, bytes) of one frame: the talker step + one code-predictor forward per residual codebook."""
+    text = talker.config.text
+    element = next(talker.parameters()).element_size()
+    predictor_bytes, predictor_flops = predictor_cost(talker, batch)
+    num_bytes = decoder_bytes(talker, TALKER_SKIP, text, batch) + kv_bytes(text, batch * context, element)
+    num_bytes += predictor_bytes
+    flops = active_flops(talker, TALKER_SKIP, text, batch, context) + predictor_flops
     return floor_s(num_bytes, flops, ceilings), num_bytes
+
+
+def talker_prefill_floor(talker, batch: int, prompt_len: int, step_tokens: int, ceilings) -> float:
+    """Seconds of the talker's prefill steps over ``batch`` prompts plus the first frame's code predictor."""
+    text = talker.config.text
+    steps = -(-batch * prompt_len // step_tokens)
+    predictor_bytes, predictor_flops = predictor_cost(talker, batch)
+    return steps * floor_s(decoder_bytes(talker, TALKER_SKIP, text, step_tokens),
+                           active_flops(talker, TALKER_SKIP, text, step_tokens, prompt_len // 2),
+                           ceilings) + floor_s(predictor_bytes, predictor_flops, ceilings)
 
 
 # ---------------------------------------------------------------------------------------------- stages
 
-def make_engine(stage, model, args, max_batch: int, context: int) -> LLMEngine:
+def apply_variant(model: torch.nn.Module, variant: str) -> None:
+    """The model's switches as ``variant`` wants them. They live on the shared model, so they are set again
+    before every run of a variant's engine (its graphs were captured with them; its eager steps read them)."""
+    fast_path, fused_steps = VARIANTS[variant]
+    set_fast_kernels(model, fast_path)
+    set_fused_steps(model, fused_steps)
+
+
+def make_engine(stage, model, args, max_batch: int, context: int, variant: str, cuda_graphs: bool = True
+                ) -> LLMEngine:
+    """An engine for ``variant``, its switches set before it captures its graphs."""
+    fast_path, _ = VARIANTS[variant]
+    apply_variant(model, variant)
     dtype = next(model.parameters()).dtype
     blocks = max_batch * (-(-context // 16) + 1) + 16
     return LLMEngine(stage, EngineConfig(
         block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
-        device=args.device, kv_dtype=dtype, fast_path=args.fast_path == "on"))
+        device=args.device, kv_dtype=dtype, fast_path=fast_path, cuda_graphs=cuda_graphs))
 
 
-def run_batch(engine: LLMEngine, add_requests, device: torch.device) -> tuple[float, float]:
-    """(prefill seconds until every request sampled its first token, median decode step seconds)."""
-    add_requests()
+def launch_counts(model, make, case, variants: list[str], device: torch.device) -> dict[str, dict[str, int]]:
+    """{variant: {"prefill_step": kernels, "decode_step": kernels}}: GPU kernels launched by the first (prefill)
+    step and by one decode step of ``case``, on an engine without CUDA graphs (so each launch shows; under a
+    graph they are the same kernels, replayed). CUDA only: {} elsewhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return {}
+    counts = {}
+    for variant in variants:
+        engine, adder = make(variant, cuda_graphs=False)
+        adder(case)()
+        counts[variant] = {}
+        for name in ("prefill_step", "decode_step", "decode_step"):  # the first decode step compiles: count the second
+            sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                sync(device)
+            counts[variant][name] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        while engine.has_work():
+            engine.step()
+        del engine
+    return counts
+
+
+def variant_runs(model, make, cases: list, warmups: list, variants: list[str], device: torch.device) -> dict[str, dict]:
+    """{variant: {case: (prefill s, decode step s, peak GiB)}}: one engine per variant (``make(variant)`` ->
+    (engine, adder); ``adder(case)()`` adds a case's requests), each warmed up on ``warmups`` so every step
+    shape is compiled, then the variants measured in turn on each case (interleaved, so drift in clocks or
+    load hits all alike)."""
+    engines = {}
+    for variant in variants:
+        engines[variant] = make(variant)
+        for case in warmups:
+            run_batch(*engines[variant], case, device)
+    runs: dict[str, dict] = {variant: {} for variant in variants}
+    for case in cases:
+        for variant, engine_adder in engines.items():
+            apply_variant(model, variant)
+            torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+            prefill_s, step_s = run_batch(*engine_adder, case, device)
+            runs[variant][case] = (prefill_s, step_s, peak_gib(device))
+    del engines
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return runs
+
+
+def run_batch(engine: LLMEngine, adder, case, device: torch.device) -> tuple[float, float]:
+    """(prefill seconds until every request of ``adder(case)`` sampled its first token, median decode step
+    seconds)."""
+    adder(case)()
     sync(device)
     start = time.perf_counter()
     while any(seq.num_generated == 0 for seq in engine.requests.values()):
@@ -166,54 +256,53 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
     device = torch.device(args.device)
     model = load_thinker(args.config_dir, device, args.dtype, with_audio=False, load_format="dummy")
     text = model.config.text
-    prompt_len = args.prefill_len
-    engine = make_engine(ThinkerStage(model), model, args, max(batches), prompt_len + DECODE_STEPS + 2)
-    generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
     element = next(model.parameters()).element_size()
+    longest = max(args.prefill_lens)
 
-    def adder(batch):
-        def add():
-            for i in range(batch):
-                prompt = torch.randint(0, text.vocab_size, (prompt_len,), generator=generator).tolist()
-                engine.add_request(f"b{batch}-{i}", params, prompt_token_ids=prompt)
-        return add
+    def make(variant, cuda_graphs=True):
+        engine = make_engine(ThinkerStage(model), model, args, max(batches), longest + DECODE_STEPS + 2, variant,
+                             cuda_graphs)
+        generator = torch.Generator().manual_seed(0)
 
-    for batch in (1, max(batches)):  # warm-up: the kernels get compiled for every step shape met below
-        run_batch(engine, adder(batch), device)
+        def adder(case):
+            prompt_len, batch = case
+
+            def add():
+                for i in range(batch):
+                    prompt = torch.randint(0, text.vocab_size, (prompt_len,), generator=generator).tolist()
+                    engine.add_request(f"b{batch}-{i}", params, prompt_token_ids=prompt)
+            return add
+        return engine, adder
+
+    cases = [(n, batch) for n in args.prefill_lens for batch in batches]
+    warmups = [(n, batch) for n in args.prefill_lens for batch in (1, max(batches))]
+    runs = variant_runs(model, make, cases, warmups, args.variants, device)
+    launches = launch_counts(model, make, (args.prefill_lens[0], 1), args.variants, device)
     rows = []
-    for batch in batches:
-        torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-        prefill_s, step_s = run_batch(engine, adder(batch), device)
+    for prompt_len, batch in cases:
         context = prompt_len + DECODE_STEPS // 2
         decode_bytes = decoder_bytes(model, (), text, batch) + kv_bytes(text, batch * context, element)
         decode_floor = floor_s(decode_bytes, active_flops(model, (), text, batch, context), ceilings)
         tokens = batch * prompt_len
         step_tokens = min(tokens, args.max_num_batched_tokens)
-        prefill_floor = -(-tokens // step_tokens) * floor_s(decoder_bytes(model, (), text, step_tokens),
-                                                            active_flops(model, (), text, step_tokens, prompt_len // 2),
-                                                            ceilings)
-        rows.append(dict(batch=batch, decode_step_ms=1e3 * step_s, decode_floor_ms=1e3 * decode_floor,
-                         decode_ratio=step_s / decode_floor, decode_gb_s=decode_bytes / step_s / 1e9,
-                         prefill_ms=1e3 * prefill_s, prefill_floor_ms=1e3 * prefill_floor,
-                         prefill_ratio=prefill_s / prefill_floor, peak_gib=peak_gib(device)))
+        prefill_floor = -(-tokens // step_tokens) * floor_s(
+            decoder_bytes(model, (), text, step_tokens), active_flops(model, (), text, step_tokens, prompt_len // 2),
+            ceilings)
+        row = dict(prompt_len=prompt_len, batch=batch, decode_floor_ms=1e3 * decode_floor,
+                   prefill_floor_ms=1e3 * prefill_floor, variants={})
+        for variant, by_case in runs.items():
+            prefill_s, step_s, peak = by_case[prompt_len, batch]
+            row["variants"][variant] = dict(
+                decode_ms=1e3 * step_s, decode_ratio=step_s / decode_floor,
+                decode_gb_s=decode_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
+                prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
+        rows.append(row)
+    apply_variant(model, "fused")
     if args.profile:
-        profile_steps(model, ThinkerStage(model), args, [1, max(batches)], prompt_len)
-    del engine, model
-    return dict(rows=rows, prompt_len=prompt_len, layers=text.num_layers)
-
-
-def talker_adder(engine: LLMEngine, model, args, prompt_len: int, frames: int):
-    generator = torch.Generator().manual_seed(1)
-    params = SamplingParams(temperature=0.0, max_new_tokens=frames, ignore_eos=True)
-
-    def adder(batch):
-        def add():
-            for i in range(batch):
-                prompt = torch.randn(prompt_len, model.hidden_size, generator=generator).to(args.device, args.dtype)
-                engine.add_request(f"b{batch}-{i}", params, prompt_embeds=prompt, thinker_finished=True)
-        return add
-    return adder
+        profile_steps(model, ThinkerStage(model), args, [1, max(batches)], args.prefill_lens[-1])
+    del model
+    return dict(rows=rows, layers=text.num_layers, launches=launches, launches_prompt_len=args.prefill_lens[0])
 
 
 def talker_stage(model, args) -> TalkerStage:
@@ -224,23 +313,43 @@ def talker_stage(model, args) -> TalkerStage:
 def bench_talker(args, ceilings, batches: list[int]) -> dict:
     device = torch.device(args.device)
     model = load_talker(args.config_dir, device, args.dtype, load_format="dummy")
+    text = model.config.text
     prompt_len = args.talker_prompt_len
-    engine = make_engine(talker_stage(model, args), model, args, max(batches), prompt_len + DECODE_STEPS + 2)
-    adder = talker_adder(engine, model, args, prompt_len, DECODE_STEPS + 1)
-    for batch in (1, max(batches)):
-        run_batch(engine, adder(batch), device)
+    params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
+
+    def make(variant, cuda_graphs=True):
+        engine = make_engine(talker_stage(model, args), model, args, max(batches), prompt_len + DECODE_STEPS + 2,
+                             variant, cuda_graphs)
+        generator = torch.Generator().manual_seed(1)
+
+        def adder(batch):
+            def add():
+                for i in range(batch):
+                    prompt = torch.randn(prompt_len, model.hidden_size, generator=generator).to(args.device, args.dtype)
+                    engine.add_request(f"b{batch}-{i}", params, prompt_embeds=prompt, thinker_finished=True)
+            return add
+        return engine, adder
+
+    runs = variant_runs(model, make, batches, [1, max(batches)], args.variants, device)
+    launches = launch_counts(model, make, 1, args.variants, device)
     rows = []
     for batch in batches:
-        torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-        _, step_s = run_batch(engine, adder(batch), device)
         floor, num_bytes = talker_frame_floor(model, batch, prompt_len + DECODE_STEPS // 2, ceilings)
-        rows.append(dict(batch=batch, frame_ms=1e3 * step_s, frame_floor_ms=1e3 * floor, frame_ratio=step_s / floor,
-                         frame_gb_s=num_bytes / step_s / 1e9, peak_gib=peak_gib(device)))
+        prefill_floor = talker_prefill_floor(model, batch, prompt_len,
+                                             min(batch * prompt_len, args.max_num_batched_tokens), ceilings)
+        row = dict(batch=batch, frame_floor_ms=1e3 * floor, prefill_floor_ms=1e3 * prefill_floor, variants={})
+        for variant, by_batch in runs.items():
+            prefill_s, step_s, peak = by_batch[batch]
+            row["variants"][variant] = dict(frame_ms=1e3 * step_s, frame_ratio=step_s / floor,
+                                            frame_gb_s=num_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
+                                            prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
+        rows.append(row)
+    apply_variant(model, "fused")
     if args.profile:
         profile_steps(model, talker_stage(model, args), args, [1, max(batches)], prompt_len)
-    layers = model.config.text.num_layers
-    del engine, model
-    return dict(rows=rows, prompt_len=prompt_len, layers=layers)
+    layers = text.num_layers
+    del model
+    return dict(rows=rows, prompt_len=prompt_len, layers=layers, launches=launches)
 
 
 def bench_code2wav(args, ceilings, batches: list[int]) -> dict:
@@ -346,27 +455,59 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
 
 # ---------------------------------------------------------------------------------------------- report
 
+def variant_cells(row: dict, variants: list[str], key: str) -> str:
+    """'ms (ratio x)' of ``key`` per variant, as table cells."""
+    cells = []
+    for variant in variants:
+        v = row["variants"][variant]
+        cells.append(f"{v[key + '_ms']:.2f} ({v[key + '_ratio']:.2f}x)")
+    return " | ".join(cells)
+
+
+def launch_lines(launches: dict | None, what: str) -> list[str]:
+    """'Kernel launches ...' line of a stage (none on CPU)."""
+    if not launches:
+        return []
+    per_variant = "; ".join(f"{variant} {c['prefill_step']} / {c['decode_step']}" for variant, c in launches.items())
+    return [f"GPU kernels launched at batch 1 by {what} (eager, no CUDA graphs): {per_variant}.", ""]
+
+
 def markdown(result: dict) -> str:
+    variants = result["variants"]
+    names = " | ".join(variants)
     lines = [f"Device: {result['device_name']}; {result['config']} (random {result['dtype']} weights, dummy "
-             f"load); fast path {result['fast_path']}; copy {result['copy_gb_s']:.0f} GB/s, bf16 matmul "
-             f"{result['matmul_tflops']:.0f} TFLOP/s (measured in this run).", "", f"Command: `{result['command']}`",
-             ""]
+             f"load); copy {result['copy_gb_s']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s "
+             f"(measured in this run). Variants (ms, ratio to the floor): {', '.join(variants)}.", "",
+             f"Command: `{result['command']}`", ""]
+    bars = "|---:" * (2 + len(variants)) + "|"
     if "thinker" in result:
         t = result["thinker"]
-        lines += [f"Thinker ({t['layers']} layers), decode step at ~{t['prompt_len']} tokens of context, and prefill "
-                  f"of {t['prompt_len']}-token prompts:", "",
-                  "| batch | decode ms | floor ms | ratio | GB/s | prefill ms | floor ms | ratio | peak GiB |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['batch']} | {r['decode_step_ms']:.2f} | {r['decode_floor_ms']:.2f} | {r['decode_ratio']:.2f} "
-                  f"| {r['decode_gb_s']:.0f} | {r['prefill_ms']:.1f} | {r['prefill_floor_ms']:.1f} | "
-                  f"{r['prefill_ratio']:.2f} | {_num(r['peak_gib'])} |" for r in t["rows"]]
-        lines.append("")
+        for prompt_len in sorted({r["prompt_len"] for r in t["rows"]}):
+            rows = [r for r in t["rows"] if r["prompt_len"] == prompt_len]
+            lines += [f"Thinker ({t['layers']} layers), decode step at ~{prompt_len} tokens of context:", "",
+                      f"| batch | floor ms | {names} |", bars]
+            lines += [f"| {r['batch']} | {r['decode_floor_ms']:.2f} | {variant_cells(r, variants, 'decode')} |"
+                      for r in rows]
+            lines += ["", f"Thinker prefill of {prompt_len}-token prompts (until every row sampled):", "",
+                      f"| batch | floor ms | {names} |", bars]
+            lines += [f"| {r['batch']} | {r['prefill_floor_ms']:.2f} | {variant_cells(r, variants, 'prefill')} |"
+                      for r in rows]
+            lines.append("")
+        lines += launch_lines(t.get("launches"), f"the prefill step of one {t.get('launches_prompt_len')}-token "
+                              "prompt / one decode step")
     if "talker" in result:
-        lines += ["Talker frame (talker step + 15 code-predictor steps + sampling, one engine step):", "",
-                  "| batch | frame ms | floor ms | ratio | GB/s | peak GiB |", "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['batch']} | {r['frame_ms']:.2f} | {r['frame_floor_ms']:.3f} | {r['frame_ratio']:.2f} | "
-                  f"{r['frame_gb_s']:.0f} | {_num(r['peak_gib'])} |" for r in result["talker"]["rows"]]
+        t = result["talker"]
+        lines += [f"Talker frame ({t['layers']} layers; talker step + 15 code-predictor steps + sampling, one "
+                  "engine step):", "", f"| batch | floor ms | {names} |", bars]
+        lines += [f"| {r['batch']} | {r['frame_floor_ms']:.3f} | {variant_cells(r, variants, 'frame')} |"
+                  for r in t["rows"]]
+        lines += ["", f"Talker prefill of {t['prompt_len']} positions (until every row has its first frame):", "",
+                  f"| batch | floor ms | {names} |", bars]
+        lines += [f"| {r['batch']} | {r['prefill_floor_ms']:.2f} | {variant_cells(r, variants, 'prefill')} |"
+                  for r in t["rows"]]
         lines.append("")
+        lines += launch_lines(t.get("launches"), f"the prefill step of one {t['prompt_len']}-position prompt "
+                              "(with its first frame) / one frame")
     if "code2wav" in result:
         c = result["code2wav"]
         lines += [f"Code2Wav per chunk: first = {FIRST_CHUNK_FRAMES} frames; later = {CHUNK_FRAMES} frames + "
@@ -394,10 +535,10 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch-sizes", default="1,8,32,64")
-    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefill-lens", default="108,512", help="thinker prompt lengths (decode context too)")
     parser.add_argument("--talker-prompt-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--fast-path", choices=["on", "off"], default="on")
+    parser.add_argument("--variants", default="landed,fused", help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
     parser.add_argument("--out-dir", default=".")
@@ -407,24 +548,31 @@ def main(argv=None) -> None:
     args.config_dir = config_dir(args.config, args.layers)
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    args.prefill_lens = [int(n) for n in args.prefill_lens.split(",")]
+    args.variants = args.variants.split(",")
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
 
     bandwidth, matmul = measure_ceilings(device)
     result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-                  config=args.config + (f" ({args.layers} layers)" if args.layers else ""), fast_path=args.fast_path,
+                  config=args.config + (f" ({args.layers} layers)" if args.layers else ""), variants=args.variants,
                   dtype=str(args.dtype).removeprefix("torch."),
                   copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12, torch=torch.__version__,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
-    for stage, bench in (("thinker", bench_thinker), ("talker", bench_talker), ("code2wav", bench_code2wav)):
-        if stage in args.stages.split(","):
-            result[stage] = bench(args, (bandwidth, matmul), batches)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            print(markdown({k: v for k, v in result.items() if k not in {"thinker", "talker", "code2wav"} - {stage}}),
-                  flush=True)
+    benches = {"thinker": bench_thinker, "talker": bench_talker, "code2wav": bench_code2wav}
+    stages = args.stages.split(",")
+    if set(stages) - set(benches):
+        parser.error(f"--stages: unknown {sorted(set(stages) - set(benches))}; choose from {', '.join(benches)}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_microbench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "engine_microbench.md").write_text(markdown(result))
+    for stage in stages:  # in the order given; the files are rewritten after each, so a cut-off run keeps its part
+        result[stage] = benches[stage](args, (bandwidth, matmul), batches)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(markdown({k: v for k, v in result.items() if k not in set(benches) - {stage}}), flush=True)
+        (out / "engine_microbench.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "engine_microbench.md").write_text(markdown(result))
     print(f"wrote {out / 'engine_microbench.json'} and {out / 'engine_microbench.md'}")
 
 

@@ -16,7 +16,7 @@ from omni_triton.engine.sampling import race_sample  # noqa: E402
 from omni_triton.kernels import activation, fused_moe, norm, paged_attention, random, routing, sampling  # noqa: E402
 from omni_triton.models.layers import moe  # noqa: E402
 from omni_triton.models.layers.fast_kernels import pack_linears_  # noqa: E402
-from omni_triton.models.layers.attention import AttentionBatch, attend_paged  # noqa: E402
+from omni_triton.models.layers.attention import AttentionBatch, _AttentionPlan, attend_fast, attend_paged  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
 from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 
@@ -176,6 +176,51 @@ def test_paged_decode_attention_gives_zeros_for_padding_rows():
     out = paged_attention.paged_decode_attention(q, batch.kv_caches[0], batch.block_tables,
                                                  torch.tensor([6, 0], dtype=torch.int32, device=DEVICE))
     assert torch.isfinite(out).all() and not out[1].any() and out[0].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_kernel_in_attend_fast_matches_the_gather_reference(dtype):
+    """A step mixing fresh prompts (one longer than a query tile), a chunk after cached context and a decode
+    row: on the kernel path (all rows in one launch) every row equals the per-sequence gather + SDPA reference."""
+    query_lens, context_lens = [5, 70, 1, 67], [5, 90, 12, 67]
+    batch = paged_batch(context_lens, num_kv_heads=2, head_dim=16, block_size=4, seed=11)
+    batch.query_lens = query_lens
+    cache = batch.kv_caches[0].to(dtype)
+    batch.kv_caches = [cache]
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(sum(query_lens), 4, 16, generator=gen).to(DEVICE, dtype)
+    # the new tokens' K/V (what attend_fast's SDPA path would read) are the cache's own rows at their slots
+    block_size, new_kv = 4, []
+    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+        for p in range(ctx_len - q_len, ctx_len):
+            block = int(batch.block_tables[i, p // block_size])
+            new_kv.append(cache[:, block, p % block_size])
+    k, v = torch.stack(new_kv, dim=1)
+    want = attend_paged(q, cache, batch, scale=0.3)
+    plan = _AttentionPlan.build(batch)
+    assert len(plan.kernel_seqs) == 4 and plan.decode_rows is not None
+    got = attend_fast(q, k, v, cache, plan, 0.3, use_kernels=True)
+    assert rel_error(got, want) < (1e-5 if dtype == torch.float32 else 3e-3)
+    torch.testing.assert_close(attend_fast(q, k, v, cache, _AttentionPlan.build(batch), 0.3), want,
+                               **(dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="full-size bf16 prefill attention needs a CUDA GPU")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 4), (16, 2)])  # thinker, talker
+def test_prefill_kernel_at_full_dims_in_bf16(num_heads, num_kv_heads):
+    """108- and 512-token prompts, a 300-token chunk after 700 cached tokens, block size 16, head_dim 128."""
+    query_lens, context_lens = [108, 512, 300], [108, 512, 1000]
+    batch = paged_batch(context_lens, num_kv_heads=num_kv_heads, head_dim=128, block_size=16, seed=num_heads)
+    batch.query_lens = query_lens
+    cache = batch.kv_caches[0].to(torch.bfloat16)
+    batch.kv_caches = [cache]
+    plan = _AttentionPlan.build(batch)
+    q = torch.randn(sum(query_lens), num_heads, 128, device=DEVICE, dtype=torch.bfloat16)
+    from omni_triton.kernels.paged_attention import paged_prefill_attention, prefill_tiles
+
+    got = paged_prefill_attention(q, cache, batch.block_tables, *prefill_tiles(plan.kernel_seqs, q.device), 128 ** -0.5)
+    want = attend_paged(q, cache, batch, scale=128 ** -0.5)
+    assert rel_error(got, want) < 1e-2
 
 
 def test_uniform_rows_depend_only_on_the_row_seed():

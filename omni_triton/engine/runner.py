@@ -25,7 +25,7 @@ from omni_triton.engine.scheduler import ScheduledBatch
 from omni_triton.engine.sequence import Sequence
 from omni_triton.engine.stage import Chunk, StageModel
 from omni_triton.models.layers.attention import AttentionBatch, DecodeBatch
-from omni_triton.models.layers.fast_kernels import set_fast_kernels
+from omni_triton.models.layers.fast_kernels import fused_steps_on, set_fast_kernels
 
 MAIN_STREAM = ""  # the sampled token of each row; stages may name more streams (talker: "predictor")
 
@@ -59,6 +59,7 @@ class ModelRunner:
         model = getattr(stage, "model", None)
         if isinstance(model, torch.nn.Module):
             set_fast_kernels(model, self.fast)
+        self.fused_steps = self.fast and (not isinstance(model, torch.nn.Module) or fused_steps_on(model))
         self.streams = {MAIN_STREAM: lambda seq: seq.sample_row, **getattr(stage, "sample_streams", {})}
         self.samplers: dict[str, DeviceSampler] = {}
         if self.fast:
@@ -90,6 +91,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             block_size=bs,
             use_kernels=self.fast,
+            use_prefill_kernel=self.fused_steps,
         )
 
     @torch.inference_mode()

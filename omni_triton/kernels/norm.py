@@ -61,16 +61,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xt, stride_xh,
-                           stride_ot, stride_oh, stride_cos, stride_sin, eps,
-                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
-    token = tl.program_id(0)
-    heads = tl.arange(0, BLOCK_H)
+def norm_rope_heads(rows, head_mask, weight_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr):
+    """RMSNorm per head + rotary (rotate-half) of the heads whose first elements ``rows`` [R, 1] point at,
+    with the cos/sin row of their position -> [R, HEAD_DIM] fp32 holding values of the input dtype.
+    Shared by ``head_norm_rope`` and the code predictor's ``frame_attention``."""
     dims = tl.arange(0, HEAD_DIM)
     half: tl.constexpr = HEAD_DIM // 2
     rotated_dims = (dims + half) % HEAD_DIM  # rotate-half: element d pairs with d +- half
-    head_mask = (heads < num_heads)[:, None]
-    rows = x_ptr + token * stride_xt + heads[:, None] * stride_xh
     x = tl.load(rows + dims[None, :], mask=head_mask, other=0.0)
     dtype = x.dtype
     xf = x.to(tl.float32)
@@ -81,11 +78,23 @@ def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_hea
     normed = (weight * (xf * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     normed_rotated = (weight_rotated * (x_rotated * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     sign = tl.where(dims < half, -1.0, 1.0)[None, :]
-    cos = tl.load(cos_ptr + token * stride_cos + dims).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + token * stride_sin + dims).to(tl.float32)[None, :]
-    out = (normed * cos).to(dtype).to(tl.float32) + (normed_rotated * sign * sin).to(dtype).to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(dtype),
-             mask=head_mask)
+    cos = tl.load(cos_row + dims).to(tl.float32)[None, :]
+    sin = tl.load(sin_row + dims).to(tl.float32)[None, :]
+    return (normed * cos).to(dtype).to(tl.float32) + (normed_rotated * sign * sin).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xt, stride_xh,
+                           stride_ot, stride_oh, stride_cos, stride_sin, eps,
+                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    head_mask = (heads < num_heads)[:, None]
+    out = norm_rope_heads(x_ptr + token * stride_xt + heads[:, None] * stride_xh, head_mask, weight_ptr,
+                          cos_ptr + token * stride_cos, sin_ptr + token * stride_sin, eps, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_mask)
 
 
 def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -4,6 +4,13 @@ Cache layout (``models.layers.attention``): one tensor per layer ``[2, num_block
 head_dim]``; the token at position ``p`` of a sequence lives at slot ``block_table[p // block_size] *
 block_size + p % block_size``.
 
+Prefill (``paged_prefill_attention``): every row of a step with prefill rows (fresh prompts, chunks after
+cached context, and the decode rows of a mixed step, as 1-query sequences) in one launch, reading K/V through the block tables after the store: one program per (tile of
+``BLOCK_M`` query rows of one sequence, query head), a flash-attention loop over ``BLOCK_N`` key positions up
+to the tile's last causal position, online softmax in fp32, the probabilities rounded to the activation
+dtype before the value product (as a fused SDPA does). It replaces a Python loop of SDPA calls per sequence
+(3-5 launches each, per layer). The tile list is built on the host once per step and shared by all layers.
+
 Decode: one program per (sequence, KV head, context split) holds the group of query heads that share that KV
 head (GQA: K/V read once for the group), walks its part of the context in tiles of ``BLOCK_N`` positions
 through the block table, and keeps an online softmax in fp32; when the batch is too small to fill the GPU the
@@ -50,6 +57,32 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping
 
 
 @triton.jit
+def _paged_tile(q, cache_ptr, table_ptr, kv_head, start, end, last_visible, m_i, l_i, acc, row_size, value_offset,
+                scale, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                ROUND_SCORES: tl.constexpr):
+    """One online-softmax step over key positions start..start+BLOCK_N-1 (< end) of one sequence's pages
+    (``table_ptr``: its block-table row), for query rows that see keys up to ``last_visible`` (one position
+    per row) -> updated (running max, running sum, accumulator)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_mask = pos < end
+    page = tl.load(table_ptr + pos // PAGE, mask=pos_mask, other=0)
+    slot = page.to(tl.int64) * PAGE + pos % PAGE
+    key_ptrs = cache_ptr + slot[:, None] * row_size + kv_head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    keys = tl.load(key_ptrs, mask=pos_mask[:, None], other=0.0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+    if ROUND_SCORES:  # the torch decode path rounds the product to the activation dtype
+        scores = scores.to(q.dtype).to(tl.float32)
+    visible = pos_mask[None, :] & (pos[None, :] <= last_visible[:, None])
+    scores = tl.where(visible, scores * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    probs = tl.exp(scores - m_new[:, None])
+    values = tl.load(key_ptrs + value_offset, mask=pos_mask[:, None], other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(probs, axis=1), acc
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_table, value_offset, num_kv_heads,
                          num_heads, scale, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -71,23 +104,11 @@ def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, o
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    positions = tl.arange(0, BLOCK_N)
+    every_key = tl.zeros([BLOCK_G], dtype=tl.int32) + end  # one query per row: no causal limit inside the context
     for start in range(begin, end, BLOCK_N):
-        pos = start + positions
-        pos_mask = pos < end
-        page = tl.load(block_tables_ptr + seq * stride_table + pos // PAGE, mask=pos_mask, other=0)
-        slot = page.to(tl.int64) * PAGE + pos % PAGE
-        key_ptrs = cache_ptr + slot[:, None] * row_size + kv_head * HEAD_DIM + dims[None, :]
-        keys = tl.load(key_ptrs, mask=pos_mask[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION).to(q.dtype).to(tl.float32) * scale
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        probs = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(probs, axis=1)
-        values = tl.load(key_ptrs + value_offset, mask=pos_mask[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _paged_tile(q, cache_ptr, block_tables_ptr + seq * stride_table, kv_head, start, end,
+                                    every_key, m_i, l_i, acc, row_size, value_offset, scale, HEAD_DIM, PAGE, BLOCK_N,
+                                    PRECISION, ROUND_SCORES=True)
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (no context): acc is 0
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -117,6 +138,78 @@ def _paged_decode_reduce_kernel(partial_ptr, stats_ptr, out_ptr, stride_ot, stri
     acc = tl.sum(tl.load(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :]) * weight[:, None], axis=0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, tiles_ptr, seqs_ptr, out_ptr, stride_qt, stride_qh,
+                          stride_ot, stride_oh, stride_table, value_offset, num_kv_heads, scale,
+                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    seq = tl.load(tiles_ptr + tile * 2)  # batch index of the sequence (its block-table row)
+    first_query = tl.load(tiles_ptr + tile * 2 + 1)  # the tile's first query, counted within the sequence
+    first_row = tl.load(seqs_ptr + seq * 3)  # the sequence's first row in q/out
+    query_len = tl.load(seqs_ptr + seq * 3 + 1)
+    context_len = tl.load(seqs_ptr + seq * 3 + 2)  # new tokens included
+    queries = first_query + tl.arange(0, BLOCK_M)
+    query_mask = queries < query_len
+    query_pos = context_len - query_len + queries  # absolute position: sees keys 0..query_pos
+    dims = tl.arange(0, HEAD_DIM)
+    rows = (first_row + queries).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=query_mask[:, None],
+                other=0.0)
+    row_size = num_kv_heads * HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    end = tl.minimum(context_len, context_len - query_len + first_query + BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        # every row sees key 0 in the first tile, so m_i is finite from then on (no inf - inf)
+        m_i, l_i, acc = _paged_tile(q, cache_ptr, block_tables_ptr + seq * stride_table, kv_head, start, end,
+                                    query_pos, m_i, l_i, acc, row_size, value_offset, scale, HEAD_DIM, PAGE, BLOCK_N,
+                                    PRECISION, ROUND_SCORES=False)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=query_mask[:, None])
+
+
+PREFILL_BLOCK_M = 64  # query rows per program (the tile list is cut to it)
+
+
+def prefill_tiles(seqs: list[tuple[int, int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """seqs: (batch index, first row, query len, context len) of each prefill sequence -> (tiles [n, 2] int32:
+    (sequence's entry in the second tensor, first query), sequences [S, 3] int32: (first row, query len, context
+    len), indexed like the block tables when built from every sequence of the batch)."""
+    by_index = {index: (row, q_len, ctx_len) for index, row, q_len, ctx_len in seqs}
+    table = [by_index.get(i, (0, 0, 0)) for i in range(max(by_index) + 1)]
+    tiles = [(index, q0) for index, _, q_len, _ in seqs for q0 in range(0, q_len, PREFILL_BLOCK_M)]
+    pinned = device.type == "cuda"
+    as_device = [torch.tensor(t, dtype=torch.int32).pin_memory() if pinned else torch.tensor(t, dtype=torch.int32)
+                 for t in (tiles, table)]
+    return tuple(t.to(device, non_blocking=True) for t in as_device)
+
+
+def paged_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, tiles: torch.Tensor,
+                            seqs: torch.Tensor, scale: float | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, heads, head_dim] (rows of prefill sequences; their K/V already stored), cache of one layer,
+    block_tables [B, max_blocks] int32, (tiles, seqs) from ``prefill_tiles`` -> ``out`` [T, heads, head_dim]
+    with the prefill rows written (other rows left as they are)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, _ = cache.shape
+    if q.stride(2) != 1 or block_tables.stride(1) != 1 or not cache.is_contiguous():
+        raise ValueError("paged_prefill_attention needs q's head dim, the block tables' rows and the cache "
+                         "contiguous")
+    out = torch.empty_like(q) if out is None else out
+    if tiles.shape[0]:
+        _paged_prefill_kernel[(tiles.shape[0], num_heads)](
+            q, cache, block_tables, tiles, seqs, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), cache.stride(0), num_kv_heads, head_dim ** -0.5 if scale is None else scale,
+            GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    return out
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:

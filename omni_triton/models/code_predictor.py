@@ -3,6 +3,12 @@
 Per frame and row: prefill [talker final hidden, embed(code0)] -> code 1 (lm_head[0]); then feeding
 codec_embedding[g-1](code g) -> code g+1 (lm_head[g]). Every row of a batch is at the same step, so the
 KV cache is a tiny contiguous ``[B, G+1, kv_heads, head_dim]`` per layer, built fresh for each frame.
+
+On CUDA with the fast path on (``KernelSwitch``: ``use_kernels`` and ``use_fused_steps``), each step runs
+through fused kernels instead of the decoder modules (``predict_with_kernels``): per layer norm+qkv, attention
+(``kernels.frame_attention``), o_proj+residual, norm+gate/up+SiLU, down+residual (``kernels.small_linear``),
+then norm+lm_head: ~28 launches a step (with sampling and the embedding) instead of ~65. The modules stay the
+reference (and the CPU path); the kernels round where they round.
 """
 
 from __future__ import annotations
@@ -15,9 +21,13 @@ from torch import nn
 
 from omni_triton.models.config import TextModelConfig
 from omni_triton.models.layers.decoder import DecoderStack
+from omni_triton.models.layers.fast_kernels import KernelSwitch
 
 # sample_fn(logits [B, vocab] float32, group) -> codes [B]; ``group`` is the codebook being picked (1..G-1)
 SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+FRAME_POSITIONS = 16  # kernels.frame_attention.MAX_POSITIONS: the fused step's cache holds one frame
 
 
 def greedy(logits: torch.Tensor, group: int) -> torch.Tensor:
@@ -66,7 +76,7 @@ class CodePredictorModel(DecoderStack):
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) for _ in range(num_code_groups - 1))
 
 
-class CodePredictor(nn.Module):
+class CodePredictor(KernelSwitch, nn.Module):
     def __init__(self, cfg: TextModelConfig, num_code_groups: int):
         super().__init__()
         if cfg.mrope_section is not None:
@@ -81,6 +91,8 @@ class CodePredictor(nn.Module):
     def predict(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
                 sample_fn: SampleFn = greedy) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """talker_hidden, code0_embeds [B, H] -> (residual codes [B, G-1], their embeddings G-1 x [B, H])."""
+        if self.kernels_for(talker_hidden) and self.use_fused_steps and self.fusable():
+            return self.predict_with_kernels(talker_hidden, code0_embeds, sample_fn)
         rows, hidden_size = talker_hidden.shape
         cfg = self.config
         cache = FrameCache(cfg.num_layers, rows, self.num_code_groups + 1, cfg.num_kv_heads, cfg.head_dim,
@@ -98,3 +110,61 @@ class CodePredictor(nn.Module):
             embeds.append(x)
             positions = torch.full((rows,), cache.length, dtype=torch.long, device=x.device)
         return torch.stack(codes, dim=1), embeds
+
+    def fusable(self) -> bool:
+        """What the fused step assumes of the config (the released one has all of it)."""
+        cfg = self.config
+        return (not cfg.attention_bias and not cfg.num_experts and cfg.hidden_act == "silu"
+                and cfg.num_heads % cfg.num_kv_heads == 0
+                and cfg.head_dim & (cfg.head_dim - 1) == 0 and self.num_code_groups <= FRAME_POSITIONS)
+
+    @torch.no_grad()
+    def predict_with_kernels(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
+                             sample_fn: SampleFn = greedy) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``predict`` through the fused kernels (any device Triton runs on: the interpreter on CPU in tests)."""
+        from omni_triton.kernels.frame_attention import frame_attention
+        from omni_triton.kernels.small_linear import small_linear
+
+        cfg, model = self.config, self.model
+        rows, hidden_size = talker_hidden.shape
+        positions = self.num_code_groups  # position 0: talker hidden, 1..G-1: code embeddings 0..G-2
+        cos, sin = self._rope_table(positions, talker_hidden)
+        cache_shape = (cfg.num_layers, rows, cfg.num_kv_heads, positions, cfg.head_dim)
+        keys = torch.empty(cache_shape, dtype=talker_hidden.dtype, device=talker_hidden.device)
+        values = torch.empty_like(keys)
+        x = torch.stack((talker_hidden, code0_embeds), dim=1).reshape(rows * 2, hidden_size)
+        start, new = 0, 2
+        codes, embeds = [], []
+        for group in range(1, self.num_code_groups):
+            for i, layer in enumerate(model.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.pack_projections_()
+                mlp.pack_projections_()
+                qkv = small_linear(x, attn.packed_qkv[0], norm_weight=layer.input_layernorm.weight,
+                                   eps=layer.input_layernorm.eps)
+                attended = frame_attention(qkv, attn.q_norm.weight, attn.k_norm.weight, cos, sin, keys[i],
+                                           values[i], start, new, cfg.num_heads, attn.q_norm.eps,
+                                           attn.head_dim ** -0.5)
+                x = small_linear(attended, attn.o_proj.weight, residual=x)
+                gate_up = small_linear(x, mlp.packed_gate_up[0], norm_weight=layer.post_attention_layernorm.weight,
+                                       eps=layer.post_attention_layernorm.eps, gated=True)
+                x = small_linear(gate_up, mlp.down_proj.weight, residual=x)
+            last = x.view(rows, new, hidden_size)[:, -1]
+            logits = small_linear(last, self.lm_head[group - 1].weight, norm_weight=model.norm.weight,
+                                  eps=model.norm.eps, out_dtype=torch.float32)
+            code = sample_fn(logits, group)
+            codes.append(code)
+            x = model.codec_embedding[group - 1](code)
+            embeds.append(x)
+            start, new = start + new, 1
+        return torch.stack(codes, dim=1), embeds
+
+    def _rope_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of positions 0..positions-1 (the same for every frame), made once per device and dtype, so a
+        CUDA graph captured after the first call replays no rotary math."""
+        key = (like.device, like.dtype, positions)
+        if getattr(self, "_rope_cache_key", None) != key:
+            table = torch.arange(positions, device=like.device)
+            self._rope_cache = self.model.rotary.cos_sin(table, like.dtype)
+            self._rope_cache_key = key
+        return self._rope_cache

@@ -10,11 +10,13 @@ a token at logical position ``p`` of a sequence lives in block ``block_table[p /
 offset ``p % block_size``, i.e. slot ``block * block_size + offset``.
 
 Two implementations of the same math: ``attend_paged`` (reference: one gather + masked SDPA per sequence)
-and the default ``attend_fast``, which avoids gathers where it can: a fresh prefill (no cached context)
+and the default ``attend_fast``, which avoids gathers where it can: on CUDA a step with prefill rows (fresh,
+chunked, mixed with decode rows) goes through one Triton launch per layer reading the block tables in place
+(``kernels.paged_attention.paged_prefill_attention``); elsewhere a fresh prefill (no cached context)
 attends to its own new K/V with causal SDPA; all single-token decode rows run as one batched grouped-query
 attention (on CUDA the Triton kernel ``kernels.paged_attention`` reading the block tables in place; else one
 gather for the whole decode batch per layer, K/V never repeated per query head); only chunked prefill with
-cached context gathers per sequence. Its per-batch plan is built once and shared by all layers.
+cached context gathers per sequence (off CUDA). Its per-batch plan is built once and shared by all layers.
 
 ``DecodeBatch`` is the CUDA-graph form of a decode-only batch: device tensors only (no host lists), padding
 rows marked by a negative slot and a zero context length, K/V stored and attended by the Triton kernels.
@@ -23,6 +25,7 @@ rows marked by a negative slot and a zero context length, K/V stored and attende
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +45,7 @@ class AttentionBatch:
     block_size: int
     use_reference: bool = False  # True: the per-sequence gather path (the oracle for the fast path)
     use_kernels: bool = True  # CUDA decode rows through the Triton kernel (False: the torch gather path)
+    use_prefill_kernel: bool = True  # with use_kernels, CUDA prefill rows through one Triton launch per layer
     _plan: "_AttentionPlan | None" = field(default=None, init=False, repr=False)
 
     @property
@@ -64,7 +68,8 @@ class AttentionBatch:
             return attend_paged(q, cache, self, scale)
         if self._plan is None:
             self._plan = _AttentionPlan.build(self)
-        return attend_fast(q, k, v, cache, self._plan, scale, use_kernels=self.use_kernels and q.is_cuda)
+        return attend_fast(q, k, v, cache, self._plan, scale, use_kernels=self.use_kernels and q.is_cuda,
+                           use_prefill_kernel=self.use_prefill_kernel)
 
 
 def attend_paged(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch, scale: float | None) -> torch.Tensor:
@@ -98,29 +103,38 @@ class _AttentionPlan:
     decode_context_lens: torch.Tensor | None  # [Bd] int32
     fresh_prefills: list[tuple[int, int]]  # (first row, length) of prefills with no cached context
     chunked_prefills: list[tuple[int, int, int, torch.Tensor]]  # (first row, q_len, ctx_len, block ids)
+    # (index, row, q_len, ctx_len) of every sequence when the step has prefill rows (the prefill kernel then
+    # takes the decode rows too: one launch per layer for a mixed step); empty for a decode-only step
+    kernel_seqs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None  # the batch's, for the prefill kernel
+    prefill_kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # kernels.paged_attention.prefill_tiles
 
     @classmethod
     def build(cls, batch: AttentionBatch) -> "_AttentionPlan":
         device = batch.slot_mapping.device
-        decode_rows, decode_seqs, fresh, chunked = [], [], [], []
+        decode_rows, decode_seqs, fresh, chunked, every = [], [], [], [], []
         row = 0
         for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            every.append((i, row, q_len, ctx_len))
             if q_len == 1 and ctx_len > 1:
                 decode_rows.append(row)
                 decode_seqs.append(i)
-            elif q_len == ctx_len:
-                fresh.append((row, q_len))
             else:
-                n_blocks = -(-ctx_len // batch.block_size)
-                chunked.append((row, q_len, ctx_len, batch.block_tables[i, :n_blocks].long()))
+                if q_len == ctx_len:
+                    fresh.append((row, q_len))
+                else:
+                    n_blocks = -(-ctx_len // batch.block_size)
+                    chunked.append((row, q_len, ctx_len, batch.block_tables[i, :n_blocks].long()))
             row += q_len
+        kernel_seqs = every if fresh or chunked else []
         if not decode_rows:
-            return cls(None, None, None, None, fresh, chunked)
+            return cls(None, None, None, None, fresh, chunked, kernel_seqs, batch.block_tables)
         ctx = _host_to_device([batch.context_lens[i] for i in decode_seqs], device)
         max_blocks = -(-int(max(batch.context_lens[i] for i in decode_seqs)) // batch.block_size)
         tables = batch.block_tables[_host_to_device(decode_seqs, device), :max_blocks].long().clamp_min(0)
         valid = torch.arange(max_blocks * batch.block_size, device=device)[None, :] < ctx[:, None]
-        return cls(_host_to_device(decode_rows, device), tables, valid[:, None, None, :], ctx.int(), fresh, chunked)
+        return cls(_host_to_device(decode_rows, device), tables, valid[:, None, None, :], ctx.int(), fresh, chunked,
+                   kernel_seqs, batch.block_tables)
 
 
 def _host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -132,11 +146,34 @@ def _host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def attend_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, plan: _AttentionPlan,
-                scale: float | None, use_kernels: bool = False) -> torch.Tensor:
+                scale: float | None, use_kernels: bool = False, use_prefill_kernel: bool = True) -> torch.Tensor:
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
     # round new K/V like the cache does, so results don't depend on whether they were read back from it
     k, v = (t.to(cache.dtype).to(q.dtype) for t in (k, v))
+    if use_kernels and use_prefill_kernel and plan.kernel_seqs:  # every row in one launch, K/V read from the cache
+        from omni_triton.kernels.paged_attention import paged_prefill_attention, prefill_tiles
+
+        if plan.prefill_kernel_inputs is None:
+            plan.prefill_kernel_inputs = prefill_tiles(plan.kernel_seqs, q.device)
+        return paged_prefill_attention(q, cache, plan.block_tables, *plan.prefill_kernel_inputs, scale, out=out)
+    _attend_prefills(q, k, v, cache, plan, scale, out, use_kernels)
+    if plan.decode_rows is not None and use_kernels:
+        from omni_triton.kernels.paged_attention import paged_decode_attention
+
+        out[plan.decode_rows] = paged_decode_attention(q[plan.decode_rows], cache, plan.decode_tables,
+                                                       plan.decode_context_lens, scale)
+    elif plan.decode_rows is not None:
+        rows = plan.decode_rows
+        keys = cache[0, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
+        values = cache[1, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        out[rows] = _decode_attention(q[rows], keys, values, plan.decode_valid, scale)
+    return out
+
+
+def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, plan: _AttentionPlan,
+                     scale: float | None, out: torch.Tensor, use_kernels: bool) -> None:
+    """Prefill rows through SDPA, one call per sequence (the torch path; the prefill kernel replaces it on CUDA)."""
+    gqa = q.shape[1] != k.shape[1]
     # The fast path asks for flash attention (GQA without K/V copies), which takes only 4-D inputs: with the
     # 3-D ones of the CPU path, torch fell back to its fp32 math attention on the H100 (measured in the prefill
     # profile: fp32 GEMMs + softmax + elementwise, a third of a 2048-token step's GPU time).
@@ -155,17 +192,6 @@ def attend_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.
             out[row:row + q_len] = F.scaled_dot_product_attention(q[row:row + q_len].transpose(0, 1), keys, values,
                                                                   attn_mask=mask, scale=scale,
                                                                   enable_gqa=gqa).transpose(0, 1)
-    if plan.decode_rows is not None and use_kernels:
-        from omni_triton.kernels.paged_attention import paged_decode_attention
-
-        out[plan.decode_rows] = paged_decode_attention(q[plan.decode_rows], cache, plan.decode_tables,
-                                                       plan.decode_context_lens, scale)
-    elif plan.decode_rows is not None:
-        rows = plan.decode_rows
-        keys = cache[0, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
-        values = cache[1, plan.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        out[rows] = _decode_attention(q[rows], keys, values, plan.decode_valid, scale)
-    return out
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,

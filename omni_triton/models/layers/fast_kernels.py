@@ -4,6 +4,10 @@ A layer that has a kernel twin (``omni_triton.kernels``) inherits ``KernelSwitch
 for CUDA tensors and only while ``use_kernels`` is on (the default). ``set_fast_kernels(model, False)`` gives
 the plain torch path on the GPU too: the eager baseline the fast path is checked and timed against.
 
+A second switch, ``use_fused_steps`` (``set_fused_steps``), covers the whole-step fusions on top of the
+per-layer kernels (the code predictor's fused frame, the one-launch prefill attention): off, the fast path is the per-layer kernels alone, which
+is what ``benchmarks/engine_microbench.py`` times as the "landed" variant beside the fused one.
+
 Switching on also packs the projections that read one input (q/k/v, gate/up) into one weight tensor each,
 whose rows the original parameters become views of: one GEMM launch instead of two or three, no extra memory,
 state dicts unchanged.
@@ -17,6 +21,7 @@ from torch import nn
 
 class KernelSwitch:
     use_kernels: bool = True
+    use_fused_steps: bool = True  # only read by modules that have a whole-step fusion
 
     def kernels_for(self, x: torch.Tensor) -> bool:
         return self.use_kernels and x.is_cuda
@@ -47,3 +52,15 @@ def set_fast_kernels(model: nn.Module, enabled: bool) -> None:
             module.use_kernels = enabled
             if enabled and any(p.is_cuda for p in module.parameters()):
                 module.pack_projections_()
+
+
+def set_fused_steps(model: nn.Module, enabled: bool) -> None:
+    """Whole-step fusions on or off (they run only where ``use_kernels`` is on as well)."""
+    for module in model.modules():
+        if isinstance(module, KernelSwitch):
+            module.use_fused_steps = enabled
+
+
+def fused_steps_on(model: nn.Module) -> bool:
+    """Whether ``model``'s whole-step fusions are on (for the parts an engine builds outside the modules)."""
+    return all(module.use_fused_steps for module in model.modules() if isinstance(module, KernelSwitch))

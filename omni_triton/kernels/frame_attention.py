@@ -1,0 +1,103 @@
+"""The code predictor's attention of one step in one launch: q/k RMSNorm + rotary, the K/V store into the
+frame's tiny cache, and attention over at most ``MAX_POSITIONS`` positions.
+
+Every row of a code-predictor batch is at the same step, so its cache is contiguous, ``[B, kv_heads, L, D]``
+per layer (``models.code_predictor.FrameCache``), and the step's new tokens sit at positions ``start ..
+start + new - 1`` of every row (2 new tokens in the frame's first step, then 1). One program per (row, KV
+head): it normalises and rotates the new keys and stores them and the new values, then for each new token
+normalises and rotates its group of query heads (GQA: the group shares the K/V tiles it loads once) and
+attends causally over positions ``0 .. its own``. With L <= 16 the whole score tile ``[group, L]`` and the
+K/V tiles ``[L, D]`` live in registers: no online softmax, no tensor cores (the products are a broadcast and
+a sum), one pass.
+
+Roundings: q and k as ``kernels.norm.head_norm_rope`` (the torch module order); scores, softmax and the
+weighted sum in fp32, the output rounded once to the activation dtype, as a fused SDPA does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from omni_triton.kernels.norm import norm_rope_heads
+
+MAX_POSITIONS = 16  # a frame's code predictor sees talker hidden + 15 codebook embeddings at most
+
+
+@triton.jit
+def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, out_ptr,
+                            start, num_kv_heads, stride_qkv, stride_out, stride_cache_row, stride_cache_head,
+                            stride_rope, eps, scale,
+                            NEW: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM)
+    # the new key goes through the shared q/k norm+rope helper as a tile of two rows, the second masked off
+    # (a two-row tile rather than a one-row one: the smallest shape every Triton version lays out happily)
+    pair = tl.arange(0, 2)[:, None]
+    first = pair < 1
+    q_size = num_kv_heads * GROUP * HEAD_DIM
+    kv_size = num_kv_heads * HEAD_DIM
+    cache = row.to(tl.int64) * stride_cache_row + kv_head * stride_cache_head
+    for j in tl.static_range(NEW):  # the new keys (normed, rotated) and values into the cache
+        token = (row * NEW + j).to(tl.int64)
+        position = start + j
+        k_row = qkv_ptr + token * stride_qkv + q_size + kv_head * HEAD_DIM + pair * 0
+        key = norm_rope_heads(k_row, first, k_norm_ptr, cos_ptr + position * stride_rope,
+                              sin_ptr + position * stride_rope, eps, HEAD_DIM)
+        value = tl.load(qkv_ptr + token * stride_qkv + q_size + kv_size + kv_head * HEAD_DIM + dims)
+        tl.store(keys_ptr + cache + position * HEAD_DIM + pair * 0 + dims[None, :],
+                 key.to(keys_ptr.dtype.element_ty), mask=first)
+        tl.store(values_ptr + cache + position * HEAD_DIM + dims, value.to(values_ptr.dtype.element_ty))
+    tl.debug_barrier()  # the stores above are read back below by other threads of this program
+    group = tl.arange(0, BLOCK_G)
+    group_mask = group < GROUP
+    heads = kv_head * GROUP + group
+    positions = tl.arange(0, BLOCK_L)
+    last = start + NEW - 1
+    keys = tl.load(keys_ptr + cache + positions[:, None] * HEAD_DIM + dims[None, :],
+                   mask=(positions <= last)[:, None], other=0.0).to(tl.float32)
+    values = tl.load(values_ptr + cache + positions[:, None] * HEAD_DIM + dims[None, :],
+                     mask=(positions <= last)[:, None], other=0.0).to(tl.float32)
+    for j in tl.static_range(NEW):
+        token = (row * NEW + j).to(tl.int64)
+        position = start + j
+        q_rows = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM
+        query = norm_rope_heads(q_rows, group_mask[:, None], q_norm_ptr, cos_ptr + position * stride_rope,
+                                sin_ptr + position * stride_rope, eps, HEAD_DIM)  # [BLOCK_G, D]
+        scores = tl.sum(query[:, None, :] * keys[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_L]
+        scores = tl.where((positions <= position)[None, :], scores, float("-inf"))
+        probs = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+        probs = probs / tl.sum(probs, axis=1)[:, None]
+        attended = tl.sum(probs[:, :, None] * values[None, :, :], axis=1)  # [BLOCK_G, D]
+        tl.store(out_ptr + token * stride_out + heads[:, None] * HEAD_DIM + dims[None, :],
+                 attended.to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
+
+
+def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                    new: int, num_heads: int, eps: float, scale: float) -> torch.Tensor:
+    """qkv [B * new, (Hq + 2 Hkv) * D] (row-major: row b's new tokens consecutive; q heads, k heads, v heads),
+    keys/values [B, Hkv, L, D] (this layer's frame cache; positions < start filled by earlier steps),
+    cos/sin [>= start + new, D] (rows = positions) -> attention output [B * new, Hq * D]."""
+    rows, num_kv_heads, max_len, head_dim = keys.shape
+    if not (keys.is_contiguous() and values.is_contiguous() and qkv.stride(1) == 1 and cos.stride(1) == 1
+            and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)):
+        raise ValueError("frame_attention needs contiguous caches and unit-stride qkv/cos/sin rows")
+    if qkv.shape != (rows * new, (num_heads + 2 * num_kv_heads) * head_dim) or start + new > max_len:
+        raise ValueError(f"frame_attention: qkv {tuple(qkv.shape)} for {rows} rows x {new} new tokens at "
+                         f"{start} in a cache of {max_len} positions")
+    if max_len > MAX_POSITIONS or head_dim & (head_dim - 1):
+        raise ValueError(f"frame_attention takes <= {MAX_POSITIONS} positions and a power-of-2 head_dim, "
+                         f"got {max_len} and {head_dim}")
+    group = num_heads // num_kv_heads
+    out = torch.empty(rows * new, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    if rows:
+        _frame_attention_kernel[(rows, num_kv_heads)](
+            qkv, q_norm_weight, k_norm_weight, cos, sin, keys, values, out, start, num_kv_heads, qkv.stride(0),
+            out.stride(0), keys.stride(0), keys.stride(1), cos.stride(0), eps, scale,
+            NEW=new, GROUP=group, BLOCK_G=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            BLOCK_L=triton.next_power_of_2(max_len), num_warps=4)
+    return out
