@@ -35,6 +35,8 @@ class EngineConfig:
     # CUDA only: Triton kernels, GPU sampling and (cuda_graphs) CUDA-graph decode; off = the plain torch path
     fast_path: bool = True
     cuda_graphs: bool = True
+    # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
+    warmup: bool = False
 
 
 @dataclass
