@@ -151,8 +151,10 @@ def test_inprocess_pipeline_says_the_same_with_and_without_warm_up(tiny_checkpoi
     tensors = {**tensors, "TEMPERATURE": np.array([0.9], np.float32), "SEED": np.array([3], np.int64)}
     results = []
     for warmup in (False, True):
-        config = EngineConfig(num_blocks=256, max_num_seqs=4, warmup=warmup)
-        pipeline = InProcessPipeline(tiny_checkpoint, engine_config=config)
+        # a small step budget and batch: a short warm-up plan on 2 cores
+        config = EngineConfig(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=32, warmup=warmup)
+        # a short left context: few vocoder shapes to warm on the CPU
+        pipeline = InProcessPipeline(tiny_checkpoint, engine_config=config, policy=ChunkPolicy(4, 8, 4))
         try:
             results.append(pipeline.generate(tensors))
             assert not pipeline.thinker.engine.requests and not pipeline.talker.engine.requests
