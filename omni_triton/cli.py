@@ -108,7 +108,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA MPS for the stages sharing a GPU (--device cuda): auto uses the host's control "
                              "daemon or starts one of its own when nvidia-cuda-mps-control is installed, else goes "
                              "without; on insists; off never (default: %(default)s)")
-    server.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
+    server.add_argument("--ready-timeout", type=float, default=900.0,
+                        help="seconds; warm start (--warmup) is part of it (default: %(default)s)")
 
 
 def _tiny_checkpoint() -> Path:

@@ -28,7 +28,7 @@ def test_plan_covers_the_step_budget_and_every_decode_bucket():
     engine = LLMEngine(ThinkerStage(ToyThinker().eval()), EngineConfig(block_size=16, num_blocks=4096,
                                                                          max_num_batched_tokens=512, max_num_seqs=64))
     plan = WarmupPlan.for_engine(engine)
-    assert plan.batch_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert plan.max_batch == 64 and plan.buckets == [1, 2, 4, 8, 16, 32, 48, 64]
     assert {1, 3, 16, 19, 64, 67, 256, 512, 515} <= set(plan.prefill_tokens)  # 515: a chunk over cached context
     assert max(plan.prefill_tokens) == 515
     small = LLMEngine(ThinkerStage(ToyThinker().eval()), EngineConfig(block_size=4, num_blocks=8,
@@ -62,7 +62,10 @@ def test_thinker_warm_up_runs_every_step_kind_and_leaves_the_engine_as_new(tmp_p
     steps = trace.read_records(tmp_path / "trace", "step")
     assert {step["kind"] for step in steps} == {"prefill", "mixed", "decode"}
     assert max(step["tokens"] for step in steps) == TOY_CONFIG["max_num_batched_tokens"]
-    assert max(step["decode_rows"] for step in steps) == TOY_CONFIG["max_num_seqs"]
+    max_batch = TOY_CONFIG["max_num_seqs"]
+    mixed = {step["decode_rows"] for step in steps if step["kind"] == "mixed"}
+    decode = {step["rows"] for step in steps if step["kind"] == "decode"}
+    assert mixed == set(range(1, max_batch)) and decode == set(range(1, max_batch + 1))
     assert thinker_outputs(engine) == fresh
 
 

@@ -8,9 +8,10 @@ The decode and completion CUDA graphs are captured when the runner is built; thi
 the engine's own step, so exactly the serving code paths see each shape once:
 - prefill: one request of each size in ``WarmupPlan.prefill_tokens`` (1 .. the step's token budget: powers of
   two and sizes off the multiples of 16; past the budget, a chunked prefill over cached context);
-- batches: for each decode batch bucket up to ``max_num_seqs``, that many requests: their prefills, a mixed
-  step (decode rows + a newcomer's prefill), then decode steps at that batch (greedy and sampled rows, with a
-  repetition penalty: both sampler paths).
+- batches: a ramp of ``max_num_seqs`` requests that runs a mixed step (decode rows + a newcomer's prefill) at
+  every decode row count below ``max_num_seqs``, then a decode step at every batch size down from it (greedy
+  and sampled rows, with a repetition penalty: both sampler paths). Every size, not only the graph buckets:
+  mixed steps run eagerly, and paged decode attention's split count changes with the decode rows.
 What a stage feeds its dummy requests comes from its ``warmup_inputs`` hook (the talker's never wait for text).
 Afterwards the engine is idle -- no request, every KV block free (asserted), preemption count back to 0 -- and
 its outputs are those of a fresh engine: the requests' seeds and draw counts are per request, and every
@@ -30,13 +31,13 @@ from omni_triton.engine.runner import graph_buckets
 from omni_triton.engine.sampling import SamplingParams
 from omni_triton.warmup_progress import PROGRESS_MARK
 
-DECODE_STEPS = 3  # tokens per warm-up request: enough for decode steps at its batch after the prefill
+DECODE_STEPS = 3  # tokens of a prefill warm-up request: its prefill, then decode steps at batch 1
 
 
 @dataclass(frozen=True)
 class WarmupPlan:
     prefill_tokens: tuple[int, ...]  # prompt lengths, one request each, run alone
-    batch_sizes: tuple[int, ...]  # decode batches, ascending
+    max_batch: int  # the batch ramp's largest decode batch (the engine's max_num_seqs)
 
     @classmethod
     def for_engine(cls, engine: LLMEngine) -> "WarmupPlan":
@@ -48,17 +49,27 @@ class WarmupPlan:
             sizes |= {power, power + 3}  # on and off the multiples of 16 that Triton specialises on
             power *= 2
         fits = tuple(sorted(n for n in sizes if n + DECODE_STEPS <= capacity))
-        return cls(prefill_tokens=fits, batch_sizes=tuple(graph_buckets(config.max_num_seqs)))
+        return cls(prefill_tokens=fits, max_batch=config.max_num_seqs)
+
+    @property
+    def buckets(self) -> list[int]:
+        """Decode batches the ramp reports its progress at (the decode graphs' buckets)."""
+        return graph_buckets(self.max_batch)
 
     def __len__(self) -> int:
-        return len(self.prefill_tokens) + len(self.batch_sizes)
+        return len(self.prefill_tokens) + len(self.buckets) + 1
 
 
 def warm_up(engine: LLMEngine, plan: WarmupPlan | None = None,
             log: Callable[[str], None] = lambda line: print(line, flush=True)) -> float:
     """Runs ``plan`` (default: ``WarmupPlan.for_engine``) through ``engine`` (not running in an EngineLoop yet),
-    logging a progress line per item; returns the seconds it took. Raises RuntimeError if the engine is not idle
-    afterwards."""
+    logging progress lines; returns the seconds it took. Raises RuntimeError if the engine is not idle
+    afterwards.
+
+    The batch ramp: ``max_batch`` requests of 2-token prompts, one added per step, each generating
+    ``max_batch + 1`` tokens. Step k is a mixed step (k decode rows + the newcomer's prefill) for every k below
+    ``max_batch``; then the requests finish one per step, so the decode batch runs every size from ``max_batch``
+    down to 1 (a graph replay per bucket, or eager decode with the graphs off)."""
     if engine.requests:
         raise RuntimeError(f"warm-up needs an idle engine, {len(engine.requests)} requests are in it")
     plan = plan or WarmupPlan.for_engine(engine)
@@ -71,17 +82,16 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan | None = None,
         log(f"{engine.name}: {PROGRESS_MARK} {done}/{len(plan)}: {what} ({time.monotonic() - start:.1f} s)")
 
     for tokens in plan.prefill_tokens:
-        _add(engine, f"prefill-{tokens}", tokens, index=tokens)
+        _add(engine, f"prefill-{tokens}", tokens, index=tokens, max_new_tokens=DECODE_STEPS)
         _run(engine)
         progress(f"prefill of {tokens} tokens")
-    for batch in plan.batch_sizes:
-        for i in range(batch - 1):
-            _add(engine, f"batch{batch}-{i}", 2, index=i)
-        if batch > 1:
-            engine.step()  # the first rows' prefills; the last row's joins their decode: a mixed step
-        _add(engine, f"batch{batch}-{batch - 1}", 2, index=batch - 1)
-        _run(engine)
-        progress(f"decode batch {batch}")
+    for k in range(plan.max_batch):
+        _add(engine, f"batch-{k}", 2, index=k, max_new_tokens=plan.max_batch + 1)
+        engine.step()
+        if k + 1 in plan.buckets:
+            progress(f"mixed steps of up to {k} decode rows + a prefill")
+    _run(engine)
+    progress(f"decode batches {plan.max_batch} down to 1")
     _check_idle(engine)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
@@ -91,12 +101,12 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan | None = None,
     return elapsed
 
 
-def _add(engine: LLMEngine, name: str, num_positions: int, index: int) -> None:
+def _add(engine: LLMEngine, name: str, num_positions: int, index: int, max_new_tokens: int) -> None:
     if index % 2:  # the sampling path: temperature, top-k, top-p and the repetition penalty's token history
         params = SamplingParams(temperature=0.9, top_k=50, top_p=0.8, repetition_penalty=1.05, seed=index,
-                                max_new_tokens=DECODE_STEPS)
+                                max_new_tokens=max_new_tokens)
     else:
-        params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS)
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     engine.add_request(f"warmup-{name}", params, **engine.stage.warmup_inputs(num_positions))
 
 
