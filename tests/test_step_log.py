@@ -18,13 +18,6 @@ FIELDS = {"record", "t", "pid", "engine", "kind", "rows", "tokens", "prefill_tok
           "host_ms", "gpu_ms", "gap_ms"}
 
 
-@pytest.fixture
-def traced(tmp_path):
-    trace.configure(tmp_path / "trace")
-    yield tmp_path / "trace"
-    trace.configure(None)
-
-
 def test_thinker_steps_are_logged_and_add_up_to_what_was_generated(traced):
     engine = LLMEngine(ThinkerStage(ToyThinker().eval()),
                        EngineConfig(block_size=4, num_blocks=256, max_num_batched_tokens=16))

@@ -13,13 +13,6 @@ REQUEST = dict(max_tokens=6, min_tokens=6, ignore_eos=True, max_audio_frames=8, 
                temperature=0.0, seed=3)
 
 
-@pytest.fixture
-def traced(tmp_path):
-    trace.configure(tmp_path / "trace")
-    yield tmp_path / "trace"
-    trace.configure(None)
-
-
 def test_events_are_written_per_process_and_read_back_earliest_first(traced):
     trace.event("a#1", "session.start")
     trace.event("a#1", "session.start")  # a repeat (e.g. after a preemption) keeps the first time
