@@ -109,11 +109,15 @@ def test_warm_up_refuses_a_busy_engine():
 
 # ---------------------------------------------------------------- code2wav
 
-def test_vocoder_calls_follow_one_streams_ramp():
+def test_vocoder_calls_cover_every_length_of_a_short_context_and_the_ramp_of_a_long_one():
     policy = ChunkPolicy(first_chunk_frames=4, chunk_frames=25, left_context_frames=25)
     assert stream_call_frames(policy) == [4, 12, 36, 50]  # 4 | 8 new + 4 context | 24 + 12 | 25 + 25
     shapes = warmup_calls(policy, 8, replayed=lambda shape: shape[2] <= 32, num_quantizers=16)
-    assert shapes == [(b, 16, 36) for b in range(1, 9)] + [(b, 16, 50) for b in range(1, 9)]
+    assert shapes == [(b, 16, frames) for frames in range(33, 51) for b in range(1, 9)]  # graphs: up to 32
+    long_context = ChunkPolicy(first_chunk_frames=4, chunk_frames=25, left_context_frames=100)
+    assert stream_call_frames(long_context) == [4, 12, 36, 61, 86, 111, 125]
+    shapes = warmup_calls(long_context, 2, replayed=lambda shape: shape[2] <= 32, num_quantizers=16)
+    assert shapes == [(b, 16, frames) for frames in (36, 61, 86, 111, 125) for b in (1, 2)]
     with pytest.raises(ValueError, match="resolve"):
         stream_call_frames(ChunkPolicy())
 
@@ -124,9 +128,9 @@ def test_vocoder_warm_up_runs_on_the_cpu_runtime(tiny_checkpoint):
     vocoder = Code2WavRuntime.create("torch", tiny_checkpoint)
     lines = []
     warm_up_vocoder(vocoder, ChunkPolicy(4, 8, 4), max_batch=2, log=lines.append)
-    # calls 4 | 8+4 frames at batch 1 and 2 (no graphs on the CPU: every shape runs)
-    assert [line.split(": ", 2)[-1].split(" (")[0] for line in lines[1:-1]] == [
-        "batch 1 x 4 frames", "batch 2 x 4 frames", "batch 1 x 12 frames", "batch 2 x 12 frames"]
+    # every length up to 8 + 4 frames at batch 1 and 2 (no graphs on the CPU: every shape runs)
+    calls = [line.split(": ", 2)[-1].split(" (")[0] for line in lines[1:-1]]
+    assert calls == [f"batch {b} x {frames} frames" for frames in range(1, 13) for b in (1, 2)]
 
 
 # ---------------------------------------------------------------- the switch, end to end

@@ -3,10 +3,11 @@
 Short calls replay CUDA graphs, all captured at start under warm start (``GraphSettings.for_stage(...,
 every_short_call=True)``). Longer calls run eagerly, and the first call of each shape is slower (cuDNN and
 cuBLAS choose and build their kernels for it; ONNX Runtime and TensorRT size their buffers). Every shape cannot
-be warmed (a batch is as long as its longest chunk, and a stream's last chunk is as long as what is left), so
-these are: the calls one stream makes from its first chunk into the steady state (context + full chunk), at
-every batch size up to the stage's max batch. With the exact left context (hundreds of frames at full size)
-that is a few dozen lengths; with a short one (25 frames) a handful.
+be warmed with a long left context, so: every call length up to the steady state's (left context + full chunk)
+when that is at most ``EVERY_LENGTH_UP_TO`` frames (a short left context, e.g. 25: adaptive chunk pacing cuts
+chunks of any size), else the lengths one stream's calls have from its first chunk into the steady state (with
+the exact left context, a few dozen up to ~600 frames at full size); each at every batch size up to the stage's
+max batch (a batch is as long as its longest chunk).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.warmup_progress import PROGRESS_MARK
+
+EVERY_LENGTH_UP_TO = 64  # frames: warm every call length up to here (see above); past it, one stream's ramp
 
 
 def stream_call_frames(policy: ChunkPolicy) -> list[int]:
@@ -39,8 +42,9 @@ def warmup_calls(policy: ChunkPolicy, max_batch: int, replayed: Callable[[tuple[
                  num_quantizers: int) -> list[tuple[int, int, int]]:
     """The [batch, G, frames] shapes to call once (see the module doc), leaving out those ``replayed`` by a
     graph."""
-    shapes = [(batch, num_quantizers, frames) for frames in dict.fromkeys(stream_call_frames(policy))
-              for batch in range(1, max_batch + 1)]
+    calls = stream_call_frames(policy)
+    lengths = range(1, calls[-1] + 1) if calls[-1] <= EVERY_LENGTH_UP_TO else dict.fromkeys(calls)
+    shapes = [(batch, num_quantizers, frames) for frames in lengths for batch in range(1, max_batch + 1)]
     return [shape for shape in shapes if not replayed(shape)]
 
 
