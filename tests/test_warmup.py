@@ -197,3 +197,60 @@ def test_served_warm_start_reports_progress_and_serves(tiny_checkpoint, tmp_path
     for stage in ("thinker", "talker", "code2wav"):
         assert re.search(rf"^{stage}: warm-up .*done in", before_ready, re.MULTILINE), out
     assert result.text and result.audio.size
+
+
+# ---------------------------------------------------------------- GPU: the fast path (kernels, graphs)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_warm_up_on_the_fast_path_changes_no_output_and_logs_gpu_time(tiny_checkpoint, tmp_path):
+    from omni_triton.models.weights import load_talker, load_thinker
+
+    config = dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, device="cuda",
+                  kv_dtype=torch.float32, fast_path=True, cuda_graphs=True)
+    thinker = load_thinker(tiny_checkpoint, "cuda", torch.float32, with_audio=False)
+    prompts = [[t % thinker.vocab_size for t in prompt] for prompt in PROMPTS]
+
+    def thinker_run(engine):
+        for i, (prompt, params) in enumerate(zip(prompts, PARAMS)):
+            engine.add_request(f"r{i}", params, prompt_token_ids=prompt)
+        tokens = {}
+        while engine.has_work():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return tokens
+
+    fresh = thinker_run(LLMEngine(ThinkerStage(thinker), EngineConfig(**config)))
+    engine = LLMEngine(ThinkerStage(thinker), EngineConfig(**config))
+    trace.configure(tmp_path / "trace")
+    try:
+        warm_up(engine, log=lambda line: None)
+        engine.step_log.flush(wait=True)
+    finally:
+        trace.configure(None)
+    steps = trace.read_records(tmp_path / "trace", "step")
+    assert steps and all(step["gpu_ms"] is not None and step["gpu_ms"] >= 0 for step in steps)
+    assert any(step["graph"] for step in steps)  # decode steps replayed the CUDA graphs
+    assert engine.block_manager.num_used == 0 and thinker_run(engine) == fresh
+
+    talker = load_talker(tiny_checkpoint, "cuda", torch.float32)
+    zeros = torch.zeros(talker.hidden_size, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    prefills = [torch.randn(5 + 3 * i, talker.hidden_size, generator=gen).cuda() for i in range(len(PARAMS))]
+
+    def talker_run(engine):
+        for i, params in enumerate(PARAMS):
+            engine.add_request(f"r{i}", params, prompt_embeds=prefills[i], thinker_finished=True)
+        codes = {}
+        while engine.has_work():
+            for out in engine.step():
+                if "codes" in out.extras:
+                    codes.setdefault(out.request_id, []).append(out.extras["codes"][0].tolist())
+        return codes
+
+    def talker_engine():
+        return LLMEngine(TalkerStage(talker, tts_eos_embed=zeros, tts_pad_embed=zeros), EngineConfig(**config))
+
+    fresh = talker_run(talker_engine())
+    engine = talker_engine()
+    warm_up(engine, log=lambda line: None)
+    assert engine.block_manager.num_used == 0 and talker_run(engine) == fresh
