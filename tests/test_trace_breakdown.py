@@ -108,3 +108,9 @@ def test_served_request_records_every_milestone_from_client_to_client(tiny_check
     segments = request_segments(request)
     # the segments are the client's TTFA, cut where the stages saw the request
     assert sum(segments.values()) == pytest.approx(result.ttfa_s, abs=5e-3)
+    # the served engines log their steps into the same trace (each stage's own process)
+    steps = trace.read_records(tmp_path / "server-trace", "step")
+    assert {step["engine"] for step in steps} == {"thinker", "talker"}
+    assert len({step["pid"] for step in steps}) == 2
+    talker_frames = sum(step["sampled"] for step in steps if step["engine"] == "talker")
+    assert talker_frames == REQUEST["max_audio_frames"] + 1  # frames = talker tokens - 1
