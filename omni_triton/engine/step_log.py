@@ -32,6 +32,7 @@ from omni_triton import trace
 class StepLog:
     def __init__(self, engine: str, device: torch.device):
         self.engine = engine
+        self.device = device
         self.cuda = device.type == "cuda"
         self._unread: deque[tuple[dict, torch.cuda.Event, torch.cuda.Event]] = deque()  # GPU time not read yet
         self._last_end: float | None = None
@@ -40,7 +41,7 @@ class StepLog:
         start_event = None
         if self.cuda:
             start_event = torch.cuda.Event(enable_timing=True)
-            start_event.record()
+            start_event.record(torch.cuda.current_stream(self.device))
         return time.monotonic(), start_event
 
     def end(self, began: tuple[float, torch.cuda.Event | None], **fields) -> None:
@@ -54,7 +55,7 @@ class StepLog:
             trace.record("step", t_end, **entry)
             return
         end_event = torch.cuda.Event(enable_timing=True)
-        end_event.record()
+        end_event.record(torch.cuda.current_stream(self.device))
         self._unread.append((dict(entry, t=t_end), start_event, end_event))
         self.flush()
 
