@@ -27,6 +27,7 @@ from omni_triton.server.mps import MPS_CHOICES, MpsError
 from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES
 from omni_triton.server.tritonserver import (ServerOptions, TritonInstall, TritonServer, TritonServerError,
                                              find_tritonserver, process_tree_rss_bytes)
+from omni_triton.warmup_progress import PROGRESS_MARK
 
 DEFAULT_TINY_CHECKPOINT = Path("checkpoints/tiny")
 DEMO_TEXT = "Hello, how are you today?"
@@ -66,6 +67,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
                         help="tokens per engine step, decode + chunked prefill (default: %(default)s)")
     add_engine_arguments(launch)
+    launch.add_argument("--warmup", choices=["on", "off"],
+                        help="warm start: before reporting ready, each stage runs every kernel shape and captures "
+                             "every CUDA graph that serving up to --max-inflight streams uses (a progress line per "
+                             "stage; default: on with --device cuda, off on cpu)")
     launch.add_argument("--max-inflight", type=int, default=defaults.max_inflight_requests,
                         help="concurrent requests per stage (default: %(default)s)")
     add_load_arguments(launch)
@@ -103,7 +108,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA MPS for the stages sharing a GPU (--device cuda): auto uses the host's control "
                              "daemon or starts one of its own when nvidia-cuda-mps-control is installed, else goes "
                              "without; on insists; off never (default: %(default)s)")
-    server.add_argument("--ready-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
+    server.add_argument("--ready-timeout", type=float, default=900.0,
+                        help="seconds; warm start (--warmup) is part of it (default: %(default)s)")
 
 
 def _tiny_checkpoint() -> Path:
@@ -129,6 +135,7 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
         torch_threads={stage: args.torch_threads for stage in STAGES},
         code2wav_runtime=args.code2wav_runtime, code2wav_engine_path=args.code2wav_engine,
         code2wav_max_batch=args.code2wav_max_batch, placement=placement(args),
+        warmup=None if args.warmup is None else args.warmup == "on",
     )
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization)
 
@@ -146,7 +153,8 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     models = args.models.split(",") if args.models else None
     repository = render_repository(config, args.run_dir / "repository", models)
     server = TritonServer(repository, install, server_options(args, config),
-                          log_path=args.run_dir / "tritonserver.log", echo_log=echo_log)
+                          log_path=args.run_dir / "tritonserver.log", echo_log=echo_log,
+                          echo_lines_with=PROGRESS_MARK)
     print(f"tritonserver ({install.origin}: {install.binary})\n"
           f"  python backend: {install.python_backend_note}\n"
           f"  checkpoint {config.checkpoint_dir}"

@@ -229,6 +229,7 @@ class OmniStreamClient:
                 if on_audio:
                     on_audio(chunk)
             if response.get_response().parameters["triton_final_response"].bool_param:
+                trace.event(request_id, "client.finished")  # ends the level's window in trace breakdowns
                 self._awaiting = False
                 result.total_s = now
                 return result

@@ -9,6 +9,10 @@ measures; off, ``event`` costs one attribute test.
 
 Event names are ``<where>.<what>``; the ids are the orchestrator's request ids (``<client id>#<n>``),
 which the stages key their state on too.
+
+Besides request events, a process may write *records* that belong to no request (``record``: the engines' step
+log, one line per engine step, ``engine/step_log.py``): ``{"record": kind, "t": ..., "pid": ..., **fields}``.
+``read_events`` skips them; ``read_records`` reads them.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ class _TraceLog:
         self._file = None
 
     def event(self, request_id: str, name: str, **fields) -> None:
-        if not self.enabled:
-            return
-        t = time.monotonic()
-        line = json.dumps({"id": request_id, "event": name, "t": t, "pid": os.getpid(), **fields})
+        if self.enabled:
+            self.write({"id": request_id, "event": name, "t": time.monotonic(), "pid": os.getpid(), **fields})
+
+    def write(self, entry: dict) -> None:
+        line = json.dumps(entry)
         with self._lock:
             if self._file is None:  # opened lazily: after Triton forked the stub, in the stub's own pid
                 self._directory.mkdir(parents=True, exist_ok=True)
@@ -67,14 +72,30 @@ def event(request_id: str, name: str, **fields) -> None:
     _log.event(request_id, name, **fields)
 
 
+def record(kind: str, t: float, /, **fields) -> None:
+    """A line of ``kind`` that belongs to no request, stamped ``t`` (CLOCK_MONOTONIC seconds; no-op when tracing
+    is off)."""
+    if _log.enabled:
+        _log.write({"record": kind, "t": t, "pid": os.getpid(), **fields})
+
+
+def _lines(directory: str | Path):
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def read_records(directory: str | Path, kind: str) -> list[dict]:
+    """Every ``record`` of ``kind`` in ``directory`` (all processes), in time order."""
+    return sorted((entry for entry in _lines(directory) if entry.get("record") == kind), key=lambda e: e["t"])
+
+
 def read_events(directory: str | Path) -> dict[str, dict[str, float]]:
     """``{request id: {event: earliest time}}`` from every process's file in ``directory``."""
     events: dict[str, dict[str, float]] = {}
-    for path in sorted(Path(directory).glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            per_request = events.setdefault(record["id"], {})
-            per_request[record["event"]] = min(record["t"], per_request.get(record["event"], record["t"]))
+    for entry in _lines(directory):
+        if "id" in entry:
+            per_request = events.setdefault(entry["id"], {})
+            per_request[entry["event"]] = min(entry["t"], per_request.get(entry["event"], entry["t"]))
     return events

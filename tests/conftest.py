@@ -41,3 +41,13 @@ def triton_server(tiny_checkpoint, tmp_path_factory):
         yield handle
     finally:
         handle.server.stop()
+
+
+@pytest.fixture
+def traced(tmp_path):
+    """Request traces (omni_triton.trace) of this process into a fresh dir (yielded), off again afterwards."""
+    from omni_triton import trace
+
+    trace.configure(tmp_path / "trace")
+    yield tmp_path / "trace"
+    trace.configure(None)

@@ -39,5 +39,12 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
     assert {"thinker prefill + first token", "talker prefill + first frame", "code2wav first chunk"} <= set(
         rows["inprocess", 1]["segments"])
     assert "Where the time to first audio goes" in (out / "results.md").read_text()
+    # the in-process engines' step logs: where each engine's wall time went during the level, all of it
+    engines = rows["inprocess", 1]["engines"]
+    assert set(engines) == {"thinker", "talker"}
+    for shares in engines.values():
+        assert sum(shares[f"{share}_pct"] for share in ("gpu", "host", "input", "idle")) == pytest.approx(100)
+        assert shares["steps"] > 0 and shares["host_pct"] > 0
+    assert "| talker steps: waiting for input % of wall |" in (out / "results.md").read_text()
     if not any("plots skipped" in note for note in report["notes"]):
         assert (out / "ttfa.png").is_file() and (out / "throughput.png").is_file()

@@ -13,13 +13,6 @@ REQUEST = dict(max_tokens=6, min_tokens=6, ignore_eos=True, max_audio_frames=8, 
                temperature=0.0, seed=3)
 
 
-@pytest.fixture
-def traced(tmp_path):
-    trace.configure(tmp_path / "trace")
-    yield tmp_path / "trace"
-    trace.configure(None)
-
-
 def test_events_are_written_per_process_and_read_back_earliest_first(traced):
     trace.event("a#1", "session.start")
     trace.event("a#1", "session.start")  # a repeat (e.g. after a preemption) keeps the first time
@@ -115,3 +108,9 @@ def test_served_request_records_every_milestone_from_client_to_client(tiny_check
     segments = request_segments(request)
     # the segments are the client's TTFA, cut where the stages saw the request
     assert sum(segments.values()) == pytest.approx(result.ttfa_s, abs=5e-3)
+    # the served engines log their steps into the same trace (each stage's own process)
+    steps = trace.read_records(tmp_path / "server-trace", "step")
+    assert {step["engine"] for step in steps} == {"thinker", "talker"}
+    assert len({step["pid"] for step in steps}) == 2
+    talker_frames = sum(step["sampled"] for step in steps if step["engine"] == "talker")
+    assert talker_frames == REQUEST["max_audio_frames"] + 1  # frames = talker tokens - 1

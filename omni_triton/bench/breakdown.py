@@ -5,11 +5,16 @@ milestone before it). The served pipeline has every milestone; the in-process pi
 ``session.start`` and has no client, orchestrator or gRPC hops. Segments whose end or start milestone is
 missing are left out, so the segments present always add up to the span from the first to the last
 milestone present: with ``client.sent`` and ``client.first_audio``, that is the client's TTFA.
+
+With the engines' step logs in the traces, each level's row also says where the thinker's and the talker's wall
+time went during the level (GPU, host, waiting for input, idle; prefill stalls: ``step_breakdown.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from omni_triton.bench import step_breakdown
 
 # (milestone, the segment that ends there)
 MILESTONES = (
@@ -84,6 +89,7 @@ def markdown(rows: list[dict]) -> str:
                  + " | ".join("" if row["total_p50_ms"] is None else f"**{row['total_p50_ms']:.1f}**" for row in rows)
                  + " |")
     lines.append("| requests | " + " | ".join(str(row["requests"]) for row in rows) + " |")
+    lines += step_breakdown.markdown_rows(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -98,9 +104,14 @@ def report_section(rows: list[dict]) -> str:
 def level_row(system: str, concurrency: int, level_dir, server_dir=None) -> dict:
     """The breakdown of one benchmark level: the client's (or the in-process pipeline's) events in
     ``level_dir``, joined with the server's from ``server_dir`` for the requests this level sent."""
-    from omni_triton.trace import read_events
+    from omni_triton.trace import read_events, read_records
 
     local = read_events(level_dir)
     served = join_client_ids(read_events(server_dir)) if server_dir is not None else {}
     requests = [{**served.get(request_id, {}), **events} for request_id, events in local.items()]
-    return {"system": system, "concurrency": concurrency, **summarize(requests)}
+    row = {"system": system, "concurrency": concurrency, **summarize(requests)}
+    times = [t for events in local.values() for t in events.values()]
+    if times:  # the level's window: its first request sent -> its last event (client.finished)
+        steps = read_records(level_dir, "step") + (read_records(server_dir, "step") if server_dir is not None else [])
+        row["engines"] = step_breakdown.engine_shares(steps, min(times), max(times))
+    return row

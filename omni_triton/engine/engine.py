@@ -18,6 +18,7 @@ from omni_triton.engine.sampling import SamplingParams
 from omni_triton.engine.scheduler import Scheduler
 from omni_triton.engine.sequence import Sequence, SequenceStatus
 from omni_triton.engine.stage import StageModel
+from omni_triton.engine.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class EngineConfig:
     # CUDA only: Triton kernels, GPU sampling and (cuda_graphs) CUDA-graph decode; off = the plain torch path
     fast_path: bool = True
     cuda_graphs: bool = True
+    # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
+    warmup: bool = False
 
 
 @dataclass
@@ -78,6 +81,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
+        self.step_log = StepLog(self.name, self.runner.device)  # written while tracing is on
 
     # -- client API -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, sampling_params: SamplingParams, *,
@@ -136,16 +140,19 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        began = self.step_log.begin() if trace.enabled() else None
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.runner.release(seq)
         self.last_step_size = len(batch)
         if not batch:
             return []
-        if trace.enabled():
+        shape = None
+        if began is not None:
             for seq in batch.seqs:
                 if seq.num_computed_tokens == 0:
                     trace.event(seq.request_id, f"{self.name}.prefill_start")
+            shape = self._step_shape(batch)
         result = self.runner.run(batch)
         outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in batch.seqs}
         for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
@@ -157,8 +164,8 @@ class LLMEngine:
                 outputs[seq.request_id].states_start = first
                 seq.num_emitted_positions = end
 
+        continuing = []
         if result.sampled_seqs:
-            continuing = []
             token_ids = result.sampled_token_ids.tolist()  # the step's one device -> host copy
             for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
                 seq.append_output(token_id)
@@ -185,8 +192,27 @@ class LLMEngine:
         for seq in batch.seqs:
             if not seq.is_finished:
                 self.scheduler.refresh_status(seq)
+        if began is not None:
+            completes = len(self.runner.streams) > 1  # the stage's completion samples (talker: code predictor)
+            self.step_log.end(began, **shape, sampled=len(result.sampled_seqs),
+                              completion_rows=len(continuing) if completes else 0,
+                              left_runnable=self.scheduler.count(SequenceStatus.RUNNING) + len(self.scheduler.waiting),
+                              left_waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))
         return [out for out in outputs.values()
                 if out.new_token_ids or out.states or out.extras or out.finished]
+
+    def _step_shape(self, batch) -> dict:
+        """The step log's fields known before the step runs (``step_log.py``)."""
+        decode_rows = sum(n == 1 and seq.samples_after(seq.num_computed_tokens + 1)
+                          for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        kind = "decode" if decode_rows == len(batch) else "prefill" if decode_rows == 0 else "mixed"
+        graphs = self.runner.graphs
+        replays = kind == "decode" and graphs is not None and graphs.serves_rows(len(batch))
+        tokens = sum(batch.num_new_tokens)
+        return dict(kind=kind, rows=len(batch), tokens=tokens, prefill_tokens=tokens - decode_rows,
+                    decode_rows=decode_rows, graph=replays,
+                    preempted=len(batch.preempted), waiting=len(self.scheduler.waiting),
+                    waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))
 
     def _finish(self, seq: Sequence, reason: str, output: RequestOutput) -> None:
         self.scheduler.finish(seq, reason)
@@ -281,7 +307,10 @@ class EngineLoop:
         while not self._stop.is_set():
             # block for commands when idle, or when everything runnable is stuck behind blocks held by
             # requests waiting for input (only an append or abort can change that)
-            self._apply_commands(block=not self.engine.has_work() or self.engine.last_step_size == 0)
+            idle = not self.engine.has_work() or self.engine.last_step_size == 0
+            if idle:
+                self.engine.step_log.flush(wait=True)  # nothing queued behind the last steps' GPU events
+            self._apply_commands(block=idle)
             if self._stop.is_set() or not self.engine.has_work():
                 continue
             try:

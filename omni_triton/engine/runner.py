@@ -179,8 +179,11 @@ class DecodeGraphs:
         self.completion = CompletionGraphs(runner, self.buckets, self.pool) if self.in_graph_sampling else None
 
     def serves(self, chunks: list[Chunk]) -> bool:
-        return (len(chunks) <= self.buckets[-1]
+        return (self.serves_rows(len(chunks))
                 and all(end - start == 1 and seq.samples_after(end) for seq, start, end in chunks))
+
+    def serves_rows(self, num_rows: int) -> bool:
+        return num_rows <= self.buckets[-1]
 
     def _body(self, batch_size: int) -> dict[str, torch.Tensor]:
         runner = self.runner

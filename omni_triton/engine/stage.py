@@ -60,6 +60,10 @@ class StageModel(Protocol):
     def append_input(self, seq: Sequence, **inputs) -> None:
         """Client data for a running request (the talker's trailing text)."""
 
+    def warmup_inputs(self, num_positions: int) -> dict:
+        """``add_request`` inputs of a dummy request with ``num_positions`` prompt positions that runs to its
+        max_new_tokens without waiting for input (``engine.warmup``)."""
+
 
 class ThinkerStage:
     """Token ids in, token ids out; optionally streams each position's input embedding and the hidden state
@@ -124,6 +128,9 @@ class ThinkerStage:
 
     def append_input(self, seq, **inputs):
         raise ValueError(f"request {seq.request_id!r}: the thinker takes no appended input")
+
+    def warmup_inputs(self, num_positions):
+        return {"prompt_token_ids": [p % self.model.vocab_size for p in range(1, num_positions + 1)]}
 
 
 def _token_ids(seq: Sequence, start: int, end: int) -> list[int]:
@@ -245,6 +252,13 @@ class TalkerStage:
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"request {seq.request_id!r}: {exc}") from exc
         self._feed(seq)
+
+    def warmup_inputs(self, num_positions):
+        weight = next(self.model.parameters())
+        zeros = torch.zeros(num_positions, self.hidden_size, dtype=weight.dtype, device=weight.device)
+        # trailing text finished at once: tts_eos then tts_pad every step, so the request never waits for input
+        return {"prompt_embeds": zeros, "talker_inputs": TrailingTextQueue(zeros[0], zeros[0]),
+                "thinker_finished": True}
 
     def _feed(self, seq: Sequence) -> None:
         """Turn the pending codec embeds into the next input once its trailing-text embedding is known."""

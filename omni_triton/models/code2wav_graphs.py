@@ -12,9 +12,9 @@ eager call of the padded shape runs (same shapes, same cuBLAS/cuDNN choices) and
 bit for bit. Padding rows are zeros (valid codes); every op of the vocoder is per row, so they do not touch the
 real rows.
 
-When: the shapes a deployment knows it will see first (``frames_at_start``: the first-chunk size) are captured
-for every bucket when the runtime is built, so no request pays a capture; any other short shape is captured on
-its first use (one warm-up call + one capture, roughly two eager calls' time, once per shape per process). If
+When: the shapes a deployment knows it will see first (``frames_at_start``: the first-chunk size; with the
+server's warm start, every frame count up to ``max_frames``) are captured for every bucket when the runtime is
+built, so no request pays a capture; any other short shape is captured on its first use (one warm-up call + one capture, roughly two eager calls' time, once per shape per process). If
 such a lazy capture fails, that shape stays eager (logged once): it is an optimisation, never a failure.
 
 Memory: every graph allocates from one private pool. Buffers freed at the end of one capture are reused by the
@@ -57,11 +57,15 @@ class GraphSettings:
             raise ValueError(f"frames_at_start {self.frames_at_start} must be in [1, max_frames={self.max_frames}]")
 
     @classmethod
-    def for_stage(cls, max_batch: int, first_chunk_frames: int) -> "GraphSettings":
+    def for_stage(cls, max_batch: int, first_chunk_frames: int, every_short_call: bool = False) -> "GraphSettings":
         """A served stage's: buckets up to its max batch, its first chunk captured at start (and replayed even
-        when a deployment makes it longer than the default bound: that chunk is where TTFA is made)."""
-        return cls(max_batch=max_batch, max_frames=max(DEFAULT_MAX_FRAMES, first_chunk_frames),
-                   frames_at_start=(first_chunk_frames,))
+        when a deployment makes it longer than the default bound: that chunk is where TTFA is made).
+        ``every_short_call`` (warm start): every frame count up to the bound captured at start too, so no
+        request pays a capture (chunk sizes vary per stream, and a batch is as long as its longest chunk)."""
+        max_frames = max(DEFAULT_MAX_FRAMES, first_chunk_frames)
+        # longest first: the pool is sized by the first capture, and every later one reuses its memory
+        at_start = tuple(range(max_frames, 0, -1)) if every_short_call else (first_chunk_frames,)
+        return cls(max_batch=max_batch, max_frames=max_frames, frames_at_start=at_start)
 
 
 # ---------------------------------------------------------------- shape logic (pure, tested on the CPU)

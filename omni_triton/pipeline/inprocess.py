@@ -24,6 +24,7 @@ from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.chunk_pacing import ChunkPacer
 from omni_triton.pipeline.code2wav_stream import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
+from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import RequestLimits
@@ -58,13 +59,16 @@ class InProcessPipeline:
         self.vocoder = Code2WavRuntime.create(
             "torch", checkpoint_dir, device=self.device, dtype=dtype, **weights,
             cuda_graphs=engine_config.cuda_graphs,
-            graph_settings=GraphSettings.for_stage(max_batch=1, first_chunk_frames=policy.first_chunk_frames))
+            graph_settings=GraphSettings.for_stage(max_batch=1, first_chunk_frames=policy.first_chunk_frames,
+                                                   every_short_call=engine_config.warmup))
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         # One vocoder thread, as the served code2wav stage has one instance: with every request's thread decoding
         # at once, 64 streams ran the H200 out of memory (each thread its own library handles and workspaces).
         self._vocoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
         self.chunk_pacing = chunk_pacing
+        if engine_config.warmup:  # the served code2wav stage's warm start, at this pipeline's batch of 1
+            warm_up_vocoder(self.vocoder, self.policy, max_batch=1)
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         self._ids = itertools.count()
 

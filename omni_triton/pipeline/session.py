@@ -130,6 +130,7 @@ class Session:
         finally:
             if audio_worker is not None:
                 audio_worker.stop()
+            trace.event(self.request_id, "session.finished")  # ends the level's window in trace breakdowns
 
     # -- sequential (baseline) -------------------------------------------------------------------
     def _run_sequential(self, emit: Emit) -> None:

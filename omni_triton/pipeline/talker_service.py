@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, TalkerStage
+from omni_triton.engine.warmup import warm_up
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_talker, load_thinker_embedding_rows
 from omni_triton.pipeline.talker_inputs import TalkerInputs
@@ -58,6 +59,8 @@ class TalkerService:
         self._speaker_names = {codec_id: name for name, codec_id in self.config.speaker_id.items()}
         self._suppressed = tuple(self.model.suppressed_token_ids().tolist())
         self.engine = LLMEngine(TalkerStage(self.model), engine_config)
+        if engine_config.warmup:
+            warm_up(self.engine)  # before the loop starts: no request can arrive while it runs
         self.loop = EngineLoop(self.engine).start()
         # requests whose prefill is not complete yet (thinker rows still arriving), by request id
         self._pending: dict[str, tuple[TalkerInputs, TalkerRequest, Callable[[TalkerOutput], None]]] = {}

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, ThinkerStage
+from omni_triton.engine.warmup import warm_up
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_thinker
 
@@ -102,6 +103,8 @@ class ThinkerService:
         stage = ThinkerStage(self.model, audio_token_id=self.config.thinker.audio_token_id,
                              accept_hidden_layer=self.config.accept_hidden_layer)
         self.engine = LLMEngine(stage, engine_config)
+        if engine_config.warmup:
+            warm_up(self.engine)  # before the loop starts: no request can arrive while it runs
         self.loop = EngineLoop(self.engine).start()
 
     @property

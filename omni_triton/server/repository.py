@@ -64,6 +64,9 @@ class LaunchConfig:
     # Off by default when served: measured in benchmarks/engine_microbench.py, not yet in a served run.
     fast_path: bool = False
     cuda_graphs: bool = False
+    # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
+    # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
+    warmup: bool | None = None
     max_inflight_requests: int = 16       # per stage: engine batch and sequence-batcher slots
     max_text_chars: int = 8000
     max_audio_seconds: float = 60.0
@@ -121,6 +124,10 @@ class LaunchConfig:
         return self.admission_capacity or ("auto" if self.device == "cuda" else "off")
 
     @property
+    def resolved_warmup(self) -> bool:
+        return self.device == "cuda" if self.warmup is None else self.warmup
+
+    @property
     def resolved_talker_kv_cache_tokens(self) -> int:
         return self.talker_kv_cache_tokens or self.kv_cache_tokens
 
@@ -147,6 +154,7 @@ class LaunchConfig:
             code_groups=_checkpoint_code_groups(checkpoint),
             fast_path="on" if self.fast_path else "off",
             cuda_graphs="on" if self.cuda_graphs else "off",
+            warmup="on" if self.resolved_warmup else "off",
         )
         return {k: str(v) for k, v in values.items()}
 

@@ -15,6 +15,7 @@ import torch
 import torch.utils.dlpack
 
 from omni_triton.engine import EngineConfig
+from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 
@@ -59,8 +60,17 @@ def engine_config(params: Mapping[str, str], device: torch.device | None = None)
                           max_num_batched_tokens=int(params["max_batched_tokens"]),
                           max_num_seqs=int(params["max_inflight_requests"]),
                           device=device, kv_dtype=dtype,
-                          fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on")
+                          fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on",
+                          warmup=params.get("warmup") == "on")
     return config, dtype
+
+
+def chunk_policy(params: Mapping[str, str]) -> ChunkPolicy:
+    """The audio chunking a stage's config.pbtxt parameters name (left context "exact": None, resolved later)."""
+    left_context = params["left_context_frames"]
+    return ChunkPolicy(first_chunk_frames=int(params["first_chunk_frames"]),
+                       chunk_frames=int(params["next_chunk_frames"]),
+                       left_context_frames=None if left_context == "exact" else int(left_context))
 
 
 def load_options(params: Mapping[str, str]) -> dict[str, Any]:

@@ -222,12 +222,15 @@ class TritonServer:
 
     def __init__(self, repository: str | os.PathLike, install: TritonInstall | None = None,
                  options: ServerOptions | None = None, log_path: str | os.PathLike | None = None,
-                 echo_log: bool = False):
+                 echo_log: bool = False, echo_lines_with: str | None = None):
+        """``echo_log``: the whole server log to stderr; else ``echo_lines_with``: only its lines containing that
+        (the stages' warm-up progress) to stdout."""
         self.repository = Path(repository).resolve()
         self.install = install or find_tritonserver()
         self.options = options or ServerOptions()
         self.log_path = Path(log_path) if log_path else self.repository.parent / "tritonserver.log"
         self.echo_log = echo_log
+        self.echo_lines_with = echo_lines_with
         self.process: subprocess.Popen | None = None
         self.mps: MpsDaemon | None = None
         self.stop_outcome = ""  # how the last stop ended: "graceful", or the signal it had to escalate to
@@ -293,7 +296,7 @@ class TritonServer:
                                             stdin=subprocess.DEVNULL,
                                             env={**self.install.environment(), **self.mps.environment},
                                             start_new_session=True)
-        if self.echo_log:
+        if self.echo_log or self.echo_lines_with:
             threading.Thread(target=self._echo_log, daemon=True).start()
         return self
 
@@ -406,10 +409,13 @@ class TritonServer:
         with open(self.log_path, "r", errors="replace") as log:
             while not self._stop_echo.is_set():
                 line = log.readline()
-                if line:
-                    sys.stderr.write(line)
-                else:
+                if not line:
                     time.sleep(0.2)
+                elif self.echo_log:
+                    sys.stderr.write(line)
+                elif self.echo_lines_with in line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
 
     def stub_pids(self, models: list[str] | None = None) -> dict[str, int]:
         """instance name (talker_0_0, talker_0_1) -> pid of its Python-backend stub process, for ``models``

@@ -5,15 +5,16 @@ import json
 import torch
 import triton_python_backend_utils as pb_utils
 
-from omni_triton.models.code2wav import check_code_range, code_embedding_rows
+from omni_triton.models.code2wav import check_code_range, code_embedding_rows, exact_left_context_frames
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
+from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
                                           report_native_crashes)
-from omni_triton.server.stage_io import (configure_interstage_memory, from_torch, host_array, load_options,
-                                         stage_device, stage_loading, to_torch)
+from omni_triton.server.stage_io import (chunk_policy, configure_interstage_memory, from_torch, host_array,
+                                         load_options, stage_device, stage_loading, to_torch)
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -32,14 +33,19 @@ class TritonPythonModel:
             engine_argument = "plan_path" if params["engine_path"].endswith(".plan") else "onnx_path"
         engine = {engine_argument: params["engine_path"]} if engine_argument else {}
         # torch on a GPU: short calls replay CUDA graphs, batches padded up to buckets of this stage's max batch;
-        # the first-chunk shapes are captured here, before the first request
+        # the first-chunk shapes (warm start: every short call's) are captured here, before the first request
         max_batch = int(json.loads(args["model_config"])["max_batch_size"])
+        warmup = params["warmup"] == "on"
         graphs = dict(cuda_graphs=params["cuda_graphs"] == "on",
-                      graph_settings=GraphSettings.for_stage(max_batch, int(params["first_chunk_frames"])))
+                      graph_settings=GraphSettings.for_stage(max_batch, int(params["first_chunk_frames"]),
+                                                             every_short_call=warmup))
         with stage_loading("code2wav"):
             self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
                                                   dtype=getattr(torch, params["dtype"]), **engine,
                                                   **load_options(params), **graphs)
+            if warmup:
+                warm_up_vocoder(self.vocoder, chunk_policy(params).resolved(
+                    exact_left_context_frames(self.vocoder.config)), max_batch)
         self.embedding_rows = code_embedding_rows(self.vocoder.config)
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         # A MetricFamily must outlive its metrics: keep both.

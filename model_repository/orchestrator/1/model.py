@@ -2,14 +2,13 @@
 
 import triton_python_backend_utils as pb_utils
 
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.server.admission import RealtimeCapacity
 from omni_triton.server.metrics import StageMetrics
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.orchestrator import Orchestrator
 from omni_triton.server.placement import parse_instances
 from omni_triton.server.repository import admission_capacity_setting
-from omni_triton.server.stage_io import configure_interstage_memory, stage_device
+from omni_triton.server.stage_io import chunk_policy, configure_interstage_memory, stage_device
 
 
 class TritonPythonModel:
@@ -18,13 +17,9 @@ class TritonPythonModel:
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
-        left_context = params["left_context_frames"]
-        policy = ChunkPolicy(first_chunk_frames=int(params["first_chunk_frames"]),
-                             chunk_frames=int(params["next_chunk_frames"]),
-                             left_context_frames=None if left_context == "exact" else int(left_context))
         capacity = admission_capacity_setting(params["admission_capacity"])
         self.orchestrator = Orchestrator(
-            pb_utils, params["checkpoint_dir"], stage_device(params, args), policy,
+            pb_utils, params["checkpoint_dir"], stage_device(params, args), chunk_policy(params),
             max_inflight=int(params["max_inflight_requests"]), chunk_pacing=params["chunk_pacing"],
             admission_queue=int(params["admission_queue"]),
             capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity),
