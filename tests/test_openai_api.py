@@ -32,6 +32,14 @@ SEEDED = dict(seed=11, temperature=0.9, top_p=0.8, max_tokens=8)
 FRAMES = dict(max_audio_frames=12)
 
 
+def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
+    """The same samples up to float rounding: where each stream's audio chunks are cut follows its frame
+    timing (--chunk-pacing adaptive), and decoding the same frames in other chunk splits rounds differently in
+    the last bits (exact context / stateful vocoder: ~1e-5 of full scale), i.e. a PCM16 step or two."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    np.testing.assert_allclose(got.astype(np.int32), want.astype(np.int32), rtol=0, atol=4)
+
+
 class ApiServer:
     """The API app on uvicorn in a thread of this process, on a free port."""
 
@@ -101,7 +109,7 @@ def test_streamed_chat_with_audio_equals_the_grpc_client(client, triton_server):
     transcript = "".join(a.transcript or "" for a in audio_deltas)
 
     assert text == transcript == reference.text
-    np.testing.assert_array_equal(audio, to_pcm16(reference.audio))
+    assert_same_audio(audio, to_pcm16(reference.audio))
     assert chunks[0].choices[0].delta.role == "assistant"
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish in (["stop"], ["length"])
@@ -127,7 +135,7 @@ def test_chat_with_audio_not_streamed_wav_and_pcm16(client, triton_server):
             assert rate == 24000
         else:
             samples = np.frombuffer(data, "<i2")
-        np.testing.assert_array_equal(samples, to_pcm16(reference.audio))
+        assert_same_audio(samples, to_pcm16(reference.audio))
         assert message.audio.id.startswith("audio_") and isinstance(message.audio.expires_at, int)
         assert completion.usage.completion_tokens_details.audio_tokens == -(-samples.size // 1920)
 
@@ -164,7 +172,7 @@ def test_spoken_input(client, triton_server, tmp_path):
         seed=SEEDED["seed"], extra_body=FRAMES)
     message = completion.choices[0].message
     assert message.content == reference.text
-    np.testing.assert_array_equal(pcm16(message.audio.data), to_pcm16(reference.audio))
+    assert_same_audio(pcm16(message.audio.data), to_pcm16(reference.audio))
     text_only = client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "x"}],
                                                max_tokens=1)
     assert completion.usage.prompt_tokens > text_only.usage.prompt_tokens, "the audio pads count in the prompt"
@@ -182,10 +190,10 @@ def test_speech_audio_stream_wav_and_pcm(client, triton_server):
         data = b"".join(response.iter_bytes())
     # a streamed WAV: RIFF header with "unknown" sizes, then the PCM as it was made
     assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt " and data[36:40] == b"data"
-    np.testing.assert_array_equal(np.frombuffer(data[44:], "<i2"), expected)
+    assert_same_audio(np.frombuffer(data[44:], "<i2"), expected)
     pcm = client.audio.speech.create(model="omni", input=PROMPT, voice="ethan", response_format="pcm",
                                      extra_body=dict(seed=5, **FRAMES))
-    np.testing.assert_array_equal(np.frombuffer(pcm.content, "<i2"), expected)
+    assert_same_audio(np.frombuffer(pcm.content, "<i2"), expected)
 
 
 def test_speech_sse(api, triton_server):
@@ -197,7 +205,7 @@ def test_speech_sse(api, triton_server):
         events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
     assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
     audio = np.concatenate([pcm16(e["audio"]) for e in events[:-1]])
-    np.testing.assert_array_equal(audio, to_pcm16(reference.audio))
+    assert_same_audio(audio, to_pcm16(reference.audio))
     done = events[-1]
     assert done["type"] == "speech.audio.done"
     assert done["usage"]["input_tokens"] > 0 and done["usage"]["total_tokens"] == (

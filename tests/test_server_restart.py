@@ -64,7 +64,7 @@ def test_serve_restarts_after_a_crash_or_a_dead_stub_and_cleans_up(tiny_checkpoi
                             if "/orchestrator/1/model.py" in Path(f"/proc/{pid}/cmdline").read_text())
         os.kill(orchestrator, signal.SIGKILL)
         _wait_for(log, "ready again after restart 2", 180, serve)
-        assert "the stub process of ['orchestrator'] died" in log.read_text()
+        assert "the stub process of ['orchestrator_0_0'] died" in log.read_text()  # its instance, named
         with OmniStreamClient(f"127.0.0.1:{grpc_port}") as client:
             assert client.stream("After the stub died", timeout_s=60, max_tokens=4, max_audio_frames=4,
                                  temperature=0.0).audio.size

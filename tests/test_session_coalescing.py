@@ -99,3 +99,18 @@ def test_merge_appends_concatenates_rows_in_order_and_keeps_the_last_finished_fl
     with pytest.raises(ValueError, match="past the first"):
         merge_appends([ThinkerOutput(torch.tensor([1]), torch.tensor([1]), torch.zeros(1, 4), torch.zeros(1, 4),
                                      1, False)])
+
+
+def test_concat_rows_keeps_the_device_of_the_non_empty_rows():
+    """A finishing chunk's rows are empty and arrive from host memory beside GPU rows (stage_io.from_torch):
+    the merge keeps the rows where they are. 'meta' stands in for the GPU here: like CUDA, torch.cat refuses to
+    mix it with host tensors."""
+    from omni_triton.server.stage_io import concat_rows
+
+    gpu_rows = [torch.empty(2, 4, device="meta"), torch.empty(1, 4, device="meta")]
+    merged = concat_rows([gpu_rows[0], torch.zeros(0, 4), gpu_rows[1]])
+    assert merged.device.type == "meta" and merged.shape == (3, 4)
+    with pytest.raises(RuntimeError):
+        torch.cat([gpu_rows[0], torch.zeros(0, 4)])  # what the merge did before
+    assert concat_rows([torch.zeros(0, 4), torch.zeros(0, 4)]).shape == (0, 4)
+    assert torch.equal(concat_rows([torch.arange(2), torch.arange(2, 3)]), torch.arange(3))

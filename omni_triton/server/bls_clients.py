@@ -23,8 +23,8 @@ import torch
 
 from omni_triton.pipeline.session import ThinkerChunk
 from omni_triton.server import bundled_backend
-from omni_triton.server.stage_io import (THINKER_ROW_TENSORS, device_tensors_between_stages, from_torch, host_array,
-                                         to_torch)
+from omni_triton.server.stage_io import (THINKER_ROW_TENSORS, concat_rows, device_tensors_between_stages, from_torch,
+                                         host_array, to_torch)
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
 # Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
@@ -97,7 +97,7 @@ class BlsStageClients:
         """Thinker outputs past the first, as one: rows concatenated where they are (on the GPU: no host hop)."""
         if any(host_array(payload["PROMPT_LEN"]).reshape(-1)[0] for payload in payloads):
             raise ValueError("only thinker outputs past the first (no prompt rows) are merged")
-        merged = {name: from_torch(self._pb, name, torch.cat([to_torch(payload[name]) for payload in payloads]))
+        merged = {name: from_torch(self._pb, name, concat_rows([to_torch(payload[name]) for payload in payloads]))
                   for name in THINKER_ROW_TENSORS if name != "PROMPT_LEN"}
         return {**payloads[-1], **merged}
 

@@ -271,10 +271,11 @@ class Orchestrator:
                 logger.exception("request %s failed", request_id)
                 error = triton_error(pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
         finally:
-            with self._lock:
-                del self._active[request_id]
+            # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
             self._admission.finished()
+            with self._lock:
+                del self._active[request_id]
             self._wake.set()
         with send_lock:
             try:

@@ -122,6 +122,14 @@ def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
     return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor))
 
 
+def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of several stage outputs as one tensor, on the device of the non-empty ones: ``from_torch`` sends an
+    empty tensor from host memory (a GPU tensor of no elements has no buffer to hand over), so a stage's empty
+    rows (a finishing chunk's, the prompt-only hidden states) arrive on the host beside GPU rows."""
+    rows = [tensor for tensor in tensors if tensor.numel()]
+    return torch.cat(rows) if rows else tensors[-1]
+
+
 def host_array(tensor: Any) -> np.ndarray:
     """A small tensor (ids, flags, scalars) on the host."""
     return tensor.as_numpy() if tensor.is_cpu() else np.asarray(to_torch(tensor).cpu().tolist())
