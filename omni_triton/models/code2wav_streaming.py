@@ -43,6 +43,9 @@ class StateSpec:
 
 
 POSITIONS = "positions"
+# exported I/O names besides the state's own (ONNX, TensorRT)
+CODES_NAME, LENGTHS_NAME, WAVEFORM_NAME = "codes", "lengths", "waveform"
+NEW_STATE_PREFIX = "new_"  # output name of each state tensor's next value
 
 
 class StreamingCode2Wav(nn.Module):
