@@ -71,7 +71,8 @@ def wait_idle(server, timeout_s: float = 5.0) -> dict:
     while True:
         values = metrics(server)
         held = {key: v for key, v in values.items()
-                if key[0] in ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames") and v}
+                if key[0] in ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames",
+                              "omni_code2wav_streams") and v}
         if not held and values:
             return values
         if time.monotonic() > deadline:

@@ -29,7 +29,7 @@ import torch
 from omni_triton.models.code2wav import Code2Wav, Code2WavConfig
 from omni_triton.models.code2wav_graphs import Code2WavGraphs, GraphSettings
 from omni_triton.models.code2wav_streaming import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
-                                                   StateSpec, StreamingCode2Wav)
+                                                   StateSpec, StreamingCode2Wav, chunk_samples)
 
 KINDS = ("torch", "onnxruntime", "tensorrt", "auto")
 INPUT_NAME, OUTPUT_NAME = "codes", "waveform"
@@ -61,6 +61,10 @@ class Code2WavRuntime:
         raise NotImplementedError
 
     streams = False  # decode_stream available
+
+    def streaming_samples(self, decoded_frames: int, new_frames: int) -> int:
+        """New samples of a ``decode_stream`` row: ``new_frames`` after ``decoded_frames``."""
+        return chunk_samples(self.samples_per_frame, self.trim_samples, decoded_frames, new_frames)
 
     def state_specs(self) -> list[StateSpec]:
         """Per-stream state layout of ``decode_stream`` (fp32 for the exported backends)."""

@@ -98,9 +98,7 @@ class StreamingCode2Wav(nn.Module):
         return [torch.zeros(batch, *spec.shape, dtype=spec.dtype, device=device) for spec in self.state_specs()]
 
     def new_samples(self, positions: int, lengths: int) -> int:
-        """Samples a chunk of ``lengths`` frames after ``positions`` decoded frames returns (host arithmetic)."""
-        before = self.model.output_length(positions) if positions else 0
-        return self.model.output_length(positions + lengths) - before
+        return chunk_samples(self.samples_per_frame, self.trim_samples, positions, lengths)
 
     # ---------------------------------------------------------------- decode
 
@@ -137,6 +135,12 @@ class StreamingCode2Wav(nn.Module):
 
         caches = [kv_cache(index) for index in range(len(transformer.layers))]
         return transformer.run_layers(hidden, cos[:, None], sin[:, None], mask, caches), new_states
+
+
+def chunk_samples(samples_per_frame: int, trim_samples: int, decoded_frames: int, new_frames: int) -> int:
+    """Samples a chunk of ``new_frames`` after ``decoded_frames`` returns: a stream's first chunk lacks the
+    one pass's lookahead trim, every later one gives ``samples_per_frame`` per frame (host arithmetic)."""
+    return new_frames * samples_per_frame - (trim_samples if decoded_frames == 0 else 0)
 
 
 class _StatefulConvRunner:

@@ -63,9 +63,11 @@ def add_memory_arguments(group) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
                        help="with --kv-cache-tokens auto on cuda: the fraction of the GPU memory free at launch "
                             "that weights, activations and KV caches may fill (default: %(default)s)")
-    group.add_argument("--left-context-frames", type=int,
-                       help="code2wav left context per chunk; fewer frames: less vocoder compute and memory, "
-                            "audio no longer equal to a one-pass decode (default: the vocoder's exact context)")
+    group.add_argument("--left-context-frames", type=left_context_setting, default=LaunchConfig.left_context_frames,
+                       help="how a code2wav chunk gets its past: stateful (new frames only, the vocoder keeps each "
+                            "stream's state: one-pass audio at the cost of the new frames), exact (re-decode the "
+                            "vocoder's whole receptive field per chunk), or a frame count (less compute than exact, "
+                            "audio no longer equal to a one-pass decode) (default: %(default)s)")
     group.add_argument("--code2wav-max-batch", type=int, default=LaunchConfig.code2wav_max_batch,
                        help="audio chunks decoded together in one vocoder call; its activations grow with it "
                             "(default: %(default)s)")
@@ -121,3 +123,16 @@ def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
                        gpu_processes=gpu_processes)
     return replace(config, kv_cache_tokens=budget.thinker_tokens,
                    talker_kv_cache_tokens=budget.talker_tokens), budget.note
+
+
+def left_context_setting(value: str) -> int | str:
+    """``--left-context-frames``: stateful, exact or a frame count >= 1."""
+    if value in ("stateful", "exact"):
+        return value
+    try:
+        frames = int(value)
+    except ValueError:
+        frames = 0
+    if frames < 1:
+        raise argparse.ArgumentTypeError(f"expected stateful, exact or a frame count >= 1, got {value!r}")
+    return frames

@@ -253,7 +253,7 @@ class KvBudget:
 
 def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dtype: str, utilization: float,
               max_inflight: int, code2wav_batch: int, first_chunk_frames: int, chunk_frames: int,
-              left_context_frames: int | None, block_size: int = 16,
+              left_context_frames: int | str | None, block_size: int = 16,
               gpu_processes: int = SERVED_GPU_PROCESSES) -> KvBudget:
     """The engines' KV tokens for ``--kv-cache-tokens`` ``setting`` (``auto`` or a number). On cuda ``auto`` is
     ``plan`` over the memory free now (raises DoesNotFit); a number is taken as it is, with its size and, where
@@ -270,7 +270,7 @@ def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dt
         return KvBudget(tokens, tokens, f"KV cache: {tokens} tokens per engine")
     from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 
-    frames = ChunkPolicy(first_chunk_frames, chunk_frames, left_context_frames).resolved(
+    frames = ChunkPolicy.from_setting(first_chunk_frames, chunk_frames, left_context_frames).resolved(
         footprint.exact_left_context_frames).max_frames_per_call()
     free_bytes, device_name = free_gpu_memory()
     arguments = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,

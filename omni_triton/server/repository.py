@@ -45,7 +45,9 @@ class LaunchConfig:
     # Audio chunking: a small first chunk for a low time-to-first-audio, larger ones after it.
     first_chunk_frames: int = 4
     next_chunk_frames: int = 25
-    left_context_frames: int | None = None  # None: the vocoder's exact context (rendered "exact")
+    # stateful: chunks carry new frames only, the code2wav stage keeps each stream's vocoder state (exact audio);
+    # "exact" or None: each chunk re-decodes the vocoder's exact left context; a number: that many frames (inexact)
+    left_context_frames: int | str | None = "stateful"
     kv_cache_tokens: int = CPU_KV_CACHE_TOKENS  # KV budget of the thinker (and of the talker, unless set), in tokens
     talker_kv_cache_tokens: int | None = None  # None: kv_cache_tokens
     kv_block_size: int = 16
@@ -85,8 +87,9 @@ class LaunchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.talker_kv_cache_tokens is not None and self.talker_kv_cache_tokens < 1:
             raise ValueError(f"talker_kv_cache_tokens must be >= 1, got {self.talker_kv_cache_tokens}")
-        if self.left_context_frames is not None and self.left_context_frames < 1:
-            raise ValueError(f"left_context_frames must be >= 1, got {self.left_context_frames}")
+        if self.left_context_frames not in (None, "stateful", "exact") and (
+                not isinstance(self.left_context_frames, int) or self.left_context_frames < 1):
+            raise ValueError(f"left_context_frames must be 'stateful', 'exact' or >= 1, got {self.left_context_frames!r}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
             raise ValueError(f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
                              f"got {self.default_max_tokens}")

@@ -1,13 +1,20 @@
-"""Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks, left context cut off."""
+"""Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks.
+
+Two kinds of chunk, batched separately: left-context chunks (CODES + LEFT_CONTEXT: stateless, context cut off)
+and stream chunks (CODES + STREAM_ID, STREAM_START on the first: new frames only, the stream's vocoder state kept
+here on the stage's device). STREAM_END (with or without CODES) frees the stream's state after the chunk.
+"""
 
 import json
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.models.code2wav import check_code_range, code_embedding_rows
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
+from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
 from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
@@ -42,13 +49,23 @@ class TritonPythonModel:
                                                   **load_options(params), **graphs)
         self.embedding_rows = code_embedding_rows(self.vocoder.config)
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
+        # None: a runtime without streaming state (TensorRT, a one-pass ONNX file); stream chunks then fail
+        self.streams = (Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
+                                             self.vocoder.streaming_samples, self.device, initial_slots=2 * max_batch)
+                        if self.vocoder.streams else None)
+        if self.streams is None and params["left_context_frames"] == "stateful":
+            raise ValueError(f"--left-context-frames stateful needs a code2wav runtime that streams with state "
+                             f"(torch, or onnx with an export_code2wav_onnx --stateful file), not {self.vocoder.kind}")
         # A MetricFamily must outlive its metrics: keep both.
         self.metric_families = [
             pb_utils.MetricFamily("omni_code2wav_batch_chunks", "chunks decoded together in the last vocoder call",
                                   pb_utils.MetricFamily.GAUGE),
             pb_utils.MetricFamily("omni_code2wav_decoded_frames_total",
-                                  "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER)]
-        self.batch_chunks, self.decoded_frames = (family.Metric({}) for family in self.metric_families)
+                                  "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER),
+            pb_utils.MetricFamily("omni_code2wav_streams", "audio streams whose vocoder state this stage holds",
+                                  pb_utils.MetricFamily.GAUGE)]
+        self.batch_chunks, self.decoded_frames = (family.Metric({}) for family in self.metric_families[:2])
+        self.open_streams = self.metric_families[2].Metric({"stage": "code2wav"})
         self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda")
 
     @torch.inference_mode()
@@ -58,34 +75,82 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = [None] * len(requests)
         jobs, owners = [], []  # one job per batch row; owners[i]: index of the request it came from
+        chunks, chunk_owners, ending = [], [], []  # stream chunks; streams to free after this call
+        if self.streams is not None:
+            self.streams.evict_idle()
         for index, request in enumerate(requests):
             try:
-                rows = self._jobs(request)
+                stream = self._stream_request(request)
+                if stream is None:
+                    rows = self._jobs(request)
+                    jobs.extend(rows)
+                    owners.extend([index] * len(rows))
+                    continue
+                chunk, end = stream
+                if end:
+                    ending.append(chunk if isinstance(chunk, str) else chunk.stream_id)
+                if isinstance(chunk, str):  # STREAM_END alone
+                    responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.zeros((1, 0), np.float32))])
+                else:
+                    chunks.append(chunk)
+                    chunk_owners.append(index)
             except ValueError as error:
-                responses[index] = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
-                continue
-            jobs.extend(rows)
-            owners.extend([index] * len(rows))
+                responses[index] = _invalid(error)
         audio = self.decoder.decode(jobs)
-        self.batch_chunks.set(len(jobs))
-        self.decoded_frames.increment(sum(job.num_frames for job in jobs))
         for index in sorted(set(owners)):
             rows = [wav for wav, owner in zip(audio, owners) if owner == index]
             responses[index] = pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", torch.stack(rows))])
+        for index, samples in zip(chunk_owners, self.streams.decode(chunks) if chunks else []):
+            responses[index] = (_invalid(samples) if isinstance(samples, ValueError)
+                                else pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", samples[None])]))
+        for stream_id in ending:
+            self.streams.close(stream_id)
+        self.batch_chunks.set(len(jobs) + len(chunks))
+        self.decoded_frames.increment(sum(job.num_frames for job in jobs) + sum(c.codes.shape[1] for c in chunks))
+        self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
         return responses
 
     def finalize(self):
-        del self.batch_chunks, self.decoded_frames  # metrics before their families
+        del self.batch_chunks, self.decoded_frames, self.open_streams  # metrics before their families
         self.metric_families.clear()
         self.host_hops.close()
+
+    def _stream_request(self, request) -> tuple[StreamChunk | str, bool] | None:
+        """None: a left-context request. Else (the chunk, or the stream id alone for STREAM_END without CODES;
+        whether STREAM_END is set). Raises ValueError naming the bad input."""
+        stream_id = pb_utils.get_input_tensor_by_name(request, "STREAM_ID")
+        if stream_id is None:
+            return None
+        if self.streams is None:
+            raise ValueError(f"STREAM_ID: this code2wav stage's runtime ({self.vocoder.kind}) keeps no stream state "
+                             "(serve with --left-context-frames exact or a number)")
+        ids = host_array(stream_id).reshape(-1)
+        if ids.size != 1:
+            raise ValueError(f"STREAM_ID must name one stream per request, got {ids.size}")
+        sid = ids[0].decode() if isinstance(ids[0], bytes) else str(ids[0])
+        start, end = (bool(flag.reshape(-1)[0]) if (flag := _optional_host(request, name)) is not None else False
+                      for name in ("STREAM_START", "STREAM_END"))
+        codes_tensor = pb_utils.get_input_tensor_by_name(request, "CODES")
+        if codes_tensor is None:
+            if not end:
+                raise ValueError(f"CODES is missing for stream {sid!r} (only a STREAM_END request may omit it)")
+            return sid, True
+        self.host_hops.check(codes_tensor)
+        codes = to_torch(codes_tensor)
+        if codes.dim() != 3 or codes.shape[0] != 1:
+            raise ValueError(f"CODES of a stream chunk must be [1, G, n], got {tuple(codes.shape)}")
+        check_code_range(codes, self.vocoder.config.codebook_size, self.embedding_rows)
+        return StreamChunk(sid, codes[0], first=start), end
 
     def _jobs(self, request) -> list[ChunkJob]:
         """CODES [b, G, N] + LEFT_CONTEXT [b, 1] -> b chunk jobs (raises ValueError naming the bad input)."""
         codes_tensor = pb_utils.get_input_tensor_by_name(request, "CODES")
         self.host_hops.check(codes_tensor)
         codes = to_torch(codes_tensor)  # on the device the talker produced it on
-        left_context = host_array(pb_utils.get_input_tensor_by_name(request, "LEFT_CONTEXT")).reshape(-1)
+        left_context = _optional_host(request, "LEFT_CONTEXT")
+        if left_context is None:
+            raise ValueError("LEFT_CONTEXT is missing (a chunk without STREAM_ID needs its left context frame count)")
+        left_context = left_context.reshape(-1)
         num_frames = codes.shape[-1]
         if num_frames < 1:
             raise ValueError("CODES must hold at least one frame")
@@ -97,3 +162,12 @@ class TritonPythonModel:
                                  f"got {context}")
             jobs.append(ChunkJob.after_context(codes[row], context))
         return jobs
+
+
+def _optional_host(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else host_array(tensor)
+
+
+def _invalid(error: ValueError):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))

@@ -15,10 +15,8 @@ class TritonPythonModel:
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
-        left_context = params["left_context_frames"]
-        policy = ChunkPolicy(first_chunk_frames=int(params["first_chunk_frames"]),
-                             chunk_frames=int(params["next_chunk_frames"]),
-                             left_context_frames=None if left_context == "exact" else int(left_context))
+        policy = ChunkPolicy.from_setting(int(params["first_chunk_frames"]), int(params["next_chunk_frames"]),
+                                          params["left_context_frames"])
         self.orchestrator = Orchestrator(pb_utils, params["checkpoint_dir"], params["device"], policy,
                                          max_inflight=int(params["max_inflight_requests"]))
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot)
