@@ -63,11 +63,12 @@ def add_memory_arguments(group) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
                        help="with --kv-cache-tokens auto on cuda: the fraction of the GPU memory free at launch "
                             "that weights, activations and KV caches may fill (default: %(default)s)")
-    group.add_argument("--left-context-frames", type=left_context_setting, default=LaunchConfig.left_context_frames,
+    group.add_argument("--left-context-frames", type=left_context_setting,
                        help="how a code2wav chunk gets its past: stateful (new frames only, the vocoder keeps each "
                             "stream's state: one-pass audio at the cost of the new frames), exact (re-decode the "
                             "vocoder's whole receptive field per chunk), or a frame count (less compute than exact, "
-                            "audio no longer equal to a one-pass decode) (default: %(default)s)")
+                            "audio no longer equal to a one-pass decode) (default: stateful with --code2wav-runtime "
+                            "torch, exact with the others)")
     group.add_argument("--code2wav-max-batch", type=int, default=LaunchConfig.code2wav_max_batch,
                        help="audio chunks decoded together in one vocoder call; its activations grow with it "
                             "(default: %(default)s)")
@@ -119,7 +120,7 @@ def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
                        dtype=config.resolved_dtype, utilization=utilization,
                        max_inflight=config.max_inflight_requests, code2wav_batch=config.code2wav_max_batch,
                        first_chunk_frames=config.first_chunk_frames, chunk_frames=config.next_chunk_frames,
-                       left_context_frames=config.left_context_frames, block_size=config.kv_block_size,
+                       left_context_frames=config.resolved_left_context_frames, block_size=config.kv_block_size,
                        gpu_processes=gpu_processes)
     return replace(config, kv_cache_tokens=budget.thinker_tokens,
                    talker_kv_cache_tokens=budget.talker_tokens), budget.note

@@ -46,8 +46,10 @@ class LaunchConfig:
     first_chunk_frames: int = 4
     next_chunk_frames: int = 25
     # stateful: chunks carry new frames only, the code2wav stage keeps each stream's vocoder state (exact audio);
-    # "exact" or None: each chunk re-decodes the vocoder's exact left context; a number: that many frames (inexact)
-    left_context_frames: int | str | None = "stateful"
+    # exact: each chunk re-decodes the vocoder's exact left context; a number: that many frames (inexact audio);
+    # None: stateful with the torch runtime, exact with the others (engine files are one-pass unless exported
+    # --stateful, and TensorRT keeps no state)
+    left_context_frames: int | str | None = None
     kv_cache_tokens: int = CPU_KV_CACHE_TOKENS  # KV budget of the thinker (and of the talker, unless set), in tokens
     talker_kv_cache_tokens: int | None = None  # None: kv_cache_tokens
     kv_block_size: int = 16
@@ -78,6 +80,9 @@ class LaunchConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.code2wav_runtime not in CODE2WAV_RUNTIMES:
             raise ValueError(f"code2wav_runtime must be one of {CODE2WAV_RUNTIMES}, got {self.code2wav_runtime!r}")
+        if self.code2wav_runtime == "trt" and self.left_context_frames == "stateful":
+            raise ValueError("code2wav_runtime trt keeps no streaming state: use left_context_frames exact or a "
+                             "frame count with it (--left-context-frames), or the torch / onnx runtime")
         if self.code2wav_runtime in ("onnx", "trt") and self.code2wav_engine_path is None:
             raise ValueError(f"code2wav_runtime {self.code2wav_runtime} needs code2wav_engine_path")
         for name in ("first_chunk_frames", "next_chunk_frames", "kv_cache_tokens", "kv_block_size",
@@ -93,6 +98,12 @@ class LaunchConfig:
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
             raise ValueError(f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
                              f"got {self.default_max_tokens}")
+
+    @property
+    def resolved_left_context_frames(self) -> int | str:
+        if self.left_context_frames is None:
+            return "stateful" if self.code2wav_runtime == "torch" else "exact"
+        return self.left_context_frames
 
     @property
     def resolved_dtype(self) -> str:
@@ -116,7 +127,7 @@ class LaunchConfig:
             torch_threads=self.torch_threads.get(model, 1),
             kv_cache_tokens=self.resolved_talker_kv_cache_tokens if model == "talker" else self.kv_cache_tokens,
             talker_kv_cache_tokens=self.resolved_talker_kv_cache_tokens,
-            left_context_frames="exact" if self.left_context_frames is None else self.left_context_frames,
+            left_context_frames=self.resolved_left_context_frames,
             code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",
             code_groups=_checkpoint_code_groups(checkpoint),
             fast_path="on" if self.fast_path else "off",

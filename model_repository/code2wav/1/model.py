@@ -53,9 +53,12 @@ class TritonPythonModel:
         self.streams = (Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
                                              self.vocoder.streaming_samples, self.device, initial_slots=2 * max_batch)
                         if self.vocoder.streams else None)
-        if self.streams is None and params["left_context_frames"] == "stateful":
+        stateful = params["left_context_frames"] == "stateful"
+        if self.streams is None and stateful:
             raise ValueError(f"--left-context-frames stateful needs a code2wav runtime that streams with state "
                              f"(torch, or onnx with an export_code2wav_onnx --stateful file), not {self.vocoder.kind}")
+        if self.vocoder.kind == "onnxruntime" and self.vocoder.streams and not stateful:
+            raise ValueError("this ONNX file is a --stateful export: serve it with --left-context-frames stateful")
         # A MetricFamily must outlive its metrics: keep both.
         self.metric_families = [
             pb_utils.MetricFamily("omni_code2wav_batch_chunks", "chunks decoded together in the last vocoder call",

@@ -27,7 +27,7 @@ class InProcessRunner:
             config.checkpoint_dir, device=config.device, dtype=dtype, engine_config=thinker,
             talker_engine_config=talker, load_format=config.load_format, seed=config.dummy_seed,
             policy=ChunkPolicy.from_setting(config.first_chunk_frames, config.next_chunk_frames,
-                                            config.left_context_frames))
+                                            config.resolved_left_context_frames))
 
     def open_worker(self) -> SharedWorker:
         return SharedWorker(self.request)
