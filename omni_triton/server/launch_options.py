@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION, SERVED_GPU_PROCESSES,
-                                            THINKER_KV_SHARE, kv_budget, kv_tokens_setting)
+                                            THINKER_KV_SHARE, kv_budget, kv_tokens_setting,
+                                            word_or_count)
 from omni_triton.server.repository import LOAD_FORMATS, LaunchConfig
 
 
@@ -128,12 +129,4 @@ def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
 
 def left_context_setting(value: str) -> int | str:
     """``--left-context-frames``: stateful, exact or a frame count >= 1."""
-    if value in ("stateful", "exact"):
-        return value
-    try:
-        frames = int(value)
-    except ValueError:
-        frames = 0
-    if frames < 1:
-        raise argparse.ArgumentTypeError(f"expected stateful, exact or a frame count >= 1, got {value!r}")
-    return frames
+    return word_or_count(value, ("stateful", "exact"), "a frame count")

@@ -294,14 +294,19 @@ def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dt
 
 def kv_tokens_setting(text: str) -> int | str:
     """argparse type of ``--kv-cache-tokens``: ``auto`` or a number of tokens >= 1."""
-    if text == "auto":
+    return word_or_count(text, ("auto",), "a number of tokens")
+
+
+def word_or_count(text: str, words: tuple[str, ...], count: str) -> int | str:
+    """argparse type of a setting that is one of ``words`` or a ``count`` >= 1."""
+    if text in words:
         return text
     try:
-        tokens = int(text)
+        number = int(text)
     except ValueError:
-        tokens = 0
-    if tokens < 1:
+        number = 0
+    if number < 1:
         import argparse
 
-        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens >= 1, got {text!r}")
-    return tokens
+        raise argparse.ArgumentTypeError(f"expected {', '.join(words)} or {count} >= 1, got {text!r}")
+    return number
