@@ -106,3 +106,15 @@ def test_state_specs_match_initial_state_and_outputs(model64):
     assert waveform.shape == (3, 5 * model64.samples_per_frame)
     assert [(t.shape, t.dtype) for t in new_state] == [(t.shape, t.dtype) for t in state]
     assert new_state[0].tolist() == [5, 2, 1]
+
+
+def test_a_row_without_new_frames_keeps_its_state(model64):
+    """lengths 0 (a padding row, e.g. of a CUDA graph's batch bucket): fresh or not, the state comes back as it
+    went in, so padding rows can never corrupt anything."""
+    streaming = StreamingCode2Wav(model64)
+    codes = codes_for(model64, 2, 6, seed=2)
+    with torch.inference_mode():
+        _, *state = streaming(codes, torch.tensor([6, 3]), *streaming.initial_state(2))
+        mixed = [torch.cat([t[:1], torch.zeros_like(t[:1])]) for t in state]  # a stream past 6 frames, a fresh one
+        _, *after = streaming(codes, torch.tensor([0, 0]), *mixed)
+    assert all(torch.equal(a, b) for a, b in zip(after, mixed))

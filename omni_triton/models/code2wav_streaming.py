@@ -52,7 +52,7 @@ class StreamingCode2Wav(nn.Module):
     """``forward(codes, lengths, *state) -> (waveform, *new_state)`` around a ``Code2Wav`` (its weights, shared).
 
     codes [B, G, T] int64 (row b's first ``lengths[b]`` frames are new frames, the rest padding); lengths [B]
-    int64 >= 1; state: ``state_specs()`` order. waveform [B, T * samples_per_frame]: row b's first
+    int64 (0: the row's state comes back unchanged); state: ``state_specs()`` order. waveform [B, T * samples_per_frame]: row b's first
     ``new_samples(positions[b], lengths[b])`` samples are its new audio.
     """
 
@@ -178,7 +178,8 @@ class _StatefulConvRunner:
         frames = padded.shape[-1] - 1
         raw = conv.conv(padded)  # [B, C, (frames + 2) * r]
         start = stride + stride * self.fresh.long()
-        self.valid = self.valid * stride - stride * self.fresh.long()
+        # clamped: a row with no new frames (a padding row of a CUDA graph's batch bucket) keeps its state as it is
+        self.valid = (self.valid * stride - stride * self.fresh.long()).clamp(min=0)
         return _window(raw, start, frames * stride, dim=-1)
 
     def check_done(self) -> None:
