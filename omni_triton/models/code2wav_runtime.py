@@ -161,15 +161,38 @@ class TorchCode2Wav(Code2WavRuntime):
         self.graphs = (Code2WavGraphs(self._eager, self.num_quantizers, device, graph_settings)
                        if cuda_graphs and device.type == "cuda" else None)
         self.streaming = StreamingCode2Wav(self.model)
+        # stream chunks: the same replay of short calls, state inputs and outputs included
+        self.stream_graphs = self._stream_graphs(graph_settings) if self.graphs is not None else None
 
     streams = True
+
+    def _stream_graphs(self, settings: GraphSettings) -> Code2WavGraphs | None:
+        """None (stream chunks run eagerly, logged) when the capture at start fails: an optimisation only."""
+        try:
+            return Code2WavGraphs(self._eager_stream, self.num_quantizers, self.device, settings,
+                                  capture_inputs=self._stream_capture_inputs)
+        except RuntimeError as error:
+            print(f"code2wav: CUDA graphs of stream chunks could not be captured, they run eagerly: {error}",
+                  flush=True)
+            return None
+
+    def _stream_capture_inputs(self, bucket: int, frames: int) -> tuple[torch.Tensor, ...]:
+        codes = torch.zeros(bucket, self.num_quantizers, frames, dtype=torch.long, device=self.device)
+        lengths = torch.full((bucket,), frames, dtype=torch.long, device=self.device)
+        return (codes, lengths, *self.streaming.initial_state(bucket, self.device))
+
+    @torch.inference_mode()
+    def _eager_stream(self, codes, lengths, *state):
+        return tuple(self.streaming(codes, lengths, *state))
 
     def state_specs(self) -> list[StateSpec]:
         return self.streaming.state_specs()
 
     @torch.inference_mode()
     def _run_stream(self, codes, lengths, state):
-        return self.streaming(codes, lengths, *state)
+        if self.stream_graphs is not None and self.stream_graphs.serves(codes.shape):
+            return self.stream_graphs.run(codes, lengths, *state)
+        return self._eager_stream(codes, lengths, *state)
 
     @torch.inference_mode()
     def _run(self, codes: torch.Tensor) -> torch.Tensor:
