@@ -10,7 +10,9 @@ the code2wav stage can decode it, all eager (no CUDA graphs), seeded random weig
 - stateful: the stage's own path, ``Code2WavStreamStates.decode`` (gather each stream's state slot, decode the new
   frames with ``decode_stream``, write the state back), streams already past their first chunks;
 - context 25: one stateless decode of 25 + 25 frames (``--left-context-frames 25``: inexact audio);
-- exact: one stateless decode of 25 + ``exact_left_context_frames`` frames (578 at full size).
+- exact: one stateless decode of 25 + ``exact_left_context_frames`` frames (578 at full size);
+- stateful graph (CUDA only): the stateful path with the torch runtime's CUDA graphs (``--cuda-graphs on``: the
+  stage replays stream chunks of up to 32 frames from graphs, batch padded to a bucket).
 
 Also, at batch 1: the stateful stream of the 4/8/24/25 ramp against a one-pass decode of the same frames (max
 abs error; bf16 rounding at full size). Prints a markdown table; writes code2wav_state_bench.json and .md.
@@ -28,6 +30,7 @@ import torch
 
 from engine_microbench import config_dir, timed
 from omni_triton.models.code2wav import exact_left_context_frames
+from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
 
@@ -63,21 +66,29 @@ def ramp_error(runtime: Code2WavRuntime, generator: torch.Generator) -> dict:
                 reference_std=reference.std().item(), clamped_fraction=(reference.abs() >= 1.0).float().mean().item())
 
 
-@torch.inference_mode()
-def time_batch(runtime: Code2WavRuntime, batch: int, chunk: int, exact: int, generator: torch.Generator) -> dict:
-    device = runtime.device
+def stateful_call(runtime: Code2WavRuntime, batch: int, chunk: int, generator: torch.Generator):
+    """The stage's decode of one later chunk per stream, streams already past their first chunks."""
     states = stream_store(runtime, batch)
     ids = [f"s{i}" for i in range(batch)]
     warm = random_codes(runtime, batch, 2 * chunk, generator)
-    states.decode([StreamChunk(sid, warm[i, :, :4], first=True) for i, sid in enumerate(ids)])  # past the first
+    states.decode([StreamChunk(sid, warm[i, :, :4], first=True) for i, sid in enumerate(ids)])
     states.decode([StreamChunk(sid, warm[i, :, 4:], first=False) for i, sid in enumerate(ids)])
     new = random_codes(runtime, batch, chunk, generator)
     chunks = [StreamChunk(sid, new[i], first=False) for i, sid in enumerate(ids)]
+    return lambda: states.decode(chunks)
+
+
+@torch.inference_mode()
+def time_batch(runtime: Code2WavRuntime, graph_runtime: Code2WavRuntime | None, batch: int, chunk: int, exact: int,
+               generator: torch.Generator) -> dict:
+    device = runtime.device
     row = dict(batch=batch)
-    cases = (("stateful_ms", lambda: states.decode(chunks)),
+    cases = (("stateful_ms", stateful_call(runtime, batch, chunk, generator)),
              ("context25_ms", lambda codes=random_codes(runtime, batch, CONTEXT_25 + chunk, generator):
               runtime.decode(codes)),
              ("exact_ms", lambda codes=random_codes(runtime, batch, exact + chunk, generator): runtime.decode(codes)))
+    if graph_runtime is not None:
+        cases += (("stateful_graph_ms", stateful_call(graph_runtime, batch, chunk, generator)),)
     for name, call in cases:
         try:
             row[name] = 1e3 * timed(call, device)
@@ -98,11 +109,11 @@ def markdown(result: dict) -> str:
              f"One later chunk of {result['chunk_frames']} new frames per stream, eager: stateful (the stage's "
              f"state slots + decode of the new frames), context 25 ({CONTEXT_25} + {result['chunk_frames']} frames), "
              f"exact ({result['exact_left_context_frames']} + {result['chunk_frames']} frames):", "",
-             "| batch | stateful ms | context 25 ms | exact ms | stateful / context 25 | stateful / exact |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| batch | stateful ms | context 25 ms | exact ms | stateful / context 25 | stateful / exact | "
+             "stateful graph ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {_num(r['stateful_ms'])} | {_num(r['context25_ms'])} | {_num(r['exact_ms'])} | "
-              f"{_num(r.get('stateful_over_context25'))} | {_num(r.get('stateful_over_exact'), 3)} |"
-              for r in result["rows"]]
+              f"{_num(r.get('stateful_over_context25'))} | {_num(r.get('stateful_over_exact'), 3)} | "
+              f"{_num(r.get('stateful_graph_ms'))} |" for r in result["rows"]]
     lines += ["", f"Stateful ramp {ramp['frames']} vs one pass (batch 1): max abs error {ramp['max_abs_error']:.2e}, "
               f"reference std {ramp['reference_std']:.3f}, {100 * ramp['clamped_fraction']:.1f}% of samples at the "
               "+-1 clamp."]
@@ -125,8 +136,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    runtime = Code2WavRuntime.create("torch", config_dir(args.config, 0), device=device,
-                                     dtype=getattr(torch, args.dtype), load_format="dummy")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    source = dict(device=device, dtype=getattr(torch, args.dtype), load_format="dummy")
+    runtime = Code2WavRuntime.create("torch", config_dir(args.config, 0), **source)
+    # same seeded weights; graphs of every bucket up to the largest batch, captured on first use
+    graph_runtime = (Code2WavRuntime.create("torch", config_dir(args.config, 0), **source, cuda_graphs=True,
+                                            graph_settings=GraphSettings(max_batch=max(batches),
+                                                                         max_frames=max(32, args.chunk_frames)))
+                     if device.type == "cuda" else None)
     exact = exact_left_context_frames(runtime.config)
     generator = torch.Generator().manual_seed(0)
     result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
@@ -134,8 +151,8 @@ def main(argv=None) -> None:
                   exact_left_context_frames=exact,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   ramp=ramp_error(runtime, generator), rows=[])
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        result["rows"].append(time_batch(runtime, batch, args.chunk_frames, exact, generator))
+    for batch in batches:
+        result["rows"].append(time_batch(runtime, graph_runtime, batch, args.chunk_frames, exact, generator))
         print(markdown(result), flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

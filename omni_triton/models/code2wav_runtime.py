@@ -16,7 +16,7 @@ when its file is a ``--stateful`` export (``streams`` says which); the TensorRT 
 ``cuda_graphs=True`` (torch backend on a CUDA device; elsewhere, and for the other backends, it changes
 nothing): short calls -- the first audio chunk and other calls of at most ``graph_settings.max_frames``
 frames -- replay captured CUDA graphs instead of launching every kernel (``code2wav_graphs``); the first-chunk
-shapes are captured when the runtime is built.
+shapes are captured when the runtime is built. ``decode_stream`` calls of such shapes replay graphs of their own.
 """
 
 from __future__ import annotations
