@@ -65,6 +65,7 @@ class Footprint:
     thinker_kv_token_bytes: int
     talker_kv_token_bytes: int
     code2wav_frame_bytes: int    # activations per decoded frame and batch row
+    code2wav_stream_bytes: int   # one audio stream's vocoder state (--left-context-frames stateful)
     thinker_context: int         # max_position_embeddings
     talker_context: int
     exact_left_context_frames: int
@@ -75,6 +76,7 @@ class Footprint:
 
         from omni_triton.models.audio_encoder import AudioEncoder
         from omni_triton.models.code2wav import Code2Wav, exact_left_context_frames
+        from omni_triton.models.code2wav_streaming import StreamingCode2Wav
         from omni_triton.models.config import OmniConfig
         from omni_triton.models.talker import Talker
         from omni_triton.models.thinker import Thinker
@@ -94,6 +96,8 @@ class Footprint:
             thinker_kv_token_bytes=_kv_token_bytes(thinker_text, dtype),
             talker_kv_token_bytes=_kv_token_bytes(talker_text, dtype),
             code2wav_frame_bytes=_code2wav_widest_per_frame(config.code2wav) * element * CODE2WAV_LIVE_TENSORS,
+            code2wav_stream_bytes=sum(math.prod(spec.shape) for spec in StreamingCode2Wav(code2wav).state_specs())
+            * element,
             thinker_context=int(thinker_text.raw.get("max_position_embeddings", 32768)),
             talker_context=int(talker_text.raw.get("max_position_embeddings", 32768)),
             exact_left_context_frames=exact_left_context_frames(config.code2wav),
@@ -174,16 +178,18 @@ def _gib(num_bytes: int) -> str:
 
 def plan(footprint: Footprint, free_bytes: int, *, utilization: float = DEFAULT_UTILIZATION,
          gpu_processes: int = SERVED_GPU_PROCESSES, max_inflight: int = 16, code2wav_batch: int = 8,
-         code2wav_frames: int | None = None, block_size: int = 16, device_name: str = "GPU",
-         layers_hint: bool = True) -> MemoryPlan:
+         code2wav_frames: int | None = None, code2wav_streams: int = 0, block_size: int = 16,
+         device_name: str = "GPU", layers_hint: bool = True) -> MemoryPlan:
     """The KV budget of each engine on a GPU with ``free_bytes`` free (see the module doc). ``code2wav_frames``:
-    frames of the vocoder's largest call (default: exact left context + 25). Raises DoesNotFit, naming what to
+    frames of the vocoder's largest call (default: exact left context + 25). ``code2wav_streams``: vocoder states
+    held at most (stateful chunks: the stage's slots). Raises DoesNotFit, naming what to
     change (and, with ``layers_hint``, the most layers that fit), when either engine would get fewer than
     ``MIN_KV_TOKENS`` tokens."""
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     frames = code2wav_frames or footprint.exact_left_context_frames + 25
-    code2wav_activations = footprint.code2wav_frame_bytes * frames * code2wav_batch
+    code2wav_activations = (footprint.code2wav_frame_bytes * frames * code2wav_batch
+                            + footprint.code2wav_stream_bytes * code2wav_streams)
     reserved = gpu_processes * GPU_PROCESS_BYTES + 2 * ENGINE_STEP_BYTES + code2wav_activations
     kv_bytes = int(free_bytes * utilization) - footprint.weight_bytes - reserved
     thinker_bytes = int(max(kv_bytes, 0) * THINKER_KV_SHARE)
@@ -270,11 +276,13 @@ def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dt
         return KvBudget(tokens, tokens, f"KV cache: {tokens} tokens per engine")
     from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 
-    frames = ChunkPolicy.from_setting(first_chunk_frames, chunk_frames, left_context_frames).resolved(
-        footprint.exact_left_context_frames).max_frames_per_call()
+    policy = ChunkPolicy.from_setting(first_chunk_frames, chunk_frames, left_context_frames)
+    frames = policy.resolved(footprint.exact_left_context_frames).max_frames_per_call()
+    # the state slots double when full: room for twice the streams in flight
     free_bytes, device_name = free_gpu_memory()
     arguments = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,
                      code2wav_batch=code2wav_batch, code2wav_frames=frames, block_size=block_size,
+                     code2wav_streams=2 * max_inflight if policy.stateful else 0,
                      device_name=device_name)
     if setting == "auto":
         fitted = plan(footprint, free_bytes, **arguments)
