@@ -12,7 +12,8 @@
 #
 # Settings (environment): LEVELS (default 1,4,8,16,32,64), SEQ_LEVELS (1,4,16), LEFT_CONTEXT (code2wav left
 # context in frames, default 25: what transformers' own Code2Wav.chunked_decode uses; "exact" = the receptive
-# field, 578 frames), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG.
+# field, 578 frames; "stateful" = new frames only, the vocoder's state kept by the stage: one-pass audio, the
+# serve default), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG.
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}
@@ -25,8 +26,8 @@ LEFT_CONTEXT=${LEFT_CONTEXT:-25}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 
-context_args() {  # $1: frames or "exact"
-  [ "$1" = exact ] || echo "--left-context-frames $1"
+context_args() {  # $1: frames, "exact" or "stateful"
+  echo "--left-context-frames $1"
 }
 MODEL="--device cuda --config $CONFIG --fast-path on --cuda-graphs on"
 omni() { python3 -m omni_triton.cli "$@"; }
