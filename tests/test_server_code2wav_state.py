@@ -82,6 +82,8 @@ def test_bad_stream_requests_are_errors_naming_the_input(triton_server, vocoder)
                                                                    - vocoder.trim_samples:], atol=1e-4)
         with pytest.raises(InferenceServerException, match="STREAM_ID 'twice' is not a stream"):
             stream_chunk(client, "twice", codes)  # ended: its state is gone
+        with pytest.raises(InferenceServerException, match="CODES and LEFT_CONTEXT are needed"):
+            infer(client, "code2wav", CODES=codes[None])  # neither a stream chunk nor a left-context one
 
 
 def test_stream_end_without_codes_frees_the_state(triton_server, vocoder):

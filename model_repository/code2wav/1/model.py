@@ -11,15 +11,14 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from omni_triton.models.code2wav import check_code_range, code_embedding_rows
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
-from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
+from omni_triton.pipeline.code2wav_states import Code2WavStreamStates
+from omni_triton.pipeline.code2wav_stream import StreamDecoder
+from omni_triton.server.code2wav_requests import Code2WavRequests
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
-from omni_triton.server.stage_io import (configure_interstage_memory, from_torch, host_array, load_options,
-                                         stage_loading, to_torch)
+from omni_triton.server.stage_io import configure_interstage_memory, from_torch, load_options, stage_loading
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -47,7 +46,6 @@ class TritonPythonModel:
             self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
                                                   dtype=getattr(torch, params["dtype"]), **engine,
                                                   **load_options(params), **graphs)
-        self.embedding_rows = code_embedding_rows(self.vocoder.config)
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         # None: a runtime without streaming state (TensorRT, a one-pass ONNX file); stream chunks then fail
         self.streams = (Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
@@ -70,6 +68,8 @@ class TritonPythonModel:
         self.batch_chunks, self.decoded_frames = (family.Metric({}) for family in self.metric_families[:2])
         self.open_streams = self.metric_families[2].Metric({"stage": "code2wav"})
         self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda")
+        self.requests = Code2WavRequests(pb_utils, self.vocoder.config, self.host_hops,
+                                         None if self.streams is not None else self.vocoder.kind)
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -83,22 +83,21 @@ class TritonPythonModel:
             self.streams.evict_idle()
         for index, request in enumerate(requests):
             try:
-                stream = self._stream_request(request)
-                if stream is None:
-                    rows = self._jobs(request)
-                    jobs.extend(rows)
-                    owners.extend([index] * len(rows))
-                    continue
-                chunk, end = stream
-                if end:
-                    ending.append(chunk if isinstance(chunk, str) else chunk.stream_id)
-                if isinstance(chunk, str):  # STREAM_END alone
-                    responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.zeros((1, 0), np.float32))])
-                else:
-                    chunks.append(chunk)
-                    chunk_owners.append(index)
+                parsed = self.requests.parse(request)
             except ValueError as error:
                 responses[index] = _invalid(error)
+                continue
+            if isinstance(parsed, list):  # left-context chunk jobs
+                jobs.extend(parsed)
+                owners.extend([index] * len(parsed))
+                continue
+            if parsed.end:
+                ending.append(parsed.stream_id)
+            if parsed.chunk is None:  # STREAM_END alone
+                responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.zeros((1, 0), np.float32))])
+            else:
+                chunks.append(parsed.chunk)
+                chunk_owners.append(index)
         audio = self.decoder.decode(jobs)
         for index in sorted(set(owners)):
             rows = [wav for wav, owner in zip(audio, owners) if owner == index]
@@ -117,59 +116,6 @@ class TritonPythonModel:
         del self.batch_chunks, self.decoded_frames, self.open_streams  # metrics before their families
         self.metric_families.clear()
         self.host_hops.close()
-
-    def _stream_request(self, request) -> tuple[StreamChunk | str, bool] | None:
-        """None: a left-context request. Else (the chunk, or the stream id alone for STREAM_END without CODES;
-        whether STREAM_END is set). Raises ValueError naming the bad input."""
-        stream_id = pb_utils.get_input_tensor_by_name(request, "STREAM_ID")
-        if stream_id is None:
-            return None
-        if self.streams is None:
-            raise ValueError(f"STREAM_ID: this code2wav stage's runtime ({self.vocoder.kind}) keeps no stream state "
-                             "(serve with --left-context-frames exact or a number)")
-        ids = host_array(stream_id).reshape(-1)
-        if ids.size != 1:
-            raise ValueError(f"STREAM_ID must name one stream per request, got {ids.size}")
-        sid = ids[0].decode() if isinstance(ids[0], bytes) else str(ids[0])
-        start, end = (bool(flag.reshape(-1)[0]) if (flag := _optional_host(request, name)) is not None else False
-                      for name in ("STREAM_START", "STREAM_END"))
-        codes_tensor = pb_utils.get_input_tensor_by_name(request, "CODES")
-        if codes_tensor is None:
-            if not end:
-                raise ValueError(f"CODES is missing for stream {sid!r} (only a STREAM_END request may omit it)")
-            return sid, True
-        self.host_hops.check(codes_tensor)
-        codes = to_torch(codes_tensor)
-        if codes.dim() != 3 or codes.shape[0] != 1:
-            raise ValueError(f"CODES of a stream chunk must be [1, G, n], got {tuple(codes.shape)}")
-        check_code_range(codes, self.vocoder.config.codebook_size, self.embedding_rows)
-        return StreamChunk(sid, codes[0], first=start), end
-
-    def _jobs(self, request) -> list[ChunkJob]:
-        """CODES [b, G, N] + LEFT_CONTEXT [b, 1] -> b chunk jobs (raises ValueError naming the bad input)."""
-        codes_tensor = pb_utils.get_input_tensor_by_name(request, "CODES")
-        self.host_hops.check(codes_tensor)
-        codes = to_torch(codes_tensor)  # on the device the talker produced it on
-        left_context = _optional_host(request, "LEFT_CONTEXT")
-        if left_context is None:
-            raise ValueError("LEFT_CONTEXT is missing (a chunk without STREAM_ID needs its left context frame count)")
-        left_context = left_context.reshape(-1)
-        num_frames = codes.shape[-1]
-        if num_frames < 1:
-            raise ValueError("CODES must hold at least one frame")
-        check_code_range(codes, self.vocoder.config.codebook_size, self.embedding_rows)
-        jobs = []
-        for row, context in enumerate(left_context.tolist()):
-            if not 0 <= context < num_frames:
-                raise ValueError(f"LEFT_CONTEXT must be in [0, {num_frames - 1}] for {num_frames} frames, "
-                                 f"got {context}")
-            jobs.append(ChunkJob.after_context(codes[row], context))
-        return jobs
-
-
-def _optional_host(request, name: str):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else host_array(tensor)
 
 
 def _invalid(error: ValueError):
