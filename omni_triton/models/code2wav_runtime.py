@@ -47,6 +47,7 @@ class Code2WavRuntime:
         self.sliding_window = config.sliding_window
         self.samples_per_frame = Code2Wav.samples_per_frame_for(config)
         self.trim_samples = Code2Wav.trim_samples_for(config)
+        self._state_specs: list[StateSpec] | None = None
 
     def output_length(self, num_frames: int) -> int:
         return num_frames * self.samples_per_frame - self.trim_samples
@@ -68,6 +69,11 @@ class Code2WavRuntime:
 
     def state_specs(self) -> list[StateSpec]:
         """Per-stream state layout of ``decode_stream`` (fp32 for the exported backends)."""
+        if self._state_specs is None:  # checked on every call: built once
+            self._state_specs = self._build_state_specs()
+        return self._state_specs
+
+    def _build_state_specs(self) -> list[StateSpec]:
         with torch.device("meta"):
             return StreamingCode2Wav(Code2Wav(self.config)).state_specs()
 
@@ -185,8 +191,8 @@ class TorchCode2Wav(Code2WavRuntime):
     def _eager_stream(self, codes, lengths, *state):
         return tuple(self.streaming(codes, lengths, *state))
 
-    def state_specs(self) -> list[StateSpec]:
-        return self.streaming.state_specs()
+    def _build_state_specs(self) -> list[StateSpec]:
+        return self.streaming.state_specs()  # in the model's dtype
 
     @torch.inference_mode()
     def _run_stream(self, codes, lengths, state):
