@@ -11,9 +11,10 @@
 # Every bench run writes its results.json after each level, so a part cut short keeps what it measured.
 #
 # Settings (environment): LEVELS (default 1,4,8,16,32,64), SEQ_LEVELS (1,4,16; empty: no sequential run),
-# LEFT_CONTEXT (code2wav left context in frames, default 25: what transformers' own Code2Wav.chunked_decode uses;
-# "exact" or "default" = no --left-context-frames, serve's default), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32),
-# CONFIG, SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows).
+# LEFT_CONTEXT (code2wav left context: frames, default 25: what transformers' own Code2Wav.chunked_decode uses;
+# "exact" = the receptive field, 578 frames; "stateful" = new frames only, the vocoder's state kept by the stage:
+# one-pass audio, the serve default; "default" = no flag), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG,
+# SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows).
 # Two talker + two code2wav instances against one each on one GPU (docs/scaling.md):
 #   LEVELS=32,64 SEQ_LEVELS= LABEL="one instance each" bash benchmarks/full_size_sweep.sh served OUT/one
 #   LEVELS=32,64 SEQ_LEVELS= LABEL="talker x2, code2wav x2" SERVE_ARGS="--instances talker=2,code2wav=2" \
@@ -30,8 +31,8 @@ LEFT_CONTEXT=${LEFT_CONTEXT:-25}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 
-context_args() {  # $1: frames, or "exact"/"default" (serve's default)
-  [ "$1" = exact ] || [ "$1" = default ] || echo "--left-context-frames $1"
+context_args() {  # $1: frames, "exact", "stateful", or "default" (no flag: serve's default)
+  [ "$1" = default ] || echo "--left-context-frames $1"
 }
 SERVE_ARGS=${SERVE_ARGS:-}
 MODEL="--device cuda --config $CONFIG --fast-path on --cuda-graphs on"

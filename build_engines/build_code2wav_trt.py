@@ -7,6 +7,11 @@ The optimization profile covers what the streaming decoder sends (omni_triton.pi
 frames from 1 (a stream's last, short chunk) to ``left_context + chunk_frames``, optimised for a full
 chunk; batch from 1 to ``--max-batch`` streams per call. Needs the ``tensorrt`` Python package (the NGC
 TensorRT / Triton images have it); the equivalent ``trtexec`` command is printed either way.
+
+``--stateful`` builds from a ``export_code2wav_onnx --stateful`` file: frames 1 to the largest chunk (no left
+context), and a profile for ``lengths`` and every state input (batch varies, the rest is fixed by the model).
+TensorRT does not run on the machines this project is developed on (no wheel reachable, no TensorRT on the GPU
+machine): the build and the plan are untested here; the ONNX file they start from is checked with ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -15,31 +20,45 @@ import argparse
 import time
 from pathlib import Path
 
-from omni_triton.models.code2wav import Code2WavConfig, exact_left_context_frames
+import torch
+
+from omni_triton.models.code2wav import Code2Wav, Code2WavConfig, exact_left_context_frames
+from omni_triton.models.code2wav_streaming import CODES_NAME, LENGTHS_NAME, StreamingCode2Wav
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 
-INPUT_NAME = "codes"
+INPUT_NAME = CODES_NAME
+Profile = dict[str, dict[str, tuple]]  # input name -> {"min" | "opt" | "max": shape}
 
 
-def profile_shapes(num_quantizers: int, policy: ChunkPolicy, opt_batch: int, max_batch: int) -> dict[str, tuple]:
+def profile_shapes(num_quantizers: int, policy: ChunkPolicy, opt_batch: int, max_batch: int) -> Profile:
     full_chunk = policy.left_context_frames + policy.chunk_frames
-    return {"min": (1, num_quantizers, 1), "opt": (opt_batch, num_quantizers, full_chunk),
-            "max": (max_batch, num_quantizers, policy.max_frames_per_call())}
+    return {INPUT_NAME: {"min": (1, num_quantizers, 1), "opt": (opt_batch, num_quantizers, full_chunk),
+                         "max": (max_batch, num_quantizers, policy.max_frames_per_call())}}
 
 
-def trtexec_command(onnx_path: Path, plan_path: Path, shapes: dict[str, tuple], precision: str,
-                    workspace_mib: int) -> str:
-    def dims(shape):
-        return "x".join(str(n) for n in shape)
+def stateful_profile_shapes(config: Code2WavConfig, policy: ChunkPolicy, opt_batch: int, max_batch: int) -> Profile:
+    """The streaming decoder's inputs: new frames only (1 to the largest chunk), lengths, each state tensor."""
+    g = config.num_quantizers
+    longest = max(policy.first_chunk_frames, policy.chunk_frames)
+    shapes = {INPUT_NAME: {"min": (1, g, 1), "opt": (opt_batch, g, policy.chunk_frames), "max": (max_batch, g, longest)},
+              LENGTHS_NAME: {"min": (1,), "opt": (opt_batch,), "max": (max_batch,)}}
+    with torch.device("meta"):
+        specs = StreamingCode2Wav(Code2Wav(config)).state_specs()
+    for spec in specs:
+        shapes[spec.name] = {"min": (1, *spec.shape), "opt": (opt_batch, *spec.shape), "max": (max_batch, *spec.shape)}
+    return shapes
+
+
+def trtexec_command(onnx_path: Path, plan_path: Path, shapes: Profile, precision: str, workspace_mib: int) -> str:
+    def dims(which):
+        return ",".join(f"{name}:" + "x".join(str(n) for n in shape[which]) for name, shape in shapes.items())
 
     flags = {"fp32": "", "fp16": " --fp16", "bf16": " --bf16"}[precision]
-    return (f"trtexec --onnx={onnx_path} --saveEngine={plan_path} "
-            f"--minShapes={INPUT_NAME}:{dims(shapes['min'])} --optShapes={INPUT_NAME}:{dims(shapes['opt'])} "
-            f"--maxShapes={INPUT_NAME}:{dims(shapes['max'])} --memPoolSize=workspace:{workspace_mib}{flags}")
+    return (f"trtexec --onnx={onnx_path} --saveEngine={plan_path} --minShapes={dims('min')} "
+            f"--optShapes={dims('opt')} --maxShapes={dims('max')} --memPoolSize=workspace:{workspace_mib}{flags}")
 
 
-def build_engine(onnx_path: Path, plan_path: Path, shapes: dict[str, tuple], precision: str,
-                 workspace_mib: int) -> Path:
+def build_engine(onnx_path: Path, plan_path: Path, shapes: Profile, precision: str, workspace_mib: int) -> Path:
     import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.INFO)
@@ -60,7 +79,8 @@ def build_engine(onnx_path: Path, plan_path: Path, shapes: dict[str, tuple], pre
     elif precision == "bf16":
         config.set_flag(trt.BuilderFlag.BF16)
     profile = builder.create_optimization_profile()
-    profile.set_shape(INPUT_NAME, shapes["min"], shapes["opt"], shapes["max"])
+    for name, shape in shapes.items():
+        profile.set_shape(name, shape["min"], shape["opt"], shape["max"])
     config.add_optimization_profile(profile)
 
     serialized = builder.build_serialized_network(network, config)
@@ -84,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: the exact left context of the model")
     parser.add_argument("--opt-batch", type=int, default=4)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--stateful", action="store_true",
+                        help="the ONNX file is the stateful streaming decoder (export_code2wav_onnx --stateful)")
     args = parser.parse_args(argv)
 
     config = Code2WavConfig.from_pretrained(args.checkpoint)
@@ -91,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         exact_left_context_frames(config))
     if not 1 <= args.opt_batch <= args.max_batch:
         raise SystemExit(f"need 1 <= --opt-batch ({args.opt_batch}) <= --max-batch ({args.max_batch})")
-    shapes = profile_shapes(config.num_quantizers, policy, args.opt_batch, args.max_batch)
-    print(f"profile for {INPUT_NAME}: min {shapes['min']} opt {shapes['opt']} max {shapes['max']}", flush=True)
+    shapes = (stateful_profile_shapes(config, policy, args.opt_batch, args.max_batch) if args.stateful
+              else profile_shapes(config.num_quantizers, policy, args.opt_batch, args.max_batch))
+    for name, shape in shapes.items():
+        print(f"profile for {name}: min {shape['min']} opt {shape['opt']} max {shape['max']}", flush=True)
     print("equivalent trtexec command:\n  " + trtexec_command(args.onnx, args.out, shapes, args.precision,
                                                               args.workspace_mib), flush=True)
     try:

@@ -35,3 +35,28 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@torch.inference_mode()
+def stateful_decode(streaming, codes: torch.Tensor, splits: list[list[int]],
+                    first_call: list[int] | None = None) -> list[torch.Tensor]:
+    """Decode streams ``codes[b]`` ([B, G, N]) chunk by chunk with ``StreamingCode2Wav``, the streams due in a
+    call batched together: stream b's chunks have ``splits[b]`` frames and its first one goes in call
+    ``first_call[b]`` (default 0). Returns each stream's concatenated new samples."""
+    batch = codes.shape[0]
+    first_call = first_call or [0] * batch
+    states = [streaming.initial_state(1, codes.device) for _ in range(batch)]
+    decoded, pieces = [0] * batch, [[] for _ in range(batch)]
+    for call in range(max(len(s) + f for s, f in zip(splits, first_call))):
+        rows = [b for b in range(batch) if 0 <= call - first_call[b] < len(splits[b])]
+        lengths = [splits[b][call - first_call[b]] for b in rows]
+        longest = max(lengths)
+        chunk = torch.stack([torch.nn.functional.pad(codes[b, :, decoded[b]:decoded[b] + n], (0, longest - n))
+                             for b, n in zip(rows, lengths)])
+        state = [torch.cat(parts) for parts in zip(*(states[b] for b in rows))]
+        waveform, *state = streaming(chunk, torch.tensor(lengths, device=codes.device), *state)
+        for row, (b, n) in enumerate(zip(rows, lengths)):
+            pieces[b].append(waveform[row, :streaming.new_samples(decoded[b], n)])
+            states[b] = [tensor[row:row + 1] for tensor in state]
+            decoded[b] += n
+    return [torch.cat(p) for p in pieces]

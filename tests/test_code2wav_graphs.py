@@ -247,3 +247,26 @@ def test_replays_from_several_threads_return_each_callers_rows(gpu_runtime):
     for thread in threads:
         thread.join()
     assert not errors and not mismatches
+
+
+@cuda
+def test_stream_chunks_replay_and_equal_the_one_pass(gpu_runtime):
+    """Stateful stream chunks (state in and out of the graph) replay graphs of their short shapes, first chunks
+    captured at start; two streams, batched in bucket 4 (padding rows: lengths 0), equal the one-pass decode."""
+    from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
+
+    assert {(b, FIRST_CHUNK) for b in (1, 2, 4)} <= gpu_runtime.stream_graphs.captured_shapes
+    states = Code2WavStreamStates(gpu_runtime.decode_stream, gpu_runtime.state_specs(),
+                                  gpu_runtime.streaming_samples, gpu_runtime.device)
+    codes = random_codes(gpu_runtime, 3, 4 + 8 + 12, seed=7, device="cuda")
+    replays, pieces, done = gpu_runtime.stream_graphs.replays, [[], [], []], 0
+    for index, frames in enumerate([FIRST_CHUNK, 8, 12]):
+        chunks = [StreamChunk(f"s{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(3)]
+        for b, samples in enumerate(states.decode(chunks)):
+            pieces[b].append(samples)
+        done += frames
+    assert gpu_runtime.stream_graphs.replays == replays + 3
+    with torch.inference_mode():
+        expected = gpu_runtime.model(codes).float()
+    for b in range(3):  # other shapes than one pass: cuDNN may round differently (TF32 convs)
+        torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)

@@ -8,7 +8,8 @@ import torch
 from _code2wav_helpers import calibrate_output_gain_, one_torch_thread  # noqa: F401 (fixture)
 from build_engines.build_code2wav_trt import build_engine, profile_shapes
 from build_engines.build_code2wav_trt import main as build_trt_main
-from build_engines.export_code2wav_onnx import check_onnx, compare_with_torch, export_code2wav_onnx
+from build_engines.export_code2wav_onnx import (check_onnx, compare_streaming_with_torch, compare_with_torch,
+                                                default_splits, export_code2wav_onnx, export_streaming_onnx)
 from build_engines.tiny_checkpoint import build
 from omni_triton.models.audio_weights import load_code2wav
 from omni_triton.models.code2wav_runtime import Code2WavRuntime, tensorrt_available
@@ -67,6 +68,60 @@ def test_runtime_rejects_unknown_kind_and_missing_files(exported):
         Code2WavRuntime.create("tflite", checkpoint)
     with pytest.raises(ValueError, match="onnx_path"):
         Code2WavRuntime.create("onnxruntime", checkpoint, onnx_path=checkpoint / "missing.onnx")
+
+
+@pytest.fixture(scope="module")
+def exported_stateful(exported, tmp_path_factory):
+    checkpoint, model, _ = exported
+    return export_streaming_onnx(model, tmp_path_factory.mktemp("code2wav_onnx") / "code2wav_stateful.onnx")
+
+
+def test_stateful_onnx_streams_the_one_pass_waveform(exported, exported_stateful):
+    """ONNX Runtime, state fed back each call (ramp, 1-frame, ragged streams batched), vs torch's one pass."""
+    _, model, _ = exported
+    check_onnx(exported_stateful)
+    errors = compare_streaming_with_torch(exported_stateful, model, default_splits())
+    assert max(errors.values()) <= 1e-4, errors
+
+
+def test_stateful_runtime_onnxruntime_equals_torch(exported, exported_stateful):
+    checkpoint, model, _ = exported
+    torch_runtime = Code2WavRuntime.create("torch", checkpoint)
+    ort_runtime = Code2WavRuntime.create("onnxruntime", checkpoint, onnx_path=exported_stateful)
+    assert torch_runtime.streams and ort_runtime.streams
+    assert torch_runtime.state_specs() == ort_runtime.state_specs()
+    codes = torch.randint(0, model.config.codebook_size, (2, model.num_quantizers, 9),
+                          generator=torch.Generator().manual_seed(4))
+    lengths, state = torch.tensor([9, 4]), torch_runtime.streaming.initial_state(2)
+    for _ in range(2):  # a first chunk, then a later one from the state it returned
+        expected, expected_state = torch_runtime.decode_stream(codes, lengths, state)
+        actual, actual_state = ort_runtime.decode_stream(codes, lengths, state)
+        assert (actual - expected).abs().max().item() <= 1e-4
+        assert all((a.float() - e.float()).abs().max().item() <= 1e-4 for a, e in zip(actual_state, expected_state))
+        state = expected_state
+    with pytest.raises(ValueError, match="one-pass|decode_stream only"):
+        ort_runtime.decode(codes)
+    bad = list(state)
+    bad[3] = bad[3][..., :-1]
+    with pytest.raises(ValueError, match=f"streaming state '{torch_runtime.state_specs()[3].name}'"):
+        ort_runtime.decode_stream(codes, lengths, bad)
+    with pytest.raises(ValueError, match="streaming state has"):
+        torch_runtime.decode_stream(codes, lengths, state[:-1])
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="tensorrt is importable here: the script would build")
+def test_stateful_trt_profile_covers_every_input(exported, exported_stateful, capsys):
+    """The build script takes the stateful export: its profile (and trtexec line) names every ONNX input."""
+    import onnx
+
+    checkpoint, _, _ = exported
+    with pytest.raises(SystemExit):  # no tensorrt here: the script stops after printing the profile
+        build_trt_main(["--onnx", str(exported_stateful), "--out", "unused.plan", "--checkpoint", str(checkpoint),
+                        "--stateful"])
+    printed = capsys.readouterr().out
+    inputs = [i.name for i in onnx.load(str(exported_stateful), load_external_data=False).graph.input]
+    assert all(f"profile for {name}:" in printed for name in inputs)
+    assert all(f"{name}:" in printed.split("trtexec --onnx")[1] for name in inputs)
 
 
 @pytest.mark.skipif(tensorrt_available(), reason="tensorrt is importable here")

@@ -177,3 +177,13 @@ def test_serve_help_lists_the_new_options_with_defaults(capsys):
                             ("--dummy-layers", "default: the config's"), ("--kv-cache-tokens", "default: auto"),
                             ("--gpu-memory-utilization", "default: 0.95"), ("--code2wav-max-batch", "default: 8")]:
         assert option in text and default in text, option
+
+
+def test_kv_plan_reserves_the_vocoder_states_of_stateful_streams(full_footprint):
+    """Stateful chunks: 25-frame calls instead of 603, plus one vocoder state (~2.5 MiB in bf16) per stream slot."""
+    assert 2 << 20 < full_footprint.code2wav_stream_bytes < 3 << 20
+    exact = plan(full_footprint, H200_FREE, code2wav_frames=603)
+    stateful = plan(full_footprint, H200_FREE, code2wav_frames=25, code2wav_streams=128)
+    assert stateful.code2wav_activation_bytes == (full_footprint.code2wav_frame_bytes * 25 * 8
+                                                  + full_footprint.code2wav_stream_bytes * 128)
+    assert stateful.thinker_tokens > exact.thinker_tokens

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from _code2wav_helpers import one_torch_thread  # noqa: F401 (fixture)
+from _code2wav_helpers import one_torch_thread, stateful_decode  # noqa: F401 (fixture)
 from build_engines.tiny_checkpoint import build
 from omni_triton.models.audio_encoder import num_audio_tokens, num_audio_tokens_for_samples, scatter_audio_embeddings
 from omni_triton.models.audio_features import LogMelExtractor
 from omni_triton.models.audio_weights import CODE2WAV_PREFIX, load_audio_encoder, load_code2wav
 from omni_triton.models.weights import load_component_
 from omni_triton.models.code2wav import Code2Wav
+from omni_triton.models.code2wav_streaming import StreamingCode2Wav
 
 pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_torch_thread")]
 transformers = pytest.importorskip("transformers")
@@ -64,6 +65,20 @@ def test_code2wav_matches_hf(checkpoint, hf_model):
             actual = ours(codes)
         assert actual.shape == expected.shape == (batch, ours.output_length(num_frames))
         assert (actual - expected).abs().max().item() <= 1e-4, f"{num_frames} frames"
+
+
+def test_stateful_streaming_matches_hf_one_pass(checkpoint, hf_model):
+    """Chunks decoded with carried state (the ramp, then 1-frame chunks) vs HF's one-pass Code2Wav."""
+    ours = load_code2wav(checkpoint[0])
+    split = [4, 8, 24, 25, 1, 1, 3]
+    codes = torch.randint(0, ours.config.codebook_size, (2, ours.num_quantizers, sum(split)),
+                          generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = hf_model.code2wav(codes).squeeze(1)
+    streamed = stateful_decode(StreamingCode2Wav(ours), codes, [split, split[::-1]])
+    for row in range(2):
+        assert streamed[row].shape == expected[row].shape
+        assert (streamed[row] - expected[row]).abs().max().item() <= 1e-4
 
 
 def test_code2wav_loading_is_strict(checkpoint):

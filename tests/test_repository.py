@@ -27,3 +27,19 @@ def test_interstage_memory_reaches_every_stage_that_exchanges_tensors(tiny_check
 def test_unknown_interstage_memory_is_refused_by_name(tiny_checkpoint):
     with pytest.raises(ValueError, match="interstage_memory"):
         LaunchConfig(checkpoint_dir=tiny_checkpoint, interstage_memory="pinned")
+
+
+def test_left_context_default_is_stateful_where_the_runtime_keeps_state(tiny_checkpoint, tmp_path):
+    """Stateful chunks by default on the torch runtime; engine files (one-pass ONNX, TensorRT) default to the
+    exact context; TensorRT with stateful is refused at launch, naming the option."""
+    rendered = {}
+    for runtime, setting in (("torch", None), ("trt", None), ("torch", 25)):
+        config = LaunchConfig(checkpoint_dir=tiny_checkpoint, code2wav_runtime=runtime, left_context_frames=setting,
+                              code2wav_engine_path=tmp_path / "c.plan" if runtime == "trt" else None)
+        out = render_repository(config, tmp_path / f"{runtime}{setting}")
+        rendered[(runtime, setting)] = _parameter((out / "orchestrator" / "config.pbtxt").read_text(),
+                                                  "left_context_frames")
+    assert rendered == {("torch", None): "stateful", ("trt", None): "exact", ("torch", 25): "25"}
+    with pytest.raises(ValueError, match="code2wav_runtime trt keeps no streaming state"):
+        LaunchConfig(checkpoint_dir=tiny_checkpoint, code2wav_runtime="trt", code2wav_engine_path=tmp_path / "c.plan",
+                     left_context_frames="stateful")

@@ -28,6 +28,7 @@ def onnx_server(tiny_checkpoint, vocoder, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("code2wav_onnx")
     onnx_path = export_code2wav_onnx(vocoder, run_dir / "code2wav.onnx")
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, code2wav_runtime="onnx", code2wav_engine_path=onnx_path,
+                          left_context_frames="exact",  # a one-pass ONNX file: stateless chunks
                           torch_threads={stage: 1 for stage in STAGES})
     handle = start_server(config, run_dir, models=["code2wav"])
     try:

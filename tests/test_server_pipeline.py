@@ -72,7 +72,8 @@ def wait_idle(server, timeout_s: float = 5.0, read=metrics) -> dict:
     while True:
         values = read(server)
         held = {key: v for key, v in values.items()
-                if key[0] in ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames") and v}
+                if key[0] in ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames",
+                              "omni_code2wav_streams") and v}
         if not held and values:
             return values
         if time.monotonic() > deadline:
@@ -212,3 +213,20 @@ def test_client_deadline_ends_a_long_request(triton_server):
         stream(triton_server, "A long answer, please.", max_tokens=60, max_audio_frames=400, min_audio_frames=400,
                ignore_eos=True, temperature=0.0, deadline_s=0.5)
     wait_idle(triton_server)
+
+
+def test_inprocess_stateful_audio_equals_exact_context(inprocess, tiny_checkpoint):
+    """The in-process pipeline with stateful chunks (the bench's in-process runner uses the launch default) gives
+    the audio of exact left context, and frees each request's vocoder state."""
+    from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+    from omni_triton.pipeline.inprocess import InProcessPipeline
+
+    stateful = InProcessPipeline(tiny_checkpoint, policy=ChunkPolicy(stateful=True))
+    try:
+        text, audio = inprocess_run(stateful, PROMPTS[2], **GREEDY)
+        assert stateful.streams.open_streams == 0
+    finally:
+        stateful.close()
+    expected_text, expected_audio = inprocess_run(inprocess, PROMPTS[2], **GREEDY)
+    assert text == expected_text and audio.size and audio.shape == expected_audio.shape
+    np.testing.assert_allclose(audio, expected_audio, atol=1e-4)

@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,15 @@ class Code2WavConfig:
 
 # ---------------------------------------------------------------- convolution blocks
 
+# How a block runs its convolutions: ``run(conv, x)``. The one-pass decode calls the module; the streaming
+# decoder (code2wav_streaming) passes a runner that prepends each conv's state from the previous chunk.
+ConvRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def call_module(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return conv(x)
+
+
 class CausalConv1d(nn.Module):
     """Stride-1 conv padded on the left only, so output t sees inputs <= t."""
 
@@ -106,8 +116,8 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, T]
-        h = self.dwconv(x).transpose(1, 2)
+    def forward(self, x: torch.Tensor, run: ConvRunner = call_module) -> torch.Tensor:  # [B, C, T]
+        h = run(self.dwconv, x).transpose(1, 2)
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).transpose(1, 2)
 
@@ -134,8 +144,8 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, kernel_size=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+    def forward(self, x: torch.Tensor, run: ConvRunner = call_module) -> torch.Tensor:
+        return x + run(self.conv2, self.act2(run(self.conv1, self.act1(x))))
 
 
 class DecoderBlock(nn.Module):
@@ -146,9 +156,11 @@ class DecoderBlock(nn.Module):
         self.block = nn.ModuleList([SnakeBeta(in_dim), CausalTransConv1d(in_dim, out_dim, 2 * rate, rate)]
                                    + [ResidualUnit(out_dim, dilation) for dilation in (1, 3, 9)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.block:
-            x = layer(x)
+    def forward(self, x: torch.Tensor, run: ConvRunner = call_module) -> torch.Tensor:
+        snake, upsample, *units = self.block
+        x = run(upsample, snake(x))
+        for unit in units:
+            x = unit(x, run)
         return x
 
 
@@ -174,6 +186,10 @@ class LayerScale(nn.Module):
         return self.scale * x
 
 
+# Streaming attention: (this chunk's k, v) -> (cached + this chunk's k, v), [B, kv_heads, T, head_dim] each.
+KVCache = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class SlidingWindowAttention(nn.Module):
     def __init__(self, config: Code2WavConfig):
         super().__init__()
@@ -185,12 +201,15 @@ class SlidingWindowAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:  # streaming: the previous chunks' keys and values go first
+            k, v = kv_cache(k, v)
         if self.num_kv_heads != self.num_heads:
             repeats = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
@@ -219,8 +238,8 @@ class TransformerLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.mlp_layer_scale = LayerScale(config.hidden_size)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None):
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -242,17 +261,24 @@ class PreTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, H]
         positions = torch.arange(x.shape[1], device=x.device)
-        # computed here (not a buffer) in fp32, or fp64 for an fp64 model, so low-precision models keep
-        # accurate rotary angles
-        angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        exponents = torch.arange(0, self.head_dim, 2, device=x.device, dtype=angle_dtype) / self.head_dim
-        freqs = positions[:, None].to(angle_dtype) * (1.0 / self.rope_theta ** exponents)[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
         offset = positions[:, None] - positions[None, :]  # query - key
         mask = (offset >= 0) & (offset < self.sliding_window)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        return self.run_layers(x, cos, sin, mask)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [..., T] (absolute frame indices) -> cos, sin [..., T, head_dim]."""
+        # computed here (not a buffer) in fp32, or fp64 for an fp64 model, so low-precision models keep
+        # accurate rotary angles
+        angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        exponents = torch.arange(0, self.head_dim, 2, device=positions.device, dtype=angle_dtype) / self.head_dim
+        freqs = positions[..., None].to(angle_dtype) * (1.0 / self.rope_theta ** exponents)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def run_layers(self, x, cos, sin, mask, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, None if kv_caches is None else kv_caches[index])
         return self.norm(x)
 
 
@@ -302,13 +328,22 @@ class Code2Wav(nn.Module):
         """codes LongTensor [B, G, N] -> waveform [B, N * samples_per_frame - trim_samples] in [-1, 1]."""
         if codes.dim() != 3 or codes.shape[1] != self.num_quantizers:
             raise ValueError(f"codes must be [B, {self.num_quantizers}, N], got {tuple(codes.shape)}")
-        hidden = self.code_embedding(codes + self.code_offset).mean(1)
-        hidden = self.pre_transformer(hidden).transpose(1, 2)  # [B, H, N]
-        for stage in self.upsample:
-            for layer in stage:
-                hidden = layer(hidden)
-        for layer in self.decoder:
-            hidden = layer(hidden)
+        return self.vocode(self.pre_transformer(self.embed(codes)))
+
+    def embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, G, N] -> the mean of the G codebook embeddings [B, N, H]."""
+        return self.code_embedding(codes + self.code_offset).mean(1)
+
+    def vocode(self, hidden: torch.Tensor, run: ConvRunner = call_module) -> torch.Tensor:
+        """The pre-transformer's output [B, N, H] -> waveform [B, S] in [-1, 1] (the conv stack)."""
+        hidden = hidden.transpose(1, 2)  # [B, H, N]
+        for upsample, convnext in self.upsample:
+            hidden = convnext(run(upsample, hidden), run)
+        first_conv, *blocks, snake, last_conv = self.decoder
+        hidden = run(first_conv, hidden)
+        for block in blocks:
+            hidden = block(hidden, run)
+        hidden = run(last_conv, snake(hidden))
         return hidden.squeeze(1).clamp(-1.0, 1.0)
 
 

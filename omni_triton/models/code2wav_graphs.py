@@ -95,8 +95,13 @@ def output_rows(static_output: torch.Tensor, batch: int) -> torch.Tensor:
 @dataclass
 class _CapturedCall:
     graph: torch.cuda.CUDAGraph
-    codes: torch.Tensor  # static input [bucket, G, N] int64
-    waveform: torch.Tensor  # static output [bucket, samples] float32, in the private pool
+    inputs: tuple[torch.Tensor, ...]  # static inputs, batch first: codes [bucket, G, N] int64 (+ the stream state)
+    outputs: tuple[torch.Tensor, ...]  # static outputs, batch first: waveform (+ new state), in the private pool
+
+
+def zero_codes(bucket: int, frames: int, num_quantizers: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The one-pass decode's capture input: codes [bucket, G, frames] (zeros: valid codes)."""
+    return (torch.zeros(bucket, num_quantizers, frames, dtype=torch.long, device=device),)
 
 
 class Code2WavGraphs:
@@ -104,13 +109,21 @@ class Code2WavGraphs:
 
     ``run(codes)`` replays a graph when ``serves(codes.shape)``; callers run ``forward`` eagerly otherwise.
     Thread safe: captures and replay + copy-out hold one lock.
+
+    The streaming decode (``forward(codes, lengths, *state) -> (waveform, *new_state)``) is captured the same way
+    with ``capture_inputs`` building its inputs: every input and output has the batch first, padding rows are
+    zeros (lengths 0: ``StreamingCode2Wav`` leaves such a row's state as it is) and ``run`` returns the tuple.
     """
 
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], num_quantizers: int, device: torch.device,
-                 settings: GraphSettings = GraphSettings()):
+    def __init__(self, forward: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], num_quantizers: int,
+                 device: torch.device, settings: GraphSettings = GraphSettings(),
+                 capture_inputs: Callable[[int, int], tuple[torch.Tensor, ...]] | None = None):
+        """``capture_inputs(bucket, frames)``: the static inputs of a capture (default: zero codes)."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.forward = forward
+        self.capture_inputs = capture_inputs or (lambda bucket, frames: zero_codes(bucket, frames, num_quantizers,
+                                                                                   device))
         self.num_quantizers = num_quantizers
         self.device = device
         self.settings = settings
@@ -141,10 +154,11 @@ class Code2WavGraphs:
         return graph_key(batch, frames, self.buckets, self.settings.max_frames)
 
     @torch.inference_mode()
-    def run(self, codes: torch.Tensor) -> torch.Tensor:
+    def run(self, codes: torch.Tensor, *more: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """codes [b, G, N] int64 on the device (``serves(codes.shape)``) -> waveform [b, S] float32, equal to
         ``forward`` of ``codes`` zero-padded to the bucket, rows [:b]. A shape whose capture failed runs
-        ``forward`` (outside the lock)."""
+        ``forward`` (outside the lock). ``more``: the streaming decode's other inputs (then a tuple out)."""
+        inputs = (codes, *more)
         batch, key = codes.shape[0], self._key(codes.shape)
         stream = torch.cuda.current_stream(self.device)
         with self._lock:
@@ -154,14 +168,15 @@ class Code2WavGraphs:
             if call is not None:
                 if self._last_copy_out is not None:  # the previous replay's rows are out (its caller's stream)
                     stream.wait_event(self._last_copy_out)
-                fill_padded(call.codes, codes, call.codes.shape[0])
+                for static, value in zip(call.inputs, inputs):
+                    fill_padded(static, value, static.shape[0])
                 call.graph.replay()
-                waveform = output_rows(call.waveform, batch)
+                outputs = tuple(output_rows(static, batch) for static in call.outputs)
                 self._last_copy_out = torch.cuda.Event()
                 self._last_copy_out.record(stream)
                 self.replays += 1
-                return waveform
-        return self.forward(codes)
+                return outputs if more else outputs[0]
+        return self.forward(*inputs)
 
     def _capture_lazily(self, bucket: int, frames: int) -> _CapturedCall | None:
         try:
@@ -173,20 +188,20 @@ class Code2WavGraphs:
             return None
 
     def _capture(self, bucket: int, frames: int) -> _CapturedCall:
-        codes = torch.zeros(bucket, self.num_quantizers, frames, dtype=torch.long, device=self.device)
+        inputs = self.capture_inputs(bucket, frames)
         caller = torch.cuda.current_stream(self.device)
         # Warm-up calls on a side stream (torch's recipe for capture): the first calls of a shape pick and cache
         # cuDNN/cuBLAS kernels and workspaces, which must not happen inside the capture.
         self._capture_stream.wait_stream(caller)
         with torch.inference_mode(), torch.cuda.stream(self._capture_stream):
             for _ in range(WARMUP_CALLS):
-                self.forward(codes)
+                self.forward(*inputs)
         caller.wait_stream(self._capture_stream)
         graph = torch.cuda.CUDAGraph()
         # (capturing: other threads of the process, the engines' loops in the in-process pipeline or another
         # decode, may keep allocating and launching while this thread captures.)
         with torch.inference_mode(), capturing(graph, pool=self._pool, stream=self._capture_stream):
-            waveform = self.forward(codes)
-        call = _CapturedCall(graph, codes, waveform)
+            outputs = self.forward(*inputs)
+        call = _CapturedCall(graph, inputs, outputs if isinstance(outputs, tuple) else (outputs,))
         self._graphs[(bucket, frames)] = call
         return call

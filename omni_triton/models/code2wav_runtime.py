@@ -9,10 +9,14 @@ checkpoint (for shapes); the torch backend loads the ``code2wav.*`` weights. ONN
 the caller's torch tensors through their device pointers (IO binding / tensor addresses): no host copies
 beyond what the execution provider itself needs.
 
+Streaming with carried state (``code2wav_streaming``): ``decode_stream(codes, lengths, state)`` decodes only
+new frames, each row's state in and out (``state_specs`` layout). The torch backend always can; ONNX Runtime
+when its file is a ``--stateful`` export (``streams`` says which); the TensorRT backend cannot (yet).
+
 ``cuda_graphs=True`` (torch backend on a CUDA device; elsewhere, and for the other backends, it changes
 nothing): short calls -- the first audio chunk and other calls of at most ``graph_settings.max_frames``
 frames -- replay captured CUDA graphs instead of launching every kernel (``code2wav_graphs``); the first-chunk
-shapes are captured when the runtime is built.
+shapes are captured when the runtime is built. ``decode_stream`` calls of such shapes replay graphs of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 
 from omni_triton.models.code2wav import Code2Wav, Code2WavConfig
 from omni_triton.models.code2wav_graphs import Code2WavGraphs, GraphSettings
+from omni_triton.models.code2wav_streaming import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
+                                                   StateSpec, StreamingCode2Wav, chunk_samples)
 
 KINDS = ("torch", "onnxruntime", "tensorrt", "auto")
 INPUT_NAME, OUTPUT_NAME = "codes", "waveform"
@@ -41,6 +47,7 @@ class Code2WavRuntime:
         self.sliding_window = config.sliding_window
         self.samples_per_frame = Code2Wav.samples_per_frame_for(config)
         self.trim_samples = Code2Wav.trim_samples_for(config)
+        self._state_specs: list[StateSpec] | None = None
 
     def output_length(self, num_frames: int) -> int:
         return num_frames * self.samples_per_frame - self.trim_samples
@@ -52,6 +59,43 @@ class Code2WavRuntime:
         return self._run(codes.to(self.device, torch.long).contiguous())
 
     def _run(self, codes: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    streams = False  # decode_stream available
+
+    def streaming_samples(self, decoded_frames: int, new_frames: int) -> int:
+        """New samples of a ``decode_stream`` row: ``new_frames`` after ``decoded_frames``."""
+        return chunk_samples(self.samples_per_frame, self.trim_samples, decoded_frames, new_frames)
+
+    def state_specs(self) -> list[StateSpec]:
+        """Per-stream state layout of ``decode_stream`` (fp32 for the exported backends)."""
+        if self._state_specs is None:  # checked on every call: built once
+            self._state_specs = self._build_state_specs()
+        return self._state_specs
+
+    def _build_state_specs(self) -> list[StateSpec]:
+        with torch.device("meta"):
+            return StreamingCode2Wav(Code2Wav(self.config)).state_specs()
+
+    def decode_stream(self, codes: torch.Tensor, lengths: torch.Tensor,
+                      state: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """codes [B, G, T] (row b: ``lengths[b]`` new frames, then padding), lengths [B] int64 and state
+        (``state_specs``, on ``device``) -> waveform float32 [B, T * samples_per_frame] (row b's first
+        ``StreamingCode2Wav.new_samples`` samples are new audio) and the new state. Raises ValueError for a
+        state of the wrong count, shape or dtype."""
+        if not self.streams:
+            raise ValueError(f"the {self.kind} Code2Wav runtime has no streaming state (decode_stream)")
+        if codes.dim() != 3 or codes.shape[1] != self.num_quantizers or codes.shape[2] < 1:
+            raise ValueError(f"codes must be [B, {self.num_quantizers}, T >= 1], got {tuple(codes.shape)}")
+        batch = codes.shape[0]
+        if tuple(lengths.shape) != (batch,):
+            raise ValueError(f"lengths must be [{batch}], got {tuple(lengths.shape)}")
+        check_state(state, self.state_specs(), batch)
+        waveform, *new_state = self._run_stream(codes.to(self.device, torch.long).contiguous(),
+                                                lengths.to(self.device, torch.long), state)
+        return waveform.float(), new_state
+
+    def _run_stream(self, codes, lengths, state) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     @staticmethod
@@ -75,6 +119,16 @@ class Code2WavRuntime:
         if kind == "onnxruntime":
             return OnnxRuntimeCode2Wav(_existing(onnx_path, "onnx_path"), config, device)
         return TensorRTCode2Wav(_existing(plan_path, "plan_path"), config, device)
+
+
+def check_state(state: list[torch.Tensor], specs: list[StateSpec], batch: int) -> None:
+    """ValueError naming the first state tensor whose count, shape or dtype is not ``specs`` for ``batch`` rows."""
+    if len(state) != len(specs):
+        raise ValueError(f"streaming state has {len(state)} tensors, expected {len(specs)}")
+    for tensor, spec in zip(state, specs):
+        if tuple(tensor.shape) != (batch, *spec.shape) or tensor.dtype != spec.dtype:
+            raise ValueError(f"streaming state {spec.name!r} is {tuple(tensor.shape)} {tensor.dtype}, expected "
+                             f"{(batch, *spec.shape)} {spec.dtype}")
 
 
 def _existing(path: str | Path | None, field: str) -> Path:
@@ -112,6 +166,39 @@ class TorchCode2Wav(Code2WavRuntime):
         # None: every call eager (CPU, or graphs off)
         self.graphs = (Code2WavGraphs(self._eager, self.num_quantizers, device, graph_settings)
                        if cuda_graphs and device.type == "cuda" else None)
+        self.streaming = StreamingCode2Wav(self.model)
+        # stream chunks: the same replay of short calls, state inputs and outputs included
+        self.stream_graphs = self._stream_graphs(graph_settings) if self.graphs is not None else None
+
+    streams = True
+
+    def _stream_graphs(self, settings: GraphSettings) -> Code2WavGraphs | None:
+        """None (stream chunks run eagerly, logged) when the capture at start fails: an optimisation only."""
+        try:
+            return Code2WavGraphs(self._eager_stream, self.num_quantizers, self.device, settings,
+                                  capture_inputs=self._stream_capture_inputs)
+        except RuntimeError as error:
+            print(f"code2wav: CUDA graphs of stream chunks could not be captured, they run eagerly: {error}",
+                  flush=True)
+            return None
+
+    def _stream_capture_inputs(self, bucket: int, frames: int) -> tuple[torch.Tensor, ...]:
+        codes = torch.zeros(bucket, self.num_quantizers, frames, dtype=torch.long, device=self.device)
+        lengths = torch.full((bucket,), frames, dtype=torch.long, device=self.device)
+        return (codes, lengths, *self.streaming.initial_state(bucket, self.device))
+
+    @torch.inference_mode()
+    def _eager_stream(self, codes, lengths, *state):
+        return tuple(self.streaming(codes, lengths, *state))
+
+    def _build_state_specs(self) -> list[StateSpec]:
+        return self.streaming.state_specs()  # in the model's dtype
+
+    @torch.inference_mode()
+    def _run_stream(self, codes, lengths, state):
+        if self.stream_graphs is not None and self.stream_graphs.serves(codes.shape):
+            return self.stream_graphs.run(codes, lengths, *state)
+        return self._eager_stream(codes, lengths, *state)
 
     @torch.inference_mode()
     def _run(self, codes: torch.Tensor) -> torch.Tensor:
@@ -145,19 +232,40 @@ class OnnxRuntimeCode2Wav(Code2WavRuntime):
         self.session = ort.InferenceSession(str(onnx_path), options, providers=providers)
         self._ort_device = ("cuda", device.index or 0) if device.type == "cuda" else ("cpu", 0)
         self._lock = threading.Lock()  # IO binding objects are not shared across threads
+        # a --stateful export (build_engines/export_code2wav_onnx.py) takes new frames + state instead
+        self.streams = LENGTHS_NAME in {i.name for i in self.session.get_inputs()}
 
-    def _run(self, codes: torch.Tensor) -> torch.Tensor:
+    def _bind_run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        """Run the session on torch tensors in place (IO binding by device pointer)."""
         import numpy as np
 
-        out = torch.empty(codes.shape[0], self.output_length(codes.shape[2]), dtype=torch.float32, device=self.device)
         device_type, device_id = self._ort_device
         with self._lock:
             binding = self.session.io_binding()
-            binding.bind_input(INPUT_NAME, device_type, device_id, np.int64, tuple(codes.shape), codes.data_ptr())
-            binding.bind_output(OUTPUT_NAME, device_type, device_id, np.float32, tuple(out.shape), out.data_ptr())
+            for bind, tensors in ((binding.bind_input, inputs), (binding.bind_output, outputs)):
+                for name, tensor in tensors.items():
+                    dtype = np.int64 if tensor.dtype == torch.int64 else np.float32
+                    bind(name, device_type, device_id, dtype, tuple(tensor.shape), tensor.data_ptr())
             if device_type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # codes written by torch's stream
+                torch.cuda.current_stream(self.device).synchronize()  # inputs written by torch's stream
             self.session.run_with_iobinding(binding)
+
+    def _run_stream(self, codes, lengths, state):
+        specs = self.state_specs()
+        batch, frames = codes.shape[0], codes.shape[2]
+        inputs = {CODES_NAME: codes, LENGTHS_NAME: lengths,
+                  **{spec.name: tensor.contiguous() for spec, tensor in zip(specs, state)}}
+        waveform = torch.empty(batch, frames * self.samples_per_frame, dtype=torch.float32, device=self.device)
+        new_state = [torch.empty_like(tensor) for tensor in state]
+        self._bind_run(inputs, {WAVEFORM_NAME: waveform,
+                                **{NEW_STATE_PREFIX + spec.name: t for spec, t in zip(specs, new_state)}})
+        return (waveform, *new_state)
+
+    def _run(self, codes: torch.Tensor) -> torch.Tensor:
+        if self.streams:
+            raise ValueError("this ONNX file is a --stateful export: it decodes with decode_stream only")
+        out = torch.empty(codes.shape[0], self.output_length(codes.shape[2]), dtype=torch.float32, device=self.device)
+        self._bind_run({INPUT_NAME: codes}, {OUTPUT_NAME: out})
         return out
 
 

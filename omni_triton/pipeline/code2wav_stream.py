@@ -24,6 +24,10 @@ exact" on random weights (attention is not local): 72-82 frames on the 2-layer t
 exactness for compute with a smaller value (HF's ``chunked_decode`` uses 25) -- at full size the exact
 context makes each 25-frame chunk a 603-frame decode.
 
+Stateful. ``ChunkPolicy(stateful=True)``: chunks carry new frames only (``context_frames`` 0) and the code2wav
+stage keeps each stream's vocoder state between them (``omni_triton/pipeline/code2wav_states.py``): the
+one-pass samples at the cost of the new frames (docs/code2wav_streaming.md).
+
 Batching. ``StreamDecoder.decode`` runs the chunks of many streams in one call: shorter chunks are
 right-padded to the longest. That is exact: the transformer is causal and every conv pads on the left,
 so padding frames only change samples past each chunk's own ``frames * spf - trim``, which are dropped.
@@ -38,6 +42,9 @@ from typing import Any, Callable
 import torch
 
 
+STATEFUL, EXACT = "stateful", "exact"  # --left-context-frames settings besides a frame count
+
+
 @dataclass(frozen=True)
 class ChunkPolicy:
     first_chunk_frames: int = 4  # small first chunk: time-to-first-audio (4 frames = 320 ms of audio)
@@ -46,6 +53,7 @@ class ChunkPolicy:
     # an H200 it missed that by a few ms at concurrency 1 (every stream underran once).
     chunk_frames: int = 25
     left_context_frames: int | None = None  # None: exact_left_context_frames of the model
+    stateful: bool = False  # new frames only; the vocoder carries its state (left_context_frames unused)
 
     def __post_init__(self):
         for name in ("first_chunk_frames", "chunk_frames"):
@@ -55,8 +63,21 @@ class ChunkPolicy:
             raise ValueError("ChunkPolicy.left_context_frames must be >= 1 (a chunk needs one earlier frame to "
                              f"produce the samples its predecessor could not), got {self.left_context_frames}")
 
+    @classmethod
+    def from_setting(cls, first_chunk_frames: int, chunk_frames: int,
+                     left_context: int | str | None) -> "ChunkPolicy":
+        """The launch setting ``--left-context-frames``: ``stateful``, ``exact`` (or None) or a frame count."""
+        if left_context == STATEFUL:
+            return cls(first_chunk_frames, chunk_frames, stateful=True)
+        if left_context in (EXACT, None):
+            return cls(first_chunk_frames, chunk_frames)
+        try:
+            return cls(first_chunk_frames, chunk_frames, int(left_context))
+        except ValueError:
+            raise ValueError(f"left context {left_context!r} is not {STATEFUL!r}, {EXACT!r} or a frame count") from None
+
     def resolved(self, exact_left_context: int) -> "ChunkPolicy":
-        if self.left_context_frames is not None:
+        if self.left_context_frames is not None or self.stateful:
             return self
         return ChunkPolicy(self.first_chunk_frames, self.chunk_frames, exact_left_context)
 
@@ -70,6 +91,8 @@ class ChunkPolicy:
 
     def max_frames_per_call(self) -> int:
         """Largest ``context + new`` frame count a decode call sees (engine profile maximum)."""
+        if self.stateful:
+            return max(self.first_chunk_frames, self.chunk_frames)
         if self.left_context_frames is None:
             raise ValueError("resolve left_context_frames first (ChunkPolicy.resolved)")
         return max(self.first_chunk_frames, self.left_context_frames + self.chunk_frames)
@@ -101,7 +124,7 @@ class Code2WavStream:
     def __init__(self, policy: ChunkPolicy, num_quantizers: int, pacer: Any = None):
         """``pacer``: a ``chunk_pacing.ChunkPacer`` choosing chunk sizes from the stream's frame rate and the
         listener's buffer; None: the policy's fixed ramp."""
-        if policy.left_context_frames is None:
+        if policy.left_context_frames is None and not policy.stateful:
             raise ValueError("Code2WavStream needs a resolved policy (ChunkPolicy.resolved(exact_left_context))")
         self.policy = policy
         self.pacer = pacer
@@ -136,12 +159,12 @@ class Code2WavStream:
             self._buffer = torch.cat([self._buffer.to(self._pieces[0].device), *self._pieces])
             self._pieces = []
         start = self.decoded_frames
-        context = min(self.policy.left_context_frames, start)
+        context = 0 if self.policy.stateful else min(self.policy.left_context_frames, start)
         offset = self._buffer_start
         codes = self._buffer[start - context - offset:start + new - offset].T.contiguous()
         self.decoded_frames += new
         # frames older than the next chunk's left context are never read again
-        keep_from = max(0, self.decoded_frames - self.policy.left_context_frames)
+        keep_from = max(0, self.decoded_frames - (0 if self.policy.stateful else self.policy.left_context_frames))
         self._buffer = self._buffer[keep_from - offset:]
         self._buffer_start = keep_from
         return ChunkJob(codes, context, new, start)

@@ -23,6 +23,7 @@ from omni_triton.models.code2wav import exact_left_context_frames
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.pipeline.chunk_pacing import ChunkPacer
+from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
 from omni_triton.pipeline.code2wav_stream import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
 from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
@@ -62,6 +63,9 @@ class InProcessPipeline:
             graph_settings=GraphSettings.for_stage(max_batch=1, first_chunk_frames=policy.first_chunk_frames,
                                                    every_short_call=engine_config.warmup))
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
+        # stateful chunks (ChunkPolicy(stateful=True)): each request's vocoder state, as the code2wav stage keeps it
+        self.streams = Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
+                                            self.vocoder.streaming_samples, self.device)
         # One vocoder thread, as the served code2wav stage has one instance: with every request's thread decoding
         # at once, 64 streams ran the H200 out of memory (each thread its own library handles and workspaces).
         self._vocoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
@@ -125,6 +129,16 @@ class InProcessPipeline:
         job = ChunkJob.after_context(codes, left_context_frames)
         return self._vocoder_thread.submit(self.decoder.decode, [job]).result()[0]
 
+    def decode_stream_chunk(self, stream_id: str, codes: torch.Tensor, first: bool) -> torch.Tensor:
+        """codes [G, n] new frames of stream ``stream_id`` -> their samples (the state stays in ``streams``)."""
+        (samples,) = self._vocoder_thread.submit(self.streams.decode, [StreamChunk(stream_id, codes, first)]).result()
+        if isinstance(samples, ValueError):
+            raise samples
+        return samples
+
+    def close_stream(self, stream_id: str) -> None:
+        self._vocoder_thread.submit(self.streams.close, stream_id).result()
+
 
 def _cache_tokens(config: EngineConfig) -> int:
     return config.num_blocks * config.block_size
@@ -136,6 +150,7 @@ class _DirectClients:
     def __init__(self, pipeline: InProcessPipeline, tensors: Mapping[str, np.ndarray]):
         self.pipeline = pipeline
         self.tensors = tensors
+        self.stream_id = f"stream-{next(pipeline._ids)}"
 
     def thinker(self, request_id: str) -> Iterator[ThinkerChunk]:
         outputs: queue.SimpleQueue = queue.SimpleQueue()
@@ -173,6 +188,12 @@ class _DirectClients:
 
     def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         return self.pipeline.decode_chunk(codes, left_context_frames)
+
+    def code2wav_stream(self, codes: torch.Tensor, first: bool) -> torch.Tensor:
+        return self.pipeline.decode_stream_chunk(self.stream_id, codes, first)
+
+    def code2wav_close(self) -> None:
+        self.pipeline.close_stream(self.stream_id)
 
     def abort(self, request_id: str) -> None:
         self.pipeline.thinker.abort(request_id)

@@ -39,6 +39,11 @@ class StageClients(Protocol):
         """One payload for consecutive thinker chunks past the first (rows concatenated in order)."""
     def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
         """codes [G, N] (left context first) -> the new samples only."""
+    def code2wav_stream(self, codes: torch.Tensor, first: bool) -> torch.Tensor:
+        """codes [G, n]: this request's next new frames; the code2wav stage carries the vocoder state between
+        calls (``first`` opens it) -> the new samples."""
+    def code2wav_close(self) -> None:
+        """Free this request's code2wav stream state, if it has one (idempotent, never raises)."""
     def abort(self, request_id: str) -> None: ...
 
 
@@ -76,6 +81,7 @@ class Session:
         self.audio_stream_factory = audio_stream_factory
         self.is_cancelled = is_cancelled
         self.stage_failure = stage_failure  # stage -> why it can no longer serve this request, or None
+        self.audio_stream_stateful = False  # the code2wav stage holds state for this request's audio stream
 
     def run(self, emit: Emit) -> None:
         """Stream the whole request through ``emit``; raises Cancelled if the client cancels (or the
@@ -119,9 +125,11 @@ class Session:
                     trace.event(self.request_id, "session.talker_start")
                     frames = self.clients.talker_start(self.request_id, chunks[0])
                     stopped = threading.Event()
+                    audio_stream = self.audio_stream_factory()
+                    self.audio_stream_stateful = audio_stream.policy.stateful
                     audio_worker = _AudioWorker(
                         lambda idle: self._stream("talker", frames, until=stopped, idle=idle), self.clients,
-                        self.audio_stream_factory(), emit, stopped, self.request_id)
+                        audio_stream, emit, stopped, self.request_id)
                     chunks = chunks[1:]
                 if chunks:
                     self.clients.talker_append(self.request_id, self._merged(chunks))
@@ -130,6 +138,8 @@ class Session:
         finally:
             if audio_worker is not None:
                 audio_worker.stop()
+                if self.audio_stream_stateful:
+                    self.clients.code2wav_close()  # after stop: no chunk of this stream is sent after it
             trace.event(self.request_id, "session.finished")  # ends the level's window in trace breakdowns
 
     # -- sequential (baseline) -------------------------------------------------------------------
@@ -280,7 +290,10 @@ class _AudioWorker:
         while (job := self._stream.next_job(final=final)) is not None:
             self._trace_once("session.code2wav_first_call")
             started = time.monotonic()
-            audio = self._clients.code2wav(job.codes, job.context_frames)
+            if self._stream.policy.stateful:
+                audio = self._clients.code2wav_stream(job.codes, first=job.start_frame == 0)
+            else:
+                audio = self._clients.code2wav(job.codes, job.context_frames)
             if self._stopped.is_set():
                 return  # the session ended while this call was blocked (a code2wav that died): say nothing
             if audio.numel():

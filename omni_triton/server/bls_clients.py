@@ -61,6 +61,7 @@ class BlsStageClients:
         self._talker_correlation_id: int | None = None
         self._talker_ended = False
         self._talker_end_lock = threading.Lock()  # the frames reader and an abort may both end the sequence
+        self._code2wav_stream_id: str | None = None  # set by the stream's first chunk
 
     # -- thinker -----------------------------------------------------------------------------------
     def thinker(self, request_id: str) -> Iterable[ThinkerChunk]:
@@ -149,6 +150,32 @@ class BlsStageClients:
         audio = self._outputs(self._request("code2wav", inputs, ["AUDIO"]).exec())["AUDIO"]
         self._check_device(audio)
         return to_torch(audio).reshape(-1)
+
+    def code2wav_stream(self, codes: torch.Tensor, first: bool) -> torch.Tensor:
+        """codes [G, n] new frames on the stage device -> their samples; the code2wav stage keeps the vocoder
+        state under this request's stream id (unique per orchestrator process and request)."""
+        pb = self._pb
+        if first:
+            self._code2wav_stream_id = f"{_next_correlation_id():x}"
+        if self._code2wav_stream_id is None:
+            raise ValueError("code2wav_stream: the first chunk of a stream must come first")
+        inputs = [from_torch(pb, "CODES", codes.to(torch.int64).unsqueeze(0)), *self._stream_inputs(start=first)]
+        audio = self._outputs(self._request("code2wav", inputs, ["AUDIO"]).exec())["AUDIO"]
+        self._check_device(audio)
+        return to_torch(audio).reshape(-1)
+
+    def code2wav_close(self) -> None:
+        if self._code2wav_stream_id is None:
+            return
+        with contextlib.suppress(StageError):  # a stage that is down already lost the state
+            self._outputs(self._request("code2wav", self._stream_inputs(end=True), ["AUDIO"]).exec())
+        self._code2wav_stream_id = None
+
+    def _stream_inputs(self, *, start: bool = False, end: bool = False) -> list:
+        pb = self._pb
+        return [pb.Tensor("STREAM_ID", np.array([[self._code2wav_stream_id.encode()]], dtype=np.object_)),
+                pb.Tensor("STREAM_START", np.array([[start]], dtype=bool)),
+                pb.Tensor("STREAM_END", np.array([[end]], dtype=bool))]
 
     # -- cancellation --------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION,
-                                            THINKER_KV_SHARE, kv_budget, kv_tokens_setting)
+from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION, THINKER_KV_SHARE, kv_budget,
+                                            kv_tokens_setting, word_or_count)
 from omni_triton.server.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
 from omni_triton.server.repository import CHUNK_PACING, LOAD_FORMATS, LaunchConfig, admission_capacity_setting
@@ -65,9 +65,12 @@ def add_memory_arguments(group) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
                        help="with --kv-cache-tokens auto on cuda: the fraction of the GPU memory free at launch "
                             "that weights, activations and KV caches may fill (default: %(default)s)")
-    group.add_argument("--left-context-frames", type=int,
-                       help="code2wav left context per chunk; fewer frames: less vocoder compute and memory, "
-                            "audio no longer equal to a one-pass decode (default: the vocoder's exact context)")
+    group.add_argument("--left-context-frames", type=left_context_setting,
+                       help="how a code2wav chunk gets its past: stateful (new frames only, the vocoder keeps each "
+                            "stream's state: one-pass audio at the cost of the new frames), exact (re-decode the "
+                            "vocoder's whole receptive field per chunk), or a frame count (less compute than exact, "
+                            "audio no longer equal to a one-pass decode) (default: stateful with --code2wav-runtime "
+                            "torch, exact with the others)")
     group.add_argument("--code2wav-max-batch", type=int, default=LaunchConfig.code2wav_max_batch,
                        help="audio chunks decoded together in one vocoder call; its activations grow with it "
                             "(default: %(default)s)")
@@ -175,7 +178,12 @@ def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
                        dtype=config.resolved_dtype, utilization=utilization,
                        max_inflight=config.max_inflight_requests, code2wav_batch=config.code2wav_max_batch,
                        first_chunk_frames=config.first_chunk_frames, chunk_frames=config.next_chunk_frames,
-                       left_context_frames=config.left_context_frames, block_size=config.kv_block_size,
+                       left_context_frames=config.resolved_left_context_frames, block_size=config.kv_block_size,
                        gpu_processes=gpu_processes, placement=config.placement)
     return replace(config, kv_cache_tokens=budget.thinker_tokens,
                    talker_kv_cache_tokens=budget.talker_tokens), budget.note
+
+
+def left_context_setting(value: str) -> int | str:
+    """``--left-context-frames``: stateful, exact or a frame count >= 1."""
+    return word_or_count(value, ("stateful", "exact"), "a frame count")

@@ -70,6 +70,7 @@ class Footprint:
     thinker_kv_token_bytes: int
     talker_kv_token_bytes: int
     code2wav_frame_bytes: int    # activations per decoded frame and batch row
+    code2wav_stream_bytes: int   # one audio stream's vocoder state (--left-context-frames stateful)
     thinker_context: int         # max_position_embeddings
     talker_context: int
     exact_left_context_frames: int
@@ -80,6 +81,7 @@ class Footprint:
 
         from omni_triton.models.audio_encoder import AudioEncoder
         from omni_triton.models.code2wav import Code2Wav, exact_left_context_frames
+        from omni_triton.models.code2wav_streaming import StreamingCode2Wav
         from omni_triton.models.config import OmniConfig
         from omni_triton.models.talker import Talker
         from omni_triton.models.thinker import Thinker
@@ -99,6 +101,8 @@ class Footprint:
             thinker_kv_token_bytes=_kv_token_bytes(thinker_text, dtype),
             talker_kv_token_bytes=_kv_token_bytes(talker_text, dtype),
             code2wav_frame_bytes=_code2wav_widest_per_frame(config.code2wav) * element * CODE2WAV_LIVE_TENSORS,
+            code2wav_stream_bytes=sum(math.prod(spec.shape) for spec in StreamingCode2Wav(code2wav).state_specs())
+            * element,
             thinker_context=int(thinker_text.raw.get("max_position_embeddings", 32768)),
             talker_context=int(talker_text.raw.get("max_position_embeddings", 32768)),
             exact_left_context_frames=exact_left_context_frames(config.code2wav),
@@ -210,24 +214,26 @@ def _gib(num_bytes: int) -> str:
 
 def plan(footprint: Footprint, free_bytes: int, *, utilization: float = DEFAULT_UTILIZATION,
          gpu_processes: int | None = SERVED_GPU_PROCESSES, max_inflight: int = 16, code2wav_batch: int = 8,
-         code2wav_frames: int | None = None, block_size: int = 16, device_name: str = "GPU",
-         layers_hint: bool = True) -> MemoryPlan:
+         code2wav_frames: int | None = None, code2wav_streams: int = 0, block_size: int = 16,
+         device_name: str = "GPU", layers_hint: bool = True) -> MemoryPlan:
     """``plan_placement`` for every stage on one GPU with ``free_bytes`` free."""
     return plan_placement(footprint, {0: (free_bytes, device_name)}, Placement(), utilization=utilization,
                           gpu_processes=gpu_processes, max_inflight=max_inflight, code2wav_batch=code2wav_batch,
-                          code2wav_frames=code2wav_frames, block_size=block_size, layers_hint=layers_hint)
+                          code2wav_frames=code2wav_frames, code2wav_streams=code2wav_streams, block_size=block_size,
+                          layers_hint=layers_hint)
 
 
 def plan_placement(footprint: Footprint, gpus: Mapping[int, tuple[int, str]], placement: Placement, *,
                    utilization: float = DEFAULT_UTILIZATION, gpu_processes: int | None = None,
                    max_inflight: int = 16, code2wav_batch: int = 8, code2wav_frames: int | None = None,
-                   block_size: int = 16, layers_hint: bool = True) -> MemoryPlan:
+                   code2wav_streams: int = 0, block_size: int = 16, layers_hint: bool = True) -> MemoryPlan:
     """The KV budget of each engine instance when the stages sit on GPUs as ``placement`` says; ``gpus``: GPU id
     -> (bytes free, name). Each GPU is planned from what it holds (see the module doc; several instances on one
     GPU share what is left, the thinker's share going to the thinker when it is there too); each engine then
     gets the least any of its GPUs gives. ``gpu_processes``: CUDA processes on each GPU (None: as served,
     tritonserver + the orchestrator + the stage instances there; 1: the in-process pipeline). ``code2wav_frames``:
-    frames of the vocoder's largest call (default: exact left context + 25). Raises DoesNotFit, naming the GPU,
+    frames of the vocoder's largest call (default: exact left context + 25). ``code2wav_streams``: vocoder states
+    each code2wav instance holds at most (stateful chunks: the stage's slots). Raises DoesNotFit, naming the GPU,
     what it holds and what would fit (and, with ``layers_hint``, the most layers that fit), when a GPU is over or
     an engine would get fewer than ``MIN_KV_TOKENS`` tokens."""
     if not 0 < utilization <= 1:
@@ -235,7 +241,8 @@ def plan_placement(footprint: Footprint, gpus: Mapping[int, tuple[int, str]], pl
     check_visible(gpus, placement)
     frames = code2wav_frames or footprint.exact_left_context_frames + 25
     sizing = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,
-                  code2wav_batch=code2wav_batch, frames=frames, block_size=block_size)
+                  code2wav_batch=code2wav_batch, frames=frames, code2wav_streams=code2wav_streams,
+                  block_size=block_size)
     per_gpu = tuple(_plan_gpu(footprint, gpu, *gpus[gpu], placement.held(gpu), **sizing)
                     for gpu in placement.used_gpus())
     over = [gpu for gpu in per_gpu if not gpu.fits()]
@@ -274,14 +281,15 @@ def check_visible(gpus: Mapping[int, object], placement: Placement) -> None:
 
 def _plan_gpu(footprint: Footprint, gpu: int, free_bytes: int, device_name: str, held: dict[str, int], *,
               utilization: float, gpu_processes: int | None, max_inflight: int, code2wav_batch: int, frames: int,
-              block_size: int) -> GpuPlan:
+              code2wav_streams: int, block_size: int) -> GpuPlan:
     stage_bytes = {"thinker": footprint.thinker_bytes, "talker": footprint.talker_bytes,
                    "code2wav": footprint.code2wav_bytes, "orchestrator": 0}
     weights = sum(stage_bytes[stage] * count for stage, count in held.items())
     # the orchestrator handles every stage's tensors, so it holds a CUDA context on each GPU, its own or not
     processes = gpu_processes or (1 + sum(held.values()) + ("orchestrator" not in held))
     engines = held.get("thinker", 0) + held.get("talker", 0)
-    activations = footprint.code2wav_frame_bytes * frames * code2wav_batch * held.get("code2wav", 0)
+    activations = (footprint.code2wav_frame_bytes * frames * code2wav_batch
+                   + footprint.code2wav_stream_bytes * code2wav_streams) * held.get("code2wav", 0)
     reserved = processes * GPU_PROCESS_BYTES + engines * ENGINE_STEP_BYTES + activations
     kv_bytes = int(free_bytes * utilization) - weights - reserved
     left = max(kv_bytes, 0)
@@ -348,7 +356,7 @@ class KvBudget:
 
 def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dtype: str, utilization: float,
               max_inflight: int, code2wav_batch: int, first_chunk_frames: int, chunk_frames: int,
-              left_context_frames: int | None, block_size: int = 16, gpu_processes: int | None = None,
+              left_context_frames: int | str | None, block_size: int = 16, gpu_processes: int | None = None,
               placement: Placement = Placement()) -> KvBudget:
     """The engines' KV tokens for ``--kv-cache-tokens`` ``setting`` (``auto`` or a number). On cuda ``auto`` is
     ``plan_placement`` over the memory free now on each GPU of ``placement`` (raises DoesNotFit); a number is
@@ -366,11 +374,13 @@ def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dt
         return KvBudget(tokens, tokens, f"KV cache: {tokens} tokens per engine")
     from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 
-    frames = ChunkPolicy(first_chunk_frames, chunk_frames, left_context_frames).resolved(
-        footprint.exact_left_context_frames).max_frames_per_call()
+    policy = ChunkPolicy.from_setting(first_chunk_frames, chunk_frames, left_context_frames)
+    frames = policy.resolved(footprint.exact_left_context_frames).max_frames_per_call()
     gpus = gpu_memory()
+    # stateful chunks: the state slots double when full: room for twice the streams in flight
     arguments = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,
-                     code2wav_batch=code2wav_batch, code2wav_frames=frames, block_size=block_size)
+                     code2wav_batch=code2wav_batch, code2wav_frames=frames, block_size=block_size,
+                     code2wav_streams=2 * max_inflight if policy.stateful else 0)
     if setting == "auto":
         fitted = plan_placement(footprint, gpus, placement, **arguments)
         return KvBudget(fitted.thinker_tokens, fitted.talker_tokens, "--kv-cache-tokens auto: " + fitted.describe())
@@ -390,14 +400,19 @@ def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dt
 
 def kv_tokens_setting(text: str) -> int | str:
     """argparse type of ``--kv-cache-tokens``: ``auto`` or a number of tokens >= 1."""
-    if text == "auto":
+    return word_or_count(text, ("auto",), "a number of tokens")
+
+
+def word_or_count(text: str, words: tuple[str, ...], count: str) -> int | str:
+    """argparse type of a setting that is one of ``words`` or a ``count`` >= 1."""
+    if text in words:
         return text
     try:
-        tokens = int(text)
+        number = int(text)
     except ValueError:
-        tokens = 0
-    if tokens < 1:
+        number = 0
+    if number < 1:
         import argparse
 
-        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens >= 1, got {text!r}")
-    return tokens
+        raise argparse.ArgumentTypeError(f"expected {', '.join(words)} or {count} >= 1, got {text!r}")
+    return number

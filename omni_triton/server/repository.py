@@ -49,7 +49,12 @@ class LaunchConfig:
     # Audio chunking: a small first chunk for a low time-to-first-audio, larger ones after it.
     first_chunk_frames: int = 4
     next_chunk_frames: int = 25
-    left_context_frames: int | None = None  # None: the vocoder's exact context (rendered "exact")
+    # stateful: chunks carry new frames only, the code2wav stage keeps each stream's vocoder state (exact audio);
+    # exact: each chunk re-decodes the vocoder's exact left context; a number: that many frames (inexact audio);
+    # None: stateful with the torch runtime and one code2wav instance, exact otherwise (engine files are one-pass
+    # unless exported --stateful, TensorRT keeps no state, and a stream's chunks must reach the instance that
+    # holds its state)
+    left_context_frames: int | str | None = None
     chunk_pacing: str = "adaptive"        # adaptive: chunk sizes follow each stream (chunk_pacing.py) | ramp
     # Admission (server/admission.py): requests that may wait for a start (None: max_inflight_requests), and
     # the real-time capacity that gates starts: "auto" (learned), "off" (max_inflight alone), or a fixed number of
@@ -90,6 +95,14 @@ class LaunchConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.code2wav_runtime not in CODE2WAV_RUNTIMES:
             raise ValueError(f"code2wav_runtime must be one of {CODE2WAV_RUNTIMES}, got {self.code2wav_runtime!r}")
+        if self.left_context_frames == "stateful" and self.code2wav_instances > 1:
+            # Triton sends each code2wav call to any instance; only the one that holds a stream's state can decode
+            # its next chunk
+            raise ValueError(f"left_context_frames 'stateful' needs one code2wav instance (the stream's state lives "
+                             f"in it), got {self.code2wav_instances}: use 'exact' or a frame count with more")
+        if self.code2wav_runtime == "trt" and self.left_context_frames == "stateful":
+            raise ValueError("code2wav_runtime trt keeps no streaming state: use left_context_frames exact or a "
+                             "frame count with it (--left-context-frames), or the torch / onnx runtime")
         if self.code2wav_runtime in ("onnx", "trt") and self.code2wav_engine_path is None:
             raise ValueError(f"code2wav_runtime {self.code2wav_runtime} needs code2wav_engine_path")
         for name in ("first_chunk_frames", "next_chunk_frames", "kv_cache_tokens", "kv_block_size",
@@ -99,8 +112,9 @@ class LaunchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.talker_kv_cache_tokens is not None and self.talker_kv_cache_tokens < 1:
             raise ValueError(f"talker_kv_cache_tokens must be >= 1, got {self.talker_kv_cache_tokens}")
-        if self.left_context_frames is not None and self.left_context_frames < 1:
-            raise ValueError(f"left_context_frames must be >= 1, got {self.left_context_frames}")
+        if self.left_context_frames not in (None, "stateful", "exact") and (
+                not isinstance(self.left_context_frames, int) or self.left_context_frames < 1):
+            raise ValueError(f"left_context_frames must be 'stateful', 'exact' or >= 1, got {self.left_context_frames!r}")
         if self.chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {self.chunk_pacing!r}")
         if self.admission_queue is not None and self.admission_queue < 0:
@@ -110,6 +124,16 @@ class LaunchConfig:
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
             raise ValueError(f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
                              f"got {self.default_max_tokens}")
+
+    @property
+    def resolved_left_context_frames(self) -> int | str:
+        if self.left_context_frames is None:
+            return "stateful" if self.code2wav_runtime == "torch" and self.code2wav_instances == 1 else "exact"
+        return self.left_context_frames
+
+    @property
+    def code2wav_instances(self) -> int:
+        return self.placement.count("code2wav") * len(self.placement.gpus_of("code2wav"))
 
     @property
     def resolved_dtype(self) -> str:
@@ -147,7 +171,7 @@ class LaunchConfig:
             torch_threads=self.torch_threads.get(model, 1),
             kv_cache_tokens=self.resolved_talker_kv_cache_tokens if model == "talker" else self.kv_cache_tokens,
             talker_kv_cache_tokens=self.resolved_talker_kv_cache_tokens,
-            left_context_frames="exact" if self.left_context_frames is None else self.left_context_frames,
+            left_context_frames=self.resolved_left_context_frames,
             admission_queue=self.resolved_admission_queue,
             admission_capacity=self.resolved_admission_capacity,
             code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",

@@ -66,11 +66,10 @@ def engine_config(params: Mapping[str, str], device: torch.device | None = None)
 
 
 def chunk_policy(params: Mapping[str, str]) -> ChunkPolicy:
-    """The audio chunking a stage's config.pbtxt parameters name (left context "exact": None, resolved later)."""
-    left_context = params["left_context_frames"]
-    return ChunkPolicy(first_chunk_frames=int(params["first_chunk_frames"]),
-                       chunk_frames=int(params["next_chunk_frames"]),
-                       left_context_frames=None if left_context == "exact" else int(left_context))
+    """The audio chunking a stage's config.pbtxt parameters name (``--left-context-frames``: stateful, exact --
+    resolved later -- or a frame count)."""
+    return ChunkPolicy.from_setting(int(params["first_chunk_frames"]), int(params["next_chunk_frames"]),
+                                    params["left_context_frames"])
 
 
 def load_options(params: Mapping[str, str]) -> dict[str, Any]:

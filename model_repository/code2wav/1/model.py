@@ -1,20 +1,28 @@
-"""Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks, left context cut off."""
+"""Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks.
+
+Two kinds of chunk, batched separately: left-context chunks (CODES + LEFT_CONTEXT: stateless, context cut off)
+and stream chunks (CODES + STREAM_ID, STREAM_START on the first: new frames only, the stream's vocoder state kept
+here on the stage's device). STREAM_END (with or without CODES) frees the stream's state after the chunk.
+"""
 
 import json
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from omni_triton.models.code2wav import check_code_range, code_embedding_rows, exact_left_context_frames
+from omni_triton.models.code2wav import exact_left_context_frames
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.pipeline.code2wav_stream import ChunkJob, StreamDecoder
+from omni_triton.pipeline.code2wav_states import Code2WavStreamStates
+from omni_triton.pipeline.code2wav_stream import StreamDecoder
 from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
+from omni_triton.server.code2wav_requests import Code2WavRequests
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
                                           report_native_crashes)
-from omni_triton.server.stage_io import (chunk_policy, configure_interstage_memory, from_torch, host_array,
-                                         load_options, stage_device, stage_loading, to_torch)
+from omni_triton.server.stage_io import (chunk_policy, configure_interstage_memory, from_torch, load_options,
+                                         stage_device, stage_loading)
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -43,20 +51,35 @@ class TritonPythonModel:
             self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
                                                   dtype=getattr(torch, params["dtype"]), **engine,
                                                   **load_options(params), **graphs)
-            if warmup:
-                warm_up_vocoder(self.vocoder, chunk_policy(params).resolved(
-                    exact_left_context_frames(self.vocoder.config)), max_batch)
-        self.embedding_rows = code_embedding_rows(self.vocoder.config)
+            policy = chunk_policy(params)
+            if warmup and not policy.stateful:  # stateful short calls: their graphs are captured at start
+                warm_up_vocoder(self.vocoder, policy.resolved(exact_left_context_frames(self.vocoder.config)),
+                                max_batch)
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
+        # None: a runtime without streaming state (TensorRT, a one-pass ONNX file); stream chunks then fail
+        self.streams = (Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
+                                             self.vocoder.streaming_samples, self.device, initial_slots=2 * max_batch)
+                        if self.vocoder.streams else None)
+        stateful = params["left_context_frames"] == "stateful"
+        if self.streams is None and stateful:
+            raise ValueError(f"--left-context-frames stateful needs a code2wav runtime that streams with state "
+                             f"(torch, or onnx with an export_code2wav_onnx --stateful file), not {self.vocoder.kind}")
+        if self.vocoder.kind == "onnxruntime" and self.vocoder.streams and not stateful:
+            raise ValueError("this ONNX file is a --stateful export: serve it with --left-context-frames stateful")
         # A MetricFamily must outlive its metrics: keep both.
         self.metric_families = [
             pb_utils.MetricFamily("omni_code2wav_batch_chunks", "chunks decoded together in the last vocoder call",
                                   pb_utils.MetricFamily.GAUGE),
             pb_utils.MetricFamily("omni_code2wav_decoded_frames_total",
-                                  "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER)]
+                                  "codec frames decoded (left context included)", pb_utils.MetricFamily.COUNTER),
+            pb_utils.MetricFamily("omni_code2wav_streams", "audio streams whose vocoder state this stage holds",
+                                  pb_utils.MetricFamily.GAUGE)]
         labels = replica_labels(args)
-        self.batch_chunks, self.decoded_frames = (family.Metric(labels) for family in self.metric_families)
+        self.batch_chunks, self.decoded_frames = (family.Metric(labels) for family in self.metric_families[:2])
+        self.open_streams = self.metric_families[2].Metric({"stage": "code2wav", **labels})
         self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda", labels=labels)
+        self.requests = Code2WavRequests(pb_utils, self.vocoder.config, self.host_hops,
+                                         None if self.streams is not None else self.vocoder.kind)
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -65,42 +88,45 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = [None] * len(requests)
         jobs, owners = [], []  # one job per batch row; owners[i]: index of the request it came from
+        chunks, chunk_owners, ending = [], [], []  # stream chunks; streams to free after this call
+        if self.streams is not None:
+            self.streams.evict_idle()
         for index, request in enumerate(requests):
             try:
-                rows = self._jobs(request)
+                parsed = self.requests.parse(request)
             except ValueError as error:
-                responses[index] = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+                responses[index] = _invalid(error)
                 continue
-            jobs.extend(rows)
-            owners.extend([index] * len(rows))
+            if isinstance(parsed, list):  # left-context chunk jobs
+                jobs.extend(parsed)
+                owners.extend([index] * len(parsed))
+                continue
+            if parsed.end:
+                ending.append(parsed.stream_id)
+            if parsed.chunk is None:  # STREAM_END alone
+                responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.zeros((1, 0), np.float32))])
+            else:
+                chunks.append(parsed.chunk)
+                chunk_owners.append(index)
         audio = self.decoder.decode(jobs)
-        self.batch_chunks.set(len(jobs))
-        self.decoded_frames.increment(sum(job.num_frames for job in jobs))
         for index in sorted(set(owners)):
             rows = [wav for wav, owner in zip(audio, owners) if owner == index]
             responses[index] = pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", torch.stack(rows))])
+        for index, samples in zip(chunk_owners, self.streams.decode(chunks) if chunks else []):
+            responses[index] = (_invalid(samples) if isinstance(samples, ValueError)
+                                else pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", samples[None])]))
+        for stream_id in ending:
+            self.streams.close(stream_id)
+        self.batch_chunks.set(len(jobs) + len(chunks))
+        self.decoded_frames.increment(sum(job.num_frames for job in jobs) + sum(c.codes.shape[1] for c in chunks))
+        self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
         return responses
 
     def finalize(self):
-        del self.batch_chunks, self.decoded_frames  # metrics before their families
+        del self.batch_chunks, self.decoded_frames, self.open_streams  # metrics before their families
         self.metric_families.clear()
         self.host_hops.close()
 
-    def _jobs(self, request) -> list[ChunkJob]:
-        """CODES [b, G, N] + LEFT_CONTEXT [b, 1] -> b chunk jobs (raises ValueError naming the bad input)."""
-        codes_tensor = pb_utils.get_input_tensor_by_name(request, "CODES")
-        self.host_hops.check(codes_tensor)
-        codes = to_torch(codes_tensor)  # on the device the talker produced it on
-        left_context = host_array(pb_utils.get_input_tensor_by_name(request, "LEFT_CONTEXT")).reshape(-1)
-        num_frames = codes.shape[-1]
-        if num_frames < 1:
-            raise ValueError("CODES must hold at least one frame")
-        check_code_range(codes, self.vocoder.config.codebook_size, self.embedding_rows)
-        jobs = []
-        for row, context in enumerate(left_context.tolist()):
-            if not 0 <= context < num_frames:
-                raise ValueError(f"LEFT_CONTEXT must be in [0, {num_frames - 1}] for {num_frames} frames, "
-                                 f"got {context}")
-            jobs.append(ChunkJob.after_context(codes[row], context))
-        return jobs
+
+def _invalid(error: ValueError):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))

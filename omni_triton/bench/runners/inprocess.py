@@ -26,7 +26,8 @@ class InProcessRunner:
         self.pipeline = InProcessPipeline(
             config.checkpoint_dir, device=config.device, dtype=dtype, engine_config=thinker,
             talker_engine_config=talker, load_format=config.load_format, seed=config.dummy_seed,
-            policy=ChunkPolicy(config.first_chunk_frames, config.next_chunk_frames, config.left_context_frames),
+            policy=ChunkPolicy.from_setting(config.first_chunk_frames, config.next_chunk_frames,
+                                            config.resolved_left_context_frames),
             chunk_pacing=config.chunk_pacing)
 
     def open_worker(self) -> SharedWorker:
