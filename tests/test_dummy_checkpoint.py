@@ -184,6 +184,6 @@ def test_kv_plan_reserves_the_vocoder_states_of_stateful_streams(full_footprint)
     assert 2 << 20 < full_footprint.code2wav_stream_bytes < 3 << 20
     exact = plan(full_footprint, H200_FREE, code2wav_frames=603)
     stateful = plan(full_footprint, H200_FREE, code2wav_frames=25, code2wav_streams=128)
-    assert stateful.code2wav_activation_bytes == (full_footprint.code2wav_frame_bytes * 25 * 8
-                                                  + full_footprint.code2wav_stream_bytes * 128)
+    assert stateful.gpus[0].code2wav_activation_bytes == (full_footprint.code2wav_frame_bytes * 25 * 8
+                                                          + full_footprint.code2wav_stream_bytes * 128)
     assert stateful.thinker_tokens > exact.thinker_tokens

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Session, SessionParams, ThinkerChunk
 from omni_triton.pipeline.thinker_service import ThinkerOutput, merge_appends
@@ -64,6 +65,8 @@ class SlowAppendClients:
 
 
 class NoAudio:
+    policy = ChunkPolicy()  # left context, not stateful: the session closes no vocoder stream
+
     def append(self, frames):
         raise AssertionError("no frames")
 
