@@ -130,7 +130,7 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
         fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
         max_inflight_requests=args.max_inflight, max_tokens_cap=args.max_tokens_cap,
         chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
-        admission_capacity=args.admission_capacity,
+        admission_capacity=args.admission_capacity, admission_max_starting=args.admission_max_starting,
         max_text_chars=args.max_text_chars, max_audio_seconds=args.max_audio_seconds,
         torch_threads={stage: args.torch_threads for stage in STAGES},
         code2wav_runtime=args.code2wav_runtime, code2wav_engine_path=args.code2wav_engine,

@@ -98,3 +98,22 @@ def test_capacity_keys_steps_by_the_streams_sharing_the_server():
     assert capacity.step_s(8) == pytest.approx(0.04)
     capacity.observe(3, 10, 1.0, batch=2)  # nonsense (more steady streams than the batch): ignored
     assert capacity.step_s(2) == pytest.approx(0.04)
+
+
+def test_starts_are_staggered_by_max_starting():
+    """At most max_starting streams admitted and not yet playing: the rest wait, and one starts as each earlier
+    one plays its first audio (or ends without any)."""
+    admission = Admission(max_running=8, queue_limit=8, capacity=None, max_starting=2)
+    assert [admission.arrive(i, 0.0) for i in range(4)] == ["start", "start", "queued", "queued"]
+    assert admission.due(1.0) == []
+    admission.playing()
+    assert admission.due(2.0) == [(2, 2.0)]
+    assert admission.due(2.0) == []
+    admission.finished(played=False)  # a stream that ended before its first audio frees its start too
+    assert admission.due(3.0) == [(3, 3.0)]
+    assert (admission.running, admission.starting) == (3, 2)
+    full = Admission(max_running=8, queue_limit=0, capacity=None, max_starting=1)
+    assert full.arrive("a", 0.0) == "start" and full.arrive("b", 0.0) == "refused"
+    assert "streams starting (admission_max_starting 1" in full.refusal()
+    unlimited = Admission(max_running=3, queue_limit=0, capacity=None)
+    assert [unlimited.arrive(i, 0.0) for i in range(4)] == ["start", "start", "start", "refused"]

@@ -130,7 +130,8 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
                           fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
                           left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch,
                           chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
-                          admission_capacity=args.admission_capacity)
+                          admission_capacity=args.admission_capacity,
+                          admission_max_starting=args.admission_max_starting)
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization, gpu_processes)
 
 

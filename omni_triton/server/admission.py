@@ -8,6 +8,10 @@ prior. Audio-seconds per second at ``b`` streams = ``b / step_s(b) * FRAME_S``. 
 ``b + 1`` streams would each still get ``headroom`` x real time; a forced capacity (a launch option) replaces
 the estimate with a fixed number of audio-seconds per second (tests; a deployment that measured its own).
 
+Starts are staggered too (``max_starting``): a stream's start (thinker and talker prefills, its first frames and
+vocoder call) is the costliest part of its life, and a burst of starts stalls every playing stream's frames at
+once (measured on an H200: 84% of 64 streams that started together ran dry right after their first chunk), so at
+most ``max_starting`` streams may be admitted and not yet playing; the rest wait in the queue.
 ``Admission`` holds the running count and a FIFO of waiting requests: a request starts at once when nothing
 waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
 frees up), else -- past ``queue_limit`` waiting -- is refused. It counts what waited, for how long, and what
@@ -85,19 +89,24 @@ class Waiting:
 class Admission:
     """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
 
-    def __init__(self, max_running: int, queue_limit: int, capacity: RealtimeCapacity | None):
-        if max_running < 1 or queue_limit < 0:
-            raise ValueError(f"max_running must be >= 1 and queue_limit >= 0, got {max_running}, {queue_limit}")
+    def __init__(self, max_running: int, queue_limit: int, capacity: RealtimeCapacity | None,
+                 max_starting: int = 0):
+        """``max_starting``: streams that may be admitted and not yet playing at once (0: no limit)."""
+        if max_running < 1 or queue_limit < 0 or max_starting < 0:
+            raise ValueError(f"max_running must be >= 1, queue_limit and max_starting >= 0, got {max_running}, "
+                             f"{queue_limit}, {max_starting}")
         self.max_running, self.queue_limit, self.capacity = max_running, queue_limit, capacity
+        self.max_starting = max_starting
         self._lock = threading.Lock()
         self._queue: deque[Waiting] = deque()
         self.running = 0
+        self.starting = 0        # admitted, not playing yet
         self.waited = 0          # requests that started after waiting in the queue
         self.wait_s = 0.0        # their waits, summed
         self.refused = 0
 
     def _can_start(self) -> bool:
-        if self.running >= self.max_running:
+        if self.running >= self.max_running or (self.max_starting and self.starting >= self.max_starting):
             return False
         return self.running == 0 or self.capacity is None or self.capacity.admits(self.running)
 
@@ -106,6 +115,7 @@ class Admission:
         with self._lock:
             if not self._queue and self._can_start():
                 self.running += 1
+                self.starting += 1
                 return "start"
             if len(self._queue) < self.queue_limit:
                 self._queue.append(Waiting(item, now))
@@ -121,12 +131,23 @@ class Admission:
                         f"behind {self.running} streaming; retry later")
             if self.running >= self.max_running:
                 return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
+            if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
+                return (f"server busy: {self.starting} streams starting (admission_max_starting "
+                        f"{self.max_starting}; admission_queue 0); retry later")
             return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
                     f"{self.capacity.audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); retry later")
 
-    def finished(self) -> None:
+    def playing(self) -> None:
+        """A started stream sent its first audio: its start is over."""
+        with self._lock:
+            self.starting -= 1
+
+    def finished(self, played: bool = True) -> None:
+        """A started stream ended; ``played``: ``playing`` was called for it."""
         with self._lock:
             self.running -= 1
+            if not played:
+                self.starting -= 1
 
     def due(self, now: float) -> list[tuple[Any, float]]:
         """Waiting requests that may start now, in arrival order, with their waits (counted as running)."""
@@ -135,6 +156,7 @@ class Admission:
             while self._queue and self._can_start():
                 waiting = self._queue.popleft()
                 self.running += 1
+                self.starting += 1
                 self.waited += 1
                 self.wait_s += now - waiting.since
                 started.append((waiting.item, now - waiting.since))

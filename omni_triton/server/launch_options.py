@@ -99,6 +99,10 @@ def add_load_arguments(group) -> None:
                        help="admit a stream only while every running one keeps real time: auto (estimated from "
                             "the frame rate streams get, learned online), off (--max-inflight alone), or a fixed "
                             "capacity in audio-seconds per second (default: auto on cuda, off on cpu)")
+    group.add_argument("--admission-max-starting", type=int, metavar="N",
+                       help="streams admitted and not yet playing at once: a burst's starts are staggered so that "
+                            "their prefills do not starve the streams already playing (0: no limit; default: 16 on "
+                            "cuda, 0 on cpu)")
 
 
 def _admission_capacity(text: str) -> str:

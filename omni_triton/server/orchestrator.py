@@ -66,8 +66,10 @@ CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observatio
 class Orchestrator:
     def __init__(self, pb_utils: Any, checkpoint_dir: str, device: torch.device, policy: ChunkPolicy,
                  max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
-                 capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None):
-        """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone)."""
+                 capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
+                 max_starting: int = 0):
+        """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone); ``max_starting``:
+        streams admitted and not yet playing at once (0: no limit)."""
         if chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
@@ -78,7 +80,7 @@ class Orchestrator:
         self._policy = policy.resolved(exact_left_context_frames(code2wav_config))
         self._gpu = device.index if device.type == "cuda" else None  # where stage outputs are asked to land
         self._chunk_pacing = chunk_pacing
-        self._admission = Admission(max_inflight, admission_queue, capacity)
+        self._admission = Admission(max_inflight, admission_queue, capacity, max_starting)
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._request_counter = 0
         self._lock = threading.Lock()
@@ -234,6 +236,8 @@ class Orchestrator:
         with self._lock:
             self._active[request_id] = None
 
+        played = []  # its first audio went out: its start is over (admission)
+
         def emit(text: str, audio: torch.Tensor | None) -> None:
             outputs = [pb.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], dtype=np.object_))]
             if audio is None:
@@ -243,6 +247,10 @@ class Orchestrator:
                 outputs.append(from_torch(pb, "AUDIO", audio.to(device="cpu", dtype=torch.float32)))
             with send_lock:
                 sender.send(pb.InferenceResponse(outputs))
+                if audio is not None and not played:
+                    played.append(True)
+                    self._admission.playing()
+                    self._wake.set()  # a waiting stream may start now
 
         generations = self._stages.generations()
         clients = BlsStageClients(pb, inputs, self._gpu, self._host_hops.check, stage_down=self._stages.is_down)
@@ -273,7 +281,8 @@ class Orchestrator:
         finally:
             # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
-            self._admission.finished()
+            with send_lock:  # not while emit counts its first audio
+                self._admission.finished(played=bool(played))
             with self._lock:
                 del self._active[request_id]
             self._wake.set()

@@ -61,6 +61,8 @@ class LaunchConfig:
     # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
     admission_queue: int | None = None
     admission_capacity: str | None = None
+    # streams admitted and not yet playing at once (their starts staggered; 0: no limit); None: 16 on cuda, 0 on cpu
+    admission_max_starting: int | None = None
     kv_cache_tokens: int = CPU_KV_CACHE_TOKENS  # KV budget of the thinker (and of the talker, unless set), in tokens
     talker_kv_cache_tokens: int | None = None  # None: kv_cache_tokens
     kv_block_size: int = 16
@@ -121,6 +123,8 @@ class LaunchConfig:
             raise ValueError(f"admission_queue must be >= 0, got {self.admission_queue}")
         if self.admission_capacity is not None:
             admission_capacity_setting(self.admission_capacity)
+        if self.admission_max_starting is not None and self.admission_max_starting < 0:
+            raise ValueError(f"admission_max_starting must be >= 0, got {self.admission_max_starting}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
             raise ValueError(f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
                              f"got {self.default_max_tokens}")
@@ -142,6 +146,12 @@ class LaunchConfig:
     @property
     def resolved_admission_queue(self) -> int:
         return self.max_inflight_requests if self.admission_queue is None else self.admission_queue
+
+    @property
+    def resolved_admission_max_starting(self) -> int:
+        if self.admission_max_starting is not None:
+            return self.admission_max_starting
+        return DEFAULT_MAX_STARTING_CUDA if self.device == "cuda" else 0
 
     @property
     def resolved_admission_capacity(self) -> str:
@@ -174,6 +184,7 @@ class LaunchConfig:
             left_context_frames=self.resolved_left_context_frames,
             admission_queue=self.resolved_admission_queue,
             admission_capacity=self.resolved_admission_capacity,
+            admission_max_starting=self.resolved_admission_max_starting,
             code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",
             code_groups=_checkpoint_code_groups(checkpoint),
             fast_path="on" if self.fast_path else "off",
@@ -181,6 +192,9 @@ class LaunchConfig:
             warmup="on" if self.resolved_warmup else "off",
         )
         return {k: str(v) for k, v in values.items()}
+
+
+DEFAULT_MAX_STARTING_CUDA = 16  # starts at once on a GPU (server/admission.py: a burst of starts starves the playing)
 
 
 def admission_capacity_setting(text: str) -> float | str:

@@ -21,7 +21,7 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(
             pb_utils, params["checkpoint_dir"], stage_device(params, args), chunk_policy(params),
             max_inflight=int(params["max_inflight_requests"]), chunk_pacing=params["chunk_pacing"],
-            admission_queue=int(params["admission_queue"]),
+            admission_queue=int(params["admission_queue"]), max_starting=int(params["admission_max_starting"]),
             capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity),
             stage_instances=parse_instances(params["stage_instances"]))
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot)
