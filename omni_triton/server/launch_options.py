@@ -101,7 +101,7 @@ def add_load_arguments(group) -> None:
                             "capacity in audio-seconds per second (default: auto on cuda, off on cpu)")
     group.add_argument("--admission-max-starting", type=int, metavar="N",
                        help="streams admitted and not yet playing at once: a burst's starts are staggered so that "
-                            "their prefills do not starve the streams already playing (0: no limit; default: 16 on "
+                            "their prefills do not starve the streams already playing (0: no limit; default: 6 on "
                             "cuda, 0 on cpu)")
 
 

@@ -61,7 +61,7 @@ class LaunchConfig:
     # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
     admission_queue: int | None = None
     admission_capacity: str | None = None
-    # streams admitted and not yet playing at once (their starts staggered; 0: no limit); None: 16 on cuda, 0 on cpu
+    # streams admitted and not yet playing at once (their starts staggered; 0: no limit); None: 6 on cuda, 0 on cpu
     admission_max_starting: int | None = None
     kv_cache_tokens: int = CPU_KV_CACHE_TOKENS  # KV budget of the thinker (and of the talker, unless set), in tokens
     talker_kv_cache_tokens: int | None = None  # None: kv_cache_tokens
@@ -194,7 +194,7 @@ class LaunchConfig:
         return {k: str(v) for k, v in values.items()}
 
 
-DEFAULT_MAX_STARTING_CUDA = 16  # starts at once on a GPU (server/admission.py: a burst of starts starves the playing)
+DEFAULT_MAX_STARTING_CUDA = 6  # starts at once on a GPU (server/admission.py; benchmarks/results/h200-load: 0 of 128 dry at 64)
 
 
 def admission_capacity_setting(text: str) -> float | str:
