@@ -482,8 +482,12 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(tiny_checkpoint, 
             assert outcome.error is not None and f"{victim} stage failed" in outcome.error, outcome.error
             assert outcome.text, "the request was streaming when the stub was killed"
         # the supervisor sees the death within ~0.1 s; a request whose thread is inside a BLS call to the dead stub
-        # (a talker append) waits for Triton's own verdict on it, "Stub process ... is not healthy", 1-3 s later
-        assert failed_within < 4.0, "the requests in flight must fail at once, not wait for the reload"
+        # (a talker append) waits for Triton's own verdict on it, "Stub process ... is not healthy", 1-3 s later.
+        # Either way they end before the reload (which starts when the death is seen) is done, however loaded the
+        # machine: compared with the reload's own duration, not with a fixed number of seconds.
+        reloads = re.findall(rf"{victim} stage reloaded in ([0-9.]+) s", server.server.log_path.read_text(errors="replace"))
+        assert reloads, "the supervisor logs the reload"
+        assert failed_within < float(reloads[0]) + 0.5, "the requests in flight must fail at once, not wait for the reload"
         for message in refusals:
             assert f"{victim} stage is restarting" in message, message
         assert restarted[victim] != stubs[victim], "a fresh stub serves the stage"
