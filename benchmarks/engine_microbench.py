@@ -4,9 +4,10 @@ variant of the fast path side by side (before/after in one command).
     python benchmarks/engine_microbench.py --device cuda --stages thinker,talker --out-dir benchmarks/results/NAME
     python benchmarks/engine_microbench.py --config tiny --stages thinker,talker     # CPU smoke run
 
-Variants (``--variants``, default ``landed,fused``): ``eager`` = the plain torch path on the GPU (slow at full
+Variants (``--variants``, default ``fused,graphs``): ``eager`` = the plain torch path on the GPU (slow at full
 size: ~170 ms a thinker step); ``landed`` = the fast path of per-layer Triton kernels + CUDA graphs with the
-whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = everything on. Each
+whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = the fusions on, steps with
+prefill rows eager (the fast path as of 8638fd2); ``graphs`` = everything on (prefill CUDA graphs too). Each
 variant gets its own engine (graphs captured for it) over the same model and the same random inputs.
 
 Per batch size: thinker decode step at ~L tokens of context and thinker prefill of L-token prompts for each L
@@ -47,8 +48,9 @@ from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_s
 from omni_triton.models.weights import load_talker, load_thinker
 
 DECODE_STEPS = 16
-# variant -> (fast_path, whole-step fusions); see the module docstring
-VARIANTS = {"eager": (False, False), "landed": (True, False), "fused": (True, True)}
+# variant -> (fast_path, whole-step fusions, prefill CUDA graphs); see the module docstring
+VARIANTS = {"eager": (False, False, False), "landed": (True, False, False), "fused": (True, True, False),
+            "graphs": (True, True, True)}
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
 
 
@@ -169,7 +171,7 @@ def talker_prefill_floor(talker, batch: int, prompt_len: int, step_tokens: int, 
 def apply_variant(model: torch.nn.Module, variant: str) -> None:
     """The model's switches as ``variant`` wants them. They live on the shared model, so they are set again
     before every run of a variant's engine (its graphs were captured with them; its eager steps read them)."""
-    fast_path, fused_steps = VARIANTS[variant]
+    fast_path, fused_steps, _ = VARIANTS[variant]
     set_fast_kernels(model, fast_path)
     set_fused_steps(model, fused_steps)
 
@@ -177,13 +179,14 @@ def apply_variant(model: torch.nn.Module, variant: str) -> None:
 def make_engine(stage, model, args, max_batch: int, context: int, variant: str, cuda_graphs: bool = True
                 ) -> LLMEngine:
     """An engine for ``variant``, its switches set before it captures its graphs."""
-    fast_path, _ = VARIANTS[variant]
+    fast_path, _, prefill_graphs = VARIANTS[variant]
     apply_variant(model, variant)
     dtype = next(model.parameters()).dtype
     blocks = max_batch * (-(-context // 16) + 1) + 16
     return LLMEngine(stage, EngineConfig(
         block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
-        device=args.device, kv_dtype=dtype, fast_path=fast_path, cuda_graphs=cuda_graphs))
+        device=args.device, kv_dtype=dtype, fast_path=fast_path, cuda_graphs=cuda_graphs,
+        prefill_graph_tokens=None if prefill_graphs else 0))
 
 
 def launch_counts(model, make, case, variants: list[str], device: torch.device) -> dict[str, dict[str, int]]:
@@ -438,16 +441,23 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
                 engine.step()
             sync(device)
             hits.clear()
+            started = time.perf_counter()
             with profile(activities=[activity]) as prof:
                 for _ in range(steps):
                     engine.step()
                 sync(device)
+            wall_ms = 1e3 * (time.perf_counter() - started)
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             tokens = sum(t for t, _ in hits) / max(1, len(hits))
             experts = sum(e for _, e in hits) / max(1, len(hits))
             print(f"\n--- {type(stage).__name__} batch {batch}, {phase}: {tokens:.0f} tokens per MoE call hit "
                   f"{experts:.1f} of {text.num_experts} experts (uniform routing: "
                   f"{text.num_experts * expert_fraction(text, round(tokens)):.1f}); top kernels ---")
-            print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=50))
+            if kernels:  # GPU busy time against wall time: how far the step is from host-bound
+                busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+                print(f"{len(kernels)} kernels, {busy_ms:.2f} ms summed on the GPU, {wall_ms:.2f} ms wall "
+                      f"(profiler on) for {steps} step(s)")
+            print(prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=60))
         del engine
     for hook in hooks:
         hook.remove()
@@ -538,7 +548,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-lens", default="108,512", help="thinker prompt lengths (decode context too)")
     parser.add_argument("--talker-prompt-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--variants", default="landed,fused", help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="fused,graphs", help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
     parser.add_argument("--out-dir", default=".")

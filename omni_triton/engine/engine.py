@@ -35,6 +35,9 @@ class EngineConfig:
     # CUDA only: Triton kernels, GPU sampling and (cuda_graphs) CUDA-graph decode; off = the plain torch path
     fast_path: bool = True
     cuda_graphs: bool = True
+    # with cuda_graphs and the fused steps: steps with prefill rows of up to this many tokens replay a graph too
+    # (None: the step budget, max_num_batched_tokens; 0: they run eagerly)
+    prefill_graph_tokens: int | None = None
     # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
     warmup: bool = False
 
@@ -77,7 +80,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(stage, num_blocks, config.block_size, device=config.device,
                                   kv_dtype=config.kv_dtype, fast_path=config.fast_path,
-                                  max_num_seqs=config.max_num_seqs, cuda_graphs=config.cuda_graphs)
+                                  max_num_seqs=config.max_num_seqs, cuda_graphs=config.cuda_graphs,
+                                  prefill_graph_tokens=(config.max_num_batched_tokens
+                                                        if config.prefill_graph_tokens is None
+                                                        else config.prefill_graph_tokens))
         self.requests: dict[str, Sequence] = {}
         self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
@@ -206,9 +212,10 @@ class LLMEngine:
         decode_rows = sum(n == 1 and seq.samples_after(seq.num_computed_tokens + 1)
                           for seq, n in zip(batch.seqs, batch.num_new_tokens))
         kind = "decode" if decode_rows == len(batch) else "prefill" if decode_rows == 0 else "mixed"
-        graphs = self.runner.graphs
-        replays = kind == "decode" and graphs is not None and graphs.serves_rows(len(batch))
+        graphs, prefill_graphs = self.runner.graphs, self.runner.prefill_graphs
         tokens = sum(batch.num_new_tokens)
+        replays = (graphs is not None and graphs.serves_rows(len(batch)) if kind == "decode"
+                   else prefill_graphs is not None and prefill_graphs.serves_step(len(batch), tokens))
         return dict(kind=kind, rows=len(batch), tokens=tokens, prefill_tokens=tokens - decode_rows,
                     decode_rows=decode_rows, graph=replays,
                     preempted=len(batch.preempted), waiting=len(self.scheduler.waiting),

@@ -8,9 +8,12 @@ The fast path (``fast_path`` on a CUDA device) is a switch around the same modul
   buffers; rows past the batch are padding (no KV write, zero context). A stage whose step completion samples
   (the talker: its code predictor's 15 draws) has sampling and completion inside the graph, so one frame is one
   replay; otherwise (the thinker) the graph ends at the logits and sampling runs after it on the device.
-Prefill, chunked prefill and mixed steps run eagerly; for such a stage the completion of their sampled rows
-(``complete_step``: the code predictor's ~1,000 launches) still replays a graph of its own (``CompletionGraphs``,
-one per batch bucket, in the decode graphs' pool).
+- steps with prefill rows (fresh, chunked, mixed with decode rows) under CUDA graphs too, with the fused steps
+  on (``engine.prefill_graphs``: one graph of ``stage.forward`` per token bucket up to ``prefill_graph_tokens``,
+  the step's token budget; larger steps run eagerly); their sampled rows' logits and sampling run after the
+  replay as on the eager path. For a stage whose completion samples, the completion of those rows
+  (``complete_step``: the code predictor's ~1,000 launches) replays a graph of its own (``CompletionGraphs``,
+  one per batch bucket, in the decode graphs' pool).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_triton.graph_buckets import bucket_for, capturing, fill_padded
+from omni_triton.engine.prefill_graphs import PrefillGraphs
 from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
 from omni_triton.engine.scheduler import ScheduledBatch
 from omni_triton.engine.sequence import Sequence
@@ -48,7 +52,8 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, stage: StageModel, num_blocks: int, block_size: int, *, device: torch.device | str,
-                 kv_dtype: torch.dtype, fast_path: bool = False, max_num_seqs: int = 64, cuda_graphs: bool = True):
+                 kv_dtype: torch.dtype, fast_path: bool = False, max_num_seqs: int = 64, cuda_graphs: bool = True,
+                 prefill_graph_tokens: int = 0):
         self.stage = stage
         self.device = torch.device(device)
         self.block_size = block_size
@@ -67,6 +72,10 @@ class ModelRunner:
             self.samplers = {name: DeviceSampler(max_num_seqs, self.device, history if name == MAIN_STREAM else None)
                              for name in self.streams}
         self.graphs = DecodeGraphs(self, max_num_seqs) if self.fast and cuda_graphs else None
+        # prefill graphs need the one-launch prefill attention (a fused-steps kernel): with the per-sequence
+        # SDPA loop the step's launches depend on its sequences
+        self.prefill_graphs = (PrefillGraphs(self, prefill_graph_tokens, max_num_seqs, self.graphs.pool)
+                               if self.graphs is not None and self.fused_steps and prefill_graph_tokens > 0 else None)
 
     def release(self, seq: Sequence) -> None:
         """seq finished, was aborted or preempted: its device history slot (and graph bookkeeping) go."""
@@ -104,10 +113,13 @@ class ModelRunner:
         for _, start, end in chunks:
             offsets.append(row)
             row += end - start
-        positions = _to_device(torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1),
-                               self.device)
+        positions = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
         inputs_embeds = self.stage.embed_inputs(chunks)
-        hidden, captured = self.stage.forward(inputs_embeds, positions, self.attention_batch(chunks))
+        if self.prefill_graphs is not None and self.prefill_graphs.serves(chunks):
+            hidden, captured = self.prefill_graphs.forward(chunks, inputs_embeds, positions)
+        else:
+            hidden, captured = self.stage.forward(inputs_embeds, _to_device(positions, self.device),
+                                                  self.attention_batch(chunks))
 
         sampling = [(i, seq) for i, (seq, _, end) in enumerate(chunks) if seq.samples_after(end)]
         sampled_seqs = [seq for _, seq in sampling]

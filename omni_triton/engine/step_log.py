@@ -5,7 +5,7 @@ A record (``engine``: "thinker" / "talker"; times in ms, ``t`` = the step's end,
 - ``kind``: decode (every row computes one token and samples), prefill (no such row), mixed (both);
 - ``rows``, ``tokens`` (positions computed), ``prefill_tokens``, ``decode_rows``, ``sampled`` (tokens
   generated), ``completion_rows`` (rows whose stage completion ran: the talker's code predictor), ``graph``
-  (the decode step replayed a CUDA graph), ``preempted``;
+  (the step replayed a CUDA graph: decode, or prefill/mixed), ``preempted``;
 - ``host_ms``: the step's wall time on the engine thread; ``gpu_ms``: the GPU-stream span between events
   recorded at the step's start and end (CUDA only, else null; it includes the stream's idle gaps while the
   host launches, and time the GPU spent on other processes' work);

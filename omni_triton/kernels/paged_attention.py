@@ -178,13 +178,26 @@ def _paged_prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, tiles_ptr, seqs_pt
 PREFILL_BLOCK_M = 64  # query rows per program (the tile list is cut to it)
 
 
+def prefill_tile_rows(seqs: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """Host lists of ``prefill_tiles``: (tiles, sequences); a sequence index missing from ``seqs`` gets (0, 0, 0)
+    (no query: its tiles, if any point there, write nothing)."""
+    by_index = {index: (row, q_len, ctx_len) for index, row, q_len, ctx_len in seqs}
+    table = [by_index.get(i, (0, 0, 0)) for i in range(max(by_index) + 1)]
+    tiles = [(index, q0) for index, _, q_len, _ in seqs for q0 in range(0, q_len, PREFILL_BLOCK_M)]
+    return tiles, table
+
+
+def max_prefill_tiles(num_tokens: int, max_seqs: int) -> int:
+    """An upper bound on ``len(prefill_tile_rows(seqs)[0])`` for any ``seqs`` of at most ``max_seqs`` sequences and
+    ``num_tokens`` rows in all: full tiles, plus at most one partial tile per sequence (a CUDA graph's grid)."""
+    return num_tokens // PREFILL_BLOCK_M + min(max_seqs, num_tokens)
+
+
 def prefill_tiles(seqs: list[tuple[int, int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """seqs: (batch index, first row, query len, context len) of each prefill sequence -> (tiles [n, 2] int32:
     (sequence's entry in the second tensor, first query), sequences [S, 3] int32: (first row, query len, context
     len), indexed like the block tables when built from every sequence of the batch)."""
-    by_index = {index: (row, q_len, ctx_len) for index, row, q_len, ctx_len in seqs}
-    table = [by_index.get(i, (0, 0, 0)) for i in range(max(by_index) + 1)]
-    tiles = [(index, q0) for index, _, q_len, _ in seqs for q0 in range(0, q_len, PREFILL_BLOCK_M)]
+    tiles, table = prefill_tile_rows(seqs)
     pinned = device.type == "cuda"
     as_device = [torch.tensor(t, dtype=torch.int32).pin_memory() if pinned else torch.tensor(t, dtype=torch.int32)
                  for t in (tiles, table)]

@@ -19,7 +19,8 @@ gather for the whole decode batch per layer, K/V never repeated per query head);
 cached context gathers per sequence (off CUDA). Its per-batch plan is built once and shared by all layers.
 
 ``DecodeBatch`` is the CUDA-graph form of a decode-only batch: device tensors only (no host lists), padding
-rows marked by a negative slot and a zero context length, K/V stored and attended by the Triton kernels.
+rows marked by a negative slot and a zero context length, K/V stored and attended by the Triton kernels;
+``VarlenGraphBatch`` the same for a step with prefill rows (the prefill kernel's tile list, padded).
 """
 
 from __future__ import annotations
@@ -222,6 +223,28 @@ class DecodeBatch:
         cache = self.kv_caches[layer_idx]
         store_kv(k, v, cache, self.slot_mapping)
         return paged_decode_attention(q, cache, self.block_tables, self.context_lens, scale)
+
+
+@dataclass
+class VarlenGraphBatch:
+    """A step with prefill rows (fresh, chunked, mixed with decode rows) as device tensors only, for a CUDA graph
+    of a fixed token count: the tile list of ``kernels.paged_attention.prefill_tile_rows`` padded to a fixed
+    length with tiles of an empty sequence, padding rows marked by a negative slot. Padding rows attend to
+    nothing and get zeros (so they stay finite through the layers: zero in, zero out of every block)."""
+    slot_mapping: torch.Tensor  # [T] int64; negative = padding row
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    tiles: torch.Tensor  # [n, 2] int32 (sequence index, first query)
+    seqs: torch.Tensor  # [S, 3] int32 (first row, query len, context len); (0, 0, 0) = no sequence
+    kv_caches: list[torch.Tensor]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        from omni_triton.kernels.paged_attention import paged_prefill_attention, store_kv
+
+        cache = self.kv_caches[layer_idx]
+        store_kv(k, v, cache, self.slot_mapping)
+        return paged_prefill_attention(q, cache, self.block_tables, self.tiles, self.seqs, scale,
+                                       out=torch.zeros_like(q))
 
 
 def contiguous_batch(seq_lens: list[int], num_layers: int, num_kv_heads: int, head_dim: int, *,
