@@ -94,8 +94,9 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-# request 0 alone (a prefill), 1 and 2 arrive while others decode (mixed steps), 3's prompt is chunked over steps
-# where the rest decode; with a 40-token budget and graphs up to 32 tokens, 3's full chunks (40 rows) run eagerly
+# request 0 alone (a prefill: graph), 1 and 2 arrive while 0 decodes (one mixed step of 23 rows: graph), 3's prompt
+# is chunked over steps where the rest decode: with a 40-token budget and graphs up to 32 tokens, its first two
+# chunks (37 rows + 3 decode rows) run eagerly, its last (16 + 3) replays a graph: 3 replays
 ARRIVALS, PROMPT_LENS, BUDGET, GRAPH_TOKENS = [0, 2, 2, 5], [7, 19, 3, 90], 40, 32
 
 
@@ -141,7 +142,7 @@ def test_thinker_steps_with_prefill_rows_replay_graphs_and_equal_the_eager_steps
     graphs = engines[GRAPH_TOKENS].runner.prefill_graphs
     assert engines[0].runner.prefill_graphs is None
     assert graphs is not None and graphs.buckets == [16, 32]
-    assert graphs.replays >= 4  # the prefills of 0-2, the mixed steps, 3's last chunk
+    assert graphs.replays >= 3
     got, want = results[GRAPH_TOKENS], results[0]
     assert set(got) == set(want) == {"0", "1", "2", "3"}
     for rid in want:
@@ -170,7 +171,8 @@ def test_talker_frames_with_prefill_graphs_equal_the_eager_prefills(tiny_checkpo
         results[graph_tokens] = run_requests(engine, add)
         assert (engine.runner.prefill_graphs is not None) == (graph_tokens > 0)
         if graph_tokens:
-            assert engine.runner.prefill_graphs.replays >= 4
+            assert engine.runner.prefill_graphs.replays >= 3
+    assert set(results[0]) == set(results[GRAPH_TOKENS]) == {"0", "1", "2", "3"}
     for rid, want in results[0].items():
         assert results[GRAPH_TOKENS][rid]["codes"] == want["codes"], rid
-        assert len(want["codes"]) == GREEDY.max_new_tokens
+        assert len(want["codes"]) >= GREEDY.max_new_tokens - 1  # every frame but a last one the engine ends on

@@ -84,6 +84,10 @@ def add_engine_arguments(group) -> None:
                        help="cuda: with --fast-path on, the engines' decode steps as CUDA graphs; with or without "
                             "it, the code2wav torch runtime's short chunks (first-chunk shapes captured at start) "
                             "(default: %(default)s)")
+    group.add_argument("--prefill-graphs", choices=["on", "off"], default="on",
+                       help="cuda: with --fast-path and --cuda-graphs on, the engines' steps with prefill rows "
+                            "(prompts, chunks, mixed steps of up to --max-batched-tokens) as CUDA graphs too, one "
+                            "per token bucket, captured at start (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

@@ -71,6 +71,7 @@ class LaunchConfig:
     # Off by default when served: measured in benchmarks/engine_microbench.py, not yet in a served run.
     fast_path: bool = False
     cuda_graphs: bool = False
+    prefill_graphs: bool = True  # with both: steps with prefill rows as CUDA graphs too (engine.prefill_graphs)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
@@ -189,6 +190,7 @@ class LaunchConfig:
             code_groups=_checkpoint_code_groups(checkpoint),
             fast_path="on" if self.fast_path else "off",
             cuda_graphs="on" if self.cuda_graphs else "off",
+            prefill_graphs="on" if self.prefill_graphs else "off",
             warmup="on" if self.resolved_warmup else "off",
         )
         return {k: str(v) for k, v in values.items()}

@@ -61,6 +61,7 @@ def engine_config(params: Mapping[str, str], device: torch.device | None = None)
                           max_num_seqs=int(params["max_inflight_requests"]),
                           device=device, kv_dtype=dtype,
                           fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on",
+                          prefill_graph_tokens=None if params.get("prefill_graphs", "on") == "on" else 0,
                           warmup=params.get("warmup") == "on")
     return config, dtype
 
