@@ -24,6 +24,20 @@ def test_interstage_memory_reaches_every_stage_that_exchanges_tensors(tiny_check
         assert _parameter((out / model / "config.pbtxt").read_text(), "interstage_memory") == memory, model
 
 
+@pytest.mark.parametrize("prefill_graphs", [True, False])
+def test_prefill_graphs_switch_reaches_both_engines(tiny_checkpoint, tmp_path, prefill_graphs):
+    from omni_triton.server.stage_io import engine_config
+
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", fast_path=True,
+                                         cuda_graphs=True, prefill_graphs=prefill_graphs), tmp_path / "repository")
+    for model in ("thinker", "talker"):
+        text = (out / model / "config.pbtxt").read_text()
+        params = {key: value for key, value in re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', text)}
+        assert params["prefill_graphs"] == ("on" if prefill_graphs else "off"), model
+        config, _ = engine_config(params, device="cpu")
+        assert config.prefill_graph_tokens == (None if prefill_graphs else 0), model  # None: the step budget
+
+
 def test_unknown_interstage_memory_is_refused_by_name(tiny_checkpoint):
     with pytest.raises(ValueError, match="interstage_memory"):
         LaunchConfig(checkpoint_dir=tiny_checkpoint, interstage_memory="pinned")
