@@ -3,6 +3,8 @@ report rendering."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import threading
 import time
@@ -286,6 +288,12 @@ def test_markdown_and_plots(tmp_path):
     assert "| server | 2 | 1 | 0 | 20 | 200 |" in table and "a note" in table
     # concurrency 2: 200 ms of silence after the first chunk, so a gapless start at 200 + 200 ms; it ran dry
     assert "| server | 2 | 200 | 200 | 400 | 400 | 1 | 100 |" in table
+    # GPU memory: the sum, and each GPU's after it when the stages used several
+    one_gpu = replace(summaries[0], gpu_memory_peak_gib=70.06, gpu_memory_peak_gib_per_gpu=[70.06])
+    two_gpus = replace(summaries[1], gpu_memory_peak_gib=112.3, gpu_memory_peak_gib_per_gpu=[70.06, 42.24])
+    table = markdown(report, [one_gpu, two_gpus], [], "server")
+    rows = [line for line in table.splitlines() if line.startswith("| server |")][:2]  # the result rows
+    assert rows[0].endswith(" | 70.1 |") and rows[1].endswith(" | 112.3 (70.1 + 42.2) |"), rows
     json.dumps(report)
     pytest.importorskip("matplotlib")
     paths = plot(summaries, tmp_path)
@@ -296,11 +304,17 @@ def test_markdown_and_plots(tmp_path):
 def test_gpu_memory_peak_keeps_the_most_in_use(monkeypatch):
     from omni_triton.bench import gpu_memory
 
-    readings = iter([1000, 5000, 3000] + [2000] * 100)
+    readings = iter([[1000], [5000], [3000]] + [[2000]] * 100)
     monkeypatch.setattr(gpu_memory, "gpu_memory_used_mib", lambda: next(readings))
     with gpu_memory.GpuMemoryPeak(interval_s=0.01) as peak:
         time.sleep(0.1)
-    assert peak.peak_mib == 5000 and peak.gib == pytest.approx(4.88)
+    assert peak.peak_mib == 5000 and peak.gib == pytest.approx(4.88) and peak.gib_per_gpu == [4.88]
+    # two GPUs: each one's peak, whenever it came, and the peak of the sum (not the sum of the peaks)
+    readings = iter([[1024, 4096], [3072, 1024]] + [[2048, 2048]] * 100)
+    monkeypatch.setattr(gpu_memory, "gpu_memory_used_mib", lambda: next(readings))
+    with gpu_memory.GpuMemoryPeak(interval_s=0.01) as peak:
+        time.sleep(0.1)
+    assert peak.gib_per_gpu == [3.0, 4.0] and peak.gib == 5.0
     monkeypatch.setattr(gpu_memory, "gpu_memory_used_mib", lambda: None)  # no GPU: nothing measured
     with gpu_memory.GpuMemoryPeak() as peak:
         pass

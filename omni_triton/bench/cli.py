@@ -228,7 +228,8 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             finally:
                 trace.configure(None)
             summaries.append(replace(summarize(runner.name, concurrency, timings, wall_s),
-                                     gpu_memory_peak_gib=gpu_memory.gib))
+                                     gpu_memory_peak_gib=gpu_memory.gib,
+                                     gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu))
             if level_dir is not None and breakdowns is not None:
                 server_dir = trace_dir / "server" if runner.name.startswith("server") else None
                 breakdowns.append(breakdown.level_row(runner.name, concurrency, level_dir, server_dir))
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     text = prompt_text(workload.prompt_tokens, tokenizer)
 
     machine = reporting.machine_description()  # before the run: its load average is the other jobs'
-    idle_gpu_mib = gpu_memory_used_mib()  # before any system holds GPU memory (None: no GPU or nvidia-smi)
+    idle_gpu_mib = gpu_memory_used_mib()  # per GPU, before any system holds GPU memory (None: no GPU or nvidia-smi)
     summaries: list[LevelSummary] = []
     breakdowns: list[dict] = []
 
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratios_to": REFERENCE,
             "ratios": ratios_to(REFERENCE, rows),
             "ttfa_breakdown": breakdowns,
-            "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(idle_gpu_mib / 1024, 2),
+            "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(sum(idle_gpu_mib) / 1024, 2),
             "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
                          "seed": args.source.seed} if args.source is not None else "unknown"),
             "notes": notes + (["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]

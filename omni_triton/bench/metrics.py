@@ -126,6 +126,7 @@ class LevelSummary:
     ran_dry: int | None = None               # streams whose dry time was > RAN_DRY_S
     ran_dry_fraction: float | None = None    # ... of the successful streams with audio
     gpu_memory_peak_gib: float | None = None  # device-wide, the most in use during the level (bench.gpu_memory)
+    gpu_memory_peak_gib_per_gpu: list[float] | None = None  # the same per visible GPU, in nvidia-smi's order
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -59,6 +59,12 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _gpu_gib(summary: LevelSummary) -> str:
+    """Peak GPU GiB of a level; with several GPUs, each one's after the sum ("112.3 (70.1 + 42.2)")."""
+    total, per_gpu = _num(summary.gpu_memory_peak_gib, 1), summary.gpu_memory_peak_gib_per_gpu
+    return total if not per_gpu or len(per_gpu) < 2 else f"{total} ({' + '.join(_num(g, 1) for g in per_gpu)})"
+
+
 def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], reference: str) -> str:
     workload = report["workload"]
     lines = [
@@ -86,7 +92,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
         lines.append(f"| {s.system} | {s.concurrency} | {s.requests} | {s.failed} | {_ms(s.ttft_p50)} | "
                      f"{_ms(s.ttfa_p50)} | {_ms(s.ttfa_p95)} | {_ms(s.ttfa_p99)} | {_num(s.rtf_mean, 3)} | "
                      f"{_num(s.rtf_p95, 3)} | {_num(s.audio_s_per_request)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
-                     f"{_num(s.continuity)} | {_num(s.gpu_memory_peak_gib, 1)} |")
+                     f"{_num(s.continuity)} | {_gpu_gib(s)} |")
     lines += listener_table(summaries)
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
