@@ -19,6 +19,14 @@
 #   LEVELS=32,64 SEQ_LEVELS= LABEL="one instance each" bash benchmarks/full_size_sweep.sh served OUT/one
 #   LEVELS=32,64 SEQ_LEVELS= LABEL="talker x2, code2wav x2" SERVE_ARGS="--instances talker=2,code2wav=2" \
 #     bash benchmarks/full_size_sweep.sh served OUT/replicas
+# (measured: benchmarks/results/h200-replicas/). Two GPUs (issue 24, `nvidia-h200-x2`): thinker on GPU 0, talker
+# and code2wav on GPU 1, against every stage on GPU 0 of the same machine (the bench's GPU GiB column then shows
+# each GPU after the sum); then the host-hop counters and served-vs-in-process equality at one stream:
+#   LEVELS=1,8,16,32,64 SEQ_LEVELS= LEFT_CONTEXT=default LABEL="one GPU" bash benchmarks/full_size_sweep.sh served OUT/one
+#   LEVELS=1,8,16,32,64 SEQ_LEVELS= LEFT_CONTEXT=default LABEL="thinker GPU 0, talker + code2wav GPU 1" \
+#     SERVE_ARGS="--stage-gpus thinker=0,talker=1,code2wav=1" bash benchmarks/full_size_sweep.sh served OUT/split
+#   python3 benchmarks/served_device_check.py --device cuda --stage-gpus thinker=0,talker=1,code2wav=1 \
+#     --concurrency 1,8 --compare-inprocess --dtype float32 --out OUT/split_check.json
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}
