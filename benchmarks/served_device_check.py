@@ -32,6 +32,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from omni_triton.bench.gpu_memory import gpu_memory_used_mib
 from omni_triton.client import OmniStreamClient
 from omni_triton.server.launch_options import add_placement_arguments, placement
 from omni_triton.server.repository import LaunchConfig, render_repository
@@ -199,18 +200,10 @@ def compare_inprocess(checkpoint: Path, config: LaunchConfig, workload: dict, se
     return report
 
 
-def gpu_memory_used_mib() -> float | None:
-    try:
-        output = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                capture_output=True, text=True, timeout=30).stdout
-        return float(output.split()[0])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
 def soak(server: TritonServer, concurrency: int, seconds: float, workload: dict, sample_s: float = 15.0) -> dict:
     """``concurrency`` client threads streaming back to back for ``seconds``; counts every error and samples
-    GPU memory (nvidia-smi) and the server's host RSS (server + stubs) over time."""
+    GPU memory (nvidia-smi, MiB per GPU: the stages may be placed on several) and the server's host RSS (server +
+    stubs) over time."""
     stop_at = time.monotonic() + seconds
     counts = {"requests": 0, "errors": 0}
     errors: list[str] = []
