@@ -46,7 +46,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
                          M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, eps,
                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
@@ -56,8 +56,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # first pass over the whole row (every K slice needs it): its mean square
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
+        for k0 in range(0, K, NORM_BLOCK):
+            kk = k0 + tl.arange(0, NORM_BLOCK)
             x = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         rstd = tl.rsqrt(squares / K + eps)
@@ -191,6 +191,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     blocks = block_sizes(rows, cols, depth)
     splits, k_per_split = split_plan(rows, cols, depth, blocks, norm_weight is not None, gated, split_k)
     grid = (triton.cdiv(cols, blocks[1]), triton.cdiv(rows, blocks[0]), splits)
+    # a split program's own K slice is 1-2 steps, so a norm's pass over the whole row, one dependent load per
+    # step, would be most of its latency: it reads x in chunks of up to 8K elements (64 registers a thread)
+    norm_block = blocks[2] if splits == 1 else max(blocks[2], min(triton.next_power_of_2(depth), 8192 // blocks[0]))
     partials = counters = out  # unread placeholders of the one-pass kernel
     if splits > 1:
         partials = workspace(x.device, torch.float32, splits * (2 if gated else 1) * rows * cols)
@@ -200,7 +203,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         partials, counters, rows, cols, depth, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0), eps,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLIT=splits > 1,
-        BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2],
+        BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
         num_stages=3 if x.element_size() <= 2 else 2)  # fp32 tiles are twice the shared memory
     return out
