@@ -5,7 +5,8 @@ CPU (Triton's interpreter, fp32/fp16, small shapes): each kernel flag against it
 attention step by step against ``FrameCache``, and a whole frame: greedy codes identical, logits close.
 GPU (skipped without CUDA): the same at the released dimensions (hidden 1024, 16/8 heads x 128, MLP 3072, 2048
 codes, 5 layers, 16 code groups) in bf16 with seeded random weights, batches 1, 8, 64; the fused frame inside a
-CUDA graph equals it eager (both with the linears' one-pass and split-K launches); the fused frame takes far fewer launches than the module path.
+CUDA graph equals it eager (both with the linears' one-pass and split-K launches); the fused frame takes far
+fewer launches than the module path.
 """
 
 from __future__ import annotations

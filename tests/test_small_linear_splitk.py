@@ -18,10 +18,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from omni_triton.graph_buckets import capturing  # noqa: E402
 from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
 from omni_triton.kernels.small_linear import block_sizes, small_linear, split_plan  # noqa: E402
+from omni_triton.models.layers.fast_kernels import set_split_k  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
-from test_code_predictor_kernels import DEVICE, cuda, rel_error, tolerance  # noqa: E402
+from test_code_predictor_kernels import DEVICE, SMALL, cuda, random_predictor, rel_error, tolerance  # noqa: E402
 
 VARIANTS = ["plain", "norm", "gated", "residual", "gated-norm", "norm-fp32-out"]
 # (rows, K, N, split_k): narrow tiles (BLOCK_N 16, BLOCK_K 256; 3 ragged K steps, the plan's own split count);
@@ -123,6 +125,23 @@ def test_split_plan_keeps_one_pass_where_splits_cost_more_than_they_bring():
     assert splits_of(1, 2048, 1024, "plain", 3) == 3  # forced
 
 
+def test_set_split_k_reaches_every_linear_of_the_fused_frame(monkeypatch):
+    predictor = random_predictor(SMALL, torch.float32, groups=2)  # one predictor step
+    real, seen = small_linear_module.small_linear, []
+
+    def recording(*args, split_k, **kwargs):
+        seen.append(split_k)
+        return real(*args, split_k=split_k, **kwargs)
+
+    monkeypatch.setattr(small_linear_module, "small_linear", recording)
+    hidden = torch.randn(2, SMALL["hidden_size"], device=DEVICE)
+    for enabled, wanted in ((False, 1), (True, None)):  # None: the split plan's count
+        set_split_k(predictor, enabled)
+        seen.clear()
+        predictor.predict_with_kernels(hidden, hidden)
+        assert seen == [wanted] * (4 * SMALL["num_layers"] + 1)  # qkv, o, gate/up, down per layer; lm_head
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 @cuda
@@ -150,7 +169,7 @@ def test_split_k_replays_under_a_cuda_graph():
     eager = [run(None) for run, _ in calls]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):  # no garbage collection inside the capture (issue 20)
         captured = [run(None) for run, _ in calls]
     for _ in range(50):
         graph.replay()
