@@ -36,8 +36,9 @@ import triton
 import triton.language as tl
 
 # Programs one launch should have for the weight reads to fill HBM: ~4 per SM of a 132-SM H200, which fit on
-# an SM at once at these tile sizes (<= ~60 KB of shared memory each), so one wave keeps ~8-16 KB of W per
-# program, several MB in all, in flight.
+# an SM at once (compiled for sm_90, the split programs of the predictor's layers take 48-128 registers a
+# thread and 28-45 KB of shared memory), so one wave keeps ~8-32 KB of W per program, several MB in all, in
+# flight.
 TARGET_PROGRAMS = 512
 
 
