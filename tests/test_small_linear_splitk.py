@@ -5,8 +5,8 @@ CPU (Triton's interpreter, fp32/fp16): small shapes with ragged M, N and K edges
 fusion; the result equals the torch reference within the kernels' tolerances and the one-pass kernel within
 rounding; a second call, its scratch poisoned first, gives the same bits; the tile counters are back at 0.
 The split plan at the predictor's dimensions (pure arithmetic). The interpreter runs programs one after
-another, so it checks the ticket logic but not the memory ordering between SMs: that is what the GPU tests
-hammer (skipped without CUDA): the predictor's layer shapes in bf16 at 1-128 rows, many calls each
+another, so it checks the ticket logic but not the memory ordering between SMs: the kernel compiled for sm_90
+(no GPU needed) shows the ordering instructions in place, and the GPU tests hammer it (skipped without CUDA): the predictor's layer shapes in bf16 at 1-128 rows, many calls each
 bit-identical to the first, and a CUDA graph of them replayed.
 """
 
@@ -140,6 +140,53 @@ def test_set_split_k_reaches_every_linear_of_the_fused_frame(monkeypatch):
         seen.clear()
         predictor.predict_with_kernels(hidden, hidden)
         assert seen == [wanted] * (4 * SMALL["num_layers"] + 1)  # qkv, o, gate/up, down per layer; lm_head
+
+
+# Compiles the split kernel for sm_90 (no GPU needed: Triton's own compiler, outside the interpreter) and prints
+# the PTX lines that order the partials and the ticket.
+SM90_PTX = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from omni_triton.kernels.small_linear import _small_linear_kernel as kernel
+names = kernel.arg_names
+signature = {name: "constexpr" for name in names}
+signature.update(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", norm_weight_ptr="*bf16", residual_ptr="*bf16",
+                 partial_ptr="*fp32", counter_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32",
+                 stride_xm="i32", stride_wn="i32", stride_om="i32", stride_rm="i32", eps="fp32")
+constants = dict(NORM=True, GATED=True, RESIDUAL=True, SPLIT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+                 NORM_BLOCK=512, PRECISION="tf32")
+aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "k_per_split")]
+source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
+                   attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+for line in compiled.asm["ptx"].splitlines():
+    if re.search(r"\\b(atom|bar\\.sync|st\\.global|ld\\.global\\.cg)", line):
+        print(line.strip())
+"""
+
+
+def test_the_ticket_orders_the_partials_in_the_compiled_kernel():
+    """What the interpreter cannot show: on the GPU, every thread's partial stores (L2 only) come before the
+    barrier that precedes the one acq_rel atomic at GPU scope, and the reduction's loads (L2 only) after it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_PTX], capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode and "backend" in done.stderr.lower():
+        pytest.skip(f"no Triton CUDA backend to compile with: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    atomics = [i for i, line in enumerate(lines) if "atom." in line]
+    assert len(atomics) == 1 and "atom.global.gpu.acq_rel.add" in lines[atomics[0]], lines
+    ticket = atomics[0]
+    partial_stores = [i for i, line in enumerate(lines) if "st.global.cg" in line]
+    assert partial_stores and max(partial_stores) < ticket
+    assert any("bar.sync" in line for line in lines[max(partial_stores):ticket])
+    partial_loads = [i for i, line in enumerate(lines) if "ld.global.cg" in line]
+    assert partial_loads and min(partial_loads) > ticket
 
 
 # ---------------------------------------------------------------------------------------------- GPU
