@@ -6,8 +6,9 @@ fusion; the result equals the torch reference within the kernels' tolerances and
 rounding; a second call, its scratch poisoned first, gives the same bits; the tile counters are back at 0.
 The split plan at the predictor's dimensions (pure arithmetic). The interpreter runs programs one after
 another, so it checks the ticket logic but not the memory ordering between SMs: the kernel compiled for sm_90
-(no GPU needed) shows the ordering instructions in place, and the GPU tests hammer it (skipped without CUDA): the predictor's layer shapes in bf16 at 1-128 rows, many calls each
-bit-identical to the first, and a CUDA graph of them replayed.
+(no GPU needed) shows the ordering instructions in place, and the GPU tests (skipped without CUDA) hammer it:
+the predictor's layer shapes in bf16 at 1-128 rows, many calls each bit-identical to the first, and a CUDA
+graph of them replayed.
 """
 
 from __future__ import annotations
