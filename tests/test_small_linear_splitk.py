@@ -155,7 +155,7 @@ signature = {name: "constexpr" for name in names}
 signature.update(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", norm_weight_ptr="*bf16", residual_ptr="*bf16",
                  partial_ptr="*fp32", counter_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32",
                  stride_xm="i32", stride_wn="i32", stride_om="i32", stride_rm="i32", eps="fp32")
-constants = dict(NORM=True, GATED=True, RESIDUAL=True, SPLIT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+constants = dict(NORM=True, GATED=True, RESIDUAL=True, SPLITS=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
                  NORM_BLOCK=512, PRECISION="tf32")
 aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "k_per_split")]
 source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},

@@ -45,7 +45,7 @@ TARGET_PROGRAMS = 512
 @triton.jit
 def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, partial_ptr, counter_ptr,
                          M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, eps,
-                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,7 +80,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
             up = tl.load(w_cols + N * stride_wn + kk[:, None], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT:
+    if SPLITS > 1:
         # partials [split, gate/up, M, N] in fp32, through L2 only (.cg: another SM's L1 may hold a previous
         # call's values at these addresses)
         halves: tl.constexpr = 2 if GATED else 1
@@ -91,11 +91,12 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
             tl.store(slot + M * N + at, acc_up, mask=out_mask, cache_modifier=".cg")
         tl.debug_barrier()  # every thread's partials stored before the ticket releases them to the last program
         tile = counter_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        splits = tl.num_programs(2)
-        if tl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
+        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLITS - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in range(0, splits):  # in split order, whoever came last: deterministic
+            # in split order, whoever came last: deterministic; unrolled, so that the loads are all in flight
+            # at once rather than one L2 round trip per split
+            for split in tl.static_range(SPLITS):
                 slot = partial_ptr + split * (halves * M * N)
                 acc += tl.load(slot + at, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if GATED:
@@ -156,6 +157,13 @@ def split_plan(rows: int, cols: int, depth: int, block_sizes_: tuple[int, int, i
     return triton.cdiv(steps, steps_per_split), steps_per_split * block_k
 
 
+def num_stages(element_size: int, block_m: int, splits: int) -> int:
+    """3 (two K steps' loads in flight from the start: a split's whole slice at 1-2 steps) unless that costs
+    occupancy: fp32 tiles are twice the shared memory, and a split program of 64 rows at 3 stages (a 64 x 256
+    x tile: 120 KB) would be alone on its SM, where split-K wants several per SM."""
+    return 2 if element_size > 2 or (splits > 1 and block_m > 32) else 3
+
+
 _workspaces: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
 
@@ -203,8 +211,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
         partials, counters, rows, cols, depth, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0), eps,
-        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLIT=splits > 1,
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
         BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=3 if x.element_size() <= 2 else 2)  # fp32 tiles are twice the shared memory
+        num_stages=num_stages(x.element_size(), blocks[0], splits))
     return out
