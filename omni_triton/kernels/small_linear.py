@@ -200,8 +200,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     blocks = block_sizes(rows, cols, depth)
     splits, k_per_split = split_plan(rows, cols, depth, blocks, norm_weight is not None, gated, split_k)
     grid = (triton.cdiv(cols, blocks[1]), triton.cdiv(rows, blocks[0]), splits)
-    # a split program's own K slice is 1-2 steps, so a norm's pass over the whole row, one dependent load per
-    # step, would be most of its latency: it reads x in chunks of up to 8K elements (64 registers a thread)
+    # a split program's own K slice is 1-2 steps, so a norm's pass over the whole row, one load round trip per
+    # BLOCK_K step, would be most of its latency: it reads x in chunks of up to 8K elements (64 registers a thread)
     norm_block = blocks[2] if splits == 1 else max(blocks[2], min(triton.next_power_of_2(depth), 8192 // blocks[0]))
     partials = counters = out  # unread placeholders of the one-pass kernel
     if splits > 1:
