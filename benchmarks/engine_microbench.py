@@ -7,8 +7,10 @@ variant of the fast path side by side (before/after in one command).
 Variants (``--variants``, default ``fused,graphs``): ``eager`` = the plain torch path on the GPU (slow at full
 size: ~170 ms a thinker step); ``landed`` = the fast path of per-layer Triton kernels + CUDA graphs with the
 whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = the fusions on, steps with
-prefill rows eager (the fast path as of 8638fd2); ``graphs`` = everything on (prefill CUDA graphs too). Each
-variant gets its own engine (graphs captured for it) over the same model and the same random inputs.
+prefill rows eager (the fast path as of 8638fd2); ``graphs`` = the fusions and prefill CUDA graphs on (the fast
+path as of 3f0a43b); ``splitk`` = ``graphs`` with the code predictor's linears in split-K launches
+(``set_split_k``, ``kernels.small_linear``). Each variant gets its own engine (graphs captured for it) over
+the same model and the same random inputs.
 
 Per batch size: thinker decode step at ~L tokens of context and thinker prefill of L-token prompts for each L
 of ``--prefill-lens`` (default 108,512); talker frame (talker decode step + 15 code-predictor steps + sampling:
@@ -21,7 +23,8 @@ thinker/talker layers to fit smaller GPUs (the floors scale with it).
 Floor of a step = max(bytes it must read / measured copy bandwidth, FLOPs / measured bf16 matmul rate):
 decode reads the dense weights, the experts that the batch's tokens hit (expected fraction under uniform
 routing), the lm_head and the KV cache; prefill reads every weight once; code2wav FLOPs are counted by
-``torch.utils.flop_counter``. ``--profile`` prints the top kernels of a few eager fast-path steps.
+``torch.utils.flop_counter``. ``--profile`` prints the top kernels of a few eager fast-path steps (the talker's
+with split-K when ``splitk`` is among the variants).
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
                                       write_config_with_layers)
-from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps
+from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_split_k
 from omni_triton.models.weights import load_talker, load_thinker
 
 DECODE_STEPS = 16
-# variant -> (fast_path, whole-step fusions, prefill CUDA graphs); see the module docstring
-VARIANTS = {"eager": (False, False, False), "landed": (True, False, False), "fused": (True, True, False),
-            "graphs": (True, True, True)}
+# variant -> (fast_path, whole-step fusions, prefill CUDA graphs, split-K linears); see the module docstring
+VARIANTS = {"eager": (False, False, False, False), "landed": (True, False, False, False),
+            "fused": (True, True, False, False), "graphs": (True, True, True, False),
+            "splitk": (True, True, True, True)}
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
 
 
@@ -171,15 +175,16 @@ def talker_prefill_floor(talker, batch: int, prompt_len: int, step_tokens: int, 
 def apply_variant(model: torch.nn.Module, variant: str) -> None:
     """The model's switches as ``variant`` wants them. They live on the shared model, so they are set again
     before every run of a variant's engine (its graphs were captured with them; its eager steps read them)."""
-    fast_path, fused_steps, _ = VARIANTS[variant]
+    fast_path, fused_steps, _, split_k = VARIANTS[variant]
     set_fast_kernels(model, fast_path)
     set_fused_steps(model, fused_steps)
+    set_split_k(model, split_k)
 
 
 def make_engine(stage, model, args, max_batch: int, context: int, variant: str, cuda_graphs: bool = True
                 ) -> LLMEngine:
     """An engine for ``variant``, its switches set before it captures its graphs."""
-    fast_path, _, prefill_graphs = VARIANTS[variant]
+    fast_path, _, prefill_graphs, _ = VARIANTS[variant]
     apply_variant(model, variant)
     dtype = next(model.parameters()).dtype
     blocks = max_batch * (-(-context // 16) + 1) + 16
@@ -347,7 +352,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
                                             frame_gb_s=num_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
                                             prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
         rows.append(row)
-    apply_variant(model, "fused")
+    apply_variant(model, "splitk" if "splitk" in args.variants else "fused")  # what --profile's steps run
     if args.profile:
         profile_steps(model, talker_stage(model, args), args, [1, max(batches)], prompt_len)
     layers = text.num_layers

@@ -5,7 +5,8 @@ CPU (Triton's interpreter, fp32/fp16, small shapes): each kernel flag against it
 attention step by step against ``FrameCache``, and a whole frame: greedy codes identical, logits close.
 GPU (skipped without CUDA): the same at the released dimensions (hidden 1024, 16/8 heads x 128, MLP 3072, 2048
 codes, 5 layers, 16 code groups) in bf16 with seeded random weights, batches 1, 8, 64; the fused frame inside a
-CUDA graph equals it eager; the fused frame takes far fewer launches than the module path.
+CUDA graph equals it eager (both with the linears' one-pass and split-K launches); the fused frame takes far
+fewer launches than the module path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from omni_triton.kernels.frame_attention import frame_attention  # noqa: E402
 from omni_triton.kernels.small_linear import small_linear  # noqa: E402
 from omni_triton.models.code_predictor import CodePredictor, FrameCache  # noqa: E402
 from omni_triton.models.config import TextModelConfig  # noqa: E402
+from omni_triton.models.layers.fast_kernels import KernelSwitch  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
 from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 
@@ -227,9 +229,16 @@ def test_fast_path_switch_selects_the_fused_frame_only_on_cuda_tensors(monkeypat
     assert isinstance(predictor.predict(hidden, hidden)[0], torch.Tensor) and len(calls) == (DEVICE == "cuda")
 
 
+@pytest.fixture(params=[False, True], ids=["one-pass", "split-k"])
+def split_k(request, monkeypatch):
+    """The fused frame's linears in one-pass or split-K launches (``KernelSwitch.use_split_k``)."""
+    monkeypatch.setattr(KernelSwitch, "use_split_k", request.param)
+    return request.param
+
+
 @cuda
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_fused_frame_equals_the_module_frame_at_released_dims(rows):
+def test_fused_frame_equals_the_module_frame_at_released_dims(rows, split_k):
     check_frame(RELEASED, torch.bfloat16, rows=rows, logit_rel=3e-2, seed=rows)
 
 
@@ -257,7 +266,7 @@ def test_fused_frame_kernels_at_released_dims_in_bf16(rows):
 
 
 @cuda
-def test_fused_frame_replays_under_a_cuda_graph():
+def test_fused_frame_replays_under_a_cuda_graph(split_k):
     """Captured once, replayed on new inputs: the same codes and embeddings as the eager fused frame on them."""
     predictor = random_predictor(RELEASED, torch.bfloat16, seed=3)
     rows = 8

@@ -13,10 +13,20 @@ of W once, pipelined over K in ``BLOCK_K`` steps; the rows are padded to ``BLOCK
 ``tl.dot`` tile) and the wasted MMA work is free at this arithmetic intensity. The normalised input is
 recomputed by each program (x is a few KB), which costs nothing next to its W slice.
 
+Split-K (``split_k``, default: as ``split_plan`` picks): column blocks alone are only 64-128 programs on a
+132-SM GPU, too few weight bytes in flight (~20% of HBM bandwidth measured on an H200), so K is cut into
+slices as well, one program per (column block, row block, K slice), all in ONE launch. Each program writes
+its fp32 partial sums to a scratch buffer, then takes a ticket from its tile's counter; the one that arrives
+last adds the partials up in split order (so the result does not depend on who arrives last: the same inputs
+give the same bits on every call), applies the epilogue and resets the counter to 0 for the next call. The
+scratch and counters are made once per (device, size) by the first call and reused, so calls are CUDA-graph
+capturable once a shape has run eagerly; one stream at a time may use them (calls on one stream are ordered).
+``split_k=1`` is the one-pass kernel (the configuration before split-K).
+
 Roundings follow the torch modules (``models.layers.norm.RMSNorm``, ``GatedMLP``, the residual adds of
 ``DecoderLayer``): the normalised row to the input dtype before the weight, the product to the input dtype,
 each GEMM output to the input dtype, then the activation, its product with up, and the residual sum, each
-rounded. Only the accumulation order of the dot products differs from cuBLAS.
+rounded. Only the accumulation order of the dot products differs from cuBLAS (and between split counts).
 """
 
 from __future__ import annotations
@@ -25,13 +35,19 @@ import torch
 import triton
 import triton.language as tl
 
+# Programs one launch should have for the weight reads to fill HBM: ~4 per SM of a 132-SM H200, which fit on
+# an SM at once (compiled for sm_90, the split programs of the predictor's layers take 48-128 registers a
+# thread and 28-45 KB of shared memory), so one wave keeps ~8-32 KB of W per program, several MB in all, in
+# flight.
+TARGET_PROGRAMS = 512
+
 
 @triton.jit
-def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, K,
-                         stride_xm, stride_wn, stride_om, stride_rm, eps,
-                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, partial_ptr, counter_ptr,
+                         M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, eps,
+                         NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
@@ -39,17 +55,18 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     dtype = x_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # first pass over the row: its mean square
+    if NORM:  # first pass over the whole row (every K slice needs it): its mean square
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
+        for k0 in range(0, K, NORM_BLOCK):
+            kk = k0 + tl.arange(0, NORM_BLOCK)
             x = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         rstd = tl.rsqrt(squares / K + eps)
     w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = tl.program_id(2) * k_per_split  # slices are whole BLOCK_K steps, so ``kk < K`` masks the last one
+    for k0 in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
         kk = k0 + ks
         k_mask = kk < K
         a = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -62,12 +79,45 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M
         if GATED:  # the up half of W starts N rows further down
             up = tl.load(w_cols + N * stride_wn + kk[:, None], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLITS > 1:
+        # partials [split, gate/up, M, N] in fp32, through L2 only (.cg: another SM's L1 may hold a previous
+        # call's values at these addresses)
+        halves: tl.constexpr = 2 if GATED else 1
+        at = rows[:, None].to(tl.int64) * N + cols[None, :]
+        slot = partial_ptr + tl.program_id(2) * (halves * M * N)  # < 2**31: scratch is MBs
+        tl.store(slot + at, acc, mask=out_mask, cache_modifier=".cg")
+        if GATED:
+            tl.store(slot + M * N + at, acc_up, mask=out_mask, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partials stored before the ticket releases them to the last program
+        tile = counter_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLITS - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            # in split order, whoever came last: deterministic; unrolled, so that the loads are all in flight
+            # at once rather than one L2 round trip per split
+            for split in tl.static_range(SPLITS):
+                slot = partial_ptr + split * (halves * M * N)
+                acc += tl.load(slot + at, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(slot + M * N + at, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stride_om, stride_rm, dtype,
+                          GATED, RESIDUAL)
+            tl.store(tile, 0)  # every split has counted: ready for the next call (and graph replay)
+    else:
+        _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stride_om, stride_rm, dtype,
+                      GATED, RESIDUAL)
+
+
+@triton.jit
+def _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stride_om, stride_rm,
+                  dtype: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The epilogue on the fp32 sums: rounded to x's dtype, gated and residual-added as the modules round."""
     out = acc.to(dtype)
     if GATED:
         gate = out.to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         out = (activated * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    out_mask = row_mask[:, None] & col_mask[None, :]
     if RESIDUAL:
         residual = tl.load(residual_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=out_mask,
                            other=0.0)
@@ -86,13 +136,55 @@ def block_sizes(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
     return min(64, max(16, triton.next_power_of_2(rows))), 16 if narrow else 32, block_k
 
 
+def split_plan(rows: int, cols: int, depth: int, block_sizes_: tuple[int, int, int], norm: bool, gated: bool,
+               split_k: int | None = None) -> tuple[int, int]:
+    """(splits, K per split, a whole number of BLOCK_K steps) for an [rows, depth] x [cols, depth] product.
+
+    Splits bring the launch to ~``TARGET_PROGRAMS`` (tiles x splits), capped where a split costs more than it
+    brings: each adds its fp32 partials (written and read back through L2: 8 x rows x cols bytes) and, under a
+    norm, a re-read of all of x (rows x depth) by every program, both kept within the weight bytes. The
+    predictor at 1-2 rows: qkv 4 splits, o 8, gate/up 4, down 6, lm_head 8 (384-512 programs); at 64 rows the
+    norm layers stay at one pass. ``split_k`` forces a count instead (1: the one-pass kernel)."""
+    block_m, block_n, block_k = block_sizes_
+    steps = triton.cdiv(depth, block_k)
+    if split_k is None:
+        tiles = triton.cdiv(cols, block_n) * triton.cdiv(rows, block_m)
+        split_k = max(1, TARGET_PROGRAMS // tiles)
+        split_k = min(split_k, max(1, depth // (4 * rows)))  # partials 2 x 4 bytes/row/col <= 2-byte weights
+        if norm:  # x re-read tiles x splits x rows x depth <= weights (1 or 2) x cols x depth
+            split_k = min(split_k, max(1, (2 if gated else 1) * cols // (tiles * rows)))
+    steps_per_split = triton.cdiv(steps, max(1, min(split_k, steps)))
+    return triton.cdiv(steps, steps_per_split), steps_per_split * block_k
+
+
+def num_stages(element_size: int, block_m: int, splits: int) -> int:
+    """3 (two K steps' loads in flight from the start: a split's whole slice at 1-2 steps) unless that costs
+    occupancy: fp32 tiles are twice the shared memory, and a split program of 64 rows at 3 stages (a 64 x 256
+    x tile: 120 KB) would be alone on its SM, where split-K wants several per SM."""
+    return 2 if element_size > 2 or (splits > 1 and block_m > 32) else 3
+
+
+_workspaces: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The split-K scratch (float32 partials) or tile counters (int32, zeroed; the kernel leaves them 0) of
+    this size on ``device``: made by the first call (eager, before any graph captures it) and kept, so every
+    later call and graph replay reuses the same memory."""
+    key = (device, dtype, numel)
+    if key not in _workspaces:
+        _workspaces[key] = torch.zeros(numel, dtype=dtype, device=device)
+    return _workspaces[key]
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] (any row stride), weight [N, K] ([2N, K]: gate rows then up rows when ``gated``) -> [M, N].
 
     The result is rounded to x's dtype (as the torch layer's output is) and stored as ``out_dtype`` (default
-    x's dtype; float32 for logits)."""
+    x's dtype; float32 for logits). ``split_k``: K slices per output tile (None: ``split_plan``'s choice; 1:
+    the one-pass kernel)."""
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != depth:
@@ -100,17 +192,27 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
                          f"weight {tuple(weight.shape)}")
     if residual is not None and (residual.shape != (rows, cols) or residual.stride(1) != 1):
         raise ValueError(f"small_linear residual {tuple(residual.shape)} does not match the output ({rows}, {cols})")
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"small_linear split_k must be None or >= 1, got {split_k}")
     out = torch.empty(rows, cols, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k = block_sizes(rows, cols, depth)
-    grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
+    blocks = block_sizes(rows, cols, depth)
+    splits, k_per_split = split_plan(rows, cols, depth, blocks, norm_weight is not None, gated, split_k)
+    grid = (triton.cdiv(cols, blocks[1]), triton.cdiv(rows, blocks[0]), splits)
+    # a split program's own K slice is 1-2 steps, so a norm's pass over the whole row, one load round trip per
+    # BLOCK_K step, would be most of its latency: it reads x in chunks of up to 8K elements (64 registers a thread)
+    norm_block = blocks[2] if splits == 1 else max(blocks[2], min(triton.next_power_of_2(depth), 8192 // blocks[0]))
+    partials = counters = out  # unread placeholders of the one-pass kernel
+    if splits > 1:
+        partials = workspace(x.device, torch.float32, splits * (2 if gated else 1) * rows * cols)
+        counters = workspace(x.device, torch.int32, grid[0] * grid[1])
     _small_linear_kernel[grid](
         x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
-        rows, cols, depth, x.stride(0), weight.stride(0), out.stride(0),
+        partials, counters, rows, cols, depth, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0), eps,
-        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
+        BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=3 if x.element_size() <= 2 else 2)  # fp32 tiles are twice the shared memory
+        num_stages=num_stages(x.element_size(), blocks[0], splits))
     return out
