@@ -418,12 +418,14 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
 
     device = torch.device(args.device)
     text = model.config.text
-    hits: list[tuple[int, int]] = []  # (tokens, distinct experts) per MoE layer call
+    router_logits: list[torch.Tensor] = []  # per MoE layer call, read after the profiled steps
 
-    def count_experts(_router, _inputs, logits):
-        hits.append((logits.shape[0], logits.topk(text.num_experts_per_tok).indices.unique().numel()))
+    def keep_router_logits(_router, _inputs, logits):
+        # only a reference here: counting the hit experts launches a top-k, a sort and a host sync per layer,
+        # which would show in the profile as if the step ran them
+        router_logits.append(logits)
 
-    hooks = [module.gate.register_forward_hook(count_experts) for module in model.modules()
+    hooks = [module.gate.register_forward_hook(keep_router_logits) for module in model.modules()
              if hasattr(module, "experts")]
     activity, sort_by = ((ProfilerActivity.CUDA, "cuda_time_total") if device.type == "cuda"
                          else (ProfilerActivity.CPU, "cpu_time_total"))
@@ -445,7 +447,7 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
             while phase != "first (prefill) step" and any(seq.num_generated < 3 for seq in engine.requests.values()):
                 engine.step()
             sync(device)
-            hits.clear()
+            router_logits.clear()
             started = time.perf_counter()
             with profile(activities=[activity]) as prof:
                 for _ in range(steps):
@@ -453,6 +455,8 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
                 sync(device)
             wall_ms = 1e3 * (time.perf_counter() - started)
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            hits = [(logits.shape[0], logits.topk(text.num_experts_per_tok).indices.unique().numel())
+                    for logits in router_logits]  # (tokens, distinct experts) per MoE layer call
             tokens = sum(t for t, _ in hits) / max(1, len(hits))
             experts = sum(e for _, e in hits) / max(1, len(hits))
             print(f"\n--- {type(stage).__name__} batch {batch}, {phase}: {tokens:.0f} tokens per MoE call hit "

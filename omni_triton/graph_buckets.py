@@ -1,7 +1,7 @@
-"""Batch buckets of CUDA graphs (the engines' decode and completion graphs, the vocoder's): a call of ``rows``
-rows replays the graph of the smallest bucket that holds it, its rows copied into the graph's static input
-and the padding rows zeroed; and the one way every graph here is captured. Shared by ``engine.runner`` and
-``models.code2wav_graphs``."""
+"""Batch buckets of CUDA graphs (the engines' decode, completion and prefill graphs, the vocoder's): a call of
+``rows`` rows replays the graph of the smallest bucket that holds it, its rows copied into the graph's static
+input and the padding rows zeroed; and the one way every graph here is captured. Shared by ``engine.runner``,
+``engine.prefill_graphs`` and ``models.code2wav_graphs``."""
 
 from __future__ import annotations
 
@@ -46,3 +46,19 @@ def capturing(graph: "torch.cuda.CUDAGraph", pool=None, stream: "torch.cuda.Stre
     finally:
         if collecting:
             gc.enable()
+
+
+@torch.inference_mode()
+def capture_buckets(buckets, body, graphs: dict, outputs: dict, pool=None):
+    """One graph of ``body(bucket)`` per bucket into ``graphs``/``outputs``, largest first so that the smaller
+    ones reuse its memory, all in one pool (``pool``: another set's, or None for a new one); returns the pool."""
+    for bucket in reversed(buckets):
+        body(bucket)  # compiles the Triton kernels of this size and settles lazy state before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph, pool=pool):
+            outputs[bucket] = body(bucket)
+        pool = graph.pool()
+        graphs[bucket] = graph
+    torch.cuda.synchronize()
+    return pool

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from omni_triton.engine.sequence import Sequence
@@ -22,6 +23,12 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, num_layers: int, n
     if num_blocks < 1:
         raise ValueError(f"kv budget {budget_bytes} bytes is below one block ({per_block} bytes)")
     return num_blocks
+
+
+def kv_slots(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """The KV cache slots (block * block_size + offset, int64) of a sequence's positions start..end-1."""
+    positions = np.arange(start, end)
+    return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 
 class BlockManager:

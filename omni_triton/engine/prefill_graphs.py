@@ -25,8 +25,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from omni_triton.engine.block_manager import kv_slots
 from omni_triton.engine.stage import Chunk
-from omni_triton.graph_buckets import bucket_for, capturing
+from omni_triton.graph_buckets import bucket_for, capture_buckets
 from omni_triton.kernels.paged_attention import max_prefill_tiles, prefill_tile_rows
 from omni_triton.models.layers.attention import VarlenGraphBatch
 
@@ -50,11 +51,8 @@ def fill_step(chunks: list[Chunk], block_size: int, slots: np.ndarray, tables: n
     empty = seqs.shape[0] - 1
     row, rows = 0, []
     for i, (seq, start, end) in enumerate(chunks):
-        table = seq.block_table
-        positions = np.arange(start, end)
-        slots[row:row + end - start] = np.asarray(table, dtype=np.int64)[positions // block_size] * block_size \
-            + positions % block_size
-        tables[i, :len(table)] = table
+        slots[row:row + end - start] = kv_slots(seq.block_table, start, end, block_size)
+        tables[i, :len(seq.block_table)] = seq.block_table
         rows.append((i, row, end - start, end))
         row += end - start
     slots[row:] = -1
@@ -77,8 +75,7 @@ class PrefillGraphs:
         stage, device = runner.stage, runner.device
         self.buckets = prefill_buckets(max_tokens)
         self.max_seqs = max_seqs
-        model = getattr(stage, "model", None)
-        dtype = next(model.parameters()).dtype if isinstance(model, torch.nn.Module) else runner.kv_caches[0].dtype
+        dtype = runner.model_dtype
         top = self.buckets[-1]
         self.num_tiles = {b: max_prefill_tiles(b, max_seqs) for b in self.buckets}
         self.inputs_embeds = torch.zeros(top, stage.hidden_size, dtype=dtype, device=device)
@@ -112,21 +109,11 @@ class PrefillGraphs:
     def _body(self, bucket: int):
         return self.runner.stage.forward(self.inputs_embeds[:bucket], self.ints[:3, :bucket], self._batch(bucket))
 
-    @torch.inference_mode()
     def _capture_all(self, pool):
         # capture with every row padding: no KV write, every tile of the empty sequence
         self.ints[3].fill_(-1)
         self.tiles[:, 0].fill_(self.max_seqs)
-        for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
-            self._body(bucket)  # compiles the kernels of this row count before capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with capturing(graph, pool=pool):
-                self.outputs[bucket] = self._body(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
-        return pool
+        return capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool)
 
     def forward(self, chunks: list[Chunk], inputs_embeds: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from omni_triton.graph_buckets import bucket_for, capturing, fill_padded
+from omni_triton.graph_buckets import bucket_for, capture_buckets, fill_padded
+from omni_triton.engine.block_manager import kv_slots
 from omni_triton.engine.prefill_graphs import PrefillGraphs
 from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
 from omni_triton.engine.scheduler import ScheduledBatch
@@ -62,6 +64,8 @@ class ModelRunner:
                                       dtype=kv_dtype, device=self.device) for _ in range(stage.num_layers)]
         self.fast = fast_path and self.device.type == "cuda"
         model = getattr(stage, "model", None)
+        # what the graphs' static hidden-state inputs hold (a stage without a torch model: its KV dtype)
+        self.model_dtype = next(model.parameters()).dtype if isinstance(model, torch.nn.Module) else kv_dtype
         if isinstance(model, torch.nn.Module):
             set_fast_kernels(model, self.fast)
         self.fused_steps = self.fast and (not isinstance(model, torch.nn.Module) or fused_steps_on(model))
@@ -86,16 +90,13 @@ class ModelRunner:
 
     def attention_batch(self, chunks: list[Chunk]) -> AttentionBatch:
         bs = self.block_size
-        slots = []
-        for seq, start, end in chunks:
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        slots = np.concatenate([kv_slots(seq.block_table, start, end, bs) for seq, start, end in chunks])
         max_blocks = max(len(seq.block_table) for seq, _, _ in chunks)
         tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq, _, _ in chunks]
         return AttentionBatch(
             query_lens=[end - start for _, start, end in chunks],
             context_lens=[end for _, _, end in chunks],
-            slot_mapping=_to_device(torch.tensor(slots, dtype=torch.long), self.device),
+            slot_mapping=_to_device(torch.from_numpy(slots), self.device),
             block_tables=_to_device(torch.tensor(tables, dtype=torch.int32), self.device),
             kv_caches=self.kv_caches,
             block_size=bs,
@@ -216,7 +217,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         self.ints[3].fill_(-1)  # every row padding while capturing: no KV write, no context
         self.ints[4].fill_(0)
-        self.pool = _capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool=None)
+        self.pool = capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool=None)
 
     def _position(self, seq: Sequence, start: int) -> int | list[int]:
         """The rope position(s) of ``start``: past the prompt a fixed offset from it (looked up once per
@@ -276,9 +277,7 @@ class CompletionGraphs:
         self.runner = runner
         self.buckets = list(buckets)
         stage, device = runner.stage, runner.device
-        model = getattr(stage, "model", None)
-        self.dtype = (next(model.parameters()).dtype if isinstance(model, torch.nn.Module)
-                      else runner.kv_caches[0].dtype)
+        self.dtype = runner.model_dtype
         self.hidden = torch.zeros(self.buckets[-1], stage.hidden_size, dtype=self.dtype, device=device)
         self.token_ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -291,7 +290,7 @@ class CompletionGraphs:
                                                _general_sample_fns(self.runner))
 
     def _capture_all(self, pool) -> None:
-        _capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool)
+        capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool)
 
     def serves(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> bool:
         return (bucket_for(self.buckets, hidden.shape[0]) is not None and token_ids.shape == hidden.shape[:1]
@@ -307,22 +306,6 @@ class CompletionGraphs:
         self.graphs[batch_size].replay()
         self.replays += 1
         return _rows(self.outputs[batch_size], "", num_rows)
-
-
-@torch.inference_mode()
-def _capture_buckets(buckets: list[int], body, graphs: dict, outputs: dict, pool):
-    """One graph of ``body(batch_size)`` per bucket into ``graphs``/``outputs``, largest first so that the smaller
-    ones reuse its memory, all in one pool (``pool``: another set's, or None for a new one); returns the pool."""
-    for batch_size in reversed(buckets):
-        body(batch_size)  # compiles the Triton kernels and settles lazy state before capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with capturing(graph, pool=pool):
-            outputs[batch_size] = body(batch_size)
-        pool = graph.pool()
-        graphs[batch_size] = graph
-    torch.cuda.synchronize()
-    return pool
 
 
 def _rows(outputs: dict[str, torch.Tensor], prefix: str, num_rows: int) -> dict[str, torch.Tensor]:
