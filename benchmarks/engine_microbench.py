@@ -8,8 +8,8 @@ Variants (``--variants``, default ``fused,graphs``): ``eager`` = the plain torch
 size: ~170 ms a thinker step); ``landed`` = the fast path of per-layer Triton kernels + CUDA graphs with the
 whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = the fusions on, steps with
 prefill rows eager (the fast path as of 8638fd2); ``graphs`` = the fusions and prefill CUDA graphs on (the fast
-path as of 3f0a43b); ``splitk`` = ``graphs`` with the code predictor's linears in split-K launches
-(``set_split_k``, ``kernels.small_linear``). Each variant gets its own engine (graphs captured for it) over
+path as of 3f0a43b); ``splitk`` / ``gemv`` = ``graphs`` with the code predictor's linears launched split-K /
+as multiply-add GEMVs for few rows (``set_linear_launch``, ``kernels.small_linear``). Each variant gets its own engine (graphs captured for it) over
 the same model and the same random inputs.
 
 Per batch size: thinker decode step at ~L tokens of context and thinker prefill of L-token prompts for each L
@@ -24,7 +24,7 @@ Floor of a step = max(bytes it must read / measured copy bandwidth, FLOPs / meas
 decode reads the dense weights, the experts that the batch's tokens hit (expected fraction under uniform
 routing), the lm_head and the KV cache; prefill reads every weight once; code2wav FLOPs are counted by
 ``torch.utils.flop_counter``. ``--profile`` prints the top kernels of a few eager fast-path steps (the talker's
-with split-K when ``splitk`` is among the variants).
+with the last of ``--variants``' linear launches).
 """
 
 from __future__ import annotations
@@ -47,14 +47,15 @@ from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
                                       write_config_with_layers)
-from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_split_k
+from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_linear_launch
 from omni_triton.models.weights import load_talker, load_thinker
 
 DECODE_STEPS = 16
-# variant -> (fast_path, whole-step fusions, prefill CUDA graphs, split-K linears); see the module docstring
-VARIANTS = {"eager": (False, False, False, False), "landed": (True, False, False, False),
-            "fused": (True, True, False, False), "graphs": (True, True, True, False),
-            "splitk": (True, True, True, True)}
+# variant -> (fast_path, whole-step fusions, prefill CUDA graphs, the code predictor's linear launch); see the
+# module docstring
+VARIANTS = {"eager": (False, False, False, "one-pass"), "landed": (True, False, False, "one-pass"),
+            "fused": (True, True, False, "one-pass"), "graphs": (True, True, True, "one-pass"),
+            "splitk": (True, True, True, "split-k"), "gemv": (True, True, True, "gemv")}
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
 
 
@@ -175,10 +176,10 @@ def talker_prefill_floor(talker, batch: int, prompt_len: int, step_tokens: int, 
 def apply_variant(model: torch.nn.Module, variant: str) -> None:
     """The model's switches as ``variant`` wants them. They live on the shared model, so they are set again
     before every run of a variant's engine (its graphs were captured with them; its eager steps read them)."""
-    fast_path, fused_steps, _, split_k = VARIANTS[variant]
+    fast_path, fused_steps, _, linear_launch = VARIANTS[variant]
     set_fast_kernels(model, fast_path)
     set_fused_steps(model, fused_steps)
-    set_split_k(model, split_k)
+    set_linear_launch(model, linear_launch)
 
 
 def make_engine(stage, model, args, max_batch: int, context: int, variant: str, cuda_graphs: bool = True
@@ -352,7 +353,9 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
                                             frame_gb_s=num_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
                                             prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
         rows.append(row)
-    apply_variant(model, "splitk" if "splitk" in args.variants else "fused")  # what --profile's steps run
+    # what --profile's steps run: the fusions with the last variant's linear launch
+    set_fused_steps(model, True)
+    set_linear_launch(model, VARIANTS[args.variants[-1]][3])
     if args.profile:
         profile_steps(model, talker_stage(model, args), args, [1, max(batches)], prompt_len)
     layers = text.num_layers

@@ -1,13 +1,15 @@
-"""``kernels.small_linear`` alone at the code predictor's shapes: the one-pass kernel against the split-K launch,
-per call, next to the weight-read floor (the question: how close does split-K bring each call to HBM bandwidth,
-and at which ``TARGET_PROGRAMS``).
+"""``kernels.small_linear`` alone at the code predictor's shapes: the one-pass kernel against the split-K launch
+and the multiply-add GEMV (``gemv=True``, up to ``GEMV_MAX_ROWS`` rows), per call, next to the weight-read floor
+(the question: how close does each bring a call to HBM bandwidth, and at which ``TARGET_PROGRAMS`` /
+``GEMV_MIN_PROGRAMS``).
 
     python benchmarks/small_linear_bench.py --out-dir benchmarks/results/NAME
     python benchmarks/small_linear_bench.py --rows 1,2 --targets 256,512,1024 --out-dir $OUT/sl   # tuning
 
 Per layer (qkv with its norm, o + residual, gate/up with norm and SiLU gate, down + residual, norm + lm_head to
 fp32) and row count: microseconds per call of ``split_k=1`` and of the split plan at each ``--targets`` value of
-``TARGET_PROGRAMS``, the programs each launches, and the weight bytes read per second. The floor is the weight
+``TARGET_PROGRAMS``, of the GEMV at each ``--gemv-programs`` value of ``GEMV_MIN_PROGRAMS``, the programs each
+launches, and the weight bytes read per second. The floor is the weight
 bytes over the copy bandwidth measured in the same run. Each timing replays a CUDA graph of calls that cycle
 through enough weight copies (>= 4x the L2 cache) that every call reads its weights from HBM, as the frame's
 15 steps of ~150 MB do. CUDA only. Writes small_linear_bench.{json,md}.
@@ -26,7 +28,7 @@ import triton
 from engine_microbench import measure_ceilings
 from omni_triton.graph_buckets import capturing
 from omni_triton.kernels import small_linear as small_linear_module
-from omni_triton.kernels.small_linear import block_sizes, small_linear, split_plan
+from omni_triton.kernels.small_linear import GEMV_MAX_ROWS, block_sizes, gemv_blocks, small_linear, split_plan
 
 # name -> (K, N, fusion) of the released predictor (hidden 1024, 16/8 heads x 128, MLP 3072, 2048 codes)
 LAYERS = {"qkv": (1024, 4096, "norm"), "o": (2048, 1024, "residual"), "gate_up": (1024, 3072, "gated-norm"),
@@ -53,15 +55,15 @@ def layer_calls(rows: int, depth: int, cols: int, fusion: str, min_bytes: int) -
     return [(x, weights[i % copies], kwargs) for i in range(CALLS_PER_GRAPH)], weight_bytes
 
 
-def seconds_per_call(calls: list, split_k: int | None, repeat: int = 5) -> float:
+def seconds_per_call(calls: list, split_k: int | None, gemv: bool, repeat: int = 5) -> float:
     """Median over ``repeat`` replays of a CUDA graph of ``calls`` (made eagerly first: compiled, scratch made)."""
     for x, weight, kwargs in calls:
-        small_linear(x, weight, split_k=split_k, **kwargs)
+        small_linear(x, weight, split_k=split_k, gemv=gemv, **kwargs)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with capturing(graph):
         for x, weight, kwargs in calls:
-            small_linear(x, weight, split_k=split_k, **kwargs)
+            small_linear(x, weight, split_k=split_k, gemv=gemv, **kwargs)
     graph.replay()
     times = []
     for _ in range(repeat):
@@ -74,13 +76,15 @@ def seconds_per_call(calls: list, split_k: int | None, repeat: int = 5) -> float
     return statistics.median(times)
 
 
-def programs(rows: int, depth: int, cols: int, fusion: str, split_k: int | None) -> int:
+def programs(rows: int, depth: int, cols: int, fusion: str, split_k: int | None, gemv: bool) -> int:
+    if gemv and rows <= GEMV_MAX_ROWS:
+        return triton.cdiv(cols, gemv_blocks(rows, cols, depth)[1])
     blocks = block_sizes(rows, cols, depth)
     splits, _ = split_plan(rows, cols, depth, blocks, "norm" in fusion, "gated" in fusion, split_k)
     return triton.cdiv(cols, blocks[1]) * triton.cdiv(rows, blocks[0]) * splits
 
 
-def bench(rows_list: list[int], targets: list[int], bandwidth: float) -> list[dict]:
+def bench(rows_list: list[int], targets: list[int], gemv_programs: list[int], bandwidth: float) -> list[dict]:
     l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
     results = []
     for rows in rows_list:
@@ -88,15 +92,17 @@ def bench(rows_list: list[int], targets: list[int], bandwidth: float) -> list[di
             calls, weight_bytes = layer_calls(rows, depth, cols, fusion, 4 * l2_bytes)
             row = dict(layer=name, rows=rows, K=depth, N=cols, weight_mb=weight_bytes / 1e6,
                        floor_us=1e6 * weight_bytes / bandwidth, runs={})
-            configs = [("one-pass", 1, None)] + [(f"split@{t}", None, t) for t in targets]
-            for label, split_k, target in configs:
-                default = small_linear_module.TARGET_PROGRAMS
-                small_linear_module.TARGET_PROGRAMS = target or default
+            configs = ([("one-pass", 1, None, False)] + [(f"split@{t}", None, t, False) for t in targets]
+                       + [(f"gemv@{p}", None, p, True) for p in gemv_programs if rows <= GEMV_MAX_ROWS])
+            for label, split_k, target, gemv in configs:
+                knob = "GEMV_MIN_PROGRAMS" if gemv else "TARGET_PROGRAMS"
+                default = getattr(small_linear_module, knob)
+                setattr(small_linear_module, knob, target or default)
                 try:
-                    seconds = seconds_per_call(calls, split_k)
-                    launched = programs(rows, depth, cols, fusion, split_k)
+                    seconds = seconds_per_call(calls, split_k, gemv)
+                    launched = programs(rows, depth, cols, fusion, split_k, gemv)
                 finally:
-                    small_linear_module.TARGET_PROGRAMS = default
+                    setattr(small_linear_module, knob, default)
                 row["runs"][label] = dict(us=1e6 * seconds, programs=launched, gb_s=weight_bytes / seconds / 1e9)
             results.append(row)
             del calls
@@ -105,15 +111,17 @@ def bench(rows_list: list[int], targets: list[int], bandwidth: float) -> list[di
 
 
 def markdown(result: dict) -> str:
-    labels = list(result["rows"][0]["runs"])
-    lines = [f"# small_linear: one-pass vs split-K ({result['device_name']}, bf16)", "",
+    labels = list(dict.fromkeys(label for row in result["rows"] for label in row["runs"]))
+    lines = [f"# small_linear: one-pass vs split-K vs GEMV ({result['device_name']}, bf16)", "",
              f"Copy bandwidth {result['copy_gb_s']:.0f} GB/s (measured in this run; the floor is weight bytes over "
              f"it). Cells: us per call (programs, weight GB/s), each a CUDA graph of {CALLS_PER_GRAPH} calls over "
              "weight copies that do not fit in L2.", "",
              "| layer | rows | W MB | floor us | " + " | ".join(labels) + " |",
              "|---|---:|---:|---:|" + "---:|" * len(labels)]
     for row in result["rows"]:
-        cells = [f"{r['us']:.2f} ({r['programs']}, {r['gb_s']:.0f})" for r in row["runs"].values()]
+        runs = row["runs"]
+        cells = [f"{runs[label]['us']:.2f} ({runs[label]['programs']}, {runs[label]['gb_s']:.0f})" if label in runs
+                 else "-" for label in labels]
         lines.append(f"| {row['layer']} | {row['rows']} | {row['weight_mb']:.1f} | {row['floor_us']:.2f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -124,13 +132,16 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default="1,2,8,16,64,128", help="rows per call (a frame step has batch or 2x)")
     parser.add_argument("--targets", default=str(small_linear_module.TARGET_PROGRAMS),
                         help="TARGET_PROGRAMS values to time the split plan at (comma list)")
+    parser.add_argument("--gemv-programs", default=str(small_linear_module.GEMV_MIN_PROGRAMS),
+                        help="GEMV_MIN_PROGRAMS values to time the GEMV at (comma list)")
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the kernels' timings are the point)")
     device = torch.device("cuda")
     bandwidth, _ = measure_ceilings(device)
-    rows = bench([int(r) for r in args.rows.split(",")], [int(t) for t in args.targets.split(",")], bandwidth)
+    rows = bench([int(r) for r in args.rows.split(",")], [int(t) for t in args.targets.split(",")],
+                 [int(p) for p in args.gemv_programs.split(",")], bandwidth)
     result = dict(device_name=torch.cuda.get_device_name(), copy_gb_s=bandwidth / 1e9, torch=torch.__version__,
                   triton=triton.__version__, rows=rows)
     out = Path(args.out_dir)

@@ -23,7 +23,7 @@ from omni_triton.kernels.frame_attention import frame_attention  # noqa: E402
 from omni_triton.kernels.small_linear import small_linear  # noqa: E402
 from omni_triton.models.code_predictor import CodePredictor, FrameCache  # noqa: E402
 from omni_triton.models.config import TextModelConfig  # noqa: E402
-from omni_triton.models.layers.fast_kernels import KernelSwitch  # noqa: E402
+from omni_triton.models.layers.fast_kernels import LINEAR_LAUNCHES, KernelSwitch  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
 from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 
@@ -229,16 +229,16 @@ def test_fast_path_switch_selects_the_fused_frame_only_on_cuda_tensors(monkeypat
     assert isinstance(predictor.predict(hidden, hidden)[0], torch.Tensor) and len(calls) == (DEVICE == "cuda")
 
 
-@pytest.fixture(params=[False, True], ids=["one-pass", "split-k"])
-def split_k(request, monkeypatch):
-    """The fused frame's linears in one-pass or split-K launches (``KernelSwitch.use_split_k``)."""
-    monkeypatch.setattr(KernelSwitch, "use_split_k", request.param)
+@pytest.fixture(params=LINEAR_LAUNCHES)
+def linear_launch(request, monkeypatch):
+    """The fused frame's linears in each launch (``KernelSwitch.linear_launch``: one-pass, split-K, GEMV)."""
+    monkeypatch.setattr(KernelSwitch, "linear_launch", request.param)
     return request.param
 
 
 @cuda
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_fused_frame_equals_the_module_frame_at_released_dims(rows, split_k):
+def test_fused_frame_equals_the_module_frame_at_released_dims(rows, linear_launch):
     check_frame(RELEASED, torch.bfloat16, rows=rows, logit_rel=3e-2, seed=rows)
 
 
@@ -266,7 +266,7 @@ def test_fused_frame_kernels_at_released_dims_in_bf16(rows):
 
 
 @cuda
-def test_fused_frame_replays_under_a_cuda_graph(split_k):
+def test_fused_frame_replays_under_a_cuda_graph(linear_launch):
     """Captured once, replayed on new inputs: the same codes and embeddings as the eager fused frame on them."""
     predictor = random_predictor(RELEASED, torch.bfloat16, seed=3)
     rows = 8

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from omni_triton.graph_buckets import capturing  # noqa: E402
 from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
 from omni_triton.kernels.small_linear import block_sizes, small_linear, split_plan  # noqa: E402
-from omni_triton.models.layers.fast_kernels import set_split_k  # noqa: E402
+from omni_triton.models.layers.fast_kernels import set_linear_launch  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
 from test_code_predictor_kernels import DEVICE, SMALL, random_predictor, rel_error, tolerance  # noqa: E402
 
@@ -42,7 +42,8 @@ PREDICTOR = [(1024, 4096, "norm"), (2048, 1024, "residual"), (1024, 3072, "gated
 
 
 def layer_call(variant: str, rows: int, depth: int, cols: int, dtype: torch.dtype, seed: int):
-    """(run(split_k) -> small_linear's output, the torch composition's output) for one fusion ``variant``."""
+    """(run(split_k, gemv=False) -> small_linear's output, the torch composition's output) for one fusion
+    ``variant``."""
     gen = torch.Generator().manual_seed(seed)
     gated, norm = "gated" in variant, "norm" in variant
     x = torch.randn(rows, depth, generator=gen).to(DEVICE, dtype)
@@ -67,7 +68,7 @@ def layer_call(variant: str, rows: int, depth: int, cols: int, dtype: torch.dtyp
     if variant == "norm-fp32-out":
         want = want.float()
         kwargs.update(out_dtype=torch.float32)
-    return (lambda split_k: small_linear(x, weight, split_k=split_k, **kwargs)), want
+    return (lambda split_k, gemv=False: small_linear(x, weight, split_k=split_k, gemv=gemv, **kwargs)), want
 
 
 def splits_of(rows: int, depth: int, cols: int, variant: str, split_k: int | None) -> int:
@@ -129,21 +130,24 @@ def test_split_plan_keeps_one_pass_where_splits_cost_more_than_they_bring():
     assert splits_of(1, 2048, 1024, "plain", 3) == 3  # forced
 
 
-def test_set_split_k_reaches_every_linear_of_the_fused_frame(monkeypatch):
+def test_set_linear_launch_reaches_every_linear_of_the_fused_frame(monkeypatch):
     predictor = random_predictor(SMALL, torch.float32, groups=2)  # one predictor step
     real, seen = small_linear_module.small_linear, []
 
-    def recording(*args, split_k, **kwargs):
-        seen.append(split_k)
-        return real(*args, split_k=split_k, **kwargs)
+    def recording(*args, split_k, gemv, **kwargs):
+        seen.append((split_k, gemv))
+        return real(*args, split_k=split_k, gemv=gemv, **kwargs)
 
     monkeypatch.setattr(small_linear_module, "small_linear", recording)
     hidden = torch.randn(2, SMALL["hidden_size"], device=DEVICE)
-    for enabled, wanted in ((False, 1), (True, None)):  # None: the split plan's count
-        set_split_k(predictor, enabled)
+    # split_k None: the split plan's count
+    for launch, wanted in (("one-pass", (1, False)), ("split-k", (None, False)), ("gemv", (None, True))):
+        set_linear_launch(predictor, launch)
         seen.clear()
         predictor.predict_with_kernels(hidden, hidden)
         assert seen == [wanted] * (4 * SMALL["num_layers"] + 1)  # qkv, o, gate/up, down per layer; lm_head
+    with pytest.raises(ValueError, match="linear launch must be one of one-pass, split-k, gemv"):
+        set_linear_launch(predictor, "splitk")
 
 
 # Compiles the split kernel for sm_90 (no GPU needed: Triton's own compiler, outside the interpreter) and prints

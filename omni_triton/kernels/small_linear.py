@@ -110,6 +110,55 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
 
 
 @triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, stride_xm, stride_wn, stride_om,
+                 stride_rm, eps, K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Few rows: multiply-adds on the CUDA cores, no MMA tile. Each program owns BLOCK_N output columns over the
+    whole K; K is a compile-time constant, so the K loop unrolls and every chunk's weight load is issued before
+    the first one is used: one memory round trip per program, with hundreds of programs in one wave."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :],
+                        other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, axis=1)
+        rstd = tl.rsqrt(squares / K + eps)
+    w_cols = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_mask = kk < K
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_cols + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        if GATED:
+            w_up = tl.load(w_cols + N * stride_wn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if NORM:
+            weight = tl.load(norm_weight_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            # rows past M (padding to BLOCK_M) re-read the last row: never stored
+            a = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + kk, mask=k_mask, other=0.0)
+            if NORM:
+                rstd_m = tl.sum(tl.where(rows == m, rstd, 0.0), axis=0)
+                a = (weight * (a.to(tl.float32) * rstd_m).to(dtype).to(tl.float32)).to(dtype)
+            a = a.to(tl.float32)
+            at_m = (rows == m)[:, None]
+            acc = tl.where(at_m, acc + tl.sum(w * a[None, :], axis=1)[None, :], acc)
+            if GATED:
+                acc_up = tl.where(at_m, acc_up + tl.sum(w_up * a[None, :], axis=1)[None, :], acc_up)
+    _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, row_mask[:, None] & col_mask[None, :],
+                  stride_om, stride_rm, dtype, GATED, RESIDUAL)
+
+
+@triton.jit
 def _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stride_om, stride_rm,
                   dtype: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     """The epilogue on the fp32 sums: rounded to x's dtype, gated and residual-added as the modules round."""
@@ -164,6 +213,18 @@ def num_stages(element_size: int, block_m: int, splits: int) -> int:
     return 2 if element_size > 2 or (splits > 1 and block_m > 32) else 3
 
 
+GEMV_MAX_ROWS = 16  # up to here ``gemv=True`` runs the multiply-add kernel (each row re-reads W from registers)
+GEMV_MIN_PROGRAMS = 256  # column blocks are made thin enough for about this many programs (~2 per SM)
+
+
+def gemv_blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the multiply-add kernel: 2-8 columns a program, so that a launch has about
+    ``GEMV_MIN_PROGRAMS`` programs, each holding its whole K slice of W in registers (~4K elements a chunk)."""
+    block_n = max(2, min(8, 1 << max(0, (cols // GEMV_MIN_PROGRAMS).bit_length() - 1)))
+    block_k = min(triton.next_power_of_2(depth), max(16, 4096 // block_n))
+    return triton.next_power_of_2(rows), block_n, block_k
+
+
 _workspaces: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
 
@@ -179,12 +240,14 @@ def workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Ten
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, split_k: int | None = None, gemv: bool = False
+                 ) -> torch.Tensor:
     """x [M, K] (any row stride), weight [N, K] ([2N, K]: gate rows then up rows when ``gated``) -> [M, N].
 
     The result is rounded to x's dtype (as the torch layer's output is) and stored as ``out_dtype`` (default
     x's dtype; float32 for logits). ``split_k``: K slices per output tile (None: ``split_plan``'s choice; 1:
-    the one-pass kernel)."""
+    the one-pass kernel). ``gemv``: up to ``GEMV_MAX_ROWS`` rows, the multiply-add kernel instead (more rows:
+    as ``split_k`` says)."""
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != depth:
@@ -196,6 +259,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         raise ValueError(f"small_linear split_k must be None or >= 1, got {split_k}")
     out = torch.empty(rows, cols, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
+        return out
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if gemv and rows <= GEMV_MAX_ROWS:
+        block_m, block_n, block_k = gemv_blocks(rows, cols, depth)
+        _gemv_kernel[(triton.cdiv(cols, block_n),)](
+            x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
+            rows, cols, x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
+            eps, K=depth, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
         return out
     blocks = block_sizes(rows, cols, depth)
     splits, k_per_split = split_plan(rows, cols, depth, blocks, norm_weight is not None, gated, split_k)
@@ -213,6 +285,5 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         0 if residual is None else residual.stride(0), eps,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
         BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=num_stages(x.element_size(), blocks[0], splits))
+        PRECISION=precision, num_warps=4, num_stages=num_stages(x.element_size(), blocks[0], splits))
     return out

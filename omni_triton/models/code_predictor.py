@@ -7,9 +7,9 @@ KV cache is a tiny contiguous ``[B, G+1, kv_heads, head_dim]`` per layer, built 
 On CUDA with the fast path on (``KernelSwitch``: ``use_kernels`` and ``use_fused_steps``), each step runs
 through fused kernels instead of the decoder modules (``predict_with_kernels``): per layer norm+qkv, attention
 (``kernels.frame_attention``), o_proj+residual, norm+gate/up+SiLU, down+residual (``kernels.small_linear``),
-then norm+lm_head: ~28 launches a step (with sampling and the embedding) instead of ~65; ``use_split_k`` gives
-those linears small_linear's split-K launch. The modules stay the reference (and the CPU path); the kernels
-round where they round.
+then norm+lm_head: ~28 launches a step (with sampling and the embedding) instead of ~65; ``linear_launch``
+picks how those linears launch (one-pass, split-K, or the multiply-add GEMV for few rows). The modules stay
+the reference (and the CPU path); the kernels round where they round.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ class CodePredictor(KernelSwitch, nn.Module):
         from omni_triton.kernels.small_linear import small_linear
 
         cfg, model = self.config, self.model
-        split_k = None if self.use_split_k else 1  # None: small_linear's split plan; 1: the one-pass kernel
+        # split_k None: small_linear's split plan, 1: the one-pass kernel; gemv: multiply-adds for few rows
+        launch = dict(split_k=1 if self.linear_launch == "one-pass" else None, gemv=self.linear_launch == "gemv")
         rows, hidden_size = talker_hidden.shape
         positions = self.num_code_groups  # position 0: talker hidden, 1..G-1: code embeddings 0..G-2
         cos, sin = self._rope_table(positions, talker_hidden)
@@ -143,17 +144,17 @@ class CodePredictor(KernelSwitch, nn.Module):
                 attn.pack_projections_()
                 mlp.pack_projections_()
                 qkv = small_linear(x, attn.packed_qkv[0], norm_weight=layer.input_layernorm.weight,
-                                   eps=layer.input_layernorm.eps, split_k=split_k)
+                                   eps=layer.input_layernorm.eps, **launch)
                 attended = frame_attention(qkv, attn.q_norm.weight, attn.k_norm.weight, cos, sin, keys[i],
                                            values[i], start, new, cfg.num_heads, attn.q_norm.eps,
                                            attn.head_dim ** -0.5)
-                x = small_linear(attended, attn.o_proj.weight, residual=x, split_k=split_k)
+                x = small_linear(attended, attn.o_proj.weight, residual=x, **launch)
                 gate_up = small_linear(x, mlp.packed_gate_up[0], norm_weight=layer.post_attention_layernorm.weight,
-                                       eps=layer.post_attention_layernorm.eps, gated=True, split_k=split_k)
-                x = small_linear(gate_up, mlp.down_proj.weight, residual=x, split_k=split_k)
+                                       eps=layer.post_attention_layernorm.eps, gated=True, **launch)
+                x = small_linear(gate_up, mlp.down_proj.weight, residual=x, **launch)
             last = x.view(rows, new, hidden_size)[:, -1]
             logits = small_linear(last, self.lm_head[group - 1].weight, norm_weight=model.norm.weight,
-                                  eps=model.norm.eps, out_dtype=torch.float32, split_k=split_k)
+                                  eps=model.norm.eps, out_dtype=torch.float32, **launch)
             code = sample_fn(logits, group)
             codes.append(code)
             x = model.codec_embedding[group - 1](code)

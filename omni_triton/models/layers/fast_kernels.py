@@ -8,9 +8,11 @@ A second switch, ``use_fused_steps`` (``set_fused_steps``), covers the whole-ste
 per-layer kernels (the code predictor's fused frame, the one-launch prefill attention): off, the fast path is the per-layer kernels alone, which
 is what ``benchmarks/engine_microbench.py`` times as the "landed" variant beside the fused one.
 
-A third, ``use_split_k`` (``set_split_k``), gives the fused frame's ``kernels.small_linear`` calls the split-K
-launch (several hundred programs instead of 64-128); off (the default until the H200 measures it), they run
-the one-pass kernel. The microbenchmark times it as the "splitk" variant beside "graphs".
+A third, ``linear_launch`` (``set_linear_launch``), picks how the fused frame's ``kernels.small_linear`` calls
+launch: "one-pass" (64-128 programs, an MMA tile each), "split-k" (K cut into slices too: several hundred
+programs, partials summed by the last) or "gemv" (up to ``GEMV_MAX_ROWS`` rows: multiply-adds, a few columns
+per program over the whole K; split-K above). The microbenchmark times them as the "graphs", "splitk" and
+"gemv" variants.
 
 Switching on also packs the projections that read one input (q/k/v, gate/up) into one weight tensor each,
 whose rows the original parameters become views of: one GEMM launch instead of two or three, no extra memory,
@@ -26,7 +28,7 @@ from torch import nn
 class KernelSwitch:
     use_kernels: bool = True
     use_fused_steps: bool = True  # only read by modules that have a whole-step fusion
-    use_split_k: bool = False  # only read by the code predictor's fused frame
+    linear_launch: str = "one-pass"  # one of LINEAR_LAUNCHES; only read by the code predictor's fused frame
 
     def kernels_for(self, x: torch.Tensor) -> bool:
         return self.use_kernels and x.is_cuda
@@ -66,11 +68,16 @@ def set_fused_steps(model: nn.Module, enabled: bool) -> None:
             module.use_fused_steps = enabled
 
 
-def set_split_k(model: nn.Module, enabled: bool) -> None:
-    """The split-K launch of the fused frame's linears on or off (``kernels.small_linear``'s ``split_k``)."""
+LINEAR_LAUNCHES = ("one-pass", "split-k", "gemv")
+
+
+def set_linear_launch(model: nn.Module, launch: str) -> None:
+    """How the fused frame's linears launch (``kernels.small_linear``'s ``split_k`` and ``gemv``)."""
+    if launch not in LINEAR_LAUNCHES:
+        raise ValueError(f"linear launch must be one of {', '.join(LINEAR_LAUNCHES)}; got {launch!r}")
     for module in model.modules():
         if isinstance(module, KernelSwitch):
-            module.use_split_k = enabled
+            module.linear_launch = launch
 
 
 def fused_steps_on(model: nn.Module) -> bool:
