@@ -24,7 +24,7 @@ Floor of a step = max(bytes it must read / measured copy bandwidth, FLOPs / meas
 decode reads the dense weights, the experts that the batch's tokens hit (expected fraction under uniform
 routing), the lm_head and the KV cache; prefill reads every weight once; code2wav FLOPs are counted by
 ``torch.utils.flop_counter``. ``--profile`` prints the top kernels of a few eager fast-path steps (the talker's
-with the last of ``--variants``' linear launches).
+with the last of ``--variants``' switches).
 """
 
 from __future__ import annotations
@@ -185,14 +185,14 @@ def apply_variant(model: torch.nn.Module, variant: str) -> None:
 def make_engine(stage, model, args, max_batch: int, context: int, variant: str, cuda_graphs: bool = True
                 ) -> LLMEngine:
     """An engine for ``variant``, its switches set before it captures its graphs."""
-    fast_path, _, prefill_graphs, _ = VARIANTS[variant]
+    fast_path, _, prefill_graphs, linear_launch = VARIANTS[variant]
     apply_variant(model, variant)
     dtype = next(model.parameters()).dtype
     blocks = max_batch * (-(-context // 16) + 1) + 16
     return LLMEngine(stage, EngineConfig(
         block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
         device=args.device, kv_dtype=dtype, fast_path=fast_path, cuda_graphs=cuda_graphs,
-        prefill_graph_tokens=None if prefill_graphs else 0))
+        prefill_graph_tokens=None if prefill_graphs else 0, linear_launch=linear_launch))
 
 
 def launch_counts(model, make, case, variants: list[str], device: torch.device) -> dict[str, dict[str, int]]:
@@ -353,9 +353,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
                                             frame_gb_s=num_bytes / step_s / 1e9, prefill_ms=1e3 * prefill_s,
                                             prefill_ratio=prefill_s / prefill_floor, peak_gib=peak)
         rows.append(row)
-    # what --profile's steps run: the fusions with the last variant's linear launch
-    set_fused_steps(model, True)
-    set_linear_launch(model, VARIANTS[args.variants[-1]][3])
+    apply_variant(model, args.variants[-1])  # what --profile's steps run (their engine: the fast path on)
     if args.profile:
         profile_steps(model, talker_stage(model, args), args, [1, max(batches)], prompt_len)
     layers = text.num_layers
@@ -437,7 +435,8 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
         engine = LLMEngine(stage, EngineConfig(block_size=16, num_blocks=batch * (prompt_len // 16 + 4) + 16,
                                                max_num_batched_tokens=args.max_num_batched_tokens,
                                                max_num_seqs=batch, device=args.device, kv_dtype=args.dtype,
-                                               fast_path=True, cuda_graphs=False))
+                                               fast_path=True, cuda_graphs=False,
+                                               linear_launch=VARIANTS[args.variants[-1]][3]))
         params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
         for i in range(batch):
             if isinstance(stage, ThinkerStage):

@@ -38,6 +38,26 @@ def test_prefill_graphs_switch_reaches_both_engines(tiny_checkpoint, tmp_path, p
         assert config.prefill_graph_tokens == (None if prefill_graphs else 0), model  # None: the step budget
 
 
+@pytest.mark.parametrize("launch", ["one-pass", "split-k", "gemv"])
+def test_linear_launch_reaches_the_talker_engine(tiny_checkpoint, tmp_path, launch):
+    from omni_triton.models.layers.fast_kernels import LINEAR_LAUNCHES
+    from omni_triton.server.repository import LINEAR_LAUNCHES as SERVED_LINEAR_LAUNCHES
+    from omni_triton.server.stage_io import engine_config
+
+    assert SERVED_LINEAR_LAUNCHES == LINEAR_LAUNCHES
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", fast_path=True,
+                                         linear_launch=launch), tmp_path / "repository")
+    text = (out / "talker" / "config.pbtxt").read_text()
+    params = {key: value for key, value in re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', text)}
+    config, _ = engine_config(params, device="cpu")
+    assert config.linear_launch == launch
+
+
+def test_unknown_linear_launch_is_refused_by_name(tiny_checkpoint):
+    with pytest.raises(ValueError, match="linear_launch must be one of"):
+        LaunchConfig(checkpoint_dir=tiny_checkpoint, linear_launch="splitk")
+
+
 def test_unknown_interstage_memory_is_refused_by_name(tiny_checkpoint):
     with pytest.raises(ValueError, match="interstage_memory"):
         LaunchConfig(checkpoint_dir=tiny_checkpoint, interstage_memory="pinned")

@@ -125,7 +125,8 @@ def test_split_plan_keeps_one_pass_where_splits_cost_more_than_they_bring():
     for depth, cols, variant in PREDICTOR:
         if "norm" in variant:
             assert splits_of(64, depth, cols, variant, None) == 1, (depth, cols)
-    assert splits_of(64, 2048, 1024, "residual", None) == 8  # no norm: partials 2 MB against 4 MB of W
+    assert splits_of(32, 2048, 1024, "residual", None) == 8  # no norm: partials 1 MB against 4 MB of W
+    assert splits_of(64, 2048, 1024, "residual", None) == 1  # past SPLIT_MAX_ROWS (measured slower split)
     assert splits_of(1, 64, 4096, "plain", None) == 1  # one K step: nothing to split
     assert splits_of(1, 2048, 1024, "plain", 3) == 3  # forced
 

@@ -38,6 +38,8 @@ class EngineConfig:
     # with cuda_graphs and the fused steps: steps with prefill rows of up to this many tokens replay a graph too
     # (None: the step budget, max_num_batched_tokens; 0: they run eagerly)
     prefill_graph_tokens: int | None = None
+    # fast path: how the talker's code predictor launches its small linears (fast_kernels.LINEAR_LAUNCHES)
+    linear_launch: str = "gemv"
     # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
     warmup: bool = False
 
@@ -83,7 +85,8 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs, cuda_graphs=config.cuda_graphs,
                                   prefill_graph_tokens=(config.max_num_batched_tokens
                                                         if config.prefill_graph_tokens is None
-                                                        else config.prefill_graph_tokens))
+                                                        else config.prefill_graph_tokens),
+                                  linear_launch=config.linear_launch)
         self.requests: dict[str, Sequence] = {}
         self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)

@@ -31,7 +31,7 @@ from omni_triton.engine.scheduler import ScheduledBatch
 from omni_triton.engine.sequence import Sequence
 from omni_triton.engine.stage import Chunk, StageModel
 from omni_triton.models.layers.attention import AttentionBatch, DecodeBatch
-from omni_triton.models.layers.fast_kernels import fused_steps_on, set_fast_kernels
+from omni_triton.models.layers.fast_kernels import fused_steps_on, set_fast_kernels, set_linear_launch
 
 MAIN_STREAM = ""  # the sampled token of each row; stages may name more streams (talker: "predictor")
 
@@ -55,7 +55,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 class ModelRunner:
     def __init__(self, stage: StageModel, num_blocks: int, block_size: int, *, device: torch.device | str,
                  kv_dtype: torch.dtype, fast_path: bool = False, max_num_seqs: int = 64, cuda_graphs: bool = True,
-                 prefill_graph_tokens: int = 0):
+                 prefill_graph_tokens: int = 0, linear_launch: str = "gemv"):
         self.stage = stage
         self.device = torch.device(device)
         self.block_size = block_size
@@ -68,6 +68,7 @@ class ModelRunner:
         self.model_dtype = next(model.parameters()).dtype if isinstance(model, torch.nn.Module) else kv_dtype
         if isinstance(model, torch.nn.Module):
             set_fast_kernels(model, self.fast)
+            set_linear_launch(model, linear_launch)  # before the graphs capture it
         self.fused_steps = self.fast and (not isinstance(model, torch.nn.Module) or fused_steps_on(model))
         self.streams = {MAIN_STREAM: lambda seq: seq.sample_row, **getattr(stage, "sample_streams", {})}
         self.samplers: dict[str, DeviceSampler] = {}

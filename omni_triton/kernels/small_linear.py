@@ -40,6 +40,9 @@ import triton.language as tl
 # thread and 28-45 KB of shared memory), so one wave keeps ~8-32 KB of W per program, several MB in all, in
 # flight.
 TARGET_PROGRAMS = 512
+# More rows than this keep the one-pass kernel: on the H200 (benchmarks/small_linear_bench.py) splitting the
+# predictor's o/down projections at 64-128 rows made them 1-30% slower (their tiles are enough programs already)
+SPLIT_MAX_ROWS = 32
 
 
 @triton.jit
@@ -198,7 +201,7 @@ def split_plan(rows: int, cols: int, depth: int, block_sizes_: tuple[int, int, i
     steps = triton.cdiv(depth, block_k)
     if split_k is None:
         tiles = triton.cdiv(cols, block_n) * triton.cdiv(rows, block_m)
-        split_k = max(1, TARGET_PROGRAMS // tiles)
+        split_k = max(1, TARGET_PROGRAMS // tiles) if rows <= SPLIT_MAX_ROWS else 1
         split_k = min(split_k, max(1, depth // (4 * rows)))  # partials 2 x 4 bytes/row/col <= 2-byte weights
         if norm:  # x re-read tiles x splits x rows x depth <= weights (1 or 2) x cols x depth
             split_k = min(split_k, max(1, (2 if gated else 1) * cols // (tiles * rows)))
@@ -213,8 +216,10 @@ def num_stages(element_size: int, block_m: int, splits: int) -> int:
     return 2 if element_size > 2 or (splits > 1 and block_m > 32) else 3
 
 
-GEMV_MAX_ROWS = 16  # up to here ``gemv=True`` runs the multiply-add kernel (each row re-reads W from registers)
-GEMV_MIN_PROGRAMS = 256  # column blocks are made thin enough for about this many programs (~2 per SM)
+# Up to here ``gemv=True`` runs the multiply-add kernel: on the H200 it beat split-K at 1-2 rows (qkv 4.8 against
+# 8.4 us at one row) and lost from 8 (each row's products are reduced across the threads again)
+GEMV_MAX_ROWS = 2
+GEMV_MIN_PROGRAMS = 512  # column blocks thin enough for about this many programs (~4 per SM: measured best)
 
 
 def gemv_blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int]:

@@ -19,7 +19,8 @@ from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZA
                                             kv_tokens_setting, word_or_count)
 from omni_triton.server.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
-from omni_triton.server.repository import CHUNK_PACING, LOAD_FORMATS, LaunchConfig, admission_capacity_setting
+from omni_triton.server.repository import (CHUNK_PACING, LINEAR_LAUNCHES, LOAD_FORMATS, LaunchConfig,
+                                           admission_capacity_setting)
 
 
 class LaunchOptionError(ValueError):
@@ -88,6 +89,10 @@ def add_engine_arguments(group) -> None:
                        help="cuda: with --fast-path and --cuda-graphs on, the engines' steps with prefill rows "
                             "(prompts, chunks, mixed steps of up to --max-batched-tokens) as CUDA graphs too, one "
                             "per token bucket, captured at start (default: %(default)s)")
+    group.add_argument("--linear-launch", choices=LINEAR_LAUNCHES, default="gemv",
+                       help="cuda: with --fast-path on, how the talker's code predictor launches its small linears: "
+                            "gemv (multiply-adds for 1-2 rows, split-K up to 32, one pass above), split-k, or "
+                            "one-pass (the kernel before split-K) (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

@@ -31,6 +31,8 @@ INTERSTAGE_MEMORY = ("device", "host")
 # safetensors: the checkpoint's weights. dummy: seeded random weights built on the device from the checkpoint
 # dir's config.json (omni_triton.models.weights), e.g. a dir written by build_engines.dummy_checkpoint.
 LOAD_FORMATS = ("safetensors", "dummy")
+# models.layers.fast_kernels.LINEAR_LAUNCHES, spelled out so that launching imports no torch (a test keeps them equal)
+LINEAR_LAUNCHES = ("one-pass", "split-k", "gemv")
 # adaptive: each stream's chunk sizes follow its frame rate and its listener's buffer (pipeline/chunk_pacing.py);
 # ramp: ChunkPolicy's fixed ramp alone (4, 8, 24, 25, ...)
 CHUNK_PACING = ("adaptive", "ramp")
@@ -72,6 +74,7 @@ class LaunchConfig:
     fast_path: bool = False
     cuda_graphs: bool = False
     prefill_graphs: bool = True  # with both: steps with prefill rows as CUDA graphs too (engine.prefill_graphs)
+    linear_launch: str = "gemv"  # with fast_path: the code predictor's small linears (fast_kernels.LINEAR_LAUNCHES)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
@@ -90,6 +93,8 @@ class LaunchConfig:
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.linear_launch not in LINEAR_LAUNCHES:
+            raise ValueError(f"linear_launch must be one of {LINEAR_LAUNCHES}, got {self.linear_launch!r}")
         if self.interstage_memory not in INTERSTAGE_MEMORY:
             raise ValueError(f"interstage_memory must be one of {INTERSTAGE_MEMORY}, got {self.interstage_memory!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -191,6 +196,7 @@ class LaunchConfig:
             fast_path="on" if self.fast_path else "off",
             cuda_graphs="on" if self.cuda_graphs else "off",
             prefill_graphs="on" if self.prefill_graphs else "off",
+            linear_launch=self.linear_launch,
             warmup="on" if self.resolved_warmup else "off",
         )
         return {k: str(v) for k, v in values.items()}

@@ -10,8 +10,8 @@ is what ``benchmarks/engine_microbench.py`` times as the "landed" variant beside
 
 A third, ``linear_launch`` (``set_linear_launch``), picks how the fused frame's ``kernels.small_linear`` calls
 launch: "one-pass" (64-128 programs, an MMA tile each), "split-k" (K cut into slices too: several hundred
-programs, partials summed by the last) or "gemv" (up to ``GEMV_MAX_ROWS`` rows: multiply-adds, a few columns
-per program over the whole K; split-K above). The microbenchmark times them as the "graphs", "splitk" and
+programs, partials summed by the last; up to ``SPLIT_MAX_ROWS`` rows) or "gemv" (the default: up to
+``GEMV_MAX_ROWS`` rows multiply-adds, a few columns per program over the whole K; split-K above). The microbenchmark times them as the "graphs", "splitk" and
 "gemv" variants.
 
 Switching on also packs the projections that read one input (q/k/v, gate/up) into one weight tensor each,
@@ -28,7 +28,7 @@ from torch import nn
 class KernelSwitch:
     use_kernels: bool = True
     use_fused_steps: bool = True  # only read by modules that have a whole-step fusion
-    linear_launch: str = "one-pass"  # one of LINEAR_LAUNCHES; only read by the code predictor's fused frame
+    linear_launch: str = "gemv"  # one of LINEAR_LAUNCHES; only read by the code predictor's fused frame
 
     def kernels_for(self, x: torch.Tensor) -> bool:
         return self.use_kernels and x.is_cuda
