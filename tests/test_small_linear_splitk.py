@@ -105,6 +105,18 @@ def test_split_k_equals_the_reference_and_the_one_pass_kernel(dtype, variant, sh
     assert counters_all_zero()
 
 
+def test_the_scratch_made_under_inference_mode_is_a_normal_tensor():
+    """An engine's first split-K call runs under inference mode; the scratch it makes is shared with every later
+    caller, which may run outside that mode (seen on the H200: the poisoning above failed after the GPU tests that
+    run engines, "Inplace update to inference tensor outside InferenceMode")."""
+    numel = 12345  # a size no other test uses: made here
+    with torch.inference_mode():
+        scratch = small_linear_module.workspace(torch.device(DEVICE), torch.float32, numel)
+    assert not scratch.is_inference()
+    scratch.fill_(float("nan"))
+    scratch.zero_()
+
+
 def test_split_k_rejects_a_count_below_one():
     with pytest.raises(ValueError, match="split_k"):
         small_linear(torch.zeros(1, 16), torch.zeros(16, 16), split_k=0)

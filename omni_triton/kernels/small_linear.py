@@ -239,7 +239,10 @@ def workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Ten
     later call and graph replay reuses the same memory."""
     key = (device, dtype, numel)
     if key not in _workspaces:
-        _workspaces[key] = torch.zeros(numel, dtype=dtype, device=device)
+        # a normal tensor even when the first call runs under inference mode (an engine's step): a later caller
+        # outside it may then still write to it (an inference tensor refuses in-place updates out of that mode)
+        with torch.inference_mode(False):
+            _workspaces[key] = torch.zeros(numel, dtype=dtype, device=device)
     return _workspaces[key]
 
 
