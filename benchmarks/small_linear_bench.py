@@ -55,15 +55,15 @@ def layer_calls(rows: int, depth: int, cols: int, fusion: str, min_bytes: int) -
     return [(x, weights[i % copies], kwargs) for i in range(CALLS_PER_GRAPH)], weight_bytes
 
 
-def seconds_per_call(calls: list, split_k: int | None, gemv: bool, repeat: int = 5) -> float:
+def seconds_per_call(calls: list, split_k: int | None, gemv: bool, repeat: int = 5, tile=None) -> float:
     """Median over ``repeat`` replays of a CUDA graph of ``calls`` (made eagerly first: compiled, scratch made)."""
     for x, weight, kwargs in calls:
-        small_linear(x, weight, split_k=split_k, gemv=gemv, **kwargs)
+        small_linear(x, weight, split_k=split_k, gemv=gemv, tile=tile, **kwargs)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with capturing(graph):
         for x, weight, kwargs in calls:
-            small_linear(x, weight, split_k=split_k, gemv=gemv, **kwargs)
+            small_linear(x, weight, split_k=split_k, gemv=gemv, tile=tile, **kwargs)
     graph.replay()
     times = []
     for _ in range(repeat):
@@ -110,6 +110,40 @@ def bench(rows_list: list[int], targets: list[int], gemv_programs: list[int], ba
     return results
 
 
+def sweep_tiles(rows_list: list[int], bandwidth: float) -> list[dict]:
+    """The one-pass MMA kernel at every tile of ``TILES`` per layer and row count: the fastest against the
+    default (``block_sizes``, 4 warps), for the table ``small_linear`` should read."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
+    results = []
+    for rows in rows_list:
+        for name, (depth, cols, fusion) in LAYERS.items():
+            calls, weight_bytes = layer_calls(rows, depth, cols, fusion, 4 * l2_bytes)
+            default_us = 1e6 * seconds_per_call(calls, 1, False)
+            timed = []
+            for block_m in sorted({min(128, max(16, triton.next_power_of_2(rows))), min(64, max(16, rows))}):
+                for block_n, block_k, warps, stages in TILES:
+                    try:
+                        us = 1e6 * seconds_per_call(calls, 1, False, tile=(block_m, block_n, block_k, warps, stages))
+                    except Exception as error:  # out of shared memory / registers: not a candidate
+                        print(f"  {name} rows {rows} tile {(block_m, block_n, block_k, warps, stages)}: {error}"[:200])
+                        continue
+                    timed.append((us, (block_m, block_n, block_k, warps, stages)))
+            best_us, best = min(timed)
+            results.append(dict(layer=name, rows=rows, K=depth, N=cols, floor_us=1e6 * weight_bytes / bandwidth,
+                                default_us=default_us, best_us=best_us, best_tile=best,
+                                tiles={str(t): us for us, t in timed}))
+            print(f"{name:8s} rows {rows:4d}: default {default_us:7.2f} us, best {best_us:7.2f} us at {best} "
+                  f"(floor {1e6 * weight_bytes / bandwidth:.2f})", flush=True)
+            del calls
+            torch.cuda.empty_cache()
+    return results
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by --sweep-tiles, each at BLOCK_M = the rows' (capped at 64
+# and at 128)
+TILES = [(n, k, w, 3) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4, 8)] + [(32, 128, 4, 4), (16, 256, 4, 4)]
+
+
 def markdown(result: dict) -> str:
     labels = list(dict.fromkeys(label for row in result["rows"] for label in row["runs"]))
     lines = [f"# small_linear: one-pass vs split-K vs GEMV ({result['device_name']}, bf16)", "",
@@ -134,12 +168,21 @@ def main(argv=None) -> None:
                         help="TARGET_PROGRAMS values to time the split plan at (comma list)")
     parser.add_argument("--gemv-programs", default=str(small_linear_module.GEMV_MIN_PROGRAMS),
                         help="GEMV_MIN_PROGRAMS values to time the GEMV at (comma list)")
+    parser.add_argument("--sweep-tiles", action="store_true",
+                        help="instead: the one-pass kernel's tiles (TILES) per layer and row count, best vs default")
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the kernels' timings are the point)")
     device = torch.device("cuda")
     bandwidth, _ = measure_ceilings(device)
+    if args.sweep_tiles:
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        swept = sweep_tiles([int(r) for r in args.rows.split(",")], bandwidth)
+        (out / "small_linear_tiles.json").write_text(json.dumps(dict(
+            device_name=torch.cuda.get_device_name(), copy_gb_s=bandwidth / 1e9, rows=swept), indent=2) + "\n")
+        return
     rows = bench([int(r) for r in args.rows.split(",")], [int(t) for t in args.targets.split(",")],
                  [int(p) for p in args.gemv_programs.split(",")], bandwidth)
     result = dict(device_name=torch.cuda.get_device_name(), copy_gb_s=bandwidth / 1e9, torch=torch.__version__,

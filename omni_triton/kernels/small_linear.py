@@ -248,14 +248,15 @@ def workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Ten
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None, split_k: int | None = None, gemv: bool = False
-                 ) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, split_k: int | None = None, gemv: bool = False,
+                 tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (any row stride), weight [N, K] ([2N, K]: gate rows then up rows when ``gated``) -> [M, N].
 
     The result is rounded to x's dtype (as the torch layer's output is) and stored as ``out_dtype`` (default
     x's dtype; float32 for logits). ``split_k``: K slices per output tile (None: ``split_plan``'s choice; 1:
     the one-pass kernel). ``gemv``: up to ``GEMV_MAX_ROWS`` rows, the multiply-add kernel instead (more rows:
-    as ``split_k`` says)."""
+    as ``split_k`` says). ``tile``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the MMA kernels instead
+    of ``block_sizes``' (benchmarks/small_linear_bench.py --sweep-tiles)."""
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != depth:
@@ -277,7 +278,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
             eps, K=depth, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
         return out
-    blocks = block_sizes(rows, cols, depth)
+    blocks = block_sizes(rows, cols, depth) if tile is None else tile[:3]
     splits, k_per_split = split_plan(rows, cols, depth, blocks, norm_weight is not None, gated, split_k)
     grid = (triton.cdiv(cols, blocks[1]), triton.cdiv(rows, blocks[0]), splits)
     # a split program's own K slice is 1-2 steps, so a norm's pass over the whole row, one load round trip per
@@ -293,5 +294,6 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         0 if residual is None else residual.stride(0), eps,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
         BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
-        PRECISION=precision, num_warps=4, num_stages=num_stages(x.element_size(), blocks[0], splits))
+        PRECISION=precision, num_warps=4 if tile is None else tile[3],
+        num_stages=num_stages(x.element_size(), blocks[0], splits) if tile is None else tile[4])
     return out
