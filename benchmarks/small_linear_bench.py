@@ -28,7 +28,7 @@ import triton
 from engine_microbench import measure_ceilings
 from omni_triton.graph_buckets import capturing
 from omni_triton.kernels import small_linear as small_linear_module
-from omni_triton.kernels.small_linear import GEMV_MAX_ROWS, block_sizes, gemv_blocks, small_linear, split_plan
+from omni_triton.kernels.small_linear import GEMV_MAX_ROWS, gemv_blocks, launch_plan, small_linear
 
 # name -> (K, N, fusion) of the released predictor (hidden 1024, 16/8 heads x 128, MLP 3072, 2048 codes)
 LAYERS = {"qkv": (1024, 4096, "norm"), "o": (2048, 1024, "residual"), "gate_up": (1024, 3072, "gated-norm"),
@@ -79,8 +79,7 @@ def seconds_per_call(calls: list, split_k: int | None, gemv: bool, repeat: int =
 def programs(rows: int, depth: int, cols: int, fusion: str, split_k: int | None, gemv: bool) -> int:
     if gemv and rows <= GEMV_MAX_ROWS:
         return triton.cdiv(cols, gemv_blocks(rows, cols, depth)[1])
-    blocks = block_sizes(rows, cols, depth)
-    splits, _ = split_plan(rows, cols, depth, blocks, "norm" in fusion, "gated" in fusion, split_k)
+    blocks, splits, _, _ = launch_plan(rows, cols, depth, "norm" in fusion, "gated" in fusion, split_k)
     return triton.cdiv(cols, blocks[1]) * triton.cdiv(rows, blocks[0]) * splits
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from omni_triton.graph_buckets import capturing  # noqa: E402
 from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
-from omni_triton.kernels.small_linear import block_sizes, small_linear, split_plan  # noqa: E402
+from omni_triton.kernels.small_linear import block_sizes, launch_plan, small_linear, split_plan  # noqa: E402
 from omni_triton.models.layers.fast_kernels import set_linear_launch  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
 from test_code_predictor_kernels import DEVICE, SMALL, random_predictor, rel_error, tolerance  # noqa: E402
@@ -115,6 +115,21 @@ def test_the_scratch_made_under_inference_mode_is_a_normal_tensor():
     assert not scratch.is_inference()
     scratch.fill_(float("nan"))
     scratch.zero_()
+
+
+def test_launch_plan_follows_the_h200_tile_sweep():
+    """Wide outputs: split at 1-2 rows, else one pass in K steps of 256 (3 stages); narrow outputs: split up to
+    SPLIT_MAX_ROWS rows, one pass in K steps of 256 (4 stages) above; fp32 tiles: 2 stages."""
+    qkv, o = (1024, 4096), (2048, 1024)
+    for rows in (1, 2):
+        assert launch_plan(rows, qkv[1], qkv[0], True, False)[1] > 1
+    blocks, splits, k_per_split, stages = launch_plan(16, qkv[1], qkv[0], True, False)
+    assert (blocks, splits, k_per_split, stages) == ((16, 32, 256), 1, 1024, 3)
+    assert launch_plan(16, o[1], o[0], False, False)[1] > 1  # narrow: still split
+    blocks, splits, k_per_split, stages = launch_plan(64, o[1], o[0], False, False)
+    assert (blocks, splits, k_per_split, stages) == ((64, 16, 256), 1, 2048, 4)
+    assert launch_plan(64, o[1], o[0], False, False, element_size=4)[3] == 2
+    assert launch_plan(16, qkv[1], qkv[0], True, False, split_k=3)[1] == 3  # a forced count still splits
 
 
 def test_split_k_rejects_a_count_below_one():

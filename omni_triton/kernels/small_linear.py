@@ -43,6 +43,8 @@ TARGET_PROGRAMS = 512
 # More rows than this keep the one-pass kernel: on the H200 (benchmarks/small_linear_bench.py) splitting the
 # predictor's o/down projections at 64-128 rows made them 1-30% slower (their tiles are enough programs already)
 SPLIT_MAX_ROWS = 32
+WIDE_SPLIT_MAX_ROWS = 2  # outputs wider than NARROW_COLS split up to here only (launch_plan)
+NARROW_COLS = 1024  # the predictor's o/down projections: thin column blocks (block_sizes)
 
 
 @triton.jit
@@ -183,7 +185,7 @@ def block_sizes(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
     (the predictor's o/down projections, N=1024: 64 programs) with K steps of 256, so each program keeps as
     many weight bytes in flight as a wide one; column blocks of 32 and K steps of 128 for wide outputs (qkv
     4096, gate/up 3072, lm_head 2048: 64-128 programs). At most a few hundred KB of W per program."""
-    narrow = cols <= 1024
+    narrow = cols <= NARROW_COLS
     block_k = min(256 if narrow else 128, max(16, triton.next_power_of_2(depth)))
     return min(64, max(16, triton.next_power_of_2(rows))), 16 if narrow else 32, block_k
 
@@ -207,6 +209,34 @@ def split_plan(rows: int, cols: int, depth: int, block_sizes_: tuple[int, int, i
             split_k = min(split_k, max(1, (2 if gated else 1) * cols // (tiles * rows)))
     steps_per_split = triton.cdiv(steps, max(1, min(split_k, steps)))
     return triton.cdiv(steps, steps_per_split), steps_per_split * block_k
+
+
+def one_pass_blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a call that does not split: K steps of 256, which the H200 tile sweep
+    (``small_linear_bench.py --sweep-tiles``, 16-128 rows) found fastest for every predictor layer (qkv at 64
+    rows: 10.5 against 14.2 us with steps of 128); columns as ``block_sizes``."""
+    block_m, block_n, _ = block_sizes(rows, cols, depth)
+    return block_m, block_n, min(256, max(16, triton.next_power_of_2(depth)))
+
+
+def launch_plan(rows: int, cols: int, depth: int, norm: bool, gated: bool, split_k: int | None = None,
+                element_size: int = 2) -> tuple[tuple[int, int, int], int, int, int]:
+    """(blocks, splits, K per split, num_stages) of the MMA kernels for one call.
+
+    Wide outputs (qkv, gate/up, lm_head) split only at 1-2 rows: from there on their one-pass tile with K steps
+    of 256 was faster than split-K on the H200 (16 rows: qkv 6.7 against 9.2 us, gate/up 7.9 against 10.4);
+    narrow ones (o, down: 64 column blocks) keep the split plan up to ``SPLIT_MAX_ROWS``."""
+    blocks = block_sizes(rows, cols, depth)
+    if split_k is None and cols > NARROW_COLS and rows > WIDE_SPLIT_MAX_ROWS:
+        split_k = 1
+    splits, k_per_split = split_plan(rows, cols, depth, blocks, norm, gated, split_k)
+    if splits > 1:
+        return blocks, splits, k_per_split, num_stages(element_size, blocks[0], splits)
+    blocks = one_pass_blocks(rows, cols, depth)
+    _, k_per_split = split_plan(rows, cols, depth, blocks, norm, gated, 1)
+    # the sweep's best: 4 stages for the narrow layers' thin tiles, 3 for the wide ones
+    stages = 2 if element_size > 2 else 4 if cols <= NARROW_COLS else 3
+    return blocks, 1, k_per_split, stages
 
 
 def num_stages(element_size: int, block_m: int, splits: int) -> int:
@@ -278,8 +308,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
             eps, K=depth, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
         return out
-    blocks = block_sizes(rows, cols, depth) if tile is None else tile[:3]
-    splits, k_per_split = split_plan(rows, cols, depth, blocks, norm_weight is not None, gated, split_k)
+    if tile is None:
+        blocks, splits, k_per_split, stages = launch_plan(rows, cols, depth, norm_weight is not None, gated, split_k,
+                                                          x.element_size())
+    else:
+        blocks, stages = tile[:3], tile[4]
+        splits, k_per_split = split_plan(rows, cols, depth, blocks, norm_weight is not None, gated, split_k)
     grid = (triton.cdiv(cols, blocks[1]), triton.cdiv(rows, blocks[0]), splits)
     # a split program's own K slice is 1-2 steps, so a norm's pass over the whole row, one load round trip per
     # BLOCK_K step, would be most of its latency: it reads x in chunks of up to 8K elements (64 registers a thread)
@@ -294,6 +328,5 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         0 if residual is None else residual.stride(0), eps,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
         BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
-        PRECISION=precision, num_warps=4 if tile is None else tile[3],
-        num_stages=num_stages(x.element_size(), blocks[0], splits) if tile is None else tile[4])
+        PRECISION=precision, num_warps=4 if tile is None else tile[3], num_stages=stages)
     return out
