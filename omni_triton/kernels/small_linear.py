@@ -181,10 +181,10 @@ def _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stri
 
 
 def block_sizes(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): rows padded to a dot tile (16..64); column blocks of 16 for narrow outputs
-    (the predictor's o/down projections, N=1024: 64 programs) with K steps of 256, so each program keeps as
-    many weight bytes in flight as a wide one; column blocks of 32 and K steps of 128 for wide outputs (qkv
-    4096, gate/up 3072, lm_head 2048: 64-128 programs). At most a few hundred KB of W per program."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a split call (one pass: ``one_pass_blocks``): rows padded to a dot tile
+    (16..64); column blocks of 16 for narrow outputs (the predictor's o/down projections, N=1024: 64 programs)
+    with K steps of 256, so each program keeps as many weight bytes in flight as a wide one; column blocks of 32
+    and K steps of 128 for wide outputs (qkv 4096, gate/up 3072, lm_head 2048: 64-128 programs)."""
     narrow = cols <= NARROW_COLS
     block_k = min(256 if narrow else 128, max(16, triton.next_power_of_2(depth)))
     return min(64, max(16, triton.next_power_of_2(rows))), 16 if narrow else 32, block_k

@@ -89,10 +89,10 @@ def add_engine_arguments(group) -> None:
                        help="cuda: with --fast-path and --cuda-graphs on, the engines' steps with prefill rows "
                             "(prompts, chunks, mixed steps of up to --max-batched-tokens) as CUDA graphs too, one "
                             "per token bucket, captured at start (default: %(default)s)")
-    group.add_argument("--linear-launch", choices=LINEAR_LAUNCHES, default="gemv",
+    group.add_argument("--linear-launch", choices=LINEAR_LAUNCHES, default=LaunchConfig.linear_launch,
                        help="cuda: with --fast-path on, how the talker's code predictor launches its small linears: "
-                            "gemv (multiply-adds for 1-2 rows, split-K up to 32, one pass above), split-k, or "
-                            "one-pass (the kernel before split-K) (default: %(default)s)")
+                            "gemv (multiply-adds for 1-2 rows, split-K up to 32, one pass above), split-k (no "
+                            "GEMV), or one-pass (one MMA tile a program, never split) (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

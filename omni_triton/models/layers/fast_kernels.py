@@ -9,10 +9,10 @@ per-layer kernels (the code predictor's fused frame, the one-launch prefill atte
 is what ``benchmarks/engine_microbench.py`` times as the "landed" variant beside the fused one.
 
 A third, ``linear_launch`` (``set_linear_launch``), picks how the fused frame's ``kernels.small_linear`` calls
-launch: "one-pass" (64-128 programs, an MMA tile each), "split-k" (K cut into slices too: several hundred
+launch: "one-pass" (64-256 programs, an MMA tile each), "split-k" (K cut into slices too: several hundred
 programs, partials summed by the last; up to ``SPLIT_MAX_ROWS`` rows) or "gemv" (the default: up to
-``GEMV_MAX_ROWS`` rows multiply-adds, a few columns per program over the whole K; split-K above). The microbenchmark times them as the "graphs", "splitk" and
-"gemv" variants.
+``GEMV_MAX_ROWS`` rows multiply-adds, a few columns per program over the whole K; split-K above). The
+microbenchmark times them as the "graphs", "splitk" and "gemv" variants.
 
 Switching on also packs the projections that read one input (q/k/v, gate/up) into one weight tensor each,
 whose rows the original parameters become views of: one GEMM launch instead of two or three, no extra memory,
