@@ -9,8 +9,8 @@ size: ~170 ms a thinker step); ``landed`` = the fast path of per-layer Triton ke
 whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = the fusions on, steps with
 prefill rows eager (the fast path as of 8638fd2); ``graphs`` = the fusions and prefill CUDA graphs on (the fast
 path as of 3f0a43b); ``splitk`` / ``gemv`` = ``graphs`` with the code predictor's linears launched split-K /
-as multiply-add GEMVs for few rows (``set_linear_launch``, ``kernels.small_linear``). Each variant gets its own engine (graphs captured for it) over
-the same model and the same random inputs.
+as multiply-add GEMVs for few rows (``set_linear_launch``, ``kernels.small_linear``). Each variant gets its own
+engine (graphs captured for it) over the same model and the same random inputs.
 
 Per batch size: thinker decode step at ~L tokens of context and thinker prefill of L-token prompts for each L
 of ``--prefill-lens`` (default 108,512); talker frame (talker decode step + 15 code-predictor steps + sampling:

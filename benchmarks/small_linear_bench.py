@@ -109,6 +109,12 @@ def bench(rows_list: list[int], targets: list[int], gemv_programs: list[int], ba
     return results
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by --sweep-tiles, each at BLOCK_M = the rows' (capped at 64
+# and at 128)
+TILES = ([(n, k, w, 3) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4, 8)]
+         + [(32, 128, 4, 4), (16, 256, 4, 4)])
+
+
 def sweep_tiles(rows_list: list[int], bandwidth: float) -> list[dict]:
     """The one-pass MMA kernel at every tile of ``TILES`` per layer and row count: the fastest against the
     default (``block_sizes``, 4 warps), for the table ``small_linear`` should read."""
@@ -136,11 +142,6 @@ def sweep_tiles(rows_list: list[int], bandwidth: float) -> list[dict]:
             del calls
             torch.cuda.empty_cache()
     return results
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by --sweep-tiles, each at BLOCK_M = the rows' (capped at 64
-# and at 128)
-TILES = [(n, k, w, 3) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4, 8)] + [(32, 128, 4, 4), (16, 256, 4, 4)]
 
 
 def markdown(result: dict) -> str:

@@ -178,7 +178,8 @@ def _paged_prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, tiles_ptr, seqs_pt
 PREFILL_BLOCK_M = 64  # query rows per program (the tile list is cut to it)
 
 
-def prefill_tile_rows(seqs: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+def prefill_tile_rows(seqs: list[tuple[int, int, int, int]]
+                      ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
     """Host lists of ``prefill_tiles``: (tiles, sequences); a sequence index missing from ``seqs`` gets (0, 0, 0)
     (no query: its tiles, if any point there, write nothing)."""
     by_index = {index: (row, q_len, ctx_len) for index, row, q_len, ctx_len in seqs}
