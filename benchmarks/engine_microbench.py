@@ -9,7 +9,9 @@ size: ~170 ms a thinker step); ``landed`` = the fast path of per-layer Triton ke
 whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = the fusions on, steps with
 prefill rows eager (the fast path as of 8638fd2); ``graphs`` = the fusions and prefill CUDA graphs on (the fast
 path as of 3f0a43b); ``splitk`` / ``gemv`` = ``graphs`` with the code predictor's linears launched split-K /
-as multiply-add GEMVs for few rows (``set_linear_launch``, ``kernels.small_linear``). Each variant gets its own
+as multiply-add GEMVs for few rows (``set_linear_launch``, ``kernels.small_linear``); ``pdl`` = ``gemv`` with the
+kernels launched with programmatic dependent launch (``kernels.dependent_launch``; the serving default on sm_90+,
+off in every other variant). Each variant gets its own
 engine (graphs captured for it) over the same model and the same random inputs.
 
 Per batch size: thinker decode step at ~L tokens of context and thinker prefill of L-token prompts for each L
@@ -53,9 +55,11 @@ from omni_triton.models.weights import load_talker, load_thinker
 DECODE_STEPS = 16
 # variant -> (fast_path, whole-step fusions, prefill CUDA graphs, the code predictor's linear launch); see the
 # module docstring
-VARIANTS = {"eager": (False, False, False, "one-pass"), "landed": (True, False, False, "one-pass"),
-            "fused": (True, True, False, "one-pass"), "graphs": (True, True, True, "one-pass"),
-            "splitk": (True, True, True, "split-k"), "gemv": (True, True, True, "gemv")}
+# (fast path, whole-step fusions, prefill graphs, linear launch, dependent launch)
+VARIANTS = {"eager": (False, False, False, "one-pass", False), "landed": (True, False, False, "one-pass", False),
+            "fused": (True, True, False, "one-pass", False), "graphs": (True, True, True, "one-pass", False),
+            "splitk": (True, True, True, "split-k", False), "gemv": (True, True, True, "gemv", False),
+            "pdl": (True, True, True, "gemv", True)}
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
 
 
@@ -176,23 +180,28 @@ def talker_prefill_floor(talker, batch: int, prompt_len: int, step_tokens: int, 
 def apply_variant(model: torch.nn.Module, variant: str) -> None:
     """The model's switches as ``variant`` wants them. They live on the shared model, so they are set again
     before every run of a variant's engine (its graphs were captured with them; its eager steps read them)."""
-    fast_path, fused_steps, _, linear_launch = VARIANTS[variant]
+    fast_path, fused_steps, _, linear_launch, dependent_launch = VARIANTS[variant]
     set_fast_kernels(model, fast_path)
     set_fused_steps(model, fused_steps)
     set_linear_launch(model, linear_launch)
+    if torch.cuda.is_available():  # process-wide, read at each launch (kernels import triton: CUDA runs only)
+        from omni_triton.kernels.dependent_launch import set_dependent_launch
+
+        set_dependent_launch(dependent_launch)
 
 
 def make_engine(stage, model, args, max_batch: int, context: int, variant: str, cuda_graphs: bool = True
                 ) -> LLMEngine:
     """An engine for ``variant``, its switches set before it captures its graphs."""
-    fast_path, _, prefill_graphs, linear_launch = VARIANTS[variant]
+    fast_path, _, prefill_graphs, linear_launch, dependent_launch = VARIANTS[variant]
     apply_variant(model, variant)
     dtype = next(model.parameters()).dtype
     blocks = max_batch * (-(-context // 16) + 1) + 16
     return LLMEngine(stage, EngineConfig(
         block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
         device=args.device, kv_dtype=dtype, fast_path=fast_path, cuda_graphs=cuda_graphs,
-        prefill_graph_tokens=None if prefill_graphs else 0, linear_launch=linear_launch))
+        prefill_graph_tokens=None if prefill_graphs else 0, linear_launch=linear_launch,
+        dependent_launch=dependent_launch))
 
 
 def launch_counts(model, make, case, variants: list[str], device: torch.device) -> dict[str, dict[str, int]]:
@@ -436,7 +445,8 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
                                                max_num_batched_tokens=args.max_num_batched_tokens,
                                                max_num_seqs=batch, device=args.device, kv_dtype=args.dtype,
                                                fast_path=True, cuda_graphs=False,
-                                               linear_launch=VARIANTS[args.variants[-1]][3]))
+                                               linear_launch=VARIANTS[args.variants[-1]][3],
+                                               dependent_launch=VARIANTS[args.variants[-1]][4]))
         params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
         for i in range(batch):
             if isinstance(stage, ThinkerStage):

@@ -40,6 +40,9 @@ class EngineConfig:
     prefill_graph_tokens: int | None = None
     # fast path: how the talker's code predictor launches its small linears (fast_kernels.LINEAR_LAUNCHES)
     linear_launch: str = "gemv"
+    # fast path on sm_90+: kernels launched with programmatic dependent launch (kernels.dependent_launch; the
+    # switch is process-wide: the last engine made in a process sets it)
+    dependent_launch: bool = True
     # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
     warmup: bool = False
 
@@ -86,7 +89,7 @@ class LLMEngine:
                                   prefill_graph_tokens=(config.max_num_batched_tokens
                                                         if config.prefill_graph_tokens is None
                                                         else config.prefill_graph_tokens),
-                                  linear_launch=config.linear_launch)
+                                  linear_launch=config.linear_launch, dependent_launch=config.dependent_launch)
         self.requests: dict[str, Sequence] = {}
         self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)

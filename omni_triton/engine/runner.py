@@ -55,7 +55,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 class ModelRunner:
     def __init__(self, stage: StageModel, num_blocks: int, block_size: int, *, device: torch.device | str,
                  kv_dtype: torch.dtype, fast_path: bool = False, max_num_seqs: int = 64, cuda_graphs: bool = True,
-                 prefill_graph_tokens: int = 0, linear_launch: str = "gemv"):
+                 prefill_graph_tokens: int = 0, linear_launch: str = "gemv", dependent_launch: bool = True):
         self.stage = stage
         self.device = torch.device(device)
         self.block_size = block_size
@@ -69,6 +69,10 @@ class ModelRunner:
         if isinstance(model, torch.nn.Module):
             set_fast_kernels(model, self.fast)
             set_linear_launch(model, linear_launch)  # before the graphs capture it
+        if self.fast:  # before the graphs capture it (kernels import triton: CUDA only)
+            from omni_triton.kernels.dependent_launch import set_dependent_launch
+
+            set_dependent_launch(dependent_launch)
         self.fused_steps = self.fast and (not isinstance(model, torch.nn.Module) or fused_steps_on(model))
         self.streams = {MAIN_STREAM: lambda seq: seq.sample_row, **getattr(stage, "sample_streams", {})}
         self.samplers: dict[str, DeviceSampler] = {}

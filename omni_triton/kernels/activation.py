@@ -9,9 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -32,6 +35,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
     if num_tokens:
+        pdl = enabled_for(gate_up)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0),
-                                                                      out.stride(0), BLOCK=block, num_warps=4)
+                                                                      out.stride(0), BLOCK=block, num_warps=4, PDL=pdl,
+                                                                      launch_pdl=pdl)
     return out

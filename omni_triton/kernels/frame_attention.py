@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+
 from omni_triton.kernels.norm import norm_rope_heads
 
 MAX_POSITIONS = 16  # a frame's code predictor sees talker hidden + 15 codebook embeddings at most
@@ -30,7 +32,8 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
                             start, num_kv_heads, stride_qkv, stride_out, stride_cache_row, stride_cache_head,
                             stride_rope, eps, scale,
                             NEW: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM)
@@ -95,9 +98,10 @@ def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weigh
     group = num_heads // num_kv_heads
     out = torch.empty(rows * new, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if rows:
+        pdl = enabled_for(qkv)
         _frame_attention_kernel[(rows, num_kv_heads)](
             qkv, q_norm_weight, k_norm_weight, cos, sin, keys, values, out, start, num_kv_heads, qkv.stride(0),
             out.stride(0), keys.stride(0), keys.stride(1), cos.stride(0), eps, scale,
             NEW=new, GROUP=group, BLOCK_G=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            BLOCK_L=triton.next_power_of_2(max_len), num_warps=4)
+            BLOCK_L=triton.next_power_of_2(max_len), num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out

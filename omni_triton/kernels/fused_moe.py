@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+
 from omni_triton.kernels.routing import expert_sorted_layout
 
 CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
@@ -42,7 +44,8 @@ def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOC
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, inter, hidden,
                          stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -74,7 +77,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_p
 def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weights_ptr, num_pairs,
                           hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -126,11 +130,12 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
 
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     gate_cfg = config["gate_up"]
+    pdl = enabled_for(x)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, gate_cfg["BLOCK_N"]))](
         x, gate_up, activated, sorted_pairs, block_expert, num_pairs, inter, hidden,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), activated.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=gate_cfg["BLOCK_N"], BLOCK_K=gate_cfg["BLOCK_K"], PRECISION=precision,
-        num_warps=gate_cfg["num_warps"], num_stages=gate_cfg["num_stages"])
+        num_warps=gate_cfg["num_warps"], num_stages=gate_cfg["num_stages"], PDL=pdl, launch_pdl=pdl)
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     down_cfg = config["down"]
@@ -138,7 +143,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
         activated, down, per_pair, sorted_pairs, block_expert, expert_weights.reshape(-1), num_pairs, hidden, inter,
         activated.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
         BLOCK_M=block_m, BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], PRECISION=precision,
-        num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"])
+        num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"], PDL=pdl, launch_pdl=pdl)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](per_pair, out, hidden, TOP_K=top_k, BLOCK=block,

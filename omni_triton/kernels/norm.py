@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, n_cols, stride_x, stride_r,
-                     stride_out, stride_rout, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_out, stride_rout, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -41,11 +44,12 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         residual2 = residual.reshape(-1, shape[-1])
         residual_out = torch.empty_like(residual2)
     block = triton.next_power_of_2(shape[-1])
+    pdl = enabled_for(x2)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, residual2 if residual is not None else x2, weight, out, residual_out if residual is not None else out,
         shape[-1], x2.stride(0), residual2.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0) if residual is not None else 0, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8), PDL=pdl, launch_pdl=pdl)
     return out.view(shape), None if residual_out is None else residual_out.view(shape)
 
 
@@ -86,7 +90,8 @@ def norm_rope_heads(rows, head_mask, weight_ptr, cos_row, sin_row, eps, HEAD_DIM
 @triton.jit
 def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xt, stride_xh,
                            stride_ot, stride_oh, stride_cos, stride_sin, eps,
-                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     head_mask = (heads < num_heads)[:, None]
@@ -106,8 +111,9 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("head_norm_rope needs the head dim contiguous")
     out = torch.empty_like(x)
+    pdl = enabled_for(x)
     _head_norm_rope_kernel[(num_tokens,)](
         x, weight, cos, sin, out, num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), sin.stride(0), eps, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-        num_warps=4)
+        num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out

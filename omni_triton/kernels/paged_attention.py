@@ -26,10 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v, value_offset, row_size,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot < 0:  # padding row of a CUDA-graph batch
@@ -52,8 +55,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping
         raise ValueError("store_kv needs a contiguous cache")
     row_size = num_kv_heads * head_dim
     if num_tokens:
+        pdl = enabled_for(k)
         _store_kv_kernel[(num_tokens,)](k, v, cache, slot_mapping, k.stride(0), v.stride(0), cache.stride(0),
-                                        row_size, BLOCK=triton.next_power_of_2(row_size), num_warps=4)
+                                        row_size, BLOCK=triton.next_power_of_2(row_size), num_warps=4, PDL=pdl,
+                                        launch_pdl=pdl)
 
 
 @triton.jit
@@ -86,7 +91,9 @@ def _paged_tile(q, cache_ptr, table_ptr, kv_head, start, end, last_visible, m_i,
 def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_ptr, stats_ptr,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_table, value_offset, num_kv_heads,
                          num_heads, scale, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,7 +129,8 @@ def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, o
 
 @triton.jit
 def _paged_decode_reduce_kernel(partial_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                                HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+                                HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS)
@@ -144,7 +152,8 @@ def _paged_decode_reduce_kernel(partial_ptr, stats_ptr, out_ptr, stride_ot, stri
 def _paged_prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, tiles_ptr, seqs_ptr, out_ptr, stride_qt, stride_qh,
                           stride_ot, stride_oh, stride_table, value_offset, num_kv_heads, scale,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -218,11 +227,13 @@ def paged_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: 
                          "contiguous")
     out = torch.empty_like(q) if out is None else out
     if tiles.shape[0]:
+        pdl = enabled_for(q)
         _paged_prefill_kernel[(tiles.shape[0], num_heads)](
             q, cache, block_tables, tiles, seqs, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             block_tables.stride(0), cache.stride(0), num_kv_heads, head_dim ** -0.5 if scale is None else scale,
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, PDL=pdl,
+            launch_pdl=pdl)
     return out
 
 
@@ -250,13 +261,16 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
         partial = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
+    pdl = enabled_for(q)
     _paged_decode_kernel[(batch, num_kv_heads, splits)](
         q, cache, block_tables, context_lens, out, partial, stats, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), cache.stride(0), num_kv_heads, num_heads,
         head_dim ** -0.5 if scale is None else scale, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, PDL=pdl, launch_pdl=pdl)
     if splits > 1:
+        pdl = enabled_for(partial)
         _paged_decode_reduce_kernel[(batch, num_heads)](partial, stats, out, out.stride(0), out.stride(1), num_heads,
-                                                        HEAD_DIM=head_dim, SPLITS=splits, num_warps=4)
+                                                        HEAD_DIM=head_dim, SPLITS=splits, num_warps=4, PDL=pdl,
+                                                        launch_pdl=pdl)
     return out

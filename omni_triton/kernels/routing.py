@@ -14,10 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
-                  TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * stride_logits + experts, mask=experts < num_experts,
@@ -45,9 +49,10 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
     weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens:
+        pdl = enabled_for(router_logits)
         _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
                                      TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), NORMALIZE=normalize,
-                                     BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1)
+                                     BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1, PDL=pdl, launch_pdl=pdl)
     return weights, ids
 
 
@@ -55,7 +60,8 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
 def _expert_sorted_layout_kernel(expert_ids_ptr, sorted_pairs_ptr, block_expert_ptr, counts_ptr, ranks_ptr,
                                  num_pairs, num_experts, max_padded, max_blocks,
                                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                                 BLOCK_CHUNK: tl.constexpr):
+                                 BLOCK_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     experts = tl.arange(0, BLOCK_E)
     expert_mask = experts < num_experts
     chunk = tl.arange(0, CHUNK)
@@ -107,8 +113,9 @@ def expert_sorted_layout(expert_ids: torch.Tensor, num_experts: int,
     scratch = torch.empty(max_padded + max_blocks + num_experts + num_pairs, dtype=torch.int32,
                           device=expert_ids.device)
     sorted_pairs, block_expert, counts, ranks = scratch.split([max_padded, max_blocks, num_experts, num_pairs])
+    pdl = enabled_for(expert_ids)
     _expert_sorted_layout_kernel[(1,)](
         expert_ids.reshape(-1), sorted_pairs, block_expert, counts, ranks, num_pairs, num_experts, max_padded,
         max_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=256, BLOCK_CHUNK=32,
-        num_warps=8)
+        num_warps=8, PDL=pdl, launch_pdl=pdl)
     return sorted_pairs, block_expert

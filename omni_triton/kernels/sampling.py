@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+
 MAX_VOCAB = 4096  # one row in one program's registers
 
 
 @triton.jit
 def _sample_rows_kernel(logits_ptr, stride_logits, vocab, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, group,
-                        out_ptr, BLOCK_V: tl.constexpr):
+                        out_ptr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     ranks = tl.arange(0, BLOCK_V)
     logits = tl.load(logits_ptr + row * stride_logits + ranks, mask=ranks < vocab,
@@ -55,6 +58,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         raise ValueError(f"sample_rows takes at most {MAX_VOCAB} contiguous logits per row, got {vocab}")
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows:
+        pdl = enabled_for(logits)
         _sample_rows_kernel[(num_rows,)](logits, logits.stride(0), vocab, temperature, top_k, top_p, seeds, group, out,
-                                         BLOCK_V=triton.next_power_of_2(vocab), num_warps=8)
+                                         BLOCK_V=triton.next_power_of_2(vocab), num_warps=8, PDL=pdl, launch_pdl=pdl)
     return out

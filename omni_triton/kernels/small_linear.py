@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.dependent_launch import enabled_for, prefetch_l2, prefetch_lines, wait_for_previous
+
 # Programs one launch should have for the weight reads to fill HBM: ~4 per SM of a 132-SM H200, which fit on
 # an SM at once (compiled for sm_90, the split programs of the predictor's layers take 48-128 registers a
 # thread and 28-45 KB of shared memory), so one wave keeps ~8-32 KB of W per program, several MB in all, in
@@ -52,11 +54,16 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
                          M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, eps,
                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+                         NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                         PREFETCH_LINES: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
     ks = tl.arange(0, BLOCK_K)
+    k_start = tl.program_id(2) * k_per_split  # slices are whole BLOCK_K steps, so ``kk < K`` masks the last one
+    _prefetch_weight_slice(w_ptr, cols, col_mask, k_start, tl.minimum(K, k_start + k_per_split), N, stride_wn,
+                           GATED, PDL, PREFETCH_LINES)
+    wait_for_previous(PDL)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     dtype = x_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -70,7 +77,6 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
     w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = tl.program_id(2) * k_per_split  # slices are whole BLOCK_K steps, so ``kk < K`` masks the last one
     for k0 in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
         kk = k0 + ks
         k_mask = kk < K
@@ -117,7 +123,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, stride_xm, stride_wn, stride_om,
                  stride_rm, eps, K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH_LINES: tl.constexpr):
     """Few rows: multiply-adds on the CUDA cores, no MMA tile. Each program owns BLOCK_N output columns over the
     whole K; K is a compile-time constant, so the K loop unrolls and every chunk's weight load is issued before
     the first one is used: one memory round trip per program, with hundreds of programs in one wave."""
@@ -126,6 +133,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, str
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     ks = tl.arange(0, BLOCK_K)
+    _prefetch_weight_slice(w_ptr, cols, col_mask, 0, K, N, stride_wn, GATED, PDL, PREFETCH_LINES)
+    wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
@@ -161,6 +170,21 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, str
                 acc_up = tl.where(at_m, acc_up + tl.sum(w_up * a[None, :], axis=1)[None, :], acc_up)
     _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, row_mask[:, None] & col_mask[None, :],
                   stride_om, stride_rm, dtype, GATED, RESIDUAL)
+
+
+@triton.jit
+def _prefetch_weight_slice(w_ptr, cols, col_mask, k_begin, k_end, N, stride_wn, GATED: tl.constexpr,
+                           PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+    """This program's W rows (and their up half) over K in [k_begin, k_end), into L2 while the previous kernel
+    still runs (``kernels.dependent_launch``): one prefetch per 128-byte line."""
+    if PDL:
+        line_elements: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # 128 bytes
+        lines = k_begin + tl.arange(0, PREFETCH_LINES) * line_elements
+        ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + lines[None, :]
+        mask = col_mask[:, None] & (lines < k_end)[None, :]
+        prefetch_l2(ptrs, mask, w_ptr, PDL)
+        if GATED:
+            prefetch_l2(ptrs + N * stride_wn, mask, w_ptr, PDL)
 
 
 @triton.jit
@@ -300,13 +324,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     if rows == 0:
         return out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    pdl = enabled_for(x)
     if gemv and rows <= GEMV_MAX_ROWS:
         block_m, block_n, block_k = gemv_blocks(rows, cols, depth)
         _gemv_kernel[(triton.cdiv(cols, block_n),)](
             x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
             rows, cols, x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
             eps, K=depth, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+            PREFETCH_LINES=prefetch_lines(depth, weight.element_size()), num_warps=4, launch_pdl=pdl)
         return out
     if tile is None:
         blocks, splits, k_per_split, stages = launch_plan(rows, cols, depth, norm_weight is not None, gated, split_k,
@@ -328,5 +354,6 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         0 if residual is None else residual.stride(0), eps,
         NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
         BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
-        PRECISION=precision, num_warps=4 if tile is None else tile[3], num_stages=stages)
+        PRECISION=precision, PDL=pdl, PREFETCH_LINES=prefetch_lines(k_per_split, weight.element_size()),
+        num_warps=4 if tile is None else tile[3], num_stages=stages, launch_pdl=pdl)
     return out

@@ -93,6 +93,10 @@ def add_engine_arguments(group) -> None:
                        help="cuda: with --fast-path on, how the talker's code predictor launches its small linears: "
                             "gemv (multiply-adds for 1-2 rows, split-K up to 32, one pass above), split-k (no "
                             "GEMV), or one-pass (one MMA tile a program, never split) (default: %(default)s)")
+    group.add_argument("--dependent-launch", choices=["on", "off"], default="on",
+                       help="cuda sm_90+: with --fast-path on, the engines' Triton kernels start while the previous "
+                            "kernel ends (programmatic dependent launch; the linears prefetch their weights "
+                            "meanwhile) (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

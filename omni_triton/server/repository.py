@@ -75,6 +75,7 @@ class LaunchConfig:
     cuda_graphs: bool = False
     prefill_graphs: bool = True  # with both: steps with prefill rows as CUDA graphs too (engine.prefill_graphs)
     linear_launch: str = "gemv"  # with fast_path: the code predictor's small linears (fast_kernels.LINEAR_LAUNCHES)
+    dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
@@ -197,6 +198,7 @@ class LaunchConfig:
             cuda_graphs="on" if self.cuda_graphs else "off",
             prefill_graphs="on" if self.prefill_graphs else "off",
             linear_launch=self.linear_launch,
+            dependent_launch="on" if self.dependent_launch else "off",
             warmup="on" if self.resolved_warmup else "off",
         )
         return {k: str(v) for k, v in values.items()}

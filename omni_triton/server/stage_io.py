@@ -63,6 +63,7 @@ def engine_config(params: Mapping[str, str], device: torch.device | None = None)
                           fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on",
                           prefill_graph_tokens=None if params.get("prefill_graphs", "on") == "on" else 0,
                           linear_launch=params.get("linear_launch", EngineConfig.linear_launch),
+                          dependent_launch=params.get("dependent_launch", "on") == "on",
                           warmup=params.get("warmup") == "on")
     return config, dtype
 
