@@ -4,7 +4,8 @@
    the gate and the up half at once, then ``silu(gate) * up`` -> ``hidden [T * k, I]`` (one row per pair).
 2. down: ``hidden[pair] @ down[e].T`` times the pair's router weight -> ``per_pair [T * k, H]``.
 The top-k sum is a third, small launch over ``per_pair.view(T, k, H)`` (fusing it into the down GEMM would
-need atomics, whose float order changes run to run; torch's ``sum`` took 5 us at decode, this 2).
+need atomics, whose float order changes run to run; torch's ``sum`` took 5 us at decode, this 2). With a shared
+expert (the talker) it also adds ``sigmoid(gate) * shared``, three torch launches fewer.
 
 Each expert's weights are read once per block of its pairs: at decode (a few pairs per expert) that is the
 weight-read floor. Roundings follow ``models.layers.moe.run_experts`` (the linear outputs, the activation,
@@ -101,20 +102,35 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
 
 
 @triton.jit
-def _sum_top_k_kernel(per_pair_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_top_k_kernel(per_pair_ptr, out_ptr, shared_ptr, shared_gate_ptr, hidden, stride_shared, stride_gate,
+                      TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
         total += tl.load(per_pair_ptr + (token * TOP_K + slot) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    out = total.to(dtype)
+    if SHARED:
+        # moe + sigmoid(gate) * shared, each step rounded as SparseMoE's torch combine rounds it (the sigmoid, the
+        # product, the sum); the sigmoid itself is 1 / (1 + exp(-g)) in fp32, which may differ from torch's in
+        # the last fp32 ulp before that rounding
+        gate = tl.load(shared_gate_ptr + token * stride_gate).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        shared = tl.load(shared_ptr + token * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + token * hidden + cols, out, mask=mask)
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                  expert_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+                  expert_weights: torch.Tensor, config: dict | None = None, *, shared: torch.Tensor | None = None,
+                  shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``models.layers.moe.run_experts`` with SiLU: x [T, H]; gate_up [E, 2I, H];
-    down [E, H, I]; expert_ids/weights [T, k] -> [T, H]."""
+    down [E, H, I]; expert_ids/weights [T, k] -> [T, H].
+
+    With ``shared`` [T, H] (a shared expert's output) and ``shared_gate`` [T, 1] (its gate logit; any row
+    strides) the top-k sum's launch also adds ``sigmoid(shared_gate) * shared``: the talker's combine."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -122,6 +138,12 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
     num_pairs = num_tokens * top_k
     if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("fused_experts needs the last dim of x and of the expert weights contiguous")
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("fused_experts takes shared and shared_gate together")
+    if shared is not None and (shared.shape != x.shape or shared.stride(-1) != 1
+                               or shared_gate.shape != (num_tokens, 1)):
+        raise ValueError(f"fused_experts shared {tuple(shared.shape)} / shared_gate {tuple(shared_gate.shape)} "
+                         f"do not match x {tuple(x.shape)} (want [T, H] with contiguous features and [T, 1])")
     config = config or block_config(num_tokens, num_experts, hidden, inter)
     block_m = config["BLOCK_M"]
     sorted_pairs, block_expert = expert_sorted_layout(expert_ids, num_experts, block_m)
@@ -146,8 +168,10 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
         num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"], PDL=pdl, launch_pdl=pdl)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(hidden))
-    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](per_pair, out, hidden, TOP_K=top_k, BLOCK=block,
-                                                                num_warps=4)
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_pair, out, out if shared is None else shared, out if shared_gate is None else shared_gate, hidden,
+        0 if shared is None else shared.stride(0), 0 if shared_gate is None else shared_gate.stride(0),
+        TOP_K=top_k, SHARED=shared is not None, BLOCK=block, num_warps=4)
     return out
 
 

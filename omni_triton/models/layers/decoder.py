@@ -2,17 +2,17 @@
 
 Pre-norm attention (q/k RMSNorm per head before RoPE, GQA through ``batch.attend``) and a feed-forward that
 is a SparseMoE or a dense GatedMLP per layer. Inputs are flat token batches ``[T, H]``. On CUDA the q/k norm
-and rotary run as one kernel per projection and the residual add joins the second norm (``kernels.norm``).
+and rotary run as one kernel per projection and the residual add joins the second norm (``kernels.norm``);
+at a decode step's few rows the packed qkv and o_proj are multiply-add GEMVs (``fast_kernels.step_linear``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omni_triton.models.config import TextModelConfig
-from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_
+from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_, step_linear
 from omni_triton.models.layers.mlp import GatedMLP
 from omni_triton.models.layers.moe import SparseMoE
 from omni_triton.models.layers.norm import RMSNorm
@@ -41,7 +41,7 @@ class SelfAttention(KernelSwitch, nn.Module):
         num_tokens = x.shape[0]
         if self.kernels_for(x) and self.packed_qkv is not None:
             sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-            q, k, v = F.linear(x, *self.packed_qkv).split(sizes, dim=-1)
+            q, k, v = step_linear(self, x, *self.packed_qkv).split(sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -54,8 +54,10 @@ class SelfAttention(KernelSwitch, nn.Module):
             k = head_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
         else:
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
-        out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5).reshape(num_tokens, -1)
+        if self.kernels_for(x):
+            return step_linear(self, out, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):

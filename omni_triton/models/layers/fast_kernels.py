@@ -11,10 +11,14 @@ is what ``benchmarks/engine_microbench.py`` times as the "landed" variant beside
 A third, ``linear_launch`` (``set_linear_launch``), picks how the fused frame's ``kernels.small_linear`` calls
 launch: "one-pass" (64-256 programs, an MMA tile each), "split-k" (K cut into slices too: several hundred
 programs, partials summed by the last; up to ``SPLIT_MAX_ROWS`` rows) or "gemv" (the default: up to
-``GEMV_MAX_ROWS`` rows multiply-adds, a few columns per program over the whole K; split-K above). The
-microbenchmark times them as the "graphs", "splitk" and "gemv" variants.
+``GEMV_MAX_ROWS`` rows multiply-adds, a few columns per program over the whole K; split-K above). It also
+covers the decode step's linears of the decoder layers (``step_linear``: attention qkv and o_proj, the MoE's
+router and shared expert): "gemv" runs them as the same multiply-add kernel at up to ``GEMV_MAX_ROWS`` rows
+(cuBLAS took ~twice as long for these few-row products on the H200), the other two keep cuBLAS, so the
+microbenchmark's variants ("graphs", "splitk", "gemv") compare both side by side.
 
-Switching on also packs the projections that read one input (q/k/v, gate/up) into one weight tensor each,
+Switching on also packs the projections that read one input (q/k/v, gate/up; the talker MoE's shared-expert
+gate/up, router and shared-expert gate) into one weight tensor each,
 whose rows the original parameters become views of: one GEMM launch instead of two or three, no extra memory,
 state dicts unchanged.
 """
@@ -22,13 +26,15 @@ state dicts unchanged.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class KernelSwitch:
     use_kernels: bool = True
     use_fused_steps: bool = True  # only read by modules that have a whole-step fusion
-    linear_launch: str = "gemv"  # one of LINEAR_LAUNCHES; only read by the code predictor's fused frame
+    # one of LINEAR_LAUNCHES: the code predictor's fused frame and, under "gemv", the decoder layers' step_linear
+    linear_launch: str = "gemv"
 
     def kernels_for(self, x: torch.Tensor) -> bool:
         return self.use_kernels and x.is_cuda
@@ -51,6 +57,21 @@ def pack_linears_(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
             linear.bias.data = bias[rows]
         row = rows.stop
     return weight, bias
+
+
+def step_linear(module: KernelSwitch, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of a decoder layer; at a decode step's few rows (up to ``GEMV_MAX_ROWS``),
+    with ``module``'s kernels and fused steps on and ``linear_launch`` "gemv", the multiply-add kernel
+    (``small_linear(gemv=True)``: rounded to x's dtype as cuBLAS's output is) in place of cuBLAS's GEMV.
+    ``weight`` may be a row slice of a packed weight, x any row stride."""
+    if (bias is None and module.kernels_for(x) and module.use_fused_steps and module.linear_launch == "gemv"
+            and x.stride(-1) == 1):
+        from omni_triton.kernels.small_linear import GEMV_MAX_ROWS, small_linear
+
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            return small_linear(x, weight, gemv=True)
+    return F.linear(x, weight, bias)
 
 
 def set_fast_kernels(model: nn.Module, enabled: bool) -> None:

@@ -5,6 +5,12 @@ and ``experts.down_proj [E, H, I]``; the loader fills them from the checkpoint's
 On CUDA tensors (``use_kernels`` on, SiLU experts) the router and the experts run as Triton kernels
 (``kernels.routing``, ``kernels.fused_moe``); ``route`` and ``run_experts`` here are the CPU path and the
 reference they are tested against.
+
+With a shared expert the fast path packs the four projections of the block's input (shared gate, shared up,
+router, shared-expert gate) into one weight (``pack_projections_``): one linear launch for all four (at a
+decode step's rows the multiply-add GEMV, ``fast_kernels.step_linear``), and the sigmoid-gated combine rides
+on the experts' top-k sum launch (``fused_experts(shared=, shared_gate=)``). At one row a talker layer's
+router, gate dot + reduce, shared gate/up, sigmoid, product and sum (7 launches) become 1.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_triton.models.layers.fast_kernels import KernelSwitch
+from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_, step_linear
 from omni_triton.models.layers.mlp import GatedMLP, activation
 
 
@@ -74,17 +80,47 @@ class SparseMoE(KernelSwitch, nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
+        # [shared gate_proj; shared up_proj; router; shared_expert_gate] rows, with a shared expert
+        self.packed_input_proj: torch.Tensor | None = None
+
+    def pack_projections_(self) -> None:
+        """One weight for every projection of the block's input; the nn.Linear weights become its row views
+        (state dicts unchanged) and the shared expert's packed gate/up is its first rows, so that the shared
+        expert (which ``set_fast_kernels`` visits after this block) does not pack its own."""
+        if self.shared_expert is None or self.packed_input_proj is not None:
+            return
+        shared = self.shared_expert
+        self.packed_input_proj, _ = pack_linears_([shared.gate_proj, shared.up_proj, self.gate,
+                                                   self.shared_expert_gate])
+        shared.packed_gate_up = (self.packed_input_proj[:2 * shared.gate_proj.out_features], None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(x)
         if self.kernels_for(x) and self.act is F.silu:
-            from omni_triton.kernels import fused_moe, routing
-
-            weights, ids = routing.route(router_logits, self.top_k, self.norm_topk_prob)
-            out = fused_moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
-        else:
-            weights, ids = route(router_logits, self.top_k, self.norm_topk_prob)
-            out = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, self.act)
+            return self.forward_with_kernels(x)
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, self.act)
         if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def forward_with_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` through the Triton kernels, SiLU experts (any device Triton runs on: the interpreter on
+        CPU in tests)."""
+        from omni_triton.kernels import fused_moe, routing
+        from omni_triton.kernels.activation import silu_and_mul
+
+        shared = shared_gate = None
+        if self.packed_input_proj is not None:
+            inter = self.shared_expert.gate_proj.out_features
+            # column views of one [T, 2I + E + 1] output: the kernels below read rows at its stride
+            gate_up, router_logits, shared_gate = step_linear(self, x, self.packed_input_proj).split(
+                [2 * inter, self.gate.out_features, 1], dim=-1)
+            shared = step_linear(self, silu_and_mul(gate_up), self.shared_expert.down_proj.weight)
+        else:
+            router_logits = step_linear(self, x, self.gate.weight)
+        weights, ids = routing.route(router_logits, self.top_k, self.norm_topk_prob)
+        out = fused_moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
+                                      shared=shared, shared_gate=shared_gate)
+        if self.shared_expert is not None and shared is None:  # not packed: the shared expert's own modules
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

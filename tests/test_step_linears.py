@@ -1,0 +1,210 @@
+"""The decoder layers' decode-step linears (``fast_kernels.step_linear``: the multiply-add GEMV at up to
+``GEMV_MAX_ROWS`` rows) and the talker MoE's packed input projections with the shared-expert combine in the
+experts' top-k sum (``SparseMoE.forward_with_kernels``, ``fused_moe.fused_experts(shared=, shared_gate=)``),
+against the torch modules they replace.
+
+CPU (Triton's interpreter, fp32/fp16, small shapes): ``kernels_for`` is patched to accept CPU tensors, so the
+layers' own fast paths run here as they do on the GPU: the MoE block with and without a shared expert at 1, 2
+(GEMV) and 5 rows (F.linear), the attention block's packed qkv and o_proj, which launch each linear picks, and
+the packed weight's views leaving ``state_dict()`` unchanged. The GPU runs the same file in bf16 as well.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
+from omni_triton.models.config import TextModelConfig  # noqa: E402
+from omni_triton.models.layers.attention import contiguous_batch  # noqa: E402
+from omni_triton.models.layers.decoder import SelfAttention  # noqa: E402
+from omni_triton.models.layers.fast_kernels import KernelSwitch, step_linear  # noqa: E402
+from omni_triton.models.layers.moe import SparseMoE  # noqa: E402
+from omni_triton.models.layers.rope import RotaryEmbedding  # noqa: E402
+from test_code_predictor_kernels import DTYPES, rel_error, tolerance  # noqa: E402
+from test_small_linear_gemv import RecordingKernel  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS = [1, 2, 5]  # GEMV_MAX_ROWS = 2: the GEMV at 1-2 rows, F.linear at 5
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The layers' fast paths on CPU tensors too (Triton's interpreter runs their kernels); the GEMV launches
+    are recorded (the list this yields)."""
+    monkeypatch.setattr(KernelSwitch, "kernels_for", lambda self, x: self.use_kernels)
+    launched = []
+    monkeypatch.setattr(small_linear_module, "_gemv_kernel", RecordingKernel(small_linear_module._gemv_kernel,
+                                                                              launched))
+    return launched
+
+
+def randomized(module: torch.nn.Module, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """N(0, 1/fan_in) matrices and norm weights near 1, so outputs stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return module.to(DEVICE, dtype)
+
+
+def pack_as_set_fast_kernels(model: torch.nn.Module) -> None:
+    """What ``set_fast_kernels`` does on CUDA parameters, in its order (parents before children)."""
+    for module in model.modules():
+        if isinstance(module, KernelSwitch):
+            module.pack_projections_()
+
+
+def torch_path(module: KernelSwitch, *args):
+    module.use_kernels = False
+    try:
+        return module(*args)
+    finally:
+        module.use_kernels = True
+
+
+# ---------------------------------------------------------------------------------------------- step_linear
+
+class Switched(KernelSwitch, torch.nn.Module):
+    pass
+
+
+def test_step_linear_takes_the_gemv_only_for_few_rows_under_the_gemv_launch(kernels_on_cpu):
+    gen = torch.Generator().manual_seed(0)
+    module = Switched()
+    weight = torch.randn(24, 40, generator=gen).to(DEVICE)
+    bias = torch.randn(24, generator=gen).to(DEVICE)
+
+    def gemv_ran(x, b=None) -> bool:
+        kernels_on_cpu.clear()
+        got = step_linear(module, x, weight, b)
+        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        return bool(kernels_on_cpu)
+
+    x = torch.randn(5, 40, generator=gen).to(DEVICE)
+    assert gemv_ran(x[:1]) and gemv_ran(x[:2]) and not gemv_ran(x)
+    wide = torch.randn(2, 80, generator=gen).to(DEVICE)
+    assert gemv_ran(wide[:, 20:60])  # any row stride (a column slice of a packed output)
+    assert not gemv_ran(wide[:, ::2])  # strided features: F.linear
+    assert not gemv_ran(x[:1], bias)  # biases stay with F.linear
+    for launch in ("one-pass", "split-k"):  # cuBLAS for the step linears: the benchmark's side-by-side
+        module.linear_launch = launch
+        assert not gemv_ran(x[:1])
+    module.linear_launch = "gemv"
+    module.use_fused_steps = False
+    assert not gemv_ran(x[:1])
+    module.use_fused_steps, module.use_kernels = True, False
+    assert not gemv_ran(x[:1])
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+
+def random_moe(dtype: torch.dtype, shared_inter: int, seed: int = 0) -> SparseMoE:
+    # 16 experts top-4, expert MLP 24, shared expert 40: none a multiple of the GEMV's blocks
+    moe = randomized(SparseMoE(48, 16, 4, 24, True, shared_inter), dtype, seed)
+    pack_as_set_fast_kernels(moe)
+    return moe
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shared_inter", [40, 0], ids=["shared-expert", "routed-only"])
+def test_moe_fast_path_equals_the_torch_path(dtype, rows, shared_inter, kernels_on_cpu):
+    moe = random_moe(dtype, shared_inter, seed=rows)
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    with torch.no_grad():
+        want = torch_path(moe, x)
+        got = moe.forward_with_kernels(x)
+        kernels_on_cpu.clear()
+        assert torch.equal(moe(x), got)  # forward picks it
+    # GEMV: the packed input projections + the shared down (2), or the router alone
+    assert len(kernels_on_cpu) == (0 if rows > 2 else 2 if shared_inter else 1)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_error(got, want) < tolerance(dtype)
+
+
+def test_moe_packing_keeps_the_state_dict_and_feeds_the_shared_expert():
+    moe = randomized(SparseMoE(48, 16, 4, 24, True, 40), torch.float32, seed=7)
+    before = {name: tensor.clone() for name, tensor in moe.state_dict().items()}
+    pack_as_set_fast_kernels(moe)
+    after = moe.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[name], before[name]) for name in before)
+    packed, shared = moe.packed_input_proj, moe.shared_expert
+    assert packed.shape == (2 * 40 + 16 + 1, 48)
+    rows = [0, 40, 80, 96]  # shared gate, shared up, router, shared-expert gate
+    for linear, row in zip((shared.gate_proj, shared.up_proj, moe.gate, moe.shared_expert_gate), rows):
+        assert linear.weight.data_ptr() == packed[row].data_ptr()
+    # the shared expert visited after its block kept the block's gate/up rows instead of packing its own
+    assert shared.packed_gate_up[0].data_ptr() == packed.data_ptr() and shared.packed_gate_up[0].shape == (80, 48)
+    with torch.no_grad():
+        moe.gate.weight.add_(1)  # a view: the packed weight sees the update (a loader's copy_ lands in it)
+    assert torch.equal(packed[80:96], moe.gate.weight)
+    routed_only = SparseMoE(48, 16, 4, 24, True)
+    routed_only.pack_projections_()
+    assert routed_only.packed_input_proj is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_fused_experts_adds_the_gated_shared_expert_as_the_module_does(dtype, num_tokens):
+    from omni_triton.kernels import fused_moe
+    from omni_triton.models.layers import moe
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_experts, hidden, inter, top_k = 8, 32, 48, 2
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(DEVICE, dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(DEVICE, dtype)
+    weights, ids = moe.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE, dtype), top_k, True)
+    shared = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    # the gate logit as a strided column of a wider output, as the packed projection gives it
+    gate_logits = (3 * torch.randn(num_tokens, 5, generator=gen)).to(DEVICE, dtype)[:, 3:4]
+    routed = moe.run_experts(x, gate_up, down, ids, weights)
+    want = routed + torch.sigmoid(gate_logits) * shared
+    got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, shared=shared, shared_gate=gate_logits)
+    without = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights)
+    assert rel_error(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_error(without, routed) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # the combine alone rounds as torch's: on the kernel's own routed sum it gives torch's result to the ulp (the
+    # sigmoid's last fp32 bit may differ)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, without + torch.sigmoid(gate_logits) * shared, rtol=2 * ulp, atol=2 * ulp)
+    with pytest.raises(ValueError, match="together"):
+        fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, shared=shared)
+    with pytest.raises(ValueError, match="shared_gate"):
+        fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, shared=shared, shared_gate=shared)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+ATTENTION = dict(vocab_size=40, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, mrope_section=None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens", [[1], [1, 1], [3, 2]], ids=["1-row", "2-rows", "5-rows"])
+def test_attention_fast_path_equals_the_torch_path(dtype, seq_lens, kernels_on_cpu):
+    attention = randomized(SelfAttention(TextModelConfig(**ATTENTION), 0), dtype, seed=len(seq_lens))
+    pack_as_set_fast_kernels(attention)
+    rows = sum(seq_lens)
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
+    positions = torch.cat([torch.arange(n) for n in seq_lens]).to(DEVICE)
+    cos, sin = RotaryEmbedding(16, 1e6).cos_sin(positions, dtype)
+
+    def run(fast: bool) -> torch.Tensor:
+        batch = contiguous_batch(seq_lens, 1, 2, 16, dtype=dtype, device=DEVICE)
+        batch.use_kernels = False  # the same attention both ways: the linears are what differs
+        with torch.no_grad():
+            return attention(x, cos, sin, batch) if fast else torch_path(attention, x, cos, sin, batch)
+
+    want = run(fast=False)
+    kernels_on_cpu.clear()
+    got = run(fast=True)
+    assert len(kernels_on_cpu) == (2 if rows <= 2 else 0)  # qkv and o_proj
+    assert rel_error(got, want) < tolerance(dtype)
