@@ -9,9 +9,11 @@ size: ~170 ms a thinker step); ``landed`` = the fast path of per-layer Triton ke
 whole-step fusions off (``set_fused_steps``: the fast path as of 96702f3); ``fused`` = the fusions on, steps with
 prefill rows eager (the fast path as of 8638fd2); ``graphs`` = the fusions and prefill CUDA graphs on (the fast
 path as of 3f0a43b); ``splitk`` / ``gemv`` = ``graphs`` with the code predictor's linears launched split-K /
-as multiply-add GEMVs for few rows (``set_linear_launch``, ``kernels.small_linear``); ``pdl`` = ``gemv`` with the
-kernels launched with programmatic dependent launch (``kernels.dependent_launch``; the serving default on sm_90+,
-off in every other variant). Each variant gets its own
+as multiply-add GEMVs for few rows (``set_linear_launch``, ``kernels.small_linear``); ``gemv`` also runs the
+decoder layers' decode-step linears as GEMVs (``fast_kernels.step_linear``: qkv, o_proj, the MoE router and
+shared expert), the other variants keep cuBLAS there; ``pdl`` = ``gemv`` with the kernels launched with
+programmatic dependent launch (``kernels.dependent_launch``; the serving default on sm_90+, off in every other
+variant). Each variant gets its own
 engine (graphs captured for it) over the same model and the same random inputs.
 
 Per batch size: thinker decode step at ~L tokens of context and thinker prefill of L-token prompts for each L
@@ -53,9 +55,8 @@ from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_s
 from omni_triton.models.weights import load_talker, load_thinker
 
 DECODE_STEPS = 16
-# variant -> (fast_path, whole-step fusions, prefill CUDA graphs, the code predictor's linear launch); see the
-# module docstring
-# (fast path, whole-step fusions, prefill graphs, linear launch, dependent launch)
+# variant -> (fast_path, whole-step fusions, prefill CUDA graphs, the linear launch: the code predictor's and,
+# under "gemv", the decode-step linears', dependent launch); see the module docstring
 VARIANTS = {"eager": (False, False, False, "one-pass", False), "landed": (True, False, False, "one-pass", False),
             "fused": (True, True, False, "one-pass", False), "graphs": (True, True, True, "one-pass", False),
             "splitk": (True, True, True, "split-k", False), "gemv": (True, True, True, "gemv", False),
