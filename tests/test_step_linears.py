@@ -6,7 +6,10 @@ against the torch modules they replace.
 CPU (Triton's interpreter, fp32/fp16, small shapes): ``kernels_for`` is patched to accept CPU tensors, so the
 layers' own fast paths run here as they do on the GPU: the MoE block with and without a shared expert at 1, 2
 (GEMV) and 5 rows (F.linear), the attention block's packed qkv and o_proj, which launch each linear picks, and
-the packed weight's views leaving ``state_dict()`` unchanged. The GPU runs the same file in bf16 as well.
+the packed weight's views leaving ``state_dict()`` unchanged. The GPU runs the same file in bf16 as well, and
+the talker's MoE block at its released dimensions in bf16: the packed projection and the shared combine against
+torch with the same routing (whole-block outputs may route differently: 128 experts' logits near-tie in bf16),
+and the block's fast path captured in a CUDA graph replaying its eager bits.
 """
 
 from __future__ import annotations
@@ -17,17 +20,21 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from omni_triton.graph_buckets import capturing  # noqa: E402
+from omni_triton.kernels import fused_moe, routing  # noqa: E402
 from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
 from omni_triton.models.config import TextModelConfig  # noqa: E402
 from omni_triton.models.layers.attention import contiguous_batch  # noqa: E402
 from omni_triton.models.layers.decoder import SelfAttention  # noqa: E402
 from omni_triton.models.layers.fast_kernels import KernelSwitch, step_linear  # noqa: E402
+from omni_triton.models.layers import moe as moe_module  # noqa: E402
 from omni_triton.models.layers.moe import SparseMoE  # noqa: E402
 from omni_triton.models.layers.rope import RotaryEmbedding  # noqa: E402
 from test_code_predictor_kernels import DTYPES, rel_error, tolerance  # noqa: E402
 from test_small_linear_gemv import RecordingKernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the talker MoE at full size)")
 ROWS = [1, 2, 5]  # GEMV_MAX_ROWS = 2: the GEMV at 1-2 rows, F.linear at 5
 
 
@@ -105,9 +112,14 @@ def test_step_linear_takes_the_gemv_only_for_few_rows_under_the_gemv_launch(kern
 
 # ---------------------------------------------------------------------------------------------- MoE
 
-def random_moe(dtype: torch.dtype, shared_inter: int, seed: int = 0) -> SparseMoE:
-    # 16 experts top-4, expert MLP 24, shared expert 40: none a multiple of the GEMV's blocks
-    moe = randomized(SparseMoE(48, 16, 4, 24, True, shared_inter), dtype, seed)
+# 16 experts top-4, expert MLP 24, shared expert 40: none a multiple of the GEMV's blocks
+SMALL_MOE = dict(hidden_size=48, num_experts=16, top_k=4, moe_intermediate_size=24, norm_topk_prob=True,
+                 shared_expert_intermediate_size=40)
+
+
+def random_moe(dims: dict, dtype: torch.dtype, seed: int) -> SparseMoE:
+    """Seeded weights, projections packed (as ``set_fast_kernels`` packs them on the GPU)."""
+    moe = randomized(SparseMoE(**dims), dtype, seed)
     pack_as_set_fast_kernels(moe)
     return moe
 
@@ -116,7 +128,7 @@ def random_moe(dtype: torch.dtype, shared_inter: int, seed: int = 0) -> SparseMo
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shared_inter", [40, 0], ids=["shared-expert", "routed-only"])
 def test_moe_fast_path_equals_the_torch_path(dtype, rows, shared_inter, kernels_on_cpu):
-    moe = random_moe(dtype, shared_inter, seed=rows)
+    moe = random_moe(dict(SMALL_MOE, shared_expert_intermediate_size=shared_inter), dtype, seed=rows)
     x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
     with torch.no_grad():
         want = torch_path(moe, x)
@@ -130,7 +142,7 @@ def test_moe_fast_path_equals_the_torch_path(dtype, rows, shared_inter, kernels_
 
 
 def test_moe_packing_keeps_the_state_dict_and_feeds_the_shared_expert():
-    moe = randomized(SparseMoE(48, 16, 4, 24, True, 40), torch.float32, seed=7)
+    moe = randomized(SparseMoE(**SMALL_MOE), torch.float32, seed=7)
     before = {name: tensor.clone() for name, tensor in moe.state_dict().items()}
     pack_as_set_fast_kernels(moe)
     after = moe.state_dict()
@@ -145,7 +157,7 @@ def test_moe_packing_keeps_the_state_dict_and_feeds_the_shared_expert():
     with torch.no_grad():
         moe.gate.weight.add_(1)  # a view: the packed weight sees the update (a loader's copy_ lands in it)
     assert torch.equal(packed[80:96], moe.gate.weight)
-    routed_only = SparseMoE(48, 16, 4, 24, True)
+    routed_only = SparseMoE(**dict(SMALL_MOE, shared_expert_intermediate_size=0))
     routed_only.pack_projections_()
     assert routed_only.packed_input_proj is None
 
@@ -153,19 +165,17 @@ def test_moe_packing_keeps_the_state_dict_and_feeds_the_shared_expert():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 5])
 def test_fused_experts_adds_the_gated_shared_expert_as_the_module_does(dtype, num_tokens):
-    from omni_triton.kernels import fused_moe
-    from omni_triton.models.layers import moe
-
     gen = torch.Generator().manual_seed(num_tokens)
     num_experts, hidden, inter, top_k = 8, 32, 48, 2
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(DEVICE, dtype)
     down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(DEVICE, dtype)
-    weights, ids = moe.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE, dtype), top_k, True)
+    weights, ids = moe_module.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE, dtype), top_k,
+                                    True)
     shared = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     # the gate logit as a strided column of a wider output, as the packed projection gives it
     gate_logits = (3 * torch.randn(num_tokens, 5, generator=gen)).to(DEVICE, dtype)[:, 3:4]
-    routed = moe.run_experts(x, gate_up, down, ids, weights)
+    routed = moe_module.run_experts(x, gate_up, down, ids, weights)
     want = routed + torch.sigmoid(gate_logits) * shared
     got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, shared=shared, shared_gate=gate_logits)
     without = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights)
@@ -208,3 +218,46 @@ def test_attention_fast_path_equals_the_torch_path(dtype, seq_lens, kernels_on_c
     got = run(fast=True)
     assert len(kernels_on_cpu) == (2 if rows <= 2 else 0)  # qkv and o_proj
     assert rel_error(got, want) < tolerance(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+TALKER_MOE = dict(hidden_size=1024, num_experts=128, top_k=8, moe_intermediate_size=384, norm_topk_prob=True,
+                  shared_expert_intermediate_size=768)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_talker_moe_at_released_dims_in_bf16(rows):
+    moe = random_moe(TALKER_MOE, torch.bfloat16, seed=rows)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).to(DEVICE, torch.bfloat16)
+    shared = moe.shared_expert
+    with torch.no_grad():
+        packed = step_linear(moe, x, moe.packed_input_proj)
+        assert rel_error(packed, F.linear(x, moe.packed_input_proj)) < 1e-2
+        gate_up, router_logits, gate_logit = packed.split([2 * 768, 128, 1], dim=-1)
+        weights, ids = routing.route(router_logits, 8, True)
+        shared_out = shared.down_proj(F.silu(gate_up[:, :768]) * gate_up[:, 768:])
+        want = (moe_module.run_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, ids.long(), weights)
+                + torch.sigmoid(gate_logit) * shared_out)
+        got = fused_moe.fused_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, ids, weights,
+                                      shared=shared_out, shared_gate=gate_logit)
+        assert rel_error(got, want) < 1e-2
+        assert torch.equal(moe.forward_with_kernels(x), moe.forward_with_kernels(x))  # no state between calls
+
+
+@cuda
+def test_talker_moe_fast_path_replays_under_a_cuda_graph():
+    moe = random_moe(TALKER_MOE, torch.bfloat16, seed=3)
+    inputs = torch.randn(3, 1, 1024, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    static = inputs[0].clone()
+    with torch.no_grad():
+        moe(static)  # compiled before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            captured = moe(static)
+        for x in inputs:
+            static.copy_(x)
+            graph.replay()
+            assert torch.equal(captured, moe(x))
