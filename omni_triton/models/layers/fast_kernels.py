@@ -18,9 +18,8 @@ router and shared expert): "gemv" runs them as the same multiply-add kernel at u
 microbenchmark's variants ("graphs", "splitk", "gemv") compare both side by side.
 
 Switching on also packs the projections that read one input (q/k/v, gate/up; the talker MoE's shared-expert
-gate/up, router and shared-expert gate) into one weight tensor each,
-whose rows the original parameters become views of: one GEMM launch instead of two or three, no extra memory,
-state dicts unchanged.
+gate/up, router and shared-expert gate) into one weight tensor each, whose rows the original parameters become
+views of: one GEMM launch instead of two to four, no extra memory, state dicts unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from torch import nn
 
 class KernelSwitch:
     use_kernels: bool = True
-    use_fused_steps: bool = True  # only read by modules that have a whole-step fusion
+    use_fused_steps: bool = True  # read by the whole-step fusions and step_linear (off: cuBLAS there)
     # one of LINEAR_LAUNCHES: the code predictor's fused frame and, under "gemv", the decoder layers' step_linear
     linear_launch: str = "gemv"
 
