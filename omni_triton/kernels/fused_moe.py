@@ -103,7 +103,8 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
 
 @triton.jit
 def _sum_top_k_kernel(per_pair_ptr, out_ptr, shared_ptr, shared_gate_ptr, hidden, stride_shared, stride_gate,
-                      TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                      TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -171,7 +172,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
     _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
         per_pair, out, out if shared is None else shared, out if shared_gate is None else shared_gate, hidden,
         0 if shared is None else shared.stride(0), 0 if shared_gate is None else shared_gate.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, BLOCK=block, num_warps=4)
+        TOP_K=top_k, SHARED=shared is not None, BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out
 
 
