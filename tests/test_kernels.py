@@ -59,6 +59,24 @@ def test_head_norm_rope_matches_norm_then_rotary(mrope):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_is_head_norm_rope_of_both_in_one_launch(dtype):
+    """Queries and keys as column views of one packed qkv output (as the attention hands them), each with its
+    own norm weight and eps: the same bits as two head_norm_rope calls."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, q_heads, kv_heads, head_dim = 5, 4, 2, 16
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, :q_heads * head_dim].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q_weight, k_weight = (1 + 0.1 * torch.randn(2, head_dim, generator=gen)).to(DEVICE, dtype)
+    positions = torch.randint(0, 50, (tokens,), generator=gen).to(DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None).cos_sin(positions, dtype)
+    got_q, got_k = norm.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 1e-6, 1e-5)
+    assert torch.equal(got_q, norm.head_norm_rope(q, q_weight, cos, sin, 1e-6))
+    assert torch.equal(got_k, norm.head_norm_rope(k, k_weight, cos, sin, 1e-5))
+    assert not torch.equal(got_k, norm.head_norm_rope(k, q_weight, cos, sin, 1e-5))  # its own weight, not q's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(dtype):
     gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -1,4 +1,5 @@
-"""RMSNorm, residual add + RMSNorm, and per-head q/k RMSNorm + rotary in one launch each.
+"""RMSNorm, residual add + RMSNorm, and per-head q/k RMSNorm + rotary (queries and keys together) in one launch
+each.
 
 Each replaces five to twenty small torch launches per layer, which is what a decode step is made of. They
 round where the torch reference (``models.layers.norm`` / ``rope``) rounds -- the normalised row to the input
@@ -88,11 +89,9 @@ def norm_rope_heads(rows, head_mask, weight_ptr, cos_row, sin_row, eps, HEAD_DIM
 
 
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xt, stride_xh,
-                           stride_ot, stride_oh, stride_cos, stride_sin, eps,
-                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    token = tl.program_id(0)
+def _norm_rope_token(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, token, num_heads, stride_xt, stride_xh,
+                     stride_ot, stride_oh, stride_cos, stride_sin, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Every head of one token: ``norm_rope_heads`` from x into out."""
     heads = tl.arange(0, BLOCK_H)
     head_mask = (heads < num_heads)[:, None]
     out = norm_rope_heads(x_ptr + token * stride_xt + heads[:, None] * stride_xh, head_mask, weight_ptr,
@@ -100,6 +99,15 @@ def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_hea
     dims = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=head_mask)
+
+
+@triton.jit
+def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xt, stride_xh,
+                           stride_ot, stride_oh, stride_cos, stride_sin, eps,
+                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    _norm_rope_token(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), num_heads, stride_xt,
+                     stride_xh, stride_ot, stride_oh, stride_cos, stride_sin, eps, HEAD_DIM, BLOCK_H)
 
 
 def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -117,3 +125,39 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
         cos.stride(0), sin.stride(0), eps, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
         num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+                         num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
+                         stride_kot, stride_koh, stride_cos, stride_sin, q_eps, k_eps,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    token = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _norm_rope_token(q_ptr, q_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, token, num_q_heads, stride_qt, stride_qh,
+                         stride_qot, stride_qoh, stride_cos, stride_sin, q_eps, HEAD_DIM, BLOCK_H)
+    else:
+        _norm_rope_token(k_ptr, k_weight_ptr, cos_ptr, sin_ptr, k_out_ptr, token, num_k_heads, stride_kt, stride_kh,
+                         stride_kot, stride_koh, stride_cos, stride_sin, k_eps, HEAD_DIM, BLOCK_H)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``head_norm_rope`` of the queries and of the keys in one launch (one program per token and tensor):
+    q [T, Hq, D], k [T, Hkv, D] (any token and head strides, e.g. column views of a packed qkv output)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("qk_norm_rope needs the head dim contiguous")
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head_dim")
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if num_tokens:
+        pdl = enabled_for(q)
+        _qk_norm_rope_kernel[(num_tokens, 2)](
+            q, k, q_weight, k_weight, cos, sin, q_out, k_out, num_q_heads, num_k_heads, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            cos.stride(0), sin.stride(0), q_eps, k_eps, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4, PDL=pdl, launch_pdl=pdl)
+    return q_out, k_out

@@ -2,8 +2,10 @@
 
 Pre-norm attention (q/k RMSNorm per head before RoPE, GQA through ``batch.attend``) and a feed-forward that
 is a SparseMoE or a dense GatedMLP per layer. Inputs are flat token batches ``[T, H]``. On CUDA the q/k norm
-and rotary run as one kernel per projection and the residual add joins the second norm (``kernels.norm``);
-at a decode step's few rows the packed qkv and o_proj are multiply-add GEMVs (``fast_kernels.step_linear``).
+and rotary run as one kernel for q and k, and each residual add joins the norm after it (``kernels.norm``:
+the post-attention norm, the next layer's input norm, the final norm; a layer hands the next its feed-forward
+output and residual stream unsummed); at a decode step's few rows the packed qkv and o_proj are multiply-add
+GEMVs (``fast_kernels.step_linear``).
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ class SelfAttention(KernelSwitch, nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.kernels_for(x):
-            from omni_triton.kernels.norm import head_norm_rope
+            from omni_triton.kernels.norm import qk_norm_rope
 
-            q = head_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
-            k = head_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
+                                self.k_norm.eps)
         else:
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5).reshape(num_tokens, -1)
@@ -73,10 +75,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        h, x = self.post_attention_layernorm.add_forward(attended, x)
-        return x + self.mlp(h)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(feed-forward output, residual stream before it): the layer's output is their sum, left to the next
+        norm's ``add_forward`` (one launch for the add and the norm, as the post-attention norm does). ``x`` is
+        the previous layer's feed-forward output with ``residual`` its residual stream, or (None) the input."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        attended = self.self_attn(h, cos, sin, batch)
+        h, residual = self.post_attention_layernorm.add_forward(attended, residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -100,11 +110,12 @@ class DecoderStack(nn.Module):
                 raise ValueError(f"capture layer {k} is outside 0..{num_layers}")
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         captured = {0: x} if 0 in capture_layers else {}
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch)
+            x, residual = layer(x, cos, sin, batch, residual)
             if i + 1 in capture_layers and i + 1 < num_layers:
-                captured[i + 1] = x
-        x = self.norm(x)
+                captured[i + 1] = residual + x  # the layer's output (the next norm adds it again, the same bits)
+        x, _ = self.norm.add_forward(x, residual)
         if num_layers in capture_layers:
             captured[num_layers] = x
         return x, captured
