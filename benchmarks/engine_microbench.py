@@ -429,15 +429,15 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
 
     device = torch.device(args.device)
     text = model.config.text
-    router_logits: list[torch.Tensor] = []  # per MoE layer call, read after the profiled steps
+    moe_inputs: list[tuple[torch.nn.Module, torch.Tensor]] = []  # per MoE layer call, routed after the steps
 
-    def keep_router_logits(_router, _inputs, logits):
-        # only a reference here: counting the hit experts launches a top-k, a sort and a host sync per layer,
-        # which would show in the profile as if the step ran them
-        router_logits.append(logits)
+    def keep_moe_input(block, inputs, _output):
+        # only a reference here: routing it (the router's product, a top-k, a sort and a host sync per layer)
+        # would show in the profile as if the step ran it; the block's input rather than the router's output,
+        # since the fast path runs the router inside a packed projection
+        moe_inputs.append((block, inputs[0]))
 
-    hooks = [module.gate.register_forward_hook(keep_router_logits) for module in model.modules()
-             if hasattr(module, "experts")]
+    hooks = [module.register_forward_hook(keep_moe_input) for module in model.modules() if hasattr(module, "experts")]
     activity, sort_by = ((ProfilerActivity.CUDA, "cuda_time_total") if device.type == "cuda"
                          else (ProfilerActivity.CPU, "cpu_time_total"))
     generator = torch.Generator().manual_seed(3)
@@ -460,7 +460,7 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
             while phase != "first (prefill) step" and any(seq.num_generated < 3 for seq in engine.requests.values()):
                 engine.step()
             sync(device)
-            router_logits.clear()
+            moe_inputs.clear()
             started = time.perf_counter()
             with profile(activities=[activity]) as prof:
                 for _ in range(steps):
@@ -468,8 +468,9 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
                 sync(device)
             wall_ms = 1e3 * (time.perf_counter() - started)
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            hits = [(logits.shape[0], logits.topk(text.num_experts_per_tok).indices.unique().numel())
-                    for logits in router_logits]  # (tokens, distinct experts) per MoE layer call
+            with torch.inference_mode():  # (tokens, distinct experts) per MoE layer call
+                hits = [(x.shape[0], block.gate(x).topk(text.num_experts_per_tok).indices.unique().numel())
+                        for block, x in moe_inputs]
             tokens = sum(t for t, _ in hits) / max(1, len(hits))
             experts = sum(e for _, e in hits) / max(1, len(hits))
             print(f"\n--- {type(stage).__name__} batch {batch}, {phase}: {tokens:.0f} tokens per MoE call hit "
