@@ -38,7 +38,8 @@ class EngineConfig:
     # with cuda_graphs and the fused steps: steps with prefill rows of up to this many tokens replay a graph too
     # (None: the step budget, max_num_batched_tokens; 0: they run eagerly)
     prefill_graph_tokens: int | None = None
-    # fast path: how the talker's code predictor launches its small linears (fast_kernels.LINEAR_LAUNCHES)
+    # fast path: how the code predictor's small linears launch and, under "gemv", whether the decode step's layer
+    # linears are GEMVs (fast_kernels.LINEAR_LAUNCHES, step_linear)
     linear_launch: str = "gemv"
     # fast path on sm_90+: kernels launched with programmatic dependent launch (kernels.dependent_launch; the
     # switch is process-wide: the last engine made in a process sets it)

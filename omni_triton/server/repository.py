@@ -74,7 +74,7 @@ class LaunchConfig:
     fast_path: bool = False
     cuda_graphs: bool = False
     prefill_graphs: bool = True  # with both: steps with prefill rows as CUDA graphs too (engine.prefill_graphs)
-    linear_launch: str = "gemv"  # with fast_path: the code predictor's small linears (fast_kernels.LINEAR_LAUNCHES)
+    linear_launch: str = "gemv"  # with fast_path: the small linears (EngineConfig.linear_launch)
     dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
