@@ -43,6 +43,11 @@ class ServerHandle:
         return process_tree_rss_bytes(self.server.process.pid)
 
 
+def rendered_parameters(config_text: str) -> dict[str, str]:
+    """A rendered config.pbtxt's string parameters, as the stage reads them."""
+    return dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', config_text))
+
+
 def servable_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:
     """Every model template, less an ensemble whose step models are not written yet."""
     models = available_models(template_dir)

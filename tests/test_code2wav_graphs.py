@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import sys
 import threading
 import types
@@ -24,6 +23,7 @@ from omni_triton.models.code2wav_graphs import (DEFAULT_MAX_FRAMES, Code2WavGrap
                                                 graph_key, output_rows)
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
 from omni_triton.server.repository import LaunchConfig, render_repository
+from server_fixture import rendered_parameters
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -105,15 +105,11 @@ def test_graphs_refuse_a_cpu_device():
 
 # ---------------------------------------------------------------- the switch reaches the stage
 
-def _parameters(config_text: str) -> dict[str, str]:
-    return dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', config_text))
-
-
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_code2wav_config_renders_the_switch_and_first_chunk(tiny_checkpoint, tmp_path, cuda_graphs):
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=cuda_graphs, first_chunk_frames=6)
     out = render_repository(config, tmp_path / "repository", ["code2wav"])
-    parameters = _parameters((out / "code2wav" / "config.pbtxt").read_text())
+    parameters = rendered_parameters((out / "code2wav" / "config.pbtxt").read_text())
     assert parameters["cuda_graphs"] == ("on" if cuda_graphs else "off")
     assert parameters["first_chunk_frames"] == "6"
 
@@ -141,7 +137,7 @@ def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_pa
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=True, first_chunk_frames=6,
                           code2wav_max_batch=5)
     out = render_repository(config, tmp_path / "repository", ["code2wav"])
-    parameters = _parameters((out / "code2wav" / "config.pbtxt").read_text())
+    parameters = rendered_parameters((out / "code2wav" / "config.pbtxt").read_text())
     model_config = {"max_batch_size": config.code2wav_max_batch,  # as Triton hands it to the model
                     "parameters": {key: {"string_value": value} for key, value in parameters.items()}}
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils",

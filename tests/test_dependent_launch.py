@@ -1,8 +1,6 @@
 """Programmatic dependent launch (``kernels.dependent_launch``): the switch, where it reaches, and on an sm_90+
 GPU that a chain of PDL kernels (eager and under a CUDA graph) gives the same bits as the same chain without it."""
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +8,7 @@ import torch.nn.functional as F
 from omni_triton.kernels import dependent_launch
 from omni_triton.kernels.dependent_launch import enabled_for, set_dependent_launch
 from omni_triton.server.repository import LaunchConfig, render_repository
+from server_fixture import rendered_parameters
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 hopper = pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs an sm_90+ GPU")
@@ -38,7 +37,7 @@ def test_the_switch_reaches_both_engines_configs(tiny_checkpoint, tmp_path, on):
                                          dependent_launch=on), tmp_path / "repository")
     for stage in ("thinker", "talker"):
         text = (out / stage / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', text))
+        params = rendered_parameters(text)
         config, _ = engine_config(params, device="cpu")
         assert config.dependent_launch is on, stage
 

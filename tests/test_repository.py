@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from omni_triton.server.repository import LaunchConfig, render_repository
+from server_fixture import rendered_parameters
 
 TENSOR_STAGES = ("thinker", "talker", "code2wav", "orchestrator")
 
 
 def _parameter(config_text: str, key: str) -> str | None:
-    match = re.search(r'key: "%s" value: \{ string_value: "([^"]*)" \}' % key, config_text)
-    return match.group(1) if match else None
+    return rendered_parameters(config_text).get(key)
 
 
 @pytest.mark.parametrize("memory", ["device", "host"])
@@ -32,7 +30,7 @@ def test_prefill_graphs_switch_reaches_both_engines(tiny_checkpoint, tmp_path, p
                                          cuda_graphs=True, prefill_graphs=prefill_graphs), tmp_path / "repository")
     for model in ("thinker", "talker"):
         text = (out / model / "config.pbtxt").read_text()
-        params = {key: value for key, value in re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', text)}
+        params = rendered_parameters(text)
         assert params["prefill_graphs"] == ("on" if prefill_graphs else "off"), model
         config, _ = engine_config(params, device="cpu")
         assert config.prefill_graph_tokens == (None if prefill_graphs else 0), model  # None: the step budget
@@ -48,7 +46,7 @@ def test_linear_launch_reaches_the_talker_engine(tiny_checkpoint, tmp_path, laun
     out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", fast_path=True,
                                          linear_launch=launch), tmp_path / "repository")
     text = (out / "talker" / "config.pbtxt").read_text()
-    params = {key: value for key, value in re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', text)}
+    params = rendered_parameters(text)
     config, _ = engine_config(params, device="cpu")
     assert config.linear_launch == launch
 

@@ -16,6 +16,7 @@ from omni_triton.engine.warmup import WarmupPlan, warm_up
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.pipeline.code2wav_warmup import stream_call_frames, warm_up_vocoder, warmup_calls
 from omni_triton.server.repository import LaunchConfig, render_repository
+from server_fixture import rendered_parameters
 
 PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11]
 PARAMS = [SamplingParams(temperature=0.0, max_new_tokens=12),
@@ -135,18 +136,14 @@ def test_vocoder_warm_up_runs_on_the_cpu_runtime(tiny_checkpoint):
 
 # ---------------------------------------------------------------- the switch, end to end
 
-def _parameters(config_text: str) -> dict[str, str]:
-    return dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', config_text))
-
-
 @pytest.mark.parametrize("device,warmup,rendered", [("cpu", None, "off"), ("cuda", None, "on"),
                                                     ("cuda", False, "off"), ("cpu", True, "on")])
 def test_warmup_defaults_on_for_cuda_only(tiny_checkpoint, tmp_path, device, warmup, rendered):
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, device=device, warmup=warmup, left_context_frames=7)
     out = render_repository(config, tmp_path / "repository", ["thinker", "talker", "code2wav"])
     for model in ("thinker", "talker", "code2wav"):
-        assert _parameters((out / model / "config.pbtxt").read_text())["warmup"] == rendered
-    code2wav = _parameters((out / "code2wav" / "config.pbtxt").read_text())
+        assert rendered_parameters((out / model / "config.pbtxt").read_text())["warmup"] == rendered
+    code2wav = rendered_parameters((out / "code2wav" / "config.pbtxt").read_text())
     assert (code2wav["next_chunk_frames"], code2wav["left_context_frames"]) == ("25", "7")
 
 
