@@ -4,7 +4,8 @@ frame's tiny cache, and attention over at most ``MAX_POSITIONS`` positions.
 Every row of a code-predictor batch is at the same step, so its cache is contiguous, ``[B, kv_heads, L, D]``
 per layer (``models.code_predictor.FrameCache``), and the step's new tokens sit at positions ``start ..
 start + new - 1`` of every row (2 new tokens in the frame's first step, then 1). One program per (row, KV
-head): it normalises and rotates the new keys and stores them and the new values, then for each new token
+head): it loads the earlier positions' keys and values, normalises and rotates the new keys and stores them and
+the new values, keeping them in its K/V tiles too (no read-back of what it just stored), then for each new token
 normalises and rotates its group of query heads (GQA: the group shares the K/V tiles it loads once) and
 attends causally over positions ``0 .. its own``. With L <= 16 the whole score tile ``[group, L]`` and the
 K/V tiles ``[L, D]`` live in registers: no online softmax, no tensor cores (the products are a broadcast and
@@ -44,26 +45,32 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
     q_size = num_kv_heads * GROUP * HEAD_DIM
     kv_size = num_kv_heads * HEAD_DIM
     cache = row.to(tl.int64) * stride_cache_row + kv_head * stride_cache_head
-    for j in tl.static_range(NEW):  # the new keys (normed, rotated) and values into the cache
+    positions = tl.arange(0, BLOCK_L)
+    # the earlier steps' keys and values (all loads issued at once), then this step's merged in from registers:
+    # no store-then-reload round trip (and no barrier) between the cache update and the attention
+    cached = (positions < start)[:, None]
+    keys = tl.load(keys_ptr + cache + positions[:, None] * HEAD_DIM + dims[None, :], mask=cached,
+                   other=0.0).to(tl.float32)
+    values = tl.load(values_ptr + cache + positions[:, None] * HEAD_DIM + dims[None, :], mask=cached,
+                     other=0.0).to(tl.float32)
+    for j in tl.static_range(NEW):  # the new keys (normed, rotated) and values: into the cache and the tiles
         token = (row * NEW + j).to(tl.int64)
         position = start + j
         k_row = qkv_ptr + token * stride_qkv + q_size + kv_head * HEAD_DIM + pair * 0
         key = norm_rope_heads(k_row, first, k_norm_ptr, cos_ptr + position * stride_rope,
-                              sin_ptr + position * stride_rope, eps, HEAD_DIM)
+                              sin_ptr + position * stride_rope, eps, HEAD_DIM).to(keys_ptr.dtype.element_ty)
         value = tl.load(qkv_ptr + token * stride_qkv + q_size + kv_size + kv_head * HEAD_DIM + dims)
-        tl.store(keys_ptr + cache + position * HEAD_DIM + pair * 0 + dims[None, :],
-                 key.to(keys_ptr.dtype.element_ty), mask=first)
-        tl.store(values_ptr + cache + position * HEAD_DIM + dims, value.to(values_ptr.dtype.element_ty))
-    tl.debug_barrier()  # the stores above are read back below by other threads of this program
+        value = value.to(values_ptr.dtype.element_ty)
+        tl.store(keys_ptr + cache + position * HEAD_DIM + pair * 0 + dims[None, :], key, mask=first)
+        tl.store(values_ptr + cache + position * HEAD_DIM + dims, value)
+        # as read back from the cache: rounded to its dtype
+        key_row = tl.sum(tl.where(first, key.to(tl.float32), 0.0), axis=0)  # [D]
+        at = (positions == position)[:, None]
+        keys = tl.where(at, key_row[None, :], keys)
+        values = tl.where(at, value.to(tl.float32)[None, :], values)
     group = tl.arange(0, BLOCK_G)
     group_mask = group < GROUP
     heads = kv_head * GROUP + group
-    positions = tl.arange(0, BLOCK_L)
-    last = start + NEW - 1
-    keys = tl.load(keys_ptr + cache + positions[:, None] * HEAD_DIM + dims[None, :],
-                   mask=(positions <= last)[:, None], other=0.0).to(tl.float32)
-    values = tl.load(values_ptr + cache + positions[:, None] * HEAD_DIM + dims[None, :],
-                     mask=(positions <= last)[:, None], other=0.0).to(tl.float32)
     for j in tl.static_range(NEW):
         token = (row * NEW + j).to(tl.int64)
         position = start + j
