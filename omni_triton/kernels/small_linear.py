@@ -254,20 +254,22 @@ def launch_plan(rows: int, cols: int, depth: int, norm: bool, gated: bool, split
     if split_k is None and cols > NARROW_COLS and rows > WIDE_SPLIT_MAX_ROWS:
         split_k = 1
     splits, k_per_split = split_plan(rows, cols, depth, blocks, norm, gated, split_k)
-    if splits > 1:
-        return blocks, splits, k_per_split, num_stages(element_size, blocks[0], splits)
-    blocks = one_pass_blocks(rows, cols, depth)
-    _, k_per_split = split_plan(rows, cols, depth, blocks, norm, gated, 1)
-    # the sweep's best: 4 stages for the narrow layers' thin tiles, 3 for the wide ones
-    stages = 2 if element_size > 2 else 4 if cols <= NARROW_COLS else 3
-    return blocks, 1, k_per_split, stages
+    if splits == 1:
+        blocks = one_pass_blocks(rows, cols, depth)
+        _, k_per_split = split_plan(rows, cols, depth, blocks, norm, gated, 1)
+    return blocks, splits, k_per_split, num_stages(element_size, blocks[0], splits, cols)
 
 
-def num_stages(element_size: int, block_m: int, splits: int) -> int:
-    """3 (two K steps' loads in flight from the start: a split's whole slice at 1-2 steps) unless that costs
-    occupancy: fp32 tiles are twice the shared memory, and a split program of 64 rows at 3 stages (a 64 x 256
-    x tile: 120 KB) would be alone on its SM, where split-K wants several per SM."""
-    return 2 if element_size > 2 or (splits > 1 and block_m > 32) else 3
+def num_stages(element_size: int, block_m: int, splits: int, cols: int) -> int:
+    """Pipeline stages of the MMA kernels. fp32 tiles: 2 (twice the shared memory). One pass: the H200 tile
+    sweep's best, 4 for the narrow layers' thin tiles, 3 for the wide ones. Split: 3 (two K steps' loads in
+    flight from the start: a split's whole slice at 1-2 steps), unless that costs occupancy: a split program of
+    64 rows at 3 stages (a 64 x 256 x tile: 120 KB) would be alone on its SM, where split-K wants several."""
+    if element_size > 2:
+        return 2
+    if splits == 1:
+        return 4 if cols <= NARROW_COLS else 3
+    return 2 if block_m > 32 else 3
 
 
 # Up to here ``gemv=True`` runs the multiply-add kernel: on the H200 it beat split-K at 1-2 rows (qkv 4.8 against
