@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from omni_triton.engine.sampling import race_sample  # noqa: E402
 from omni_triton.kernels import activation, fused_moe, norm, paged_attention, random, routing, sampling  # noqa: E402
+from omni_triton.kernels.scratch import buffers_of  # noqa: E402
 from omni_triton.models.layers import moe  # noqa: E402
 from omni_triton.models.layers.fast_kernels import pack_linears_  # noqa: E402
 from omni_triton.models.layers.attention import AttentionBatch, _AttentionPlan, attend_fast, attend_paged  # noqa: E402
@@ -183,9 +184,14 @@ def test_paged_decode_attention_matches_the_gather_reference(num_heads, num_kv_h
     batch = paged_batch(context_lens, num_kv_heads, head_dim=16, block_size=4, seed=num_heads)
     q = torch.randn(len(context_lens), num_heads, 16).to(DEVICE)
     want = attend_paged(q, batch.kv_caches[0], batch, scale=0.3)
-    got = paged_attention.paged_decode_attention(q, batch.kv_caches[0], batch.block_tables,
-                                                 torch.tensor(context_lens, dtype=torch.int32, device=DEVICE), 0.3)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    got = paged_attention.paged_decode_attention(q, batch.kv_caches[0], batch.block_tables, lens, 0.3)
     assert rel_error(got, want) < 1e-5
+    # the split that arrives last merged the others in split order and put its ticket back: a repeat call gives
+    # the same bits
+    assert all(not bool(t.any()) for t in buffers_of("paged_decode"))
+    assert torch.equal(paged_attention.paged_decode_attention(q, batch.kv_caches[0], batch.block_tables, lens, 0.3),
+                       got)
 
 
 def test_paged_decode_attention_gives_zeros_for_padding_rows():

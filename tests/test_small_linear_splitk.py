@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from omni_triton.graph_buckets import capturing  # noqa: E402
 from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
+from omni_triton.kernels.scratch import buffers_of  # noqa: E402
 from omni_triton.kernels.small_linear import block_sizes, launch_plan, small_linear, split_plan  # noqa: E402
 from omni_triton.models.layers.fast_kernels import set_linear_launch  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
@@ -84,7 +85,7 @@ def assert_within_rounding(got: torch.Tensor, one_pass: torch.Tensor, dtype: tor
 
 
 def counters_all_zero() -> bool:
-    return all(not bool(t.any()) for t in small_linear_module._workspaces.values() if t.dtype == torch.int32)
+    return all(not bool(t.any()) for t in buffers_of("small_linear") if t.dtype == torch.int32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -98,7 +99,7 @@ def test_split_k_equals_the_reference_and_the_one_pass_kernel(dtype, variant, sh
     assert rel_error(got, want) < tolerance(dtype)
     assert_within_rounding(got, one_pass, dtype)
     assert counters_all_zero()
-    for scratch in small_linear_module._workspaces.values():  # the next call must not read what this one left
+    for scratch in buffers_of("small_linear"):  # the next call must not read what this one left
         if scratch.dtype == torch.float32:
             scratch.fill_(float("nan"))
     assert torch.equal(run(split_k), got)

@@ -14,7 +14,9 @@ dtype before the value product (as a fused SDPA does). It replaces a Python loop
 Decode: one program per (sequence, KV head, context split) holds the group of query heads that share that KV
 head (GQA: K/V read once for the group), walks its part of the context in tiles of ``BLOCK_N`` positions
 through the block table, and keeps an online softmax in fp32; when the batch is too small to fill the GPU the
-context is split (flash-decoding) and a second launch merges the splits. Context lengths come from a device
+context is split (flash-decoding) and the split that finishes last merges them, in split order (an arrival
+ticket per sequence and KV head, ``kernels.scratch``, put back to 0 by that split: one launch, and the same bits
+whichever split is last). Context lengths come from a device
 tensor, so one launch (and one CUDA graph) serves any mix of lengths; a row with context length 0 is padding
 and gets zeros. The score product is rounded to the activation dtype before scaling, as the torch decode path
 rounds it.
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+from omni_triton.kernels.scratch import persistent_zeros
 
 
 @triton.jit
@@ -89,7 +92,7 @@ def _paged_tile(q, cache_ptr, table_ptr, kv_head, start, end, last_visible, m_i,
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_ptr, stats_ptr,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_table, value_offset, num_kv_heads,
+                         counter_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_table, value_offset, num_kv_heads,
                          num_heads, scale, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                          PDL: tl.constexpr):
@@ -120,32 +123,38 @@ def _paged_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, o
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (no context): acc is 0
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_mask)
-    else:  # partial results [B, heads, SPLITS, D] and (max, sum) [B, heads, SPLITS, 2], merged by the reduce kernel
+    else:
+        # partial results [B, heads, SPLITS, D] and (max, sum) [B, heads, SPLITS, 2], through L2 only (.cg: another
+        # SM's L1 may hold a previous call's values here); the split that arrives last merges them in split order
+        # (the same bits whoever it is) and resets the ticket for the next call and graph replay
         row = (seq * num_heads + heads) * SPLITS + split
-        tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask)
-        tl.store(stats_ptr + row * 2, m_i, mask=group < GROUP)
-        tl.store(stats_ptr + row * 2 + 1, l_i, mask=group < GROUP)
-
-
-@triton.jit
-def _paged_decode_reduce_kernel(partial_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                                HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS)
-    row = (seq * num_heads + head) * SPLITS + splits
-    m_s = tl.load(stats_ptr + row * 2)
-    l_s = tl.load(stats_ptr + row * 2 + 1)
-    filled = m_s > float("-inf")  # splits past the context hold nothing
-    m = tl.max(m_s, axis=0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # a padding row fills no split
-    weight = tl.where(filled, tl.exp(tl.where(filled, m_s, m) - m), 0.0)
-    total = tl.sum(weight * l_s, axis=0)
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.sum(tl.load(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :]) * weight[:, None], axis=0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+        group_mask = group < GROUP
+        tl.store(partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_mask, cache_modifier=".cg")
+        tl.store(stats_ptr + row * 2, m_i, mask=group_mask, cache_modifier=".cg")
+        tl.store(stats_ptr + row * 2 + 1, l_i, mask=group_mask, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partials stored before the ticket releases them
+        ticket = counter_ptr + seq * num_kv_heads + kv_head
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLITS - 1:
+            first = (seq * num_heads + heads) * SPLITS
+            m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                m = tl.maximum(m, tl.load(stats_ptr + (first + s) * 2, mask=group_mask, other=float("-inf"),
+                                          cache_modifier=".cg"))
+            m = tl.where(m > float("-inf"), m, 0.0)  # a padding row fills no split
+            total = tl.zeros([BLOCK_G], dtype=tl.float32)
+            merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                m_s = tl.load(stats_ptr + (first + s) * 2, mask=group_mask, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(stats_ptr + (first + s) * 2 + 1, mask=group_mask, other=0.0, cache_modifier=".cg")
+                filled = m_s > float("-inf")  # splits past the context hold nothing
+                weight = tl.where(filled, tl.exp(tl.where(filled, m_s, m) - m), 0.0)
+                total += weight * l_s
+                merged += weight[:, None] * tl.load(partial_ptr + (first + s)[:, None] * HEAD_DIM + dims[None, :],
+                                                    mask=head_mask, other=0.0, cache_modifier=".cg")
+            out = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=head_mask)
+            tl.store(ticket, 0)
 
 
 @triton.jit
@@ -256,21 +265,17 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
     if not batch:
         return out
     splits = decode_splits(batch, num_kv_heads)
-    partial = stats = out
+    partial = stats = counters = out  # unread placeholders of an unsplit launch
     if splits > 1:
         partial = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+        counters = persistent_zeros("paged_decode", q.device, torch.int32, batch * num_kv_heads)
     group = num_heads // num_kv_heads
     pdl = enabled_for(q)
     _paged_decode_kernel[(batch, num_kv_heads, splits)](
-        q, cache, block_tables, context_lens, out, partial, stats, q.stride(0), q.stride(1), out.stride(0),
+        q, cache, block_tables, context_lens, out, partial, stats, counters, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), cache.stride(0), num_kv_heads, num_heads,
         head_dim ** -0.5 if scale is None else scale, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, PDL=pdl, launch_pdl=pdl)
-    if splits > 1:
-        pdl = enabled_for(partial)
-        _paged_decode_reduce_kernel[(batch, num_heads)](partial, stats, out, out.stride(0), out.stride(1), num_heads,
-                                                        HEAD_DIM=head_dim, SPLITS=splits, num_warps=4, PDL=pdl,
-                                                        launch_pdl=pdl)
     return out

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from omni_triton.kernels.dependent_launch import enabled_for, prefetch_l2, prefetch_lines, wait_for_previous
+from omni_triton.kernels.scratch import persistent_zeros
 
 # Programs one launch should have for the weight reads to fill HBM: ~4 per SM of a 132-SM H200, which fit on
 # an SM at once (compiled for sm_90, the split programs of the predictor's layers take 48-128 registers a
@@ -286,20 +287,10 @@ def gemv_blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
     return triton.next_power_of_2(rows), block_n, block_k
 
 
-_workspaces: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
-
-
 def workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """The split-K scratch (float32 partials) or tile counters (int32, zeroed; the kernel leaves them 0) of
-    this size on ``device``: made by the first call (eager, before any graph captures it) and kept, so every
-    later call and graph replay reuses the same memory."""
-    key = (device, dtype, numel)
-    if key not in _workspaces:
-        # a normal tensor even when the first call runs under inference mode (an engine's step): a later caller
-        # outside it may then still write to it (an inference tensor refuses in-place updates out of that mode)
-        with torch.inference_mode(False):
-            _workspaces[key] = torch.zeros(numel, dtype=dtype, device=device)
-    return _workspaces[key]
+    this size on ``device`` (``kernels.scratch``: made once, reused by every later call and graph replay)."""
+    return persistent_zeros("small_linear", device, dtype, numel)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
