@@ -145,6 +145,32 @@ def test_fused_experts_match_the_expert_loop(dtype, num_tokens):
     for config in (dict(BLOCK_M=16, gate_up=gemm, down=gemm), None):
         got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, config)
         assert rel_error(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # gemv: per-pair GEMVs up to GEMV_MAX_TOKENS tokens, the grouped GEMMs above (the same result either way)
+    by_pair = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True)
+    assert rel_error(by_pair, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_per_pair_gemv_experts_skip_the_layout_and_keep_the_shared_combine(num_tokens, monkeypatch):
+    """At decode sizes ``gemv=True`` runs the per-pair kernels (no expert-sorted layout), ragged columns and K
+    included, and the talker's shared combine rides on the top-k sum as on the grouped path."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_experts, hidden, inter, top_k = 6, 40, 24, 3
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(DEVICE)
+    down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(DEVICE)
+    weights, ids = moe.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE), top_k, True)
+    shared = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    shared_gate = torch.randn(num_tokens, 1, generator=gen).to(DEVICE)
+    want = moe.run_experts(x, gate_up, down, ids, weights) + torch.sigmoid(shared_gate) * shared
+    layouts = []
+    monkeypatch.setattr(fused_moe, "expert_sorted_layout",
+                        lambda *args: layouts.append(args) or routing.expert_sorted_layout(*args))
+    got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, shared=shared, shared_gate=shared_gate,
+                                  gemv=True)
+    assert rel_error(got, want) < 1e-6 and not layouts
+    grouped = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, shared=shared, shared_gate=shared_gate)
+    assert rel_error(grouped, got) < 1e-6 and len(layouts) == 1
 
 
 def paged_batch(context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, seed: int):

@@ -3,6 +3,10 @@
 1. gate/up: for every block of ``BLOCK_M`` (token, slot) pairs of one expert, ``x[token] @ gate_up[e].T`` for
    the gate and the up half at once, then ``silu(gate) * up`` -> ``hidden [T * k, I]`` (one row per pair).
 2. down: ``hidden[pair] @ down[e].T`` times the pair's router weight -> ``per_pair [T * k, H]``.
+At a decode step's 1-2 tokens (``gemv=True``) the two GEMMs run instead as multiply-add GEMVs per (token, slot)
+pair over its own expert's weights, a few output columns a program (the layout launch is not needed: each pair
+reads its expert id): at one token a talker layer's 8 pairs were 48 programs of the grouped gate/up GEMM, here
+they are ~800.
 The top-k sum is a third, small launch over ``per_pair.view(T, k, H)`` (fusing it into the down GEMM would
 need atomics, whose float order changes run to run; torch's ``sum`` took 5 us at decode, this 2). With a shared
 expert (the talker) it also adds ``sigmoid(gate) * shared``, three torch launches fewer.
@@ -102,6 +106,57 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
 
 
 @triton.jit
+def _pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 dot products of one activation row with BLOCK_N weight rows over the whole K (K a compile-time
+    constant: the loop unrolls, every weight load issues at once)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        a = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, stride_we, stride_wn, stride_ot,
+                              K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    pair = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K) * stride_xt
+    gate_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K)
+    acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + pair * stride_ot + cols, (activated * acc_up.to(dtype).to(tl.float32)).to(dtype),
+             mask=col_mask)
+
+
+@triton.jit
+def _down_weighted_gemv_kernel(h_ptr, w_ptr, ids_ptr, pair_weights_ptr, out_ptr, hidden, stride_ht, stride_we,
+                               stride_wn, stride_ot, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    pair = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    acc = _pair_gemv(h_ptr + pair * stride_ht, rows, col_mask, K, BLOCK_N, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    router_weight = tl.load(pair_weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * stride_ot + cols, (acc.to(dtype).to(tl.float32) * router_weight).to(dtype),
+             mask=col_mask)
+
+
+@triton.jit
 def _sum_top_k_kernel(per_pair_ptr, out_ptr, shared_ptr, shared_gate_ptr, hidden, stride_shared, stride_gate,
                       TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
@@ -126,17 +181,17 @@ def _sum_top_k_kernel(per_pair_ptr, out_ptr, shared_ptr, shared_gate_ptr, hidden
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
                   expert_weights: torch.Tensor, config: dict | None = None, *, shared: torch.Tensor | None = None,
-                  shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+                  shared_gate: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
     """Same contract as ``models.layers.moe.run_experts`` with SiLU: x [T, H]; gate_up [E, 2I, H];
     down [E, H, I]; expert_ids/weights [T, k] -> [T, H].
 
     With ``shared`` [T, H] (a shared expert's output) and ``shared_gate`` [T, 1] (its gate logit; any row
-    strides) the top-k sum's launch also adds ``sigmoid(shared_gate) * shared``: the talker's combine."""
+    strides) the top-k sum's launch also adds ``sigmoid(shared_gate) * shared``: the talker's combine.
+    ``gemv``: up to ``GEMV_MAX_TOKENS`` tokens, each (token, slot) pair runs as multiply-add GEMVs over its own
+    expert's weights (no expert-sorted layout: one launch fewer), as ``kernels.small_linear``'s GEMV does for
+    the dense linears."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
     top_k = expert_ids.shape[1]
-    num_pairs = num_tokens * top_k
     if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("fused_experts needs the last dim of x and of the expert weights contiguous")
     if (shared is None) != (shared_gate is None):
@@ -145,6 +200,62 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
                                or shared_gate.shape != (num_tokens, 1)):
         raise ValueError(f"fused_experts shared {tuple(shared.shape)} / shared_gate {tuple(shared_gate.shape)} "
                          f"do not match x {tuple(x.shape)} (want [T, H] with contiguous features and [T, 1])")
+    pdl = enabled_for(x)
+    if gemv and num_tokens <= GEMV_MAX_TOKENS:
+        per_pair = _experts_by_pair(x, gate_up, down, expert_ids, expert_weights, pdl)
+    else:
+        per_pair = _experts_by_block(x, gate_up, down, expert_ids, expert_weights, config, pdl)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        per_pair, out, out if shared is None else shared, out if shared_gate is None else shared_gate, hidden,
+        0 if shared is None else shared.stride(0), 0 if shared_gate is None else shared_gate.stride(0),
+        TOP_K=top_k, SHARED=shared is not None, BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl)
+    return out
+
+
+# Up to here ``gemv=True`` runs the per-pair GEMVs (a decode step's 1-2 rows, as small_linear.GEMV_MAX_ROWS)
+GEMV_MAX_TOKENS = 2
+GEMV_MIN_PROGRAMS = 512  # ~4 per SM of a 132-SM GPU, as small_linear.GEMV_MIN_PROGRAMS
+
+
+def pair_gemv_blocks(num_pairs: int, cols: int, depth: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the per-pair GEMVs: 2-8 output columns a program, so that the launch has about
+    ``GEMV_MIN_PROGRAMS`` programs over all pairs, each holding ~4K weights of a K chunk."""
+    block_n = max(2, min(8, 1 << max(0, (cols * num_pairs // GEMV_MIN_PROGRAMS).bit_length() - 1)))
+    return block_n, min(triton.next_power_of_2(depth), max(16, 4096 // block_n))
+
+
+def _experts_by_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                     expert_weights: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """per_pair [T * k, H]: each pair's expert output times its router weight, by per-pair GEMVs."""
+    num_tokens, hidden = x.shape
+    inter = gate_up.shape[1] // 2
+    top_k = expert_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    ids = expert_ids.reshape(-1)
+    activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k = pair_gemv_blocks(num_pairs, inter, hidden)
+    _gate_up_silu_gemv_kernel[(triton.cdiv(inter, block_n), num_pairs)](
+        x, gate_up, ids, activated, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
+        K=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, PDL=pdl, launch_pdl=pdl)
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k = pair_gemv_blocks(num_pairs, hidden, inter)
+    _down_weighted_gemv_kernel[(triton.cdiv(hidden, block_n), num_pairs)](
+        activated, down, ids, expert_weights.reshape(-1), per_pair, hidden, activated.stride(0), down.stride(0),
+        down.stride(1), per_pair.stride(0), K=inter, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, PDL=pdl,
+        launch_pdl=pdl)
+    return per_pair
+
+
+def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                      expert_weights: torch.Tensor, config: dict | None, pdl: bool) -> torch.Tensor:
+    """per_pair [T * k, H] by the two grouped GEMMs over the expert-sorted layout."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    top_k = expert_ids.shape[1]
+    num_pairs = num_tokens * top_k
     config = config or block_config(num_tokens, num_experts, hidden, inter)
     block_m = config["BLOCK_M"]
     sorted_pairs, block_expert = expert_sorted_layout(expert_ids, num_experts, block_m)
@@ -153,7 +264,6 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
 
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     gate_cfg = config["gate_up"]
-    pdl = enabled_for(x)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, gate_cfg["BLOCK_N"]))](
         x, gate_up, activated, sorted_pairs, block_expert, num_pairs, inter, hidden,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), activated.stride(0),
@@ -167,13 +277,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
         activated.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
         BLOCK_M=block_m, BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], PRECISION=precision,
         num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"], PDL=pdl, launch_pdl=pdl)
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(hidden))
-    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        per_pair, out, out if shared is None else shared, out if shared_gate is None else shared_gate, hidden,
-        0 if shared is None else shared.stride(0), 0 if shared_gate is None else shared_gate.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl)
-    return out
+    return per_pair
 
 
 def shape_key(num_experts: int, hidden: int, inter: int) -> str:

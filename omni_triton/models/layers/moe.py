@@ -119,7 +119,8 @@ class SparseMoE(KernelSwitch, nn.Module):
         else:
             router_logits = step_linear(self, x, self.gate.weight)
         weights, ids = routing.route(router_logits, self.top_k, self.norm_topk_prob)
-        out = fused_moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
+        gemv = self.use_fused_steps and self.linear_launch == "gemv"  # the per-pair GEMVs at 1-2 tokens
+        out = fused_moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, gemv=gemv,
                                       shared=shared, shared_gate=shared_gate)
         if self.shared_expert is not None and shared is None:  # not packed: the shared expert's own modules
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
