@@ -120,16 +120,21 @@ def _pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _pair_tile(ids_ptr, w_ptr, n_cols, stride_we, stride_wn, BLOCK_N: tl.constexpr):
+    """This program's (token, slot) pair, its output columns and their rows of the pair's expert weight."""
+    pair = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    return pair, cols, cols < n_cols, w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+
+
+@triton.jit
 def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, stride_we, stride_wn, stride_ot,
                               K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               PDL: tl.constexpr):
     wait_for_previous(PDL)
-    pair = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < inter
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    pair, cols, col_mask, gate_rows = _pair_tile(ids_ptr, w_ptr, inter, stride_we, stride_wn, BLOCK_N)
     x_row = x_ptr + (pair // TOP_K) * stride_xt
-    gate_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K)
     acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
@@ -144,11 +149,7 @@ def _down_weighted_gemv_kernel(h_ptr, w_ptr, ids_ptr, pair_weights_ptr, out_ptr,
                                stride_wn, stride_ot, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                PDL: tl.constexpr):
     wait_for_previous(PDL)
-    pair = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    pair, cols, col_mask, rows = _pair_tile(ids_ptr, w_ptr, hidden, stride_we, stride_wn, BLOCK_N)
     acc = _pair_gemv(h_ptr + pair * stride_ht, rows, col_mask, K, BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
     router_weight = tl.load(pair_weights_ptr + pair).to(tl.float32)
