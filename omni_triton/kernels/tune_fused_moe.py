@@ -6,7 +6,8 @@ The shapes are the MoE layers of the shipped full-size config (thinker and talke
 CUDA-graph replays of the whole fused MoE over ``LAYERS`` different weight copies in a row, so nothing stays
 in L2 between calls (as in a real forward) and host launch cost is out of the numbers. Coordinate search: the
 gate/up GEMM's tiles first (down at its default), then the down GEMM's, for each ``BLOCK_M`` that fits the
-bucket.
+bucket. At decode sizes (up to ``GEMV_MAX_TOKENS``) each line also gives the per-pair GEMVs' time, measured the
+same way, beside the grouped GEMMs'.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.testing
 
-from omni_triton.kernels.fused_moe import default_config, fused_experts, shape_key
+from omni_triton.kernels.fused_moe import GEMV_MAX_TOKENS, default_config, fused_experts, shape_key
 from omni_triton.kernels.routing import route
 from omni_triton.models.config import FULL_SIZE_CONFIG, OmniConfig, resolve_config_dir
 
@@ -48,10 +49,10 @@ def tune_shape(num_experts: int, hidden: int, inter: int, top_k: int, dtype: tor
         logits = torch.randn(num_tokens, num_experts, device="cuda", dtype=dtype, generator=gen)
         weights, ids = route(logits, top_k, True)
 
-        def ms(config):
+        def ms(config, gemv=False):
             def layers():
                 for gate_up, down in zip(gate_ups, downs):
-                    fused_experts(x, gate_up, down, ids, weights, config)
+                    fused_experts(x, gate_up, down, ids, weights, config, gemv=gemv)
             try:
                 layers()
             except triton.runtime.errors.OutOfResources:  # tiles that do not fit in shared memory
@@ -67,8 +68,10 @@ def tune_shape(num_experts: int, hidden: int, inter: int, top_k: int, dtype: tor
             took = ms(config)
             if best is None or took < best[0]:
                 best = (took, config)
+        # the decode sizes' per-pair GEMVs (what --linear-launch gemv runs there) beside the grouped GEMMs
+        by_pair = f", per-pair GEMVs {ms(None, gemv=True) * 1e3:.1f}" if num_tokens <= GEMV_MAX_TOKENS else ""
         print(f"E{num_experts} H{hidden} I{inter} k{top_k} tokens {num_tokens}: {best[0] * 1e3:.1f} us/layer "
-              f"(default {ms(default_config(num_tokens)) * 1e3:.1f}) {best[1]}", flush=True)
+              f"(default {ms(default_config(num_tokens)) * 1e3:.1f}{by_pair}) {best[1]}", flush=True)
         table[str(num_tokens)] = best[1]
         save()
 
