@@ -31,6 +31,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _enabled = True
+# Triton reads it when a kernel is defined, so it cannot change under a running process; read it once.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def set_dependent_launch(enabled: bool) -> None:
@@ -49,7 +51,7 @@ def _supported(device_index: int) -> bool:
 
 def enabled_for(tensor: torch.Tensor) -> bool:
     """Whether kernels reading ``tensor`` launch with PDL (their ``PDL`` argument and ``launch_pdl=``)."""
-    if not (_enabled and tensor.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (_enabled and tensor.is_cuda) or _INTERPRETED:
         return False
     return _supported(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
 

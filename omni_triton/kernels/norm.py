@@ -102,32 +102,6 @@ def _norm_rope_token(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, token, num_he
 
 
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xt, stride_xh,
-                           stride_ot, stride_oh, stride_cos, stride_sin, eps,
-                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    _norm_rope_token(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), num_heads, stride_xt,
-                     stride_xh, stride_ot, stride_oh, stride_cos, stride_sin, eps, HEAD_DIM, BLOCK_H)
-
-
-def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   eps: float) -> torch.Tensor:
-    """x [T, heads, head_dim] -> rotary(RMSNorm_per_head(x)); cos/sin [T, head_dim] (rotate-half layout).
-
-    The weight must have x's dtype (the rotary rounds to it, as the torch path does after the norm)."""
-    num_tokens, num_heads, head_dim = x.shape
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("head_norm_rope needs the head dim contiguous")
-    out = torch.empty_like(x)
-    pdl = enabled_for(x)
-    _head_norm_rope_kernel[(num_tokens,)](
-        x, weight, cos, sin, out, num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        cos.stride(0), sin.stride(0), eps, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-        num_warps=4, PDL=pdl, launch_pdl=pdl)
-    return out
-
-
-@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                          num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
                          stride_kot, stride_koh, stride_cos, stride_sin, q_eps, k_eps,
@@ -142,22 +116,42 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_
                          stride_kot, stride_koh, stride_cos, stride_sin, k_eps, HEAD_DIM, BLOCK_H)
 
 
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """x [T, heads, head_dim] -> rotary(RMSNorm_per_head(x)); cos/sin [T, head_dim] (rotate-half layout).
+
+    The weight must have x's dtype (the rotary rounds to it, as the torch path does after the norm). The q/k
+    kernel's launch with one tensor."""
+    return _launch_norm_rope(x, None, weight, None, cos, sin, eps, eps)[0]
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``head_norm_rope`` of the queries and of the keys in one launch (one program per token and tensor):
     q [T, Hq, D], k [T, Hkv, D] (any token and head strides, e.g. column views of a packed qkv output)."""
+    return _launch_norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps)
+
+
+def _launch_norm_rope(q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor, k_weight: torch.Tensor | None,
+                      cos: torch.Tensor, sin: torch.Tensor, q_eps: float,
+                      k_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Without k the grid has one program per token (the k branch never runs; q stands in for its arguments)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
+    tensors = 1 if k is None else 2
+    if k is None:
+        k, k_weight = q, q_weight
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("qk_norm_rope needs the head dim contiguous")
+        raise ValueError("head_norm_rope / qk_norm_rope need the head dim contiguous")
     if k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head_dim")
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    num_k_heads = k.shape[1]
+    q_out = torch.empty_like(q)
+    k_out = torch.empty_like(k) if tensors == 2 else q_out
     if num_tokens:
         pdl = enabled_for(q)
-        _qk_norm_rope_kernel[(num_tokens, 2)](
+        _qk_norm_rope_kernel[(num_tokens, tensors)](
             q, k, q_weight, k_weight, cos, sin, q_out, k_out, num_q_heads, num_k_heads, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
             cos.stride(0), sin.stride(0), q_eps, k_eps, HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4, PDL=pdl, launch_pdl=pdl)
-    return q_out, k_out
+    return q_out, (k_out if tensors == 2 else None)
