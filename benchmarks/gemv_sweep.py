@@ -37,6 +37,12 @@ SHAPES = {
     "thinker experts down (8 pairs)": ("down", 768, 2048, dict(experts=128, top_k=8)),
     "predictor qkv (norm)": ("dense", 1024, 4096, dict(norm=True)),
     "predictor gate/up (norm, SiLU)": ("dense", 1024, 3072, dict(norm=True, gated=True)),
+    "predictor down": ("dense", 3072, 1024, {}),
+    "o_proj of the talker and the predictor": ("dense", 2048, 1024, {}),
+    "talker qkv": ("dense", 1024, 2560, {}),
+    "talker shared gate/up + router + gate (packed)": ("dense", 1024, 1665, {}),
+    "talker experts gate/up (6 pairs)": ("gate_up", 1024, 384, dict(experts=128, top_k=6)),
+    "talker experts down (6 pairs)": ("down", 384, 1024, dict(experts=128, top_k=6)),
 }
 BLOCK_NS = (2, 4, 8, 16)
 CHUNK_ELEMENTS = (2048, 4096, 8192)  # BLOCK_N x BLOCK_K: the weights one unrolled K step holds
