@@ -5,8 +5,8 @@
 2. down: ``hidden[pair] @ down[e].T`` times the pair's router weight -> ``per_pair [T * k, H]``.
 At a decode step's 1-2 tokens (``gemv=True``) the two GEMMs run instead as multiply-add GEMVs per (token, slot)
 pair over its own expert's weights, a few output columns a program (the layout launch is not needed: each pair
-reads its expert id): at one token a talker layer's 8 pairs were 48 programs of the grouped gate/up GEMM, here
-they are ~800.
+reads its expert id): at one token the grouped gate/up GEMM is a few dozen programs, the per-pair GEMVs 576 for
+a talker layer's 6 pairs and 768 for a thinker layer's 8.
 The top-k sum is a third, small launch over ``per_pair.view(T, k, H)`` (fusing it into the down GEMM would
 need atomics, whose float order changes run to run; torch's ``sum`` took 5 us at decode, this 2). With a shared
 expert (the talker) it also adds ``sigmoid(gate) * shared``, three torch launches fewer.
