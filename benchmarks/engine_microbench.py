@@ -46,6 +46,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
+from omni_triton.graph_buckets import capturing
 from omni_triton.models.code2wav import exact_left_context_frames
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
@@ -79,6 +80,26 @@ def timed(fn, device: torch.device, repeat: int = 5) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def graph_seconds_per_call(issue_calls, calls: int, repeat: int = 5) -> float:
+    """Median over ``repeat`` replays of a CUDA graph of ``issue_calls()`` (``calls`` launches), per call; run
+    eagerly once first (compiled, scratch made) and captured with the collector kept out."""
+    issue_calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph):
+        issue_calls()
+    graph.replay()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
 
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 
-from engine_microbench import measure_ceilings
-from omni_triton.graph_buckets import capturing
+from engine_microbench import graph_seconds_per_call, measure_ceilings
 from omni_triton.kernels.dependent_launch import prefetch_lines
 from omni_triton.kernels.fused_moe import _down_weighted_gemv_kernel, _gate_up_silu_gemv_kernel, pair_gemv_blocks
 from omni_triton.kernels.small_linear import _gemv_kernel, gemv_blocks
@@ -96,23 +94,11 @@ def expert_launcher(kind: str, depth: int, cols: int, experts: int, top_k: int):
 
 
 def seconds_per_call(launch, block_n: int, block_k: int, warps: int, repeat: int = 5) -> float:
-    for i in range(CALLS):
-        launch(i, block_n, block_k, warps)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph):
+    def issue_calls():
         for i in range(CALLS):
             launch(i, block_n, block_k, warps)
-    graph.replay()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return statistics.median(times)
+
+    return graph_seconds_per_call(issue_calls, CALLS, repeat)
 
 
 def main() -> None:

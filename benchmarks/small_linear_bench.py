@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 
-from engine_microbench import measure_ceilings
-from omni_triton.graph_buckets import capturing
+from engine_microbench import graph_seconds_per_call, measure_ceilings
 from omni_triton.kernels import small_linear as small_linear_module
 from omni_triton.kernels.small_linear import GEMV_MAX_ROWS, gemv_blocks, launch_plan, small_linear
 
@@ -57,23 +55,11 @@ def layer_calls(rows: int, depth: int, cols: int, fusion: str, min_bytes: int) -
 
 def seconds_per_call(calls: list, split_k: int | None, gemv: bool, repeat: int = 5, tile=None) -> float:
     """Median over ``repeat`` replays of a CUDA graph of ``calls`` (made eagerly first: compiled, scratch made)."""
-    for x, weight, kwargs in calls:
-        small_linear(x, weight, split_k=split_k, gemv=gemv, tile=tile, **kwargs)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph):
+    def issue_calls():
         for x, weight, kwargs in calls:
             small_linear(x, weight, split_k=split_k, gemv=gemv, tile=tile, **kwargs)
-    graph.replay()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    return statistics.median(times)
+
+    return graph_seconds_per_call(issue_calls, len(calls), repeat)
 
 
 def programs(rows: int, depth: int, cols: int, fusion: str, split_k: int | None, gemv: bool) -> int:
