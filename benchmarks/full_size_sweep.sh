@@ -14,7 +14,10 @@
 # LEFT_CONTEXT (code2wav left context: frames, default 25: what transformers' own Code2Wav.chunked_decode uses;
 # "exact" = the receptive field, 578 frames; "stateful" = new frames only, the vocoder's state kept by the stage:
 # one-pass audio, the serve default; "default" = no flag), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG,
-# SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows).
+# SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows),
+# DEVICE_CHECK=1 (served): then benchmarks/served_device_check.py against the same server: 4 sampled streams
+# (seeds 0-3) of the sweep's lengths at one stream, the host-hop counters after everything it served, the streams
+# saved to OUT/served/device_check.npz; COMPARE_AUDIO=FILE checks them against another server's saved streams.
 # Two talker + two code2wav instances against one each on one GPU (docs/scaling.md):
 #   LEVELS=32,64 SEQ_LEVELS= LABEL="one instance each" bash benchmarks/full_size_sweep.sh served OUT/one
 #   LEVELS=32,64 SEQ_LEVELS= LABEL="talker x2, code2wav x2" SERVE_ARGS="--instances talker=2,code2wav=2" \
@@ -22,11 +25,10 @@
 # (measured: benchmarks/results/h200-replicas/). Two GPUs (issue 24, `nvidia-h200-x2`): thinker on GPU 0, talker
 # and code2wav on GPU 1, against every stage on GPU 0 of the same machine (the bench's GPU GiB column then shows
 # each GPU after the sum); then the host-hop counters and served-vs-in-process equality at one stream:
-#   LEVELS=1,8,16,32,64 SEQ_LEVELS= LEFT_CONTEXT=default LABEL="one GPU" bash benchmarks/full_size_sweep.sh served OUT/one
-#   LEVELS=1,8,16,32,64 SEQ_LEVELS= LEFT_CONTEXT=default LABEL="thinker GPU 0, talker + code2wav GPU 1" \
-#     SERVE_ARGS="--stage-gpus thinker=0,talker=1,code2wav=1" bash benchmarks/full_size_sweep.sh served OUT/split
-#   python3 benchmarks/served_device_check.py --device cuda --stage-gpus thinker=0,talker=1,code2wav=1 \
-#     --concurrency 1,8 --compare-inprocess --dtype float32 --out OUT/split_check.json
+#   export LEVELS=1,8,16,32,64 SEQ_LEVELS= LEFT_CONTEXT=default DEVICE_CHECK=1
+#   LABEL="one GPU" bash benchmarks/full_size_sweep.sh served OUT/one
+#   LABEL="thinker GPU 0, talker + code2wav GPU 1" SERVE_ARGS="--stage-gpus thinker=0,talker=1,code2wav=1" \
+#     COMPARE_AUDIO=OUT/one/served/device_check.npz bash benchmarks/full_size_sweep.sh served OUT/split
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}
@@ -72,6 +74,10 @@ served)
   serve_in_background "$LEFT_CONTEXT" "$out/served" || exit 1
   omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency "$LEVELS" \
     --trace "$out/served/trace" --out "$out/served" ${LABEL:+--label "$LABEL"} >"$out/served/bench.log" 2>&1
+  [ -z "${DEVICE_CHECK:-}" ] || python3 benchmarks/served_device_check.py --url 127.0.0.1:18001 \
+    --metrics-url http://127.0.0.1:18002/metrics --device cuda --concurrency 1 --requests 4 --tokens 100 \
+    --frames 250 --audio-out "$out/served/device_check.npz" ${COMPARE_AUDIO:+--compare-audio "$COMPARE_AUDIO"} \
+    --out "$out/served/device_check.json" >"$out/served/device_check.log" 2>&1
   [ -z "$SEQ_LEVELS" ] || omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") \
     --systems server-sequential --concurrency "$SEQ_LEVELS" --out "$out/sequential" >"$out/served/bench-sequential.log" 2>&1
   stop_server "$out/served"

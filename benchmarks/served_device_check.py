@@ -7,9 +7,17 @@ means no stage-to-stage hop went through host memory), and writes the numbers as
 Triton) run alone with the same seed: text equal, audio within ``--audio-atol``. With ``--soak-s`` it then
 keeps ``--soak-concurrency`` streams going for that long, sampling GPU and host memory.
 
+With ``--url`` it checks a server that is already running (e.g. the full-size server a benchmark just loaded)
+instead of starting its own; its counters then cover everything that server served. ``--audio-out`` saves every
+served stream's text and audio; ``--compare-audio`` checks them against a file an earlier run saved (same seeds):
+how one placement of the stages is shown to serve what another served, e.g. GPUs split against one GPU.
+
     python benchmarks/served_device_check.py --device cuda --concurrency 1,8,32 --compare-inprocess \
         --dtype float32 --out served_cuda.json
     python benchmarks/served_device_check.py --device cuda --concurrency 8 --soak-s 360 --out soak.json
+    python benchmarks/served_device_check.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \
+        --concurrency 1 --requests 4 --audio-out one_gpu.npz --out one_gpu.json   # then, served split:
+    python benchmarks/served_device_check.py --url ... --compare-audio one_gpu.npz --out split.json
 
 ``--entry orchestrator`` preprocesses in this process and streams to the orchestrator directly (no
 BYTES inputs reach a Python stub): the tritonserver bundle's Python 3.12 stub garbles BYTES inputs on
@@ -185,11 +193,48 @@ def compare_inprocess(checkpoint: Path, config: LaunchConfig, workload: dict, se
             reference[index] = (text, np.concatenate(audio) if audio else np.zeros(0, np.float32))
     finally:
         pipeline.close()
+    return compare_streams(served, lambda concurrency, index: reference[index], audio_atol)
+
+
+def save_streams(path: Path, served: dict[int, list]) -> None:
+    """Every served stream's audio and text, keyed ``c<concurrency>_r<request>`` (request i has seed i)."""
+    import numpy as np
+
+    arrays = {}
+    for concurrency, results in served.items():
+        for index, result in enumerate(results):
+            arrays[f"c{concurrency}_r{index}_audio"] = result.audio
+            arrays[f"c{concurrency}_r{index}_text"] = np.array(result.text)
+    np.savez_compressed(path, **arrays)
+
+
+def compare_saved_streams(path: Path, served: dict[int, list], audio_atol: float) -> dict:
+    """Each served stream against the one with the same concurrency and seed that ``save_streams`` wrote."""
+    import numpy as np
+
+    saved = np.load(path)
+
+    def reference(concurrency: int, index: int):
+        key = f"c{concurrency}_r{index}"
+        return (str(saved[f"{key}_text"]), saved[f"{key}_audio"]) if f"{key}_audio" in saved else None
+
+    return compare_streams(served, reference, audio_atol)
+
+
+def compare_streams(served: dict[int, list], reference, audio_atol: float) -> dict:
+    """Per concurrency: how many served streams have the text and (same length, within ``audio_atol``) the audio
+    of ``reference(concurrency, index)`` -> (text, audio), or None where there is none (counted unequal)."""
+    import numpy as np
+
     report = {}
     for concurrency, results in served.items():
         text_equal, audio_equal, worst = 0, 0, 0.0
         for index, result in enumerate(results):
-            text, audio = reference[index]
+            expected = reference(concurrency, index)
+            if expected is None:
+                worst = float("inf")
+                continue
+            text, audio = expected
             text_equal += result.text == text
             same_length = len(result.audio) == len(audio)
             diff = float(np.abs(result.audio - audio).max()) if same_length and len(audio) else float("inf")
@@ -244,6 +289,12 @@ def soak(server: TritonServer, concurrency: int, seconds: float, workload: dict,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="checkpoint dir (default: build the tiny one)")
+    parser.add_argument("--url", help="check this running server (gRPC host:port) instead of starting one")
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics",
+                        help="with --url: its Prometheus metrics (default: %(default)s)")
+    parser.add_argument("--audio-out", type=Path, help="save every served stream's text and audio here (.npz)")
+    parser.add_argument("--compare-audio", type=Path,
+                        help="check every served stream against this --audio-out file of an earlier run")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="engines' dtype (default: float32 on cpu, bfloat16 on cuda)")
@@ -275,7 +326,48 @@ def main(argv: list[str] | None = None) -> None:
                         help="no request finished for this long: dump every stub's Python stacks (py-spy, if "
                              "installed) and the omni_* gauges next to --out, then stop (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.url and (args.compare_inprocess or args.soak_s or args.entry != "omni"):
+        parser.error("--url checks a running server's streams: --compare-inprocess, --soak-s and --entry "
+                     "orchestrator need a server this check starts")
+    if args.compare_audio and not args.compare_audio.is_file():
+        parser.error(f"--compare-audio: no such file {args.compare_audio} (an --audio-out of an earlier run)")
+    workload = dict(temperature=args.temperature, max_tokens=args.tokens, min_tokens=args.tokens,
+                    ignore_eos=True, max_audio_frames=args.frames, min_audio_frames=args.frames)
+    report = check_running_server(args, workload) if args.url else check_own_server(args, workload)
+    served = report.pop("served")  # the streams themselves: to a file of their own, not the JSON
+    if args.audio_out:
+        save_streams(args.audio_out, served)
+    if args.compare_audio:
+        report["saved_comparison"] = {"file": str(args.compare_audio), "audio_atol": args.audio_atol,
+                                      "levels": compare_saved_streams(args.compare_audio, served, args.audio_atol)}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report, args.device)
 
+
+def measure(grpc_url: str, metrics_url: str, args, workload: dict, preprocess, watchdog) -> dict:
+    """A warm-up, then each concurrency level; the host-hop counters after them."""
+    run_level(grpc_url, 1, 2, workload, preprocess, watchdog)  # warm-up: first calls compile/allocate
+    served: dict[int, list] = {}
+    levels = [run_level(grpc_url, int(c), max(args.requests, int(c)), workload, preprocess, watchdog,
+                        served.setdefault(int(c), [])) for c in args.concurrency.split(",")]
+    return {"levels": levels, "interstage_host_tensors": host_hop_counters(metrics_url), "served": served}
+
+
+def check_running_server(args, workload: dict) -> dict:
+    def stalled():
+        print(f"stalled: no request finished for {args.stall_s} s", flush=True)
+        os._exit(3)
+
+    watchdog = StallWatchdog(args.stall_s, stalled)
+    try:
+        measured = measure(args.url, args.metrics_url, args, workload, None, watchdog)
+    finally:
+        watchdog.cancel()
+    return dict({"device": args.device, "gpu": gpu_name(), "server": args.url, "entry": args.entry,
+                 "workload": workload}, **measured)
+
+
+def check_own_server(args, workload: dict) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="omni-served-"))
     checkpoint = args.checkpoint
     if checkpoint is None:
@@ -298,15 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ready_s = server.wait_ready(timeout_s=600)
         watchdog = StallWatchdog(args.stall_s, lambda: dump_stuck_server(server, Path(args.out).with_suffix(".stuck")))
-        workload = dict(temperature=args.temperature, max_tokens=args.tokens, min_tokens=args.tokens,
-                        ignore_eos=True, max_audio_frames=args.frames, min_audio_frames=args.frames)
         preprocess = (_PreprocessedInputs(Path(checkpoint), config.kv_cache_tokens)
                       if args.entry == "orchestrator" else None)
-        run_level(server.grpc_url, 1, 2, workload, preprocess, watchdog)  # warm-up: first calls compile/allocate
-        served: dict[int, list] = {}
-        levels = [run_level(server.grpc_url, int(c), max(args.requests, int(c)), workload, preprocess, watchdog,
-                            served.setdefault(int(c), [])) for c in args.concurrency.split(",")]
-        hops = host_hop_counters(server.metrics_url)
+        measured = measure(server.grpc_url, server.metrics_url, args, workload, preprocess, watchdog)
         soaked = None
         if args.soak_s:
             watchdog.progress(stall_s=args.soak_s + 300)  # the soak counts its own errors
@@ -318,27 +404,35 @@ def main(argv: list[str] | None = None) -> None:
         stop_started = time.monotonic()
         server.stop()
         stop_s = time.monotonic() - stop_started
-    compared = (compare_inprocess(Path(checkpoint), config, workload, served, args.audio_atol)
+    compared = (compare_inprocess(Path(checkpoint), config, workload, measured["served"], args.audio_atol)
                 if args.compare_inprocess else None)
-    report = {"device": args.device, "gpu": gpu_name(), "python_backend": install.python_backend_note,
-              "dtype": config.resolved_dtype, "fast_path": config.fast_path,
-              "cuda_graphs": config.cuda_graphs, "interstage_memory": config.interstage_memory, "entry": args.entry,
-              "checkpoint": str(checkpoint), "ready_s": ready_s, "stop_s": stop_s, "workload": workload,
-              "levels": levels, "interstage_host_tensors": hops, "inprocess_comparison": compared, "soak": soaked}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"ready in {ready_s:.1f} s on {args.device}")
+    return dict({"device": args.device, "gpu": gpu_name(), "python_backend": install.python_backend_note,
+                 "dtype": config.resolved_dtype, "fast_path": config.fast_path,
+                 "cuda_graphs": config.cuda_graphs, "interstage_memory": config.interstage_memory,
+                 "entry": args.entry, "checkpoint": str(checkpoint), "ready_s": ready_s, "stop_s": stop_s,
+                 "workload": workload}, **measured, inprocess_comparison=compared, soak=soaked)
+
+
+def print_report(report: dict, device: str) -> None:
+    if "ready_s" in report:
+        print(f"ready in {report['ready_s']:.1f} s on {device}")
     print("| concurrency | TTFT p50 ms | TTFA p50 ms | TTFA max ms | RTF mean | req/s |")
     print("|---|---|---|---|---|---|")
-    for level in levels:
+    for level in report["levels"]:
         print(f"| {level['concurrency']} | {level['ttft_p50_ms']:.1f} | {level['ttfa_p50_ms']:.1f} | "
               f"{level['ttfa_max_ms']:.1f} | {level['rtf_mean']:.3f} | {level['requests_per_s']:.2f} |")
-    print("inter-stage tensors received in host memory, by stage:", hops)
-    if compared:
-        print("against the in-process pipeline (same seed):", json.dumps(compared))
+    print("inter-stage tensors received in host memory, by stage:", report["interstage_host_tensors"])
+    if report.get("inprocess_comparison"):
+        print("against the in-process pipeline (same seed):", json.dumps(report["inprocess_comparison"]))
+    if "saved_comparison" in report:
+        print(f"against {report['saved_comparison']['file']} (same seeds):",
+              json.dumps(report["saved_comparison"]["levels"]))
+    soaked = report.get("soak")
     if soaked:
         print(f"soak: {soaked['requests']} requests in {soaked['seconds']} s at {soaked['concurrency']} streams, "
               f"{soaked['errors']} errors; memory first/last: {soaked['samples'][0]} / {soaked['samples'][-1]}")
-    print(f"server stopped in {stop_s:.1f} s")
+    if "stop_s" in report:
+        print(f"server stopped in {report['stop_s']:.1f} s")
 
 
 def gpu_name() -> str | None:
