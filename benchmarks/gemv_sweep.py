@@ -1,8 +1,8 @@
 """The multiply-add GEMV kernels at a decode step's one row, swept over their launch shape: columns per program
 (``BLOCK_N``), K chunk (``BLOCK_K``) and warps, at the thinker's and the code predictor's shapes, against the
 weight-read floor measured in the same run. The question: how far from HBM bandwidth is a batch-1 step's
-largest kernel, and does another launch shape than the shipped rule (``small_linear.gemv_blocks``,
-``fused_moe.pair_gemv_blocks``, 4 warps) close it?
+largest kernel, and does another launch shape than the shipped one (``small_linear.gemv_launch``,
+``fused_moe.pair_gemv_launch``: their tuned tables, else the rule with 4 warps) close it?
 
     python benchmarks/gemv_sweep.py --out-dir $OUT/gemv        # CUDA only; writes gemv_sweep.{json,md}
 
@@ -22,8 +22,9 @@ import triton
 
 from engine_microbench import graph_seconds_per_call, measure_ceilings
 from omni_triton.kernels.dependent_launch import prefetch_lines
-from omni_triton.kernels.fused_moe import _down_weighted_gemv_kernel, _gate_up_silu_gemv_kernel, pair_gemv_blocks
-from omni_triton.kernels.small_linear import _gemv_kernel, gemv_blocks
+from omni_triton.kernels.fused_moe import (_down_weighted_gemv_kernel, _gate_up_silu_gemv_kernel,
+                                          pair_gemv_launch)
+from omni_triton.kernels.small_linear import _gemv_kernel, gemv_launch
 
 CALLS = 64
 MIN_BYTES = 256 << 20  # weight bytes a graph's calls cycle through (> 4x the L2)
@@ -62,7 +63,7 @@ def dense_launcher(depth: int, cols: int, norm: bool = False, gated: bool = Fals
             K=depth, NORM=norm, GATED=gated, RESIDUAL=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True,
             PREFETCH_LINES=prefetch_lines(depth, 2), num_warps=warps, launch_pdl=True)
 
-    return launch, rows_w * depth * 2, (*gemv_blocks(1, cols, depth)[1:], 4)
+    return launch, rows_w * depth * 2, gemv_launch(1, cols, depth, gated)[1:]
 
 
 def expert_launcher(kind: str, depth: int, cols: int, experts: int, top_k: int):
@@ -79,7 +80,7 @@ def expert_launcher(kind: str, depth: int, cols: int, experts: int, top_k: int):
                 x, weight, ids[i], out, cols, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
                 K=depth, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, num_warps=warps, launch_pdl=True)
 
-        return launch, top_k * 2 * cols * depth * 2, (*pair_gemv_blocks(top_k, cols, depth), 4)
+        return launch, top_k * 2 * cols * depth * 2, pair_gemv_launch("gate_up", top_k, cols, depth)
     weight = torch.randn(experts, cols, depth, device=device, dtype=dtype) / depth ** 0.5
     h = torch.randn(top_k, depth, device=device, dtype=dtype)
     pair_weights = torch.rand(top_k, device=device, dtype=torch.float32)
@@ -90,7 +91,7 @@ def expert_launcher(kind: str, depth: int, cols: int, experts: int, top_k: int):
             h, weight, ids[i], pair_weights, out, cols, h.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
             K=depth, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, num_warps=warps, launch_pdl=True)
 
-    return launch, top_k * cols * depth * 2, (*pair_gemv_blocks(top_k, cols, depth), 4)
+    return launch, top_k * cols * depth * 2, pair_gemv_launch("down", top_k, cols, depth)
 
 
 def seconds_per_call(launch, block_n: int, block_k: int, warps: int, repeat: int = 5) -> float:

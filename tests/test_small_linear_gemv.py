@@ -108,3 +108,54 @@ def test_gemv_replays_under_a_cuda_graph():
         torch.cuda.synchronize()
         for got, want in zip(captured, eager):
             assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------- tuned launches
+
+def test_the_tuned_launch_shapes_apply_to_their_shapes_only():
+    """``gemv_launch`` / ``pair_gemv_launch``: the H200 sweep's entries where they were measured, the rule with
+    4 warps everywhere else."""
+    from omni_triton.kernels.fused_moe import PAIR_GEMV_TUNED, pair_gemv_blocks, pair_gemv_launch
+    from omni_triton.kernels.small_linear import GEMV_TUNED, gemv_launch
+
+    for (depth, cols, gated), tuned in GEMV_TUNED.items():
+        for rows in (1, 2):
+            assert gemv_launch(rows, cols, depth, gated) == (rows, *tuned)
+    assert gemv_launch(1, 1024, 2048, False) == (1, *gemv_blocks(1, 1024, 2048)[1:], 4)  # predictor o_proj: rule
+    assert gemv_launch(1, 3072, 1024, False)[3] == 4  # the gate/up entry is for the gated launch only
+    for (kernel, depth, cols), tuned in PAIR_GEMV_TUNED.items():
+        assert pair_gemv_launch(kernel, 8, cols, depth) == tuned
+    assert pair_gemv_launch("gate_up", 6, 384, 1024) == (*pair_gemv_blocks(6, 384, 1024), 4)  # talker: the rule
+
+
+@pytest.mark.parametrize("depth,cols,variant", [(1024, 3072, "gated-norm"), (2048, 5120, "plain")])
+def test_gemv_at_a_tuned_launch_shape_equals_the_reference(depth, cols, variant):
+    """The tuned tiles (8 columns x 1024 of K) in the interpreter: the same result as the torch composition."""
+    run, want = layer_call(variant, 1, depth, cols, torch.float32, seed=depth)
+    got = run(None, gemv=True)
+    assert rel_error(got, want) < tolerance(torch.float32)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 2])
+def test_tuned_gemvs_at_the_thinker_dims_in_bf16(rows):
+    """The thinker's qkv and o_proj GEMVs (8 warps) and its experts' per-pair GEMVs (8 warps, 2 and 16 columns a
+    program) at full size against cuBLAS and the grouped expert GEMMs."""
+    from omni_triton.kernels import fused_moe
+    from omni_triton.models.layers import moe
+
+    for depth, cols in ((2048, 5120), (4096, 2048)):
+        run, want = layer_call("plain", rows, depth, cols, torch.bfloat16, seed=rows)
+        got = run(None, gemv=True)
+        assert rel_error(got, want) < 1e-2, (depth, cols)
+        assert torch.equal(run(None, gemv=True), got)
+    gen = torch.Generator().manual_seed(rows)
+    num_experts, hidden, inter, top_k = 128, 2048, 768, 8
+    x = torch.randn(rows, hidden, generator=gen).to("cuda", torch.bfloat16)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to("cuda", torch.bfloat16)
+    down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to("cuda", torch.bfloat16)
+    weights, ids = moe.route(torch.randn(rows, num_experts, generator=gen).to("cuda", torch.bfloat16), top_k, True)
+    by_pair = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True)
+    grouped = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights)
+    assert rel_error(by_pair, grouped) < 1e-2
+    assert rel_error(by_pair, moe.run_experts(x, gate_up, down, ids, weights)) < 1e-2

@@ -220,6 +220,17 @@ GEMV_MAX_TOKENS = 2
 GEMV_MIN_PROGRAMS = 512  # ~4 per SM of a 132-SM GPU, as small_linear.GEMV_MIN_PROGRAMS
 
 
+# (kernel, K, N) -> (BLOCK_N, BLOCK_K, num_warps) where another launch shape than ``pair_gemv_blocks``' rule with
+# 4 warps measured faster on the H200 (benchmarks/gemv_sweep.py, the thinker's 8 pairs of one token,
+# benchmarks/results/h200-gemv-sweep/: gate/up 1.25x, down 1.18x)
+PAIR_GEMV_TUNED = {("gate_up", 2048, 768): (2, 2048, 8), ("down", 768, 2048): (16, 256, 8)}
+
+
+def pair_gemv_launch(kernel: str, num_pairs: int, cols: int, depth: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a per-pair GEMV ("gate_up" or "down"): the tuned entry, else the rule."""
+    return PAIR_GEMV_TUNED.get((kernel, depth, cols), (*pair_gemv_blocks(num_pairs, cols, depth), 4))
+
+
 def pair_gemv_blocks(num_pairs: int, cols: int, depth: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the per-pair GEMVs: 2-8 output columns a program, so that the launch has about
     ``GEMV_MIN_PROGRAMS`` programs over all pairs, each holding ~4K weights of a K chunk."""
@@ -236,15 +247,15 @@ def _experts_by_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     num_pairs = num_tokens * top_k
     ids = expert_ids.reshape(-1)
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = pair_gemv_blocks(num_pairs, inter, hidden)
+    block_n, block_k, warps = pair_gemv_launch("gate_up", num_pairs, inter, hidden)
     _gate_up_silu_gemv_kernel[(triton.cdiv(inter, block_n), num_pairs)](
         x, gate_up, ids, activated, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
-        K=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, PDL=pdl, launch_pdl=pdl)
+        K=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k = pair_gemv_blocks(num_pairs, hidden, inter)
+    block_n, block_k, warps = pair_gemv_launch("down", num_pairs, hidden, inter)
     _down_weighted_gemv_kernel[(triton.cdiv(hidden, block_n), num_pairs)](
         activated, down, ids, expert_weights.reshape(-1), per_pair, hidden, activated.stride(0), down.stride(0),
-        down.stride(1), per_pair.stride(0), K=inter, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, PDL=pdl,
+        down.stride(1), per_pair.stride(0), K=inter, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, PDL=pdl,
         launch_pdl=pdl)
     return per_pair
 

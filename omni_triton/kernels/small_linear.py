@@ -287,6 +287,21 @@ def gemv_blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
     return triton.next_power_of_2(rows), block_n, block_k
 
 
+# (K, N, gated) -> (BLOCK_N, BLOCK_K, num_warps) of the GEMV at 1-2 rows where another launch shape than
+# ``gemv_blocks``' rule with 4 warps measured faster on the H200 (benchmarks/gemv_sweep.py at one row,
+# benchmarks/results/h200-gemv-sweep/: 1.06-1.43x): the thinker's qkv and o_proj, the predictor's qkv and
+# gate/up. Every other shape keeps the rule.
+GEMV_TUNED = {(2048, 5120, False): (8, 1024, 8), (4096, 2048, False): (2, 4096, 8),
+              (1024, 4096, False): (8, 1024, 4), (1024, 3072, True): (8, 1024, 4)}
+
+
+def gemv_launch(rows: int, cols: int, depth: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the multiply-add kernel: ``GEMV_TUNED``'s entry, else the rule."""
+    block_m, block_n, block_k = gemv_blocks(rows, cols, depth)
+    block_n, block_k, warps = GEMV_TUNED.get((depth, cols, gated), (block_n, block_k, 4))
+    return block_m, block_n, block_k, warps
+
+
 def workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """The split-K scratch (float32 partials) or tile counters (int32, zeroed; the kernel leaves them 0) of
     this size on ``device`` (``kernels.scratch``: made once, reused by every later call and graph replay)."""
@@ -319,13 +334,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pdl = enabled_for(x)
     if gemv and rows <= GEMV_MAX_ROWS:
-        block_m, block_n, block_k = gemv_blocks(rows, cols, depth)
+        block_m, block_n, block_k, warps = gemv_launch(rows, cols, depth, gated)
         _gemv_kernel[(triton.cdiv(cols, block_n),)](
             x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
             rows, cols, x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
             eps, K=depth, NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-            PREFETCH_LINES=prefetch_lines(depth, weight.element_size()), num_warps=4, launch_pdl=pdl)
+            PREFETCH_LINES=prefetch_lines(depth, weight.element_size()), num_warps=warps, launch_pdl=pdl)
         return out
     if tile is None:
         blocks, splits, k_per_split, stages = launch_plan(rows, cols, depth, norm_weight is not None, gated, split_k,
