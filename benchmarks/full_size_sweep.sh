@@ -29,6 +29,7 @@
 #   LABEL="one GPU" bash benchmarks/full_size_sweep.sh served OUT/one
 #   LABEL="thinker GPU 0, talker + code2wav GPU 1" SERVE_ARGS="--stage-gpus thinker=0,talker=1,code2wav=1" \
 #     COMPARE_AUDIO=OUT/one/served/device_check.npz bash benchmarks/full_size_sweep.sh served OUT/split
+# (measured: benchmarks/results/h200x2-split/).
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}
