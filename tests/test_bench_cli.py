@@ -30,6 +30,12 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
         assert frames_seconds - 1 / 12.5 < row["audio_s_per_request"] <= frames_seconds
     assert {(r["system"], r["concurrency"]) for r in report["ratios"]} == {("inprocess", 1), ("inprocess", 2)}
     assert "| server | 1 | 2 | 0 |" in (out / "results.md").read_text()
+    # the local server's processes, by instance: the stages worked during the level, the in-process rows have none
+    cpu = rows["server", 2]["server_cpu_pct"]
+    assert {"tritonserver", "orchestrator_0_0", "thinker_0_0", "talker_0_0", "code2wav_0_0"} <= set(cpu)
+    assert all(cpu[stage] > 0 for stage in ("orchestrator_0_0", "thinker_0_0", "talker_0_0", "code2wav_0_0"))
+    assert rows["inprocess", 1]["server_cpu_pct"] is None
+    assert "| system | conc | tritonserver | code2wav_0_0 |" in (out / "results.md").read_text()
     # --trace: a TTFA breakdown per level; this server was started without a trace dir, so its rows hold the
     # client's own span only, while the in-process pipeline's show every stage (tests/test_trace_breakdown.py
     # covers a traced server)

@@ -44,6 +44,7 @@ from omni_triton.bench import breakdown
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
+from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
 from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
@@ -203,10 +204,12 @@ def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workl
 
 
 def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None = None,
-                 breakdowns: list[dict] | None = None, after_level=lambda: None) -> list[LevelSummary]:
+                 breakdowns: list[dict] | None = None, after_level=lambda: None,
+                 server_url: str | None = None) -> list[LevelSummary]:
     """Every level of ``workload`` through ``runner``. With ``trace_dir``, each level's requests are traced
     and its TTFA breakdown row is appended to ``breakdowns``; ``after_level`` is called after each level with
-    ``summaries`` (this system's so far) not yet returned: see main's ``save_partial``."""
+    ``summaries`` (this system's so far) not yet returned: see main's ``save_partial``. With ``server_url`` (a
+    server on this machine), each level also records its processes' CPU (bench.server_cpu)."""
     from tqdm import tqdm
 
     tensors = client_tensors(workload, text, sequential=runner.sequential)
@@ -223,14 +226,15 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             level_dir = trace_dir / f"{runner.name}-c{concurrency}" if trace_dir is not None else None
             trace.configure(level_dir)
             try:
-                with GpuMemoryPeak() as gpu_memory:
+                with GpuMemoryPeak() as gpu_memory, ServerCpu(server_url or "") as server_cpu:
                     timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
                                                 on_done=lambda _: progress.update())
             finally:
                 trace.configure(None)
             summaries.append(replace(summarize(runner.name, concurrency, timings, wall_s),
                                      gpu_memory_peak_gib=gpu_memory.gib,
-                                     gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu))
+                                     gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu,
+                                     server_cpu_pct=server_cpu.percent))
             if level_dir is not None and breakdowns is not None:
                 server_dir = trace_dir / "server" if runner.name.startswith("server") else None
                 breakdowns.append(breakdown.level_row(runner.name, concurrency, level_dir, server_dir))
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         with served(args, workload, notes) as url:
             for system in server_systems:
                 summaries += bench_system(make_runner(system, args, url, workload, notes), workload, text,
-                                          args.trace, breakdowns, save_partial)
+                                          args.trace, breakdowns, save_partial, server_url=url)
     for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
         runner = make_runner(system, args, args.url, workload, notes)
         try:

@@ -127,6 +127,8 @@ class LevelSummary:
     ran_dry_fraction: float | None = None    # ... of the successful streams with audio
     gpu_memory_peak_gib: float | None = None  # device-wide, the most in use during the level (bench.gpu_memory)
     gpu_memory_peak_gib_per_gpu: list[float] | None = None  # the same per visible GPU, in nvidia-smi's order
+    # a local server's processes (tritonserver, each stage instance's stub): CPU during the level, % of one core
+    server_cpu_pct: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -94,6 +94,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
                      f"{_num(s.rtf_p95, 3)} | {_num(s.audio_s_per_request)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
                      f"{_num(s.continuity)} | {_gpu_gib(s)} |")
     lines += listener_table(summaries)
+    lines += server_cpu_table(summaries)
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
                       "audio s/s: <1 is less throughput):", "",
@@ -125,6 +126,22 @@ def listener_table(summaries: list[LevelSummary]) -> list[str]:
         lines.append(f"| {s.system} | {s.concurrency} | {_ms(s.dry_p50)} | {_ms(s.dry_p95)} | "
                      f"{_ms(s.gapless_start_p50)} | {_ms(s.gapless_start_p95)} | {s.ran_dry} | "
                      f"{_num(100 * s.ran_dry_fraction, 0)} |")
+    return lines
+
+
+def server_cpu_table(summaries: list[LevelSummary]) -> list[str]:
+    """The local server's processes' CPU per level (bench.server_cpu): a stage's stub near 100% is bound by its
+    one Python thread at a time, whatever its GPU does."""
+    rows = [s for s in summaries if s.server_cpu_pct]
+    if not rows:
+        return []
+    names = sorted({name for s in rows for name in s.server_cpu_pct}, key=lambda name: (name != "tritonserver", name))
+    lines = ["", "Server processes' CPU during each level, % of one core (tritonserver and each stage instance's "
+                 "Python stub; a stub near 100% is bound by its Python thread):", "",
+             "| system | conc | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for s in rows:
+        lines.append(f"| {s.system} | {s.concurrency} | "
+                     + " | ".join(_num(s.server_cpu_pct.get(name), 0) for name in names) + " |")
     return lines
 
 

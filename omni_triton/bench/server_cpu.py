@@ -1,0 +1,95 @@
+"""CPU time of a local server's processes while a benchmark level runs, as % of one core: tritonserver itself and
+each stage instance's Python-backend stub (``orchestrator_0_0``, ``talker_0_1``, ...).
+
+A stub runs its Python one thread at a time (the GIL), so one near 100% is a stage bound by its host work however
+idle its GPU is: what the TTFA breakdown's delivery segments ("first frame to the orchestrator") cannot tell
+apart from GPU queueing. Read from /proc, so only for a server on this machine (the bench's own or one started
+beside it); None otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+SERVER_BINARY = "tritonserver"
+STUB_BINARY = "triton_python_backend_stub"
+DEFAULT_GRPC_PORT = 8001
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def _parent_and_cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """(parent pid, user + system clock ticks) from /proc/<pid>/stat; None when the process is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def serves_port(argv: list[str], grpc_port: int) -> bool:
+    """Whether a tritonserver command line listens for gRPC on ``grpc_port`` (8001 when it names none)."""
+    named = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--grpc-port=")]
+    return named == [str(grpc_port)] if named else grpc_port == DEFAULT_GRPC_PORT
+
+
+def process_name(argv: list[str]) -> str | None:
+    """"tritonserver", a stub's instance name (its second-to-last argument, e.g. ``talker_0_1``), or None."""
+    if not argv:
+        return None
+    binary = os.path.basename(argv[0])
+    if binary == SERVER_BINARY:
+        return SERVER_BINARY
+    if binary == STUB_BINARY and len(argv) >= 3:
+        return argv[-2]
+    return None
+
+
+def server_cpu_ticks(grpc_port: int) -> dict[str, int] | None:
+    """Clock ticks used so far by the tritonserver serving ``grpc_port`` and by each of its stub processes."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _parent_and_cpu_ticks(int(entry.name))) is not None:
+            parents[int(entry.name)], ticks[int(entry.name)] = stat
+    servers = [pid for pid in ticks if (argv := _cmdline(pid)) and process_name(argv) == SERVER_BINARY
+               and serves_port(argv, grpc_port)]
+    if len(servers) != 1:
+        return None
+    found = {SERVER_BINARY: ticks[servers[0]]}
+    for pid, parent in parents.items():
+        name = process_name(_cmdline(pid)) if parent == servers[0] else None
+        if name is not None and name != SERVER_BINARY:
+            found[name] = ticks[pid]
+    return found
+
+
+class ServerCpu:
+    """``with ServerCpu(url) as cpu: ...`` then ``cpu.percent``: per process of the server at ``url`` (gRPC
+    host:port, on this machine), its CPU time during the block as % of one core; None if not measurable."""
+
+    def __init__(self, url: str):
+        host, _, port = url.rpartition(":")
+        self._port = int(port) if port.isdigit() and host in ("127.0.0.1", "localhost", "0.0.0.0", "[::1]") else None
+        self.percent: dict[str, float] | None = None
+
+    def __enter__(self) -> "ServerCpu":
+        self._start = (time.monotonic(), server_cpu_ticks(self._port) if self._port else None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        started, before = self._start
+        after = server_cpu_ticks(self._port) if before else None
+        if not after:
+            return
+        per_tick_pct = 100.0 / os.sysconf("SC_CLK_TCK") / max(time.monotonic() - started, 1e-9)
+        # a process only in one snapshot (a stage restarted in between) has no interval to report
+        self.percent = {name: round((after[name] - before[name]) * per_tick_pct, 1)
+                        for name in sorted(after) if name in before}
