@@ -61,6 +61,9 @@ REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "SP
 BLS_STAGES = ("thinker", "talker", "code2wav")
 DISPATCH_S = 0.05  # how often waiting requests are looked at (cancelled? capacity freed?) without an event
 CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observation this often
+# A session asks whether its stage died at every response and every poll (session.POLL_S); a stage seen alive
+# this recently counts as alive, so a death is noticed this much later at most (the final error is mapped fresh)
+STAGE_ALIVE_MAX_AGE_S = 0.05
 
 
 class Orchestrator:
@@ -262,7 +265,7 @@ class Orchestrator:
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
                 is_cancelled=ticket.is_cancelled,
-                stage_failure=lambda stage: self._stages.failure(generations, stage),
+                stage_failure=lambda stage: self._stages.failure(generations, stage, max_age_s=STAGE_ALIVE_MAX_AGE_S),
             )
             session.run(emit)
             error = None

@@ -45,6 +45,7 @@ class StageSupervisor:
         self._instances = dict(stages)
         self._stubs: dict[str, dict[str, int]] = {stage: {} for stage in stages}  # stage -> {instance: pid} found
         self._scanned_at = float("-inf")
+        self._seen_alive_at: dict[str, float] = {}  # stage -> when all its stubs were last seen alive
         self._lock = threading.Lock()
         self._generation = dict.fromkeys(stages, 0)  # stub deaths seen, per stage
         self._down: dict[str, str] = {}  # stage -> why it serves nothing now
@@ -57,11 +58,13 @@ class StageSupervisor:
         with self._lock:
             return dict(self._generation)
 
-    def failure(self, since: dict[str, int], *stages: str) -> str | None:
-        """Why a request that started at ``since`` lost one of ``stages`` (default: any), or None."""
+    def failure(self, since: dict[str, int], *stages: str, max_age_s: float = 0.0) -> str | None:
+        """Why a request that started at ``since`` lost one of ``stages`` (default: any), or None. With
+        ``max_age_s``, a stage whose stubs were all seen alive that recently is taken as still alive: a session
+        asks at every response it reads, and reading /proc each time was a fifth of the orchestrator's CPU."""
         with self._lock:
             died = [stage for stage in stages or self._generation
-                    if self._generation[stage] != since[stage] or self._dead(stage)]
+                    if self._generation[stage] != since[stage] or self._dead(stage, max_age_s)]
         return f"{died[0]} stage failed: its process exited while serving this request; retry it" if died else None
 
     def is_down(self, stage: str) -> bool:
@@ -81,8 +84,16 @@ class StageSupervisor:
         unseen = {f"unseen-{index}": UNSEEN_DEAD_STUB for index in range(self._instances[stage] - len(found))}
         self._stubs[stage] = {**found, **unseen}
 
-    def _dead(self, stage: str) -> bool:
-        return any(not stub_alive(pid, self._server_pid) for pid in self._stubs.get(stage, {}).values())
+    def _dead(self, stage: str, max_age_s: float = 0.0) -> bool:
+        now = time.monotonic()
+        if max_age_s > 0 and now - self._seen_alive_at.get(stage, float("-inf")) < max_age_s:
+            return False
+        dead = any(not stub_alive(pid, self._server_pid) for pid in self._stubs.get(stage, {}).values())
+        if dead:  # only life is remembered: a death, and stubs found anew after it, are looked up every time
+            self._seen_alive_at.pop(stage, None)
+        else:
+            self._seen_alive_at[stage] = now
+        return dead
 
     def unavailable(self) -> str | None:
         """Why new requests must be refused now (a stage is down), or None."""

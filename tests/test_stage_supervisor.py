@@ -1,0 +1,44 @@
+"""StageSupervisor's look at a stage's stub processes, against real processes shaped like Python-backend stubs
+(the whole path, a stub killed under a served request, is tests/test_reliability.py's killed-stage tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from omni_triton.server import stage_supervisor
+from omni_triton.server.stage_supervisor import StageSupervisor
+
+
+@pytest.fixture
+def fake_talker_stub(tmp_path, monkeypatch):
+    """A child of this process whose argv reads as the talker_0_0 stub's; this process plays tritonserver."""
+    script = tmp_path / "repository" / "talker" / "1" / "model.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("import time\ntime.sleep(120)\n")
+    stub = subprocess.Popen([sys.executable, str(script), "shm-region", "1048576", "1048576", str(os.getpid()),
+                             str(tmp_path), "336", "talker_0_0", "DEFAULT"])
+    monkeypatch.setattr(stage_supervisor.os, "getppid", os.getpid)
+    yield stub
+    stub.kill()
+    stub.wait()
+
+
+def test_a_stage_seen_alive_recently_is_not_looked_up_again_and_a_death_is_never_remembered(fake_talker_stub):
+    supervisor = StageSupervisor({"talker": 1}, interval_s=3600)  # the watcher thread stays out of the way
+    try:
+        assert not supervisor.is_down("talker")  # finds the stub
+        since = supervisor.generations()
+        assert supervisor.failure(since, "talker", max_age_s=60) is None  # alive: remembered
+        os.kill(fake_talker_stub.pid, signal.SIGKILL)
+        fake_talker_stub.wait()
+        assert supervisor.failure(since, "talker", max_age_s=60) is None  # within max_age_s: not looked up
+        assert "talker stage failed" in supervisor.failure(since, "talker")  # a fresh look sees the death
+        assert "talker stage failed" in supervisor.failure(since, "talker", max_age_s=60)  # and forgets the life
+        assert supervisor.is_down("talker")
+    finally:
+        supervisor.stop()
