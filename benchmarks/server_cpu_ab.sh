@@ -15,6 +15,9 @@ ROUNDS=${ROUNDS:-2}; CONCURRENCY=${CONCURRENCY:-8}; REQUESTS=${REQUESTS:-32}
 SERVE_ARGS=${SERVE_ARGS:-}; BENCH_ARGS=${BENCH_ARGS:---checkpoint checkpoints/tiny}
 python=${PYTHON:-python3}
 mkdir -p "$out"
+if pgrep -x tritonserver >/dev/null; then  # its processes would be read as the measured server's, or hide them
+  echo "a tritonserver is already running here (pgrep -x tritonserver): stop it first"; exit 1
+fi
 for round in $(seq "$ROUNDS"); do
   for side in base new; do
     tree=$base; [ $side = new ] && tree=$new
@@ -44,6 +47,9 @@ rows = []
 for round_ in range(1, rounds + 1):
     for side in ("base", "new"):
         result = json.loads((out / f"{side}-{round_}" / "results.json").read_text())["results"][0]
+        if not result["server_cpu_pct"]:
+            sys.exit(f"{side} round {round_}: no CPU reading of the server (bench.server_cpu found no single "
+                     f"tritonserver serving port 28101)")
         per_request = {name: round(pct * 10 / result["requests_per_s"], 1)  # % of a core / (req/s) -> ms a request
                        for name, pct in (result["server_cpu_pct"] or {}).items()}
         rows.append({"side": side, "round": round_, "requests_per_s": result["requests_per_s"],
