@@ -131,8 +131,8 @@ def main() -> None:
         print(lines[-1], flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    head = (f"Device: {torch.cuda.get_device_name()}; weight read rate {read_rate / 1e9:.0f} GB/s (half the copy "
-            f"bandwidth measured in this run). us per call at one row; (BLOCK_N, BLOCK_K, warps).\n\n"
+    head = (f"Device: {torch.cuda.get_device_name()}; weight read rate {read_rate / 1e9:.0f} GB/s (the copy "
+            f"bandwidth measured in this run, reads and writes together). us per call at one row; (BLOCK_N, BLOCK_K, warps).\n\n"
             "| kernel | weight MiB | floor us | shipped | best of the sweep | shipped / best |\n"
             "|---|---:|---:|---:|---:|---:|\n")
     (out / "gemv_sweep.md").write_text(head + "\n".join(lines) + "\n")

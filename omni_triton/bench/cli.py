@@ -44,8 +44,8 @@ from omni_triton.bench import breakdown
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
-from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
+from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
 from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
                                                add_memory_arguments, add_model_source_arguments, model_source,
@@ -226,7 +226,7 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             level_dir = trace_dir / f"{runner.name}-c{concurrency}" if trace_dir is not None else None
             trace.configure(level_dir)
             try:
-                with GpuMemoryPeak() as gpu_memory, ServerCpu(server_url or "") as server_cpu:
+                with GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu:
                     timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
                                                 on_done=lambda _: progress.update())
             finally:

@@ -13,6 +13,8 @@ import os
 import time
 from pathlib import Path
 
+from omni_triton.server.stage_supervisor import stub_instance
+
 SERVER_BINARY = "tritonserver"
 STUB_BINARY = "triton_python_backend_stub"
 DEFAULT_GRPC_PORT = 8001
@@ -41,15 +43,14 @@ def serves_port(argv: list[str], grpc_port: int) -> bool:
 
 
 def process_name(argv: list[str]) -> str | None:
-    """"tritonserver", a stub's instance name (its second-to-last argument, e.g. ``talker_0_1``), or None."""
+    """"tritonserver", a model-instance stub's instance name (e.g. ``talker_0_1``), or None."""
     if not argv:
         return None
     binary = os.path.basename(argv[0])
     if binary == SERVER_BINARY:
         return SERVER_BINARY
-    if binary == STUB_BINARY and len(argv) >= 3:
-        return argv[-2]
-    return None
+    instance = stub_instance(argv) if binary == STUB_BINARY else None
+    return None if instance is None else instance[1]
 
 
 def server_cpu_ticks(grpc_port: int) -> dict[str, int] | None:
@@ -73,10 +74,11 @@ def server_cpu_ticks(grpc_port: int) -> dict[str, int] | None:
 
 class ServerCpu:
     """``with ServerCpu(url) as cpu: ...`` then ``cpu.percent``: per process of the server at ``url`` (gRPC
-    host:port, on this machine), its CPU time during the block as % of one core; None if not measurable."""
+    host:port, on this machine; None: no server), its CPU time during the block as % of one core; None if not
+    measurable."""
 
-    def __init__(self, url: str):
-        host, _, port = url.rpartition(":")
+    def __init__(self, url: str | None):
+        host, _, port = (url or "").rpartition(":")
         self._port = int(port) if port.isdigit() and host in ("127.0.0.1", "localhost", "0.0.0.0", "[::1]") else None
         self.percent: dict[str, float] | None = None
 

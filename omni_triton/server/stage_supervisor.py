@@ -192,12 +192,20 @@ def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
     return {stage: stubs[min(stubs)] for stage, stubs in find_stub_instances(parent, stages).items()}
 
 
+def stub_instance(argv: list[str]) -> tuple[str, str] | None:
+    """(model, instance name) of a model-instance stub's command line, or None for any other process. A stub's
+    argv is [stub, <repository>/<model>/<version>/model.py, shm region, 2 sizes, parent pid, backend dir, ipc
+    handle, name, ...]; the name is the instance's (talker_0_0, talker_0_1) except in the short-lived stub that
+    auto-completes the model's config while it loads, where it is the model's own: that one is no instance."""
+    parts = Path(argv[1]).parts if len(argv) > 8 else ()
+    if len(parts) >= 3 and parts[-1] == "model.py" and argv[8] != parts[-3]:
+        return parts[-3], argv[8]
+    return None
+
+
 def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, int]]:
-    """stage -> {instance name: pid} of the live model-instance stubs of ``stages`` among ``parent``'s
-    children. A stub's argv is [stub, <repository>/<model>/<version>/model.py, shm region, 2 sizes, parent pid,
-    backend dir, ipc handle, name]; the name is the instance's (talker_0_0, talker_0_1) except in the
-    short-lived stub that auto-completes the model's config while it loads, where it is the model's own: that
-    one exiting is no death."""
+    """stage -> {instance name: pid} of the live model-instance stubs (``stub_instance``) of ``stages`` among
+    ``parent``'s children (the config stub exiting is no death)."""
     found: dict[str, dict[str, int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
@@ -206,9 +214,9 @@ def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, i
             argv = [os.fsdecode(arg) for arg in (entry / "cmdline").read_bytes().split(b"\0")]
         except OSError:
             continue
-        parts = Path(argv[1]).parts if len(argv) > 8 else ()
-        if len(parts) >= 3 and parts[-1] == "model.py" and parts[-3] in stages and argv[8] != parts[-3]:
-            found.setdefault(parts[-3], {})[argv[8]] = int(entry.name)
+        instance = stub_instance(argv)
+        if instance is not None and instance[0] in stages:
+            found.setdefault(instance[0], {})[instance[1]] = int(entry.name)
     return found
 
 
