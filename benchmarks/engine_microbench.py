@@ -54,6 +54,8 @@ from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolv
                                       write_config_with_layers)
 from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_linear_launch
 from omni_triton.models.weights import load_talker, load_thinker
+from omni_triton.pipeline.request_params import TALKER_REPETITION_PENALTY, SamplingDefaults
+from omni_triton.pipeline.talker_service import TALKER_TEMPERATURE, TALKER_TOP_K
 
 DECODE_STEPS = 16
 # variant -> (fast_path, whole-step fusions, prefill CUDA graphs, the linear launch: the code predictor's and,
@@ -199,6 +201,20 @@ def talker_prefill_floor(talker, batch: int, prompt_len: int, step_tokens: int, 
 
 # ---------------------------------------------------------------------------------------------- stages
 
+def sampling_params(sampling: str, stage: str, max_new_tokens: int) -> SamplingParams:
+    """``greedy``: every row greedy (the talker's code predictor too); ``served``: what a served request samples
+    with by default (the thinker: Qwen's recommended temperature/top-p/top-k; the talker: temperature 0.9,
+    top-k 50, repetition penalty 1.05, its code predictor top-k 50, top-p 0.8), never stopping early."""
+    if sampling == "greedy":
+        return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    if stage == "thinker":
+        defaults = SamplingDefaults()
+        return SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
+                              max_new_tokens=max_new_tokens, ignore_eos=True, seed=0)
+    return SamplingParams(temperature=TALKER_TEMPERATURE, top_k=TALKER_TOP_K, repetition_penalty=TALKER_REPETITION_PENALTY,
+                          max_new_tokens=max_new_tokens, ignore_eos=True, seed=0)
+
+
 def apply_variant(model: torch.nn.Module, variant: str) -> None:
     """The model's switches as ``variant`` wants them. They live on the shared model, so they are set again
     before every run of a variant's engine (its graphs were captured with them; its eager steps read them)."""
@@ -296,7 +312,7 @@ def bench_thinker(args, ceilings, batches: list[int]) -> dict:
     device = torch.device(args.device)
     model = load_thinker(args.config_dir, device, args.dtype, with_audio=False, load_format="dummy")
     text = model.config.text
-    params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    params = sampling_params(args.sampling, "thinker", DECODE_STEPS + 1)
     element = next(model.parameters()).element_size()
     longest = max(args.prefill_lens)
 
@@ -355,7 +371,7 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
     model = load_talker(args.config_dir, device, args.dtype, load_format="dummy")
     text = model.config.text
     prompt_len = args.talker_prompt_len
-    params = SamplingParams(temperature=0.0, max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    params = sampling_params(args.sampling, "talker", DECODE_STEPS + 1)
 
     def make(variant, cuda_graphs=True):
         engine = make_engine(talker_stage(model, args), model, args, max(batches), prompt_len + DECODE_STEPS + 2,
@@ -469,7 +485,7 @@ def profile_steps(model, stage, args, batches: list[int], prompt_len: int) -> No
                                                fast_path=True, cuda_graphs=False,
                                                linear_launch=VARIANTS[args.variants[-1]][3],
                                                dependent_launch=VARIANTS[args.variants[-1]][4]))
-        params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        params = sampling_params(args.sampling, "thinker" if isinstance(stage, ThinkerStage) else "talker", 8)
         for i in range(batch):
             if isinstance(stage, ThinkerStage):
                 prompt = torch.randint(0, text.vocab_size, (prompt_len,), generator=generator).tolist()
@@ -531,7 +547,8 @@ def markdown(result: dict) -> str:
     names = " | ".join(variants)
     lines = [f"Device: {result['device_name']}; {result['config']} (random {result['dtype']} weights, dummy "
              f"load); copy {result['copy_gb_s']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s "
-             f"(measured in this run). Variants (ms, ratio to the floor): {', '.join(variants)}.", "",
+             f"(measured in this run). Variants (ms, ratio to the floor): {', '.join(variants)}. Rows sample: "
+             f"{result.get('sampling', 'greedy')} (--sampling).", "",
              f"Command: `{result['command']}`", ""]
     bars = "|---:" * (2 + len(variants)) + "|"
     if "thinker" in result:
@@ -593,6 +610,8 @@ def main(argv=None) -> None:
     parser.add_argument("--talker-prompt-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--variants", default="fused,graphs", help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--sampling", default="greedy", choices=["greedy", "served"],
+                        help="greedy rows, or the served defaults' sampling (see sampling_params)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
     parser.add_argument("--out-dir", default=".")
@@ -612,7 +631,7 @@ def main(argv=None) -> None:
     result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                   config=args.config + (f" ({args.layers} layers)" if args.layers else ""), variants=args.variants,
                   dtype=str(args.dtype).removeprefix("torch."),
-                  copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12, torch=torch.__version__,
+                  sampling=args.sampling, copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12, torch=torch.__version__,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
     benches = {"thinker": bench_thinker, "talker": bench_talker, "code2wav": bench_code2wav}
     stages = args.stages.split(",")

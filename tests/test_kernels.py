@@ -296,3 +296,26 @@ def test_fused_row_sampler_draws_what_the_torch_race_draws():
         want = race_sample(logits, temperature, top_k, top_p, seeds + group)
         assert torch.equal(got, want)
     assert int(got[0]) == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("vocab", [20, 300] + ([2048, 3072] if DEVICE == "cuda" else []))  # the interpreter: small
+def test_fused_row_sampler_ranking_a_shortlist_draws_what_the_full_sort_draws(vocab):
+    """Rows with 0 < top_k <= FAST_TOP_K rank a shortlist instead of sorting the row: the same draws as the torch
+    race's full sort, with ties in value (cut by lower id first), banned ids (row 2: fewer finite ids than
+    top_k, the sort again), top_k above the vocabulary, and on both sides of FAST_TOP_K."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 16
+    logits = torch.randint(-12, 12, (rows, vocab), generator=gen).float() / 4  # many ties in value
+    logits[1, : vocab // 2] = float("-inf")
+    logits[2, 3:] = float("-inf")  # fewer finite candidates than top_k
+    logits = logits.to(DEVICE)
+    fast = sampling.FAST_TOP_K
+    temperature = torch.tensor([0.9, 1.0, 0.7, 1.3] * 4, device=DEVICE)
+    top_k = torch.tensor([50, 50, 50, fast, fast + 1, 1, 2, 7, 0, 50, 64, 33, fast - 1, 200, 50, 3], device=DEVICE)
+    top_p = torch.tensor([1.0, 0.8, 0.5, 0.9, 0.95, 0.3, 1.0, 0.99] * 2, device=DEVICE)
+    for draw in range(2):
+        seeds = torch.randint(0, 1 << 60, (rows,), generator=gen).to(DEVICE)
+        got = sampling.sample_rows(logits, temperature, top_k, top_p, seeds, group=draw)
+        want = race_sample(logits, temperature, top_k, top_p, seeds + draw)
+        assert torch.equal(got, want), (draw, got, want)
+    assert bool(torch.isfinite(logits[2, got[2]]))

@@ -229,9 +229,24 @@ class TalkerStage:
         return {"codes": codes, "next_embeds": next_embeds}
 
     def after_sample(self, seqs, completed):
-        for seq, embeds in zip(seqs, completed["next_embeds"]):
-            seq.stage_state.pending_codec_embeds = embeds
-            self._feed(seq)
+        """Each row's next input = its frame's codec embeds + its next trailing text, added for all the rows that
+        have their text in one launch (a launch per row was ~1 ms of host time a step at 64 rows)."""
+        next_embeds = completed["next_embeds"]
+        ready, texts = [], []
+        for i, seq in enumerate(seqs):
+            state: TalkerState = seq.stage_state
+            text = state.trailing.next_trailing()
+            if text is None:  # WAITING_FOR_INPUT until the thinker sends more text; fed by append_input then
+                state.pending_codec_embeds = next_embeds[i]
+            else:
+                ready.append(i)
+                texts.append(text)
+        if ready:
+            codec = next_embeds if len(ready) == len(seqs) else next_embeds[ready]
+            inputs = codec + torch.stack(texts).to(codec)
+            for i, row in zip(ready, inputs):
+                seqs[i].stage_state.input_embeds.append(row)
+                seqs[i].num_inputs += 1
         return [{"codes": completed["codes"][i:i + 1]} for i in range(len(seqs))]
 
     def append_input(self, seq, trailing_text_embeds: torch.Tensor | None = None, thinker_rows=None,
