@@ -65,7 +65,7 @@ def busy_us(kernels: list[tuple[str, float, float]]) -> float:
 
 
 def summarize(label: str, kernels: list[tuple[str, float, float]]) -> dict:
-    span = kernels[-1][2] - kernels[0][1] if kernels else 0.0
+    span = max(end for _, _, end in kernels) - kernels[0][1] if kernels else 0.0  # the last to start may end first
     by_name: dict[str, list[float]] = defaultdict(list)
     for name, start, end in kernels:
         by_name[name].append(end - start)
