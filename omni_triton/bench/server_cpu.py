@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from omni_triton.server.procfs import PARENT, SYSTEM_TICKS, USER_TICKS, stat_fields
 from omni_triton.server.stage_supervisor import stub_instance
 
 SERVER_BINARY = "tritonserver"
@@ -29,11 +30,10 @@ def _cmdline(pid: int) -> list[str]:
 
 def _parent_and_cpu_ticks(pid: int) -> tuple[int, int] | None:
     """(parent pid, user + system clock ticks) from /proc/<pid>/stat; None when the process is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    return int(fields[1]), int(fields[11]) + int(fields[12])
+    return int(fields[PARENT]), int(fields[USER_TICKS]) + int(fields[SYSTEM_TICKS])
 
 
 def serves_port(argv: list[str], grpc_port: int) -> bool:

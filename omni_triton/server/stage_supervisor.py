@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
+from omni_triton.server.procfs import PARENT, STATE, stat_fields
+
 logger = logging.getLogger(__name__)
 
 UNSEEN_DEAD_STUB = -1  # no process has this pid: stub_alive() is False for it
@@ -175,11 +177,8 @@ class StageSupervisor:
 
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state, parent pid) of a process, or None if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1])
+    fields = stat_fields(pid)
+    return None if fields is None else (fields[STATE], int(fields[PARENT]))
 
 
 def stub_alive(pid: int, parent: int) -> bool:

@@ -30,6 +30,7 @@ from typing import Callable
 from omni_triton.server import bundled_backend
 from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
 from omni_triton.server.mps import MpsDaemon, start_mps
+from omni_triton.server.procfs import PARENT, stat_fields
 from omni_triton.server.stage_supervisor import find_stub_instances, stub_alive
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
@@ -477,13 +478,14 @@ def process_tree_rss_bytes(pid: int) -> int:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        fields = stat_fields(int(entry.name))
         try:
-            stat = (entry / "stat").read_text()
             statm = (entry / "statm").read_text().split()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        if fields is None:
+            continue
+        children.setdefault(int(fields[PARENT]), []).append(int(entry.name))
         rss[int(entry.name)] = int(statm[1]) * page
     total, todo = 0, [pid]
     while todo:

@@ -1,0 +1,18 @@
+"""A process's /proc/<pid>/stat fields, read one way for every caller (the stage supervisor, the bench's CPU
+readings, the server's resident-memory total). Linux only, as the server is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# indexes into stat_fields(): proc(5) fields 3, 4, 14 and 15
+STATE, PARENT, USER_TICKS, SYSTEM_TICKS = 0, 1, 11, 12
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields after the command name (which may hold spaces and parentheses, hence the last ')'), or None
+    when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
