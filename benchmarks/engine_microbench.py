@@ -211,8 +211,9 @@ def sampling_params(sampling: str, stage: str, max_new_tokens: int) -> SamplingP
         defaults = SamplingDefaults()
         return SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
                               max_new_tokens=max_new_tokens, ignore_eos=True, seed=0)
-    return SamplingParams(temperature=TALKER_TEMPERATURE, top_k=TALKER_TOP_K, repetition_penalty=TALKER_REPETITION_PENALTY,
-                          max_new_tokens=max_new_tokens, ignore_eos=True, seed=0)
+    return SamplingParams(temperature=TALKER_TEMPERATURE, top_k=TALKER_TOP_K,
+                          repetition_penalty=TALKER_REPETITION_PENALTY, max_new_tokens=max_new_tokens,
+                          ignore_eos=True, seed=0)
 
 
 def apply_variant(model: torch.nn.Module, variant: str) -> None:
@@ -631,7 +632,8 @@ def main(argv=None) -> None:
     result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                   config=args.config + (f" ({args.layers} layers)" if args.layers else ""), variants=args.variants,
                   dtype=str(args.dtype).removeprefix("torch."),
-                  sampling=args.sampling, copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12, torch=torch.__version__,
+                  sampling=args.sampling, copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12,
+                  torch=torch.__version__,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
     benches = {"thinker": bench_thinker, "talker": bench_talker, "code2wav": bench_code2wav}
     stages = args.stages.split(",")
