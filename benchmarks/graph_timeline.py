@@ -64,8 +64,13 @@ def busy_us(kernels: list[tuple[str, float, float]]) -> float:
     return total
 
 
+def span_us(kernels: list[tuple[str, float, float]]) -> float:
+    """First start to latest end (under dependent launch the last kernel to start may end before another)."""
+    return max(end for _, _, end in kernels) - kernels[0][1] if kernels else 0.0
+
+
 def summarize(label: str, kernels: list[tuple[str, float, float]]) -> dict:
-    span = max(end for _, _, end in kernels) - kernels[0][1] if kernels else 0.0  # the last to start may end first
+    span = span_us(kernels)
     by_name: dict[str, list[float]] = defaultdict(list)
     for name, start, end in kernels:
         by_name[name].append(end - start)
@@ -125,8 +130,7 @@ def profile_stage(stage_name: str, args, batches: list[int], out: Path) -> list[
             summary = summarize(label, kernels)
             print_summary(summary)
             summaries.append(summary)
-        spans = [summarize("", s)["span_us"] for s in steps]
-        print(f"spans of the {PROFILED_STEPS} profiled steps (us): {', '.join(f'{s:.0f}' for s in spans)}")
+        print(f"spans of the {PROFILED_STEPS} profiled steps (us): {', '.join(f'{span_us(s):.0f}' for s in steps)}")
         del engine
     del model
     torch.cuda.empty_cache()

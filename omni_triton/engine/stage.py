@@ -246,8 +246,7 @@ class TalkerStage:
             codec = next_embeds if len(ready) == len(seqs) else next_embeds[ready]
             inputs = codec + torch.stack(texts).to(codec)
             for i, row in zip(ready, inputs):
-                seqs[i].stage_state.input_embeds.append(row)
-                seqs[i].num_inputs += 1
+                self._push_input(seqs[i], row)
         return [{"codes": completed["codes"][i:i + 1]} for i in range(len(seqs))]
 
     def append_input(self, seq, trailing_text_embeds: torch.Tensor | None = None, thinker_rows=None,
@@ -284,6 +283,12 @@ class TalkerStage:
         text = state.trailing.next_trailing()
         if text is None:
             return  # WAITING_FOR_INPUT until the thinker sends more text
-        state.input_embeds.append(state.pending_codec_embeds + text.to(state.pending_codec_embeds))
+        self._push_input(seq, state.pending_codec_embeds + text.to(state.pending_codec_embeds))
+
+    @staticmethod
+    def _push_input(seq: Sequence, embeds: torch.Tensor) -> None:
+        """``embeds`` [H] (codec embeds + trailing text) becomes the sequence's next input."""
+        state: TalkerState = seq.stage_state
+        state.input_embeds.append(embeds)
         state.pending_codec_embeds = None
         seq.num_inputs += 1
