@@ -43,8 +43,8 @@ PREDICTOR = [(1024, 4096, "norm"), (2048, 1024, "residual"), (1024, 3072, "gated
 
 
 def layer_call(variant: str, rows: int, depth: int, cols: int, dtype: torch.dtype, seed: int):
-    """(run(split_k, gemv=False) -> small_linear's output, the torch composition's output) for one fusion
-    ``variant``."""
+    """(run(split_k, gemv=False, **more small_linear options) -> small_linear's output, the torch composition's
+    output) for one fusion ``variant``."""
     gen = torch.Generator().manual_seed(seed)
     gated, norm = "gated" in variant, "norm" in variant
     x = torch.randn(rows, depth, generator=gen).to(DEVICE, dtype)
@@ -69,7 +69,8 @@ def layer_call(variant: str, rows: int, depth: int, cols: int, dtype: torch.dtyp
     if variant == "norm-fp32-out":
         want = want.float()
         kwargs.update(out_dtype=torch.float32)
-    return (lambda split_k, gemv=False: small_linear(x, weight, split_k=split_k, gemv=gemv, **kwargs)), want
+    return (lambda split_k, gemv=False, **options: small_linear(x, weight, split_k=split_k, gemv=gemv, **kwargs,
+                                                                **options)), want
 
 
 def splits_of(rows: int, depth: int, cols: int, variant: str, split_k: int | None) -> int:

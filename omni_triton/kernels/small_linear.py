@@ -4,6 +4,7 @@
     small_linear(x, W, norm_weight=w, eps=e)         RMSNorm(x) @ W.T          (the pre-norm of a block)
     small_linear(x, W, gated=True)                   silu(x @ Wg.T) * (x @ Wu.T), W = [Wg; Wu] packed
     small_linear(x, W, residual=r)                   r + x @ W.T               (the residual add after it)
+    small_linear(x, W, ..., cublas=True)             many rows of a wide output: cuBLAS (library_linear)
 
 Made for the code predictor (hidden 1024, heads 16/8 x 128, MLP 3072, 2048 codes; 1..64 rows per step, 2x
 that in the frame's first step), whose 15 steps per frame are weight-read bound: every step streams all
@@ -23,6 +24,13 @@ scratch and counters are made once per (device, size) by the first call and reus
 capturable once a shape has run eagerly; one stream at a time may use them (calls on one stream are ordered).
 ``split_k=1`` is the one-pass kernel (the configuration before split-K).
 
+cuBLAS for many rows of a wide output (``cublas=True``: the served launch): from ``CUBLAS_MIN_ROWS`` rows on, an
+output of ``CUBLAS_MIN_COLS`` columns or more without a residual (the predictor's qkv, gate/up and lm_head) runs as
+the norm kernel, cuBLAS's GEMM and the activation kernel: three launches that beat the one fused launch there (the
+fused MMA tile reaches ~20-30% of HBM bandwidth at 32-128 rows; measured on an H200, the 15 predictor steps at 64
+rows 3.35 -> 2.77 ms, at 128 rows 5.19 -> 3.24; at 1 row it lost, 1.75 -> 2.01, at 8-16 rows even). Outputs with
+a residual (o, down) keep the fused kernel: moving them to cuBLAS as well was slower at every row count.
+
 Roundings follow the torch modules (``models.layers.norm.RMSNorm``, ``GatedMLP``, the residual adds of
 ``DecoderLayer``): the normalised row to the input dtype before the weight, the product to the input dtype,
 each GEMM output to the input dtype, then the activation, its product with up, and the residual sum, each
@@ -32,6 +40,7 @@ rounded. Only the accumulation order of the dot products differs from cuBLAS (an
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -308,16 +317,41 @@ def workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Ten
     return persistent_zeros("small_linear", device, dtype, numel)
 
 
+# ``cublas=True``: outputs this wide without a residual, at this many rows or more, go to ``library_linear``
+# (benchmarks/results/h200-predictor-cublas/: the predictor's 15 steps at 8-128 rows)
+CUBLAS_MIN_ROWS = 8
+CUBLAS_MIN_COLS = 2048
+
+
+def takes_cublas(rows: int, cols: int, residual: bool) -> bool:
+    """Whether a ``cublas=True`` call of this shape runs ``library_linear`` (the default plan only)."""
+    return rows >= CUBLAS_MIN_ROWS and cols >= CUBLAS_MIN_COLS and not residual
+
+
+def library_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                   gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """``small_linear`` without a residual as three library-grade launches: the norm kernel, cuBLAS's GEMM, the
+    activation kernel; each rounds to x's dtype where the torch modules do (the same as the fused kernel)."""
+    from omni_triton.kernels.activation import silu_and_mul
+    from omni_triton.kernels.norm import rms_norm
+
+    out = F.linear(x if norm_weight is None else rms_norm(x, norm_weight, eps), weight)
+    if gated:
+        out = silu_and_mul(out)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, split_k: int | None = None, gemv: bool = False,
-                 tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                 cublas: bool = False, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (any row stride), weight [N, K] ([2N, K]: gate rows then up rows when ``gated``) -> [M, N].
 
     The result is rounded to x's dtype (as the torch layer's output is) and stored as ``out_dtype`` (default
     x's dtype; float32 for logits). ``split_k``: K slices per output tile (None: ``split_plan``'s choice; 1:
     the one-pass kernel). ``gemv``: up to ``GEMV_MAX_ROWS`` rows, the multiply-add kernel instead (more rows:
-    as ``split_k`` says). ``tile``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the MMA kernels instead
+    as ``split_k`` says). ``cublas``: shapes ``takes_cublas`` picks run ``library_linear`` (unless ``split_k`` or
+    ``tile`` force a kernel launch). ``tile``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the MMA kernels instead
     of ``block_sizes``' (benchmarks/small_linear_bench.py --sweep-tiles)."""
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -328,6 +362,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         raise ValueError(f"small_linear residual {tuple(residual.shape)} does not match the output ({rows}, {cols})")
     if split_k is not None and split_k < 1:
         raise ValueError(f"small_linear split_k must be None or >= 1, got {split_k}")
+    if cublas and split_k is None and tile is None and takes_cublas(rows, cols, residual is not None):
+        return library_linear(x, weight, norm_weight, eps, gated, out_dtype)
     out = torch.empty(rows, cols, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out

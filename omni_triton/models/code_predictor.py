@@ -127,8 +127,10 @@ class CodePredictor(KernelSwitch, nn.Module):
         from omni_triton.kernels.small_linear import small_linear
 
         cfg, model = self.config, self.model
-        # split_k None: small_linear's split plan, 1: the one-pass kernel; gemv: multiply-adds for few rows
-        launch = dict(split_k=1 if self.linear_launch == "one-pass" else None, gemv=self.linear_launch == "gemv")
+        # split_k None: small_linear's split plan, 1: the one-pass kernel; gemv: multiply-adds for few rows and
+        # cuBLAS for many rows of the wide outputs
+        served = self.linear_launch == "gemv"
+        launch = dict(split_k=1 if self.linear_launch == "one-pass" else None, gemv=served, cublas=served)
         rows, hidden_size = talker_hidden.shape
         positions = self.num_code_groups  # position 0: talker hidden, 1..G-1: code embeddings 0..G-2
         cos, sin = self._rope_table(positions, talker_hidden)
