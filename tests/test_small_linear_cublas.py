@@ -21,6 +21,7 @@ from omni_triton.kernels import small_linear as small_linear_module  # noqa: E40
 from omni_triton.kernels.small_linear import CUBLAS_MIN_COLS, CUBLAS_MIN_ROWS, takes_cublas  # noqa: E402
 from omni_triton.models.layers.fast_kernels import set_linear_launch  # noqa: E402
 from test_code_predictor_kernels import DEVICE, SMALL, check_frame, random_predictor, rel_error, tolerance  # noqa: E402
+from test_small_linear_gemv import RecordingKernel  # noqa: E402
 from test_small_linear_splitk import PREDICTOR, VARIANTS, assert_within_rounding, layer_call  # noqa: E402
 
 # (spelled out here: benchmarks/gpu_tests.sh finds the GPU test files by this condition)
@@ -36,15 +37,6 @@ def fused_launches(monkeypatch) -> list:
     for name in ("_small_linear_kernel", "_gemv_kernel"):
         monkeypatch.setattr(small_linear_module, name, RecordingKernel(getattr(small_linear_module, name), launched))
     return launched
-
-
-class RecordingKernel:
-    def __init__(self, kernel, launched: list):
-        self.kernel, self.launched = kernel, launched
-
-    def __getitem__(self, grid):
-        self.launched.append(grid)
-        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
