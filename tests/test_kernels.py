@@ -78,6 +78,31 @@ def test_qk_norm_rope_is_head_norm_rope_of_both_in_one_launch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_stores_keys_and_values_as_store_kv_does(dtype):
+    """``store=``: the keys go into their cache slots (and the values beside them) with the same bits as
+    qk_norm_rope + store_kv; a padding row's slot (-1) stores nothing; q is unchanged and no k comes back."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, q_heads, kv_heads, head_dim, blocks, block_size = 4, 4, 2, 16, 3, 4
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    q_weight, k_weight = (1 + 0.1 * torch.randn(2, head_dim, generator=gen)).to(DEVICE, dtype)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None).cos_sin(torch.arange(tokens).to(DEVICE), dtype)
+    slots = torch.tensor([5, 0, -1, 11], device=DEVICE)
+    poison = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    want_cache = poison.clone()
+    want_q, want_k = norm.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 1e-6, 1e-5)
+    paged_attention.store_kv(want_k, v, want_cache, slots)
+    cache = poison.clone()
+    got_q, got_k = norm.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 1e-6, 1e-5, store=(v, cache, slots))
+    assert got_k is None and torch.equal(got_q, want_q)
+    assert torch.equal(cache, want_cache)
+    assert not torch.equal(cache, poison)  # something was stored, and only the slots given (the rest as before)
+    with pytest.raises(ValueError, match="store"):
+        norm.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 1e-6, 1e-5, store=(v, cache, slots[:2]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(dtype):
     gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -103,14 +103,26 @@ def _norm_rope_token(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, token, num_he
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-                         num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
-                         stride_kot, stride_koh, stride_cos, stride_sin, q_eps, k_eps,
-                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+                         v_ptr, cache_ptr, slot_ptr, num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt,
+                         stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_vt, stride_vh, value_offset,
+                         stride_cos, stride_sin, q_eps, k_eps,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     token = tl.program_id(0)
     if tl.program_id(1) == 0:
         _norm_rope_token(q_ptr, q_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, token, num_q_heads, stride_qt, stride_qh,
                          stride_qot, stride_qoh, stride_cos, stride_sin, q_eps, HEAD_DIM, BLOCK_H)
+    elif STORE:  # the keys straight into their cache slot, the values copied beside them (store_kv's layout)
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:  # negative: a padding row of a CUDA-graph batch, nothing stored
+            row = cache_ptr + slot.to(tl.int64) * (num_k_heads * HEAD_DIM)
+            _norm_rope_token(k_ptr, k_weight_ptr, cos_ptr, sin_ptr, row, token, num_k_heads, stride_kt, stride_kh,
+                             0, HEAD_DIM, stride_cos, stride_sin, k_eps, HEAD_DIM, BLOCK_H)
+            heads = tl.arange(0, BLOCK_H)[:, None]
+            dims = tl.arange(0, HEAD_DIM)[None, :]
+            mask = heads < num_k_heads
+            value = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+            tl.store(row + value_offset + heads * HEAD_DIM + dims, value.to(cache_ptr.dtype.element_ty), mask=mask)
     else:
         _norm_rope_token(k_ptr, k_weight_ptr, cos_ptr, sin_ptr, k_out_ptr, token, num_k_heads, stride_kt, stride_kh,
                          stride_kot, stride_koh, stride_cos, stride_sin, k_eps, HEAD_DIM, BLOCK_H)
@@ -126,15 +138,22 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float,
+                 store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``head_norm_rope`` of the queries and of the keys in one launch (one program per token and tensor):
-    q [T, Hq, D], k [T, Hkv, D] (any token and head strides, e.g. column views of a packed qkv output)."""
-    return _launch_norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps)
+    q [T, Hq, D], k [T, Hkv, D] (any token and head strides, e.g. column views of a packed qkv output).
+
+    ``store`` = (v [T, Hkv, D], cache [2, blocks, block_size, Hkv, D], slot_mapping [T]): the keys go straight
+    into their cache slots and the values beside them, as ``paged_attention.store_kv`` would put them (negative
+    slot: skipped), and no key tensor comes back (None): the step's ``store_kv`` launch saved."""
+    return _launch_norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, store)
 
 
 def _launch_norm_rope(q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor, k_weight: torch.Tensor | None,
-                      cos: torch.Tensor, sin: torch.Tensor, q_eps: float,
-                      k_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float,
+                      store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Without k the grid has one program per token (the k branch never runs; q stands in for its arguments)."""
     num_tokens, num_q_heads, head_dim = q.shape
     tensors = 1 if k is None else 2
@@ -146,12 +165,20 @@ def _launch_norm_rope(q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.T
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head_dim")
     num_k_heads = k.shape[1]
     q_out = torch.empty_like(q)
-    k_out = torch.empty_like(k) if tensors == 2 else q_out
+    v, cache, slots = store if store is not None else (q, q, q)  # unread placeholders without a store
+    if store is not None:
+        if v.shape != k.shape or v.stride(-1) != 1:
+            raise ValueError(f"qk_norm_rope store: v {tuple(v.shape)} must match k {tuple(k.shape)}, dim contiguous")
+        if not cache.is_contiguous() or cache.shape[-2:] != k.shape[1:] or slots.shape != (num_tokens,):
+            raise ValueError(f"qk_norm_rope store: cache {tuple(cache.shape)} (contiguous, [..., {num_k_heads}, "
+                             f"{head_dim}]) and slots {tuple(slots.shape)} (one per token) do not fit k")
+    k_out = torch.empty_like(k) if tensors == 2 and store is None else q_out
     if num_tokens:
         pdl = enabled_for(q)
         _qk_norm_rope_kernel[(num_tokens, tensors)](
-            q, k, q_weight, k_weight, cos, sin, q_out, k_out, num_q_heads, num_k_heads, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            cos.stride(0), sin.stride(0), q_eps, k_eps, HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4, PDL=pdl, launch_pdl=pdl)
-    return q_out, (k_out if tensors == 2 else None)
+            q, k, q_weight, k_weight, cos, sin, q_out, k_out, v, cache, slots, num_q_heads, num_k_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0),
+            k_out.stride(1), v.stride(0), v.stride(1), cache.stride(0), cos.stride(0), sin.stride(0), q_eps, k_eps,
+            HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
+            STORE=store is not None, num_warps=4, PDL=pdl, launch_pdl=pdl)
+    return q_out, (k_out if tensors == 2 and store is None else None)

@@ -50,6 +50,10 @@ class FrameCache:
         self.rows = rows
         self.length = 0  # tokens already cached per row before the current step
 
+    def kv_store(self, layer_idx: int) -> None:
+        """No kernel writes this cache's K/V (see ``AttentionBatch.kv_store``)."""
+        return None
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
         rows, new = self.rows, q.shape[0] // self.rows

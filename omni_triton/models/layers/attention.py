@@ -3,7 +3,9 @@
 Models see a *flat varlen batch*: the new tokens of all sequences concatenated along dim 0
 (prefill chunks and single decode tokens mixed). ``AttentionBatch`` knows, per sequence, which rows
 are its tokens, how much context it already has in the paged KV cache, and where (slot) each new
-token's K/V goes. A model layer calls ``batch.attend(layer_idx, q, k, v)``; it never sees blocks.
+token's K/V goes. A model layer calls ``batch.attend(layer_idx, q, k, v)``; it never sees blocks. A batch
+whose ``kv_store(layer_idx)`` gives (cache, slots) lets a kernel write the step's K/V itself (the fast path's
+q/k norm + rotary, ``kernels.norm.qk_norm_rope(store=...)``); the layer then passes k as None.
 
 KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
 a token at logical position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at
@@ -57,6 +59,10 @@ class AttentionBatch:
         """Row of each sequence's last new token (where its next-token logits come from)."""
         ends = torch.tensor(self.query_lens, dtype=torch.long).cumsum(0) - 1
         return ends.to(self.slot_mapping.device)
+
+    def kv_store(self, layer_idx: int) -> None:
+        """Where a kernel may write this step's K/V itself: nowhere (the fast path attends to k and v directly)."""
+        return None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
@@ -216,12 +222,18 @@ class DecodeBatch:
     context_lens: torch.Tensor  # [B] int: tokens in the cache after this step; 0 = padding row
     kv_caches: list[torch.Tensor]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def kv_store(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache, slot_mapping) for ``kernels.norm.qk_norm_rope``'s store: K/V written by the norm kernel."""
+        return self.kv_caches[layer_idx], self.slot_mapping
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
+        """k None: the step's K/V are in the cache already (``kv_store``)."""
         from omni_triton.kernels.paged_attention import paged_decode_attention, store_kv
 
         cache = self.kv_caches[layer_idx]
-        store_kv(k, v, cache, self.slot_mapping)
+        if k is not None:
+            store_kv(k, v, cache, self.slot_mapping)
         return paged_decode_attention(q, cache, self.block_tables, self.context_lens, scale)
 
 
@@ -237,12 +249,18 @@ class VarlenGraphBatch:
     seqs: torch.Tensor  # [S, 3] int32 (first row, query len, context len); (0, 0, 0) = no sequence
     kv_caches: list[torch.Tensor]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def kv_store(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``DecodeBatch.kv_store``."""
+        return self.kv_caches[layer_idx], self.slot_mapping
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
+        """k None: the step's K/V are in the cache already (``kv_store``)."""
         from omni_triton.kernels.paged_attention import paged_prefill_attention, store_kv
 
         cache = self.kv_caches[layer_idx]
-        store_kv(k, v, cache, self.slot_mapping)
+        if k is not None:
+            store_kv(k, v, cache, self.slot_mapping)
         return paged_prefill_attention(q, cache, self.block_tables, self.tiles, self.seqs, scale,
                                        out=torch.zeros_like(q))
 

@@ -52,8 +52,11 @@ class SelfAttention(KernelSwitch, nn.Module):
         if self.kernels_for(x):
             from omni_triton.kernels.norm import qk_norm_rope
 
+            # with the fused steps, a batch that lets it (graph steps) takes K/V from this kernel: k comes back
+            # None, the step's K/V already in the cache
+            store = batch.kv_store(self.layer_idx) if self.use_fused_steps else None
             q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps,
-                                self.k_norm.eps)
+                                self.k_norm.eps, store=None if store is None else (v, *store))
         else:
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5).reshape(num_tokens, -1)
