@@ -5,11 +5,12 @@ against the torch modules they replace.
 
 CPU (Triton's interpreter, fp32/fp16, small shapes): ``kernels_for`` is patched to accept CPU tensors, so the
 layers' own fast paths run here as they do on the GPU: the MoE block with and without a shared expert at 1, 2
-(GEMV) and 5 rows (F.linear), the attention block's packed qkv and o_proj, which launch each linear picks, and
-the packed weight's views leaving ``state_dict()`` unchanged. The GPU runs the same file in bf16 as well, and
-the talker's MoE block at its released dimensions in bf16: the packed projection and the shared combine against
-torch with the same routing (whole-block outputs may route differently: 128 experts' logits near-tie in bf16),
-and the block's fast path captured in a CUDA graph replaying its eager bits.
+(GEMV) and 5 rows (F.linear), the attention block's packed qkv and o_proj, its decode step through a graph
+batch with the K/V written by the q/k norm kernel (the fused steps) or by ``store_kv``, which launch each linear
+picks, and the packed weight's views leaving ``state_dict()`` unchanged. The GPU runs the same file in bf16 as
+well, and the talker's MoE block at its released dimensions in bf16: the packed projection and the shared combine
+against torch with the same routing (whole-block outputs may route differently: 128 experts' logits near-tie in
+bf16), and the block's fast path captured in a CUDA graph replaying its eager bits.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from omni_triton.graph_buckets import capturing  # noqa: E402
-from omni_triton.kernels import fused_moe, routing  # noqa: E402
+from omni_triton.kernels import fused_moe, paged_attention, routing  # noqa: E402
 from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
 from omni_triton.models.config import TextModelConfig  # noqa: E402
-from omni_triton.models.layers.attention import contiguous_batch  # noqa: E402
+from omni_triton.models.layers.attention import DecodeBatch, contiguous_batch  # noqa: E402
 from omni_triton.models.layers.decoder import SelfAttention  # noqa: E402
 from omni_triton.models.layers.fast_kernels import KernelSwitch, step_linear  # noqa: E402
 from omni_triton.models.layers import moe as moe_module  # noqa: E402
@@ -218,6 +219,36 @@ def test_attention_fast_path_equals_the_torch_path(dtype, seq_lens, kernels_on_c
     got = run(fast=True)
     assert len(kernels_on_cpu) == (2 if rows <= 2 else 0)  # qkv and o_proj
     assert rel_error(got, want) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_step_stores_kv_in_the_norm_kernel_with_the_fused_steps(dtype, kernels_on_cpu, monkeypatch):
+    """Two rows decoding over a paged cache (one padding row, slot -1): with the fused steps the q/k norm kernel
+    writes K/V and ``store_kv`` never runs; without, ``store_kv`` does; the same outputs and the same cache."""
+    attention = randomized(SelfAttention(TextModelConfig(**ATTENTION), 0), dtype, seed=7)
+    pack_as_set_fast_kernels(attention)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 48, generator=gen).to(DEVICE, dtype)
+    cos, sin = RotaryEmbedding(16, 1e6).cos_sin(torch.tensor([4, 2, 0]).to(DEVICE), dtype)
+    context = torch.randn(2, 4, 4, 2, 16, generator=gen).to(DEVICE, dtype)  # [K/V, blocks, block size, heads, dim]
+    stores = []
+    monkeypatch.setattr(paged_attention, "_store_kv_kernel", RecordingKernel(paged_attention._store_kv_kernel, stores))
+
+    def run(fused_steps: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        attention.use_fused_steps = fused_steps
+        cache = context.clone()
+        batch = DecodeBatch(slot_mapping=torch.tensor([4, 10, -1]).to(DEVICE),
+                            block_tables=torch.tensor([[0, 1], [2, 3], [0, 0]], dtype=torch.int32).to(DEVICE),
+                            context_lens=torch.tensor([5, 3, 0], dtype=torch.int32).to(DEVICE), kv_caches=[cache])
+        with torch.no_grad():
+            return attention(x, cos, sin, batch)[:2], cache
+
+    want, want_cache = run(fused_steps=False)
+    assert len(stores) == 1
+    got, got_cache = run(fused_steps=True)
+    assert len(stores) == 1, "store_kv ran although the norm kernel stored K/V"
+    assert torch.equal(got_cache, want_cache) and not torch.equal(got_cache, context)
+    assert torch.equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
