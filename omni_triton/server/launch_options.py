@@ -92,9 +92,9 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--linear-launch", choices=LINEAR_LAUNCHES, default=LaunchConfig.linear_launch,
                        help="cuda: with --fast-path on, how the talker's code predictor launches its small linears: "
                             "gemv (multiply-adds for 1-2 rows, split-K up to 32, one pass above, cuBLAS for the wide "
-                            "outputs from 8 rows; the decode steps' layer linears at 1-2 rows too), split-k (no GEMV, "
-                            "no cuBLAS), or one-pass (one MMA tile a program, "
-                            "never split); the two last keep cuBLAS for the layers (default: %(default)s)")
+                            "outputs from 8 rows; the decode steps' layer linears at 1-2 rows too), split-k (no GEMV, the "
+                            "predictor's wide outputs fused at every row count too), or one-pass (one MMA tile a "
+                            "program, never split); the two last keep cuBLAS for the layers (default: %(default)s)")
     group.add_argument("--dependent-launch", choices=["on", "off"], default="on",
                        help="cuda sm_90+: with --fast-path on, the engines' Triton kernels start while the previous "
                             "kernel ends (programmatic dependent launch; the linears prefetch their weights "
