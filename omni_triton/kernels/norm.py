@@ -172,7 +172,8 @@ def _launch_norm_rope(q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.T
         if not cache.is_contiguous() or cache.shape[-2:] != k.shape[1:] or slots.shape != (num_tokens,):
             raise ValueError(f"qk_norm_rope store: cache {tuple(cache.shape)} (contiguous, [..., {num_k_heads}, "
                              f"{head_dim}]) and slots {tuple(slots.shape)} (one per token) do not fit k")
-    k_out = torch.empty_like(k) if tensors == 2 and store is None else q_out
+    returns_k = tensors == 2 and store is None  # a stored k goes to the cache, not back to the caller
+    k_out = torch.empty_like(k) if returns_k else q_out
     if num_tokens:
         pdl = enabled_for(q)
         _qk_norm_rope_kernel[(num_tokens, tensors)](
@@ -181,4 +182,4 @@ def _launch_norm_rope(q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.T
             k_out.stride(1), v.stride(0), v.stride(1), cache.stride(0), cos.stride(0), sin.stride(0), q_eps, k_eps,
             HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
             STORE=store is not None, num_warps=4, PDL=pdl, launch_pdl=pdl)
-    return q_out, (k_out if tensors == 2 and store is None else None)
+    return q_out, (k_out if returns_k else None)

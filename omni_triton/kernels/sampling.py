@@ -40,17 +40,34 @@ def _ordered(values):
 
 
 @triton.jit
+def _key_values(keys, ID_BITS: tl.constexpr):
+    """Packed keys -> their float32 logits (``_ordered`` undone on the high bits)."""
+    ordered = (keys >> ID_BITS).to(tl.int32)
+    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _softmax(values):
+    probs = tl.exp(values - tl.max(values, axis=0))
+    return probs / tl.sum(probs, axis=0)
+
+
+@triton.jit
+def _race_winner(keys, probs, ranks, positions, seed, BLOCK_V: tl.constexpr):
+    """The exponential race over the kept mass (uniforms keyed by rank, so any order draws the same): the
+    winner's vocabulary id (packed in the keys' low bits, reversed so that equal logits rank the lower id first)."""
+    race = probs / -tl.log(tl.rand(seed, ranks))
+    ids = (BLOCK_V - 1) - (keys & (BLOCK_V - 1)).to(tl.int32)
+    return tl.sum(tl.where(positions == tl.argmax(race, axis=0), ids, 0), axis=0)
+
+
+@triton.jit
 def _race(keys, ranks, top_k, top_p, seed, BLOCK_V: tl.constexpr, ID_BITS: tl.constexpr):
     """keys sorted descending -> the sampled id (the reference formulation, over a whole sorted row)."""
-    ids = (BLOCK_V - 1) - (keys & (BLOCK_V - 1)).to(tl.int32)
-    ordered = (keys >> ID_BITS).to(tl.int32)
-    values = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    values = tl.where((top_k > 0) & (ranks >= top_k), float("-inf"), values)
-    probs = tl.exp(values - tl.max(values, axis=0))
-    probs = probs / tl.sum(probs, axis=0)
+    values = tl.where((top_k > 0) & (ranks >= top_k), float("-inf"), _key_values(keys, ID_BITS))
+    probs = _softmax(values)
     probs = tl.where(tl.cumsum(probs, axis=0) - probs < top_p, probs, 0.0)
-    race = probs / -tl.log(tl.rand(seed, ranks))
-    return tl.sum(tl.where(ranks == tl.argmax(race, axis=0), ids, 0), axis=0)
+    return _race_winner(keys, probs, ranks, ranks, seed, BLOCK_V)
 
 
 @triton.jit
@@ -75,16 +92,10 @@ def _shortlist_race(keys, valid, top_k, top_p, seed, BLOCK_V: tl.constexpr, ID_B
     id: each key's rank and the mass above it counted pairwise, then the same cut and race as ``_race``."""
     greater = (keys[None, :] > keys[:, None]) & valid[None, :]  # [i, j]: key j ranks before key i
     ranks = tl.sum(greater.to(tl.int32), axis=1)
-    ordered = (keys >> ID_BITS).to(tl.int32)
-    values = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    values = tl.where(valid & (ranks < top_k), values, float("-inf"))
-    probs = tl.exp(values - tl.max(values, axis=0))
-    probs = probs / tl.sum(probs, axis=0)
+    probs = _softmax(tl.where(valid & (ranks < top_k), _key_values(keys, ID_BITS), float("-inf")))
     mass_above = tl.sum(tl.where(greater, probs[None, :], 0.0), axis=1)
     probs = tl.where(mass_above < top_p, probs, 0.0)
-    race = probs / -tl.log(tl.rand(seed, ranks))
-    ids = (BLOCK_V - 1) - (keys & (BLOCK_V - 1)).to(tl.int32)
-    return tl.sum(tl.where(tl.arange(0, keys.shape[0]) == tl.argmax(race, axis=0), ids, 0), axis=0)
+    return _race_winner(keys, probs, ranks, tl.arange(0, keys.shape[0]), seed, BLOCK_V)
 
 
 @triton.jit

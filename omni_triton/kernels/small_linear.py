@@ -44,7 +44,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.activation import silu_and_mul
 from omni_triton.kernels.dependent_launch import enabled_for, prefetch_l2, prefetch_lines, wait_for_previous
+from omni_triton.kernels.norm import rms_norm
 from omni_triton.kernels.scratch import persistent_zeros
 
 # Programs one launch should have for the weight reads to fill HBM: ~4 per SM of a 132-SM H200, which fit on
@@ -332,9 +334,6 @@ def library_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Ten
                    gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
     """``small_linear`` without a residual as three library-grade launches: the norm kernel, cuBLAS's GEMM, the
     activation kernel; each rounds to x's dtype where the torch modules do (the same as the fused kernel)."""
-    from omni_triton.kernels.activation import silu_and_mul
-    from omni_triton.kernels.norm import rms_norm
-
     out = F.linear(x if norm_weight is None else rms_norm(x, norm_weight, eps), weight)
     if gated:
         out = silu_and_mul(out)

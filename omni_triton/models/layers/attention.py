@@ -28,7 +28,6 @@ rows marked by a negative slot and a zero context length, K/V stored and attende
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
