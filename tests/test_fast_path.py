@@ -11,12 +11,15 @@ does not depend on the batch. CPU tests: the GPU sampler's penalties and draws (
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
 from omni_triton.engine.sampling import (DeviceSampler, SampleRow, TokenHistory, apply_penalties, draw_seed,
-                                         make_generator, race_sample)
+                                         draw_seeds, make_generator, race_sample)
 from omni_triton.models.config import FULL_SIZE_CONFIG, OmniConfig, write_config_with_layers
 from omni_triton.models.layers.attention import contiguous_batch
 from omni_triton.models.layers.fast_kernels import set_fast_kernels
@@ -181,6 +184,28 @@ def test_device_sampler_applies_the_cpu_penalties_and_bans():
     assert torch.equal(got, apply_penalties(logits.clone(), rows).argmax(-1))
     slots = [sampler.history.slot(str(i), row) for i, row in enumerate(rows)]
     assert sampler.history.seen[slots, got.tolist()].all()  # each row's history recorded its new token
+
+
+def test_device_sampler_prepare_writes_each_rows_controls_and_draw_seed():
+    """prepare fills its control columns at once (draw_seeds: the vectorized draw_seed); they must be what a
+    row-by-row fill gives, for any seed a request may carry (negative or past 64 bits included)."""
+    params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=-3),
+              SamplingParams(temperature=0.0, seed=(1 << 70) + 5),
+              SamplingParams(temperature=1.2, top_k=50, min_new_tokens=4, stop_token_ids=(7,), seed=12345)]
+    rows = [SampleRow(p, make_generator(0, "cpu")) for p in params]
+    sampler = DeviceSampler(4, "cpu", TokenHistory(4, 40, "cpu"))  # one row more than prepared: padding
+    sampler.prepare([str(i) for i in range(len(rows))], rows, [0, 9, 2])
+    floats, ints = sampler._floats.cpu(), sampler._ints.cpu()
+    for i, (row, draw) in enumerate(zip(rows, [0, 9, 2])):
+        p = row.params
+        assert floats[:, i].tolist() == pytest.approx([p.temperature, p.top_p, p.repetition_penalty])
+        assert ints[:, i].tolist() == [p.top_k, draw_seed(row.seed, draw), sampler.history.slot(str(i), row),
+                                       int(row.stop_ids_banned)]
+    assert ints[:, 3].tolist() == [0, 0, sampler.history.padding_slot, 0]  # past the rows: greedy padding
+    assert floats[:, 3].tolist() == [0.0, 1.0, 1.0]
+    seeds, draws = [random.getrandbits(62) for _ in range(200)], [random.randrange(10**6) for _ in range(200)]
+    assert draw_seeds(np.array(seeds, dtype=np.uint64), np.array(draws, dtype=np.uint64)).tolist() == [
+        draw_seed(seed, draw) for seed, draw in zip(seeds, draws)]
 
 
 def test_race_sample_draws_follow_the_filtered_distribution_per_seed():

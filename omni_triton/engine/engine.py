@@ -191,13 +191,15 @@ class LLMEngine:
                 else:
                     self._finish(seq, reason, outputs[seq.request_id])
             if continuing:
-                index = torch.tensor(continuing, device=result.sampled_hidden.device)
                 seqs = [result.sampled_seqs[i] for i in continuing]
-                if result.completed is None:
-                    completed = self.runner.complete_step(seqs, result.sampled_hidden[index],
-                                                          result.sampled_token_ids[index])
-                else:  # a CUDA graph completed every sampled row
-                    completed = {name: t[index] for name, t in result.completed.items()}
+                hidden, ids, completed = result.sampled_hidden, result.sampled_token_ids, result.completed
+                if len(continuing) < len(ids):  # rows that finished drop out (else: no copy, no gathers)
+                    index = torch.tensor(continuing, device=hidden.device)
+                    hidden, ids = hidden[index], ids[index]
+                    completed = None if completed is None else {name: t[index] for name, t in completed.items()}
+                if completed is None:
+                    completed = self.runner.complete_step(seqs, hidden, ids)
+                # else: a CUDA graph completed every sampled row
                 extras = self.stage.after_sample(seqs, completed)
                 for seq, extra in zip(seqs, extras):
                     outputs[seq.request_id].extras = extra

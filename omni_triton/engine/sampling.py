@@ -18,6 +18,7 @@ import functools
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -173,6 +174,15 @@ def draw_seed(row_seed: int, draw: int) -> int:
     return (x ^ (x >> 31)) >> 2  # 62 bits: room for the in-graph group offsets
 
 
+def draw_seeds(row_seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """``draw_seed`` of each (row seed, draw) pair at once (uint64 arrays, whose products wrap mod 2**64 as the
+    scalar version's masks do) -> int64."""
+    x = row_seeds * np.uint64(0x9E3779B97F4A7C15) + draws + np.uint64(1)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((x ^ (x >> np.uint64(31))) >> np.uint64(2)).astype(np.int64)
+
+
 class TokenHistory:
     """Per-request rows on the device: ``seen`` (ids the repetition penalty applies to) and ``banned``
     (1: always, the suppressed ids; 2: while under min_new_tokens, the stop ids). A request gets a slot when
@@ -245,12 +255,18 @@ class DeviceSampler:
             raise ValueError(f"DeviceSampler: {len(rows)} rows, at most {self.max_rows}")
         self._reset_host()
         floats, ints = self._host_floats.numpy(), self._host_ints.numpy()
-        for i, (key, row, draw) in enumerate(zip(keys, rows, draws)):
-            p = row.params
-            floats[0, i], floats[1, i], floats[2, i] = p.temperature, p.top_p, p.repetition_penalty
-            ints[0, i], ints[1, i], ints[3, i] = p.top_k, draw_seed(row.seed, draw), row.stop_ids_banned
+        n = len(rows)
+        if n:  # column writes from lists: a per-row loop of numpy item writes was ~0.2 ms at 64 rows
+            params = [row.params for row in rows]
+            floats[0, :n] = [p.temperature for p in params]
+            floats[1, :n] = [p.top_p for p in params]
+            floats[2, :n] = [p.repetition_penalty for p in params]
+            ints[0, :n] = [p.top_k for p in params]
+            ints[1, :n] = draw_seeds(np.array([row.seed & _MASK64 for row in rows], dtype=np.uint64),
+                                     np.array(draws, dtype=np.uint64))
+            ints[3, :n] = [row.stop_ids_banned for row in rows]
             if self.history is not None:
-                ints[2, i] = self.history.slot(key, row)
+                ints[2, :n] = [self.history.slot(key, row) for key, row in zip(keys, rows)]
         self._floats.copy_(self._host_floats, non_blocking=True)
         self._ints.copy_(self._host_ints, non_blocking=True)
         sampling = [row.params for row in rows if not row.params.greedy]
