@@ -203,6 +203,10 @@ def test_device_sampler_prepare_writes_each_rows_controls_and_draw_seed():
                                        int(row.stop_ids_banned)]
     assert ints[:, 3].tolist() == [0, 0, sampler.history.padding_slot, 0]  # past the rows: greedy padding
     assert floats[:, 3].tolist() == [0.0, 1.0, 1.0]
+    many = [SampleRow(SamplingParams(temperature=1.0, seed=seed), make_generator(0, "cpu")) for seed in range(-5, 35)]
+    wide = DeviceSampler(len(many), "cpu")  # past VECTOR_SEEDS_FROM rows: the seeds drawn as one numpy expression
+    wide.prepare([str(i) for i in range(len(many))], many, list(range(len(many))))
+    assert wide._ints[1].tolist() == [draw_seed(row.seed, draw) for draw, row in enumerate(many)]
     seeds, draws = [random.getrandbits(62) for _ in range(200)], [random.randrange(10**6) for _ in range(200)]
     assert draw_seeds(np.array(seeds, dtype=np.uint64), np.array(draws, dtype=np.uint64)).tolist() == [
         draw_seed(seed, draw) for seed, draw in zip(seeds, draws)]

@@ -174,6 +174,9 @@ def draw_seed(row_seed: int, draw: int) -> int:
     return (x ^ (x >> 31)) >> 2  # 62 bits: room for the in-graph group offsets
 
 
+VECTOR_SEEDS_FROM = 16  # rows; numpy's ~8 us a call beats ~0.4 us a row of Python ints from about here
+
+
 def draw_seeds(row_seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
     """``draw_seed`` of each (row seed, draw) pair at once (uint64 arrays, whose products wrap mod 2**64 as the
     scalar version's masks do) -> int64."""
@@ -262,8 +265,11 @@ class DeviceSampler:
             floats[1, :n] = [p.top_p for p in params]
             floats[2, :n] = [p.repetition_penalty for p in params]
             ints[0, :n] = [p.top_k for p in params]
-            ints[1, :n] = draw_seeds(np.array([row.seed & _MASK64 for row in rows], dtype=np.uint64),
-                                     np.array(draws, dtype=np.uint64))
+            if n < VECTOR_SEEDS_FROM:
+                ints[1, :n] = [draw_seed(row.seed, draw) for row, draw in zip(rows, draws)]
+            else:
+                ints[1, :n] = draw_seeds(np.array([row.seed & _MASK64 for row in rows], dtype=np.uint64),
+                                         np.array(draws, dtype=np.uint64))
             ints[3, :n] = [row.stop_ids_banned for row in rows]
             if self.history is not None:
                 ints[2, :n] = [self.history.slot(key, row) for key, row in zip(keys, rows)]
