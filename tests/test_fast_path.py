@@ -212,6 +212,35 @@ def test_device_sampler_prepare_writes_each_rows_controls_and_draw_seed():
         draw_seed(seed, draw) for seed, draw in zip(seeds, draws)]
 
 
+def test_device_sampler_over_a_large_vocabulary_draws_what_the_torch_race_draws():
+    """Past the row kernel's vocabulary, with every sampling row's top_k at most 20 (the thinker's default):
+    the penalties and bans in one launch, then topk + the row kernel; the torch race over the CPU penalties
+    (HF semantics) with the same draw seeds gives the same ids, and the history records them."""
+    pytest.importorskip("triton")
+    vocab = 6000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.3, seed=1),
+              SamplingParams(temperature=0.0, suppressed_token_ids=tuple(range(0, vocab, 3))),
+              SamplingParams(temperature=1.0, top_k=5, min_new_tokens=3, stop_token_ids=(int(logits[2].argmax()),),
+                             seed=2),
+              SamplingParams(temperature=1.2, top_k=20, repetition_penalty=0.6, seed=3)]
+    seen = [set(logits[0].topk(6).indices.tolist()), set(), set(), set(logits[3].topk(30).indices.tolist())]
+    rows = [SampleRow(p, make_generator(0, "cpu"), seen_ids=set(s)) for p, s in zip(params, seen)]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sampler = DeviceSampler(len(rows), device, TokenHistory(len(rows), vocab, device))
+    sampler.prepare([str(i) for i in range(len(rows))], rows, [4, 0, 1, 9])
+    assert sampler.max_top_k == 20
+    got = sampler.sample(logits.to(device)).cpu()
+    seeds = torch.tensor([draw_seed(row.seed, draw) for row, draw in zip(rows, [4, 0, 1, 9])])
+    temperature = torch.tensor([p.temperature for p in params])
+    want = race_sample(apply_penalties(logits.clone(), rows), temperature, torch.tensor([p.top_k for p in params]),
+                       torch.tensor([p.top_p for p in params]), seeds, max_top_k=20)
+    assert torch.equal(got, want)
+    assert int(got[2]) != int(logits[2].argmax()) and int(got[1]) % 3 != 0  # the stop id and suppressed ids banned
+    slots = [sampler.history.slot(str(i), row) for i, row in enumerate(rows)]
+    assert sampler.history.seen[slots, got.tolist()].all()
+
+
 def test_race_sample_draws_follow_the_filtered_distribution_per_seed():
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -323,6 +323,48 @@ def test_fused_row_sampler_draws_what_the_torch_race_draws():
     assert int(got[0]) == int(logits[0].argmax())
 
 
+def test_penalize_is_the_torch_repetition_penalty_and_bans_in_one_launch():
+    """Across block edges (a vocabulary of 2.5 blocks), both signs, every ban code, and the stop-id ban on and
+    off: bit for bit what DeviceSampler's torch formulation gave (IEEE division: no approximate reciprocal)."""
+    gen = torch.Generator().manual_seed(12)
+    rows, slots, vocab = 4, 6, 5000
+    logits = (torch.randn(rows, vocab, generator=gen) * 5).to(DEVICE)
+    seen = (torch.rand(slots, vocab, generator=gen) < 0.2).to(DEVICE)
+    banned = torch.randint(0, 3, (slots, vocab), generator=gen).to(torch.int8).to(DEVICE)
+    banned[torch.rand(slots, vocab, generator=gen) < 0.9] = 0
+    penalty = torch.tensor([1.3, 1.0, 0.7, 2.9], device=DEVICE)
+    row_slots = torch.tensor([5, 0, 3, 5], device=DEVICE)
+    stop_banned = torch.tensor([1, 0, 1, 0], device=DEVICE)
+    got = sampling.penalize(logits, penalty, row_slots, stop_banned, seen, banned)
+    penalised = torch.where(logits < 0, logits * penalty[:, None], logits / penalty[:, None])
+    want = torch.where(seen[row_slots], penalised, logits)
+    bans = (banned[row_slots] == 1) | ((banned[row_slots] == 2) & (stop_banned[:, None] > 0))
+    want = want.masked_fill(bans, float("-inf"))
+    assert torch.equal(got, want)
+    assert bool(torch.isinf(got[0]).any()) and not torch.equal(got[0], got[3])  # the same slot, other controls
+
+
+def test_sampling_among_the_top_candidates_draws_what_the_torch_race_draws():
+    """A vocabulary past the row kernel's: topk, the row kernel over the candidates, ids mapped back; the
+    torch race with the same max_top_k draws the same ids (greedy rows: the row's argmax)."""
+    gen = torch.Generator().manual_seed(13)
+    rows, vocab = 8, 6000
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(DEVICE)
+    logits[2, :4000] = float("-inf")
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.9, 0.6, 1.0, 0.0], device=DEVICE)
+    top_k = torch.tensor([0, 20, 5, 20, 1, 13, 20, 20], device=DEVICE)
+    top_p = torch.tensor([1.0, 0.8, 0.5, 1.0, 0.95, 0.3, 0.99, 0.8], device=DEVICE)
+    seeds = torch.randint(0, 1 << 60, (rows,), generator=gen).to(DEVICE)
+    for group in (0, 2):
+        got = sampling.sample_candidates(logits, 20, temperature, top_k, top_p, seeds, group)
+        want = race_sample(logits, temperature, top_k, top_p, seeds + group, max_top_k=20)
+        assert torch.equal(got, want), (group, got, want)
+    assert int(got[0]) == int(logits[0].argmax()) and int(got[7]) == int(logits[7].argmax())
+    assert len(set(got[1:7].tolist())) > 3
+    with pytest.raises(ValueError, match="candidates"):
+        sampling.sample_candidates(logits, 0, temperature, top_k, top_p, seeds)
+
+
 @pytest.mark.parametrize("vocab", [20, 300] + ([2048, 3072] if DEVICE == "cuda" else []))  # the interpreter: small
 def test_fused_row_sampler_ranking_a_shortlist_draws_what_the_full_sort_draws(vocab):
     """Rows with 0 < top_k <= FAST_TOP_K rank a shortlist instead of sorting the row: the same draws as the torch

@@ -286,19 +286,17 @@ class DeviceSampler:
         num_rows, vocab = logits.shape
         temperature, top_p, penalty = self._floats[:, :num_rows]
         top_k, seeds, slots, stop_banned = self._ints[:, :num_rows]
+        from omni_triton.kernels.sampling import penalize, sample_candidates, sample_rows  # triton: CUDA runs
+
         logits = logits.float()
         if self.history is not None:
-            penalised = torch.where(logits < 0, logits * penalty[:, None], logits / penalty[:, None])
-            logits = torch.where(self.history.seen[slots], penalised, logits)
-            banned = self.history.banned[slots]
-            banned = (banned == TokenHistory.ALWAYS) | ((banned == TokenHistory.UNDER_MIN) & (stop_banned[:, None] > 0))
-            logits = logits.masked_fill(banned, float("-inf"))
+            logits = penalize(logits, penalty, slots, stop_banned, self.history.seen, self.history.banned)
         if self.all_greedy and not general:
             ids = logits.argmax(dim=-1)
         elif vocab <= SMALL_VOCAB:
-            from omni_triton.kernels.sampling import sample_rows
-
             ids = sample_rows(logits.contiguous(), temperature, top_k, top_p, seeds, group)
+        elif not general and 0 < self.max_top_k <= SMALL_VOCAB:  # the thinker's top_k 20: ~10 launches, not ~30
+            ids = sample_candidates(logits, self.max_top_k, temperature, top_k, top_p, seeds, group)
         else:
             ids = race_sample(logits, temperature, top_k, top_p, seeds + group,
                               max_top_k=0 if general else self.max_top_k, top_p_used=general or self.any_top_p)

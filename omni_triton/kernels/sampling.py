@@ -17,6 +17,12 @@ against each other (a ``SHORTLIST``-square compare): rank r of the shortlist is 
 draw is the same. Rows whose threshold cannot get under ``SHORTLIST`` (more than that many values tied at the
 k-th, e.g. a row banned down to fewer than k finite ids) and rows with top_k 0 or above ``FAST_TOP_K`` sort the
 whole row.
+
+A larger vocabulary (the thinker's ~152k ids) goes through ``sample_candidates``: a ``torch.topk`` of the
+penalised logits, then ``sample_rows`` over those candidates (rank r among them is rank r of the row, so the
+draw is ``engine.sampling.race_sample``'s) and a gather back to vocabulary ids. ``penalize`` applies the
+repetition penalty and the bans of every row in one launch (``DeviceSampler``'s history: ~10 full-row torch
+launches before).
 """
 
 from __future__ import annotations
@@ -149,3 +155,58 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
                                          scratch, out, BLOCK_V=block_v, ID_BITS=id_bits, FAST_K=FAST_TOP_K,
                                          SHORT=SHORTLIST, num_warps=8, PDL=pdl, launch_pdl=pdl)
     return out
+
+
+@triton.jit
+def _penalize_kernel(logits_ptr, stride_logits, out_ptr, vocab, penalty_ptr, slots_ptr, stop_banned_ptr, seen_ptr,
+                     banned_ptr, stride_history, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < vocab
+    x = tl.load(logits_ptr + row * stride_logits + cols, mask=valid, other=0.0).to(tl.float32)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    penalty = tl.load(penalty_ptr + row)
+    seen = tl.load(seen_ptr + slot * stride_history + cols, mask=valid, other=0)
+    penalised = tl.where(x < 0, x * penalty, tl.math.div_rn(x, penalty))  # IEEE division, as torch's
+    x = tl.where(seen != 0, penalised, x)
+    banned = tl.load(banned_ptr + slot * stride_history + cols, mask=valid, other=0)
+    stop_banned = tl.load(stop_banned_ptr + row)
+    x = tl.where((banned == 1) | ((banned == 2) & (stop_banned > 0)), float("-inf"), x)
+    tl.store(out_ptr + row * vocab + cols, x, mask=valid)
+
+
+def penalize(logits: torch.Tensor, penalty: torch.Tensor, slots: torch.Tensor, stop_banned: torch.Tensor,
+             seen: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> float32 [B, V]: each row's seen ids (``seen[slots[b]]`` nonzero) divided by its
+    ``penalty`` when positive, multiplied when negative (HF's repetition penalty), then -inf where
+    ``banned[slots[b]]`` is 1, or 2 while ``stop_banned[b]`` (``engine.sampling.TokenHistory``'s codes).
+    ``seen`` [slots, V] bool or uint8, ``banned`` [slots, V] int8, both contiguous."""
+    num_rows, vocab = logits.shape
+    if logits.stride(1) != 1 or seen.shape[1] != vocab or banned.shape != seen.shape:
+        raise ValueError(f"penalize: logits {tuple(logits.shape)} (last dim contiguous), seen {tuple(seen.shape)} "
+                         f"and banned {tuple(banned.shape)} must share the vocabulary")
+    if not (seen.is_contiguous() and banned.is_contiguous()):
+        raise ValueError("penalize: seen and banned must be contiguous")
+    out = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits.device)
+    if num_rows:
+        block = 2048
+        pdl = enabled_for(logits)
+        seen_bytes = seen.view(torch.uint8) if seen.dtype == torch.bool else seen
+        _penalize_kernel[(num_rows, triton.cdiv(vocab, block))](
+            logits, logits.stride(0), out, vocab, penalty, slots, stop_banned, seen_bytes, banned, seen.stride(0),
+            BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl)
+    return out
+
+
+def sample_candidates(logits: torch.Tensor, num_candidates: int, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor, seeds: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """``sample_rows`` for any vocabulary when every sampling row has 0 < top_k <= ``num_candidates`` (at most
+    ``MAX_VOCAB``): the row's ``num_candidates`` best logits (``torch.topk``, descending), drawn from by rank,
+    mapped back to vocabulary ids; rows with temperature 0 take the row's argmax (lowest id among ties)."""
+    if not 0 < num_candidates <= MAX_VOCAB:
+        raise ValueError(f"sample_candidates: 1 to {MAX_VOCAB} candidates a row, got {num_candidates}")
+    values, candidates = logits.topk(min(num_candidates, logits.shape[1]), dim=-1)
+    picked = sample_rows(values.contiguous(), temperature, top_k, top_p, seeds, group)
+    sampled = candidates.gather(1, picked[:, None])[:, 0]
+    return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
