@@ -231,10 +231,14 @@ def test_device_sampler_over_a_large_vocabulary_draws_what_the_torch_race_draws(
     sampler.prepare([str(i) for i in range(len(rows))], rows, [4, 0, 1, 9])
     assert sampler.max_top_k == 20
     got = sampler.sample(logits.to(device)).cpu()
-    seeds = torch.tensor([draw_seed(row.seed, draw) for row, draw in zip(rows, [4, 0, 1, 9])])
-    temperature = torch.tensor([p.temperature for p in params])
-    want = race_sample(apply_penalties(logits.clone(), rows), temperature, torch.tensor([p.top_k for p in params]),
-                       torch.tensor([p.top_p for p in params]), seeds, max_top_k=20)
+    def controls(values):
+        return torch.tensor(values, device=device)
+
+    seeds = controls([draw_seed(row.seed, draw) for row, draw in zip(rows, [4, 0, 1, 9])])
+    temperature = controls([p.temperature for p in params])
+    want = race_sample(apply_penalties(logits.clone(), rows).to(device), temperature,
+                       controls([p.top_k for p in params]), controls([p.top_p for p in params]), seeds,
+                       max_top_k=20).cpu()
     assert torch.equal(got, want)
     assert int(got[2]) != int(logits[2].argmax()) and int(got[1]) % 3 != 0  # the stop id and suppressed ids banned
     slots = [sampler.history.slot(str(i), row) for i, row in enumerate(rows)]
