@@ -9,7 +9,10 @@ refills with one copy per step, repetition history and banned ids kept on the de
 (``kernels.random``). No step reads anything back to the host, so a CUDA graph can capture it (the talker's
 code predictor samples 15 times inside one). Its draws are as reproducible and batch-independent as the
 CPU path's, but they are a different random stream: a seed gives other samples on the fast path. Top-k keeps
-exactly k candidates (ties at the k-th value are cut; the CPU path keeps them).
+exactly k candidates (ties at the k-th value are cut; the CPU path keeps them). The launches
+(``kernels.sampling``): the penalties and bans in one, then the row kernel over the whole row (up to
+``SMALL_VOCAB`` ids: the talker, the code predictor) or over a ``torch.topk`` of it (the thinker's ~152k ids
+with every row's top_k at most that), else ``race_sample``'s torch ops (a row without a top_k: a full sort).
 """
 
 from __future__ import annotations
