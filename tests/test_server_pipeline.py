@@ -98,7 +98,9 @@ def test_greedy_over_triton_equals_inprocess_and_transformers(triton_server, inp
     served = stream(triton_server, PROMPTS[0], **GREEDY)
     text, audio = inprocess_run(inprocess, PROMPTS[0], **GREEDY)
     assert served.text == text
-    np.testing.assert_allclose(served.audio, audio, atol=1e-5)
+    # both pace their chunks by the clock (adaptive): other cuts round differently, up to ~4e-5 on the tiny
+    # checkpoint (pipeline/code2wav_stream.py), so the tests' 1e-4
+    np.testing.assert_allclose(served.audio, audio, atol=1e-4)
 
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
@@ -134,7 +136,7 @@ def test_audio_input_request(triton_server, inprocess):
     assert served.audio.size > 0 and served.text
     text, audio = inprocess_run(inprocess, "What did I say?", chirp, **GREEDY)
     assert served.text == text
-    np.testing.assert_allclose(served.audio, audio, atol=1e-5)
+    np.testing.assert_allclose(served.audio, audio, atol=1e-4)  # chunk cuts by the clock, as above
     # the spoken input changes the answer: the same text without it differs
     assert stream(triton_server, "What did I say?", **GREEDY).audio.tobytes() != served.audio.tobytes()
 
