@@ -69,18 +69,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()  # ids of batch.seqs: a list lookup per row is quadratic at 64 rows
+        # each running sequence is seen once per phase, and one scheduled in the decode phase (one pending
+        # position) is not a prefill-phase row, nor is a preempted one RUNNING: no membership test is needed
         for decode_phase in (True, False):
             for seq in list(self.running):
                 if budget == 0:
                     break
-                if (seq.status != SequenceStatus.RUNNING or id(seq) in scheduled
-                        or (seq.num_pending == 1) != decode_phase):
+                if seq.status != SequenceStatus.RUNNING or (seq.num_pending == 1) != decode_phase:
                     continue
-                taken = self._schedule_running(seq, budget, batch)
-                if taken:
-                    scheduled.add(id(seq))
-                budget -= taken
+                budget -= self._schedule_running(seq, budget, batch)
         if not batch.preempted:
             self._admit(batch, budget)
         return batch
