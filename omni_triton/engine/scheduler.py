@@ -67,6 +67,10 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        decoding = self._decode_only_batch()
+        return decoding if decoding is not None else self._schedule_general()
+
+    def _schedule_general(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # each running sequence is seen once per phase, and one scheduled in the decode phase (one pending
@@ -81,6 +85,29 @@ class Scheduler:
         if not batch.preempted:
             self._admit(batch, budget)
         return batch
+
+    def _decode_only_batch(self) -> ScheduledBatch | None:
+        """The steady state's batch without the general loop: nothing waiting for admission, every running
+        sequence that has input decoding one token, blocks enough for all of them. The same batch as the
+        general loop's (running order, no preemption), in a few attribute reads a row; None otherwise."""
+        if self.waiting:
+            return None
+        bm, block_size = self.block_manager, self.block_manager.block_size
+        seqs, new_blocks = [], []
+        for seq in self.running:
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # waiting for input (a talker row): the general loop skips it too
+            computed = seq.num_computed_tokens
+            if seq.num_inputs - computed != 1:
+                return None  # a prefill chunk: the general loop's second phase
+            if computed >= len(seq.block_table) * block_size:
+                new_blocks.append(seq)
+            seqs.append(seq)
+        if not seqs or len(seqs) > self.max_num_batched_tokens or len(new_blocks) > bm.num_free:
+            return None
+        for seq in new_blocks:
+            bm.allocate(seq, 1)
+        return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs))
 
     def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         while True:
