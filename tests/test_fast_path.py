@@ -245,6 +245,35 @@ def test_device_sampler_over_a_large_vocabulary_draws_what_the_torch_race_draws(
     assert sampler.history.seen[slots, got.tolist()].all()
 
 
+def test_device_sampler_prepare_of_the_same_rows_again_matches_a_fresh_fill():
+    """A steady batch prepares the same rows every step: only the draw seeds and stop flags are rewritten, and
+    the result is what a fresh sampler writes; a history slot freed and given again (a preempted request back)
+    refreshes the columns even for the same rows."""
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=1), SamplingParams(temperature=0.0, seed=2),
+              SamplingParams(temperature=1.0, top_k=50, min_new_tokens=2, stop_token_ids=(3,), seed=3)]
+    rows = [SampleRow(p, make_generator(0, "cpu")) for p in params]
+    keys = ["a", "b", "c"]
+
+    def fresh(draws):
+        sampler = DeviceSampler(4, "cpu", TokenHistory(4, 40, "cpu"))
+        sampler.prepare(keys, rows, draws)
+        return sampler
+
+    steady = fresh([0, 0, 0])
+    for step in range(1, 4):
+        for row in rows:
+            row.record(5)  # a token each: stop ids no longer banned for row c after two
+        steady.prepare(keys, rows, [step] * 3)
+        want = fresh([step] * 3)
+        assert torch.equal(steady._floats, want._floats) and torch.equal(steady._ints, want._ints)
+        assert (steady.all_greedy, steady.max_top_k) == (want.all_greedy, want.max_top_k) == (False, 50)
+    history = steady.history
+    history.release("c")
+    history.slot("x", SampleRow(params[0], make_generator(0, "cpu")))  # another request takes c's slot
+    steady.prepare(keys, rows, [4] * 3)
+    assert steady._ints[2, 2] == history.slot("c", rows[2]) != history.slot("x", rows[0])
+
+
 def test_race_sample_draws_follow_the_filtered_distribution_per_seed():
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
