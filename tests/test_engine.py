@@ -434,3 +434,19 @@ def test_fast_attention_path_matches_reference():
         q, k, v = (torch.randn(sum(query_lens), h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
         outs.append(batch.attend(0, q, k, v, scale=0.3))
     torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_thinker_decode_rows_hand_their_token_ids_to_the_graph(thinker):
+    """A decode graph embeds the thinker's tokens itself (ThinkerStage.decode_token_ids / embed_token_ids): the
+    ids are the ones embed_inputs embeds, and a row still in its prompt (whose input may be audio) opts out."""
+    engine = thinker_engine(thinker)
+    engine.add_request("a", SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True),
+                       prompt_token_ids=[3, 1, 4])
+    engine.step()  # the prompt: its first token sampled
+    seq = engine.requests["a"]
+    stage = engine.stage
+    decode = [(seq, 3, 4)]
+    assert stage.decode_token_ids(decode) == [seq.output_token_ids[0]]
+    assert torch.equal(stage.embed_token_ids(torch.tensor(stage.decode_token_ids(decode))),
+                       stage.embed_inputs(decode))
+    assert stage.decode_token_ids([(seq, 2, 3)]) is None

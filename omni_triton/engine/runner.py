@@ -182,10 +182,12 @@ class DecodeGraphs:
         max_blocks = runner.num_blocks
         dtype = runner.kv_caches[0].dtype
         self.inputs_embeds = torch.zeros(max_batch, stage.hidden_size, dtype=dtype, device=device)
-        # positions (3 rows) | slot | context length, refilled with one copy per step
+        # a stage whose decode inputs are token embeddings (the thinker) embeds them inside the graph
+        self.token_inputs = getattr(stage, "embed_token_ids", None) is not None
+        # positions (3 rows) | slot | context length | token id, refilled with one copy per step
         pinned = device.type == "cuda"
-        self.host_ints = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=pinned)
-        self.ints = torch.zeros(5, max_batch, dtype=torch.int64, device=device)
+        self.host_ints = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned)
+        self.ints = torch.zeros(6, max_batch, dtype=torch.int64, device=device)
         self.host_tables = torch.zeros(max_batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.position_offsets: dict[str, int] = {}  # per request: rope position - sequence position past the prompt
@@ -198,7 +200,8 @@ class DecodeGraphs:
 
     def serves(self, chunks: list[Chunk]) -> bool:
         return (self.serves_rows(len(chunks))
-                and all(end - start == 1 and seq.samples_after(end) for seq, start, end in chunks))
+                and all(end - start == 1 and seq.samples_after(end) for seq, start, end in chunks)
+                and (not self.token_inputs or self.runner.stage.decode_token_ids(chunks) is not None))
 
     def serves_rows(self, num_rows: int) -> bool:
         return num_rows <= self.buckets[-1]
@@ -208,7 +211,8 @@ class DecodeGraphs:
         ints = self.ints[:, :batch_size]
         positions, slots, context_lens = ints[:3], ints[3], ints[4]
         batch = DecodeBatch(slots, self.block_tables[:batch_size], context_lens, runner.kv_caches)
-        hidden, captured = runner.stage.forward(self.inputs_embeds[:batch_size], positions, batch)
+        inputs = (runner.stage.embed_token_ids(ints[5]) if self.token_inputs else self.inputs_embeds[:batch_size])
+        hidden, captured = runner.stage.forward(inputs, positions, batch)
         logits = runner.stage.compute_logits(hidden)
         outputs = {"hidden": hidden, "logits": logits, **{"captured." + k: v for k, v in captured.items()}}
         if self.in_graph_sampling:
@@ -237,9 +241,12 @@ class DecodeGraphs:
         runner, num_rows = self.runner, len(chunks)
         batch_size = bucket_for(self.buckets, num_rows)  # serves() checked that one holds them
         seqs = [seq for seq, _, _ in chunks]
-        self.inputs_embeds[:num_rows].copy_(runner.stage.embed_inputs(chunks))
         host = self.host_ints.numpy()
-        host[:3], host[3], host[4] = 0, -1, 0
+        host[:3], host[3], host[4], host[5] = 0, -1, 0, 0
+        if self.token_inputs:
+            host[5, :num_rows] = runner.stage.decode_token_ids(chunks)
+        else:
+            self.inputs_embeds[:num_rows].copy_(runner.stage.embed_inputs(chunks))
         bs = runner.block_size
         max_blocks = max(len(seq.block_table) for seq in seqs)
         tables = self.host_tables[:num_rows * max_blocks].view(num_rows, max_blocks)

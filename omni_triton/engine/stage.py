@@ -64,6 +64,10 @@ class StageModel(Protocol):
         """``add_request`` inputs of a dummy request with ``num_positions`` prompt positions that runs to its
         max_new_tokens without waiting for input (``engine.warmup``)."""
 
+    # Optional, as a pair (the thinker): ``decode_token_ids(chunks) -> list[int] | None``, the token ids of
+    # one-position decode chunks (None when some position needs more than its token's embedding), and
+    # ``embed_token_ids(ids [B]) -> [B, H]``, which a decode CUDA graph runs itself (no eager embedding step).
+
 
 class ThinkerStage:
     """Token ids in, token ids out; optionally streams each position's input embedding and the hidden state
@@ -107,6 +111,15 @@ class ThinkerStage:
                     embeds[rows] = audio[inside.nonzero().squeeze(1)].to(device=device, dtype=embeds.dtype)
             row += end - start
         return embeds
+
+    def decode_token_ids(self, chunks: list[Chunk]) -> list[int] | None:
+        """Past the prompt every position's input is its token's embedding; a prompt position may be audio."""
+        if any(start < seq.num_prompt_positions for seq, start, _ in chunks):
+            return None
+        return [tid for seq, start, end in chunks for tid in _token_ids(seq, start, end)]
+
+    def embed_token_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids)
 
     def forward(self, inputs_embeds, positions, batch):
         capture = () if self.accept_hidden_layer is None else (self.accept_hidden_layer,)
