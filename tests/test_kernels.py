@@ -335,7 +335,7 @@ def test_penalize_is_the_torch_repetition_penalty_and_bans_in_one_launch():
     penalty = torch.tensor([1.3, 1.0, 0.7, 2.9], device=DEVICE)
     row_slots = torch.tensor([5, 0, 3, 5], device=DEVICE)
     stop_banned = torch.tensor([1, 0, 1, 0], device=DEVICE)
-    got = sampling.penalize(logits, penalty, row_slots, stop_banned, seen, banned)
+    got = sampling.penalize(logits, penalty, row_slots, stop_banned, seen, banned, always=1, under_min=2)
     penalised = torch.where(logits < 0, logits * penalty[:, None], logits / penalty[:, None])
     want = torch.where(seen[row_slots], penalised, logits)
     bans = (banned[row_slots] == 1) | ((banned[row_slots] == 2) & (stop_banned[:, None] > 0))

@@ -292,15 +292,15 @@ class DeviceSampler:
         self._keys, self._rows = list(keys), list(rows)
         floats, ints = self._host_floats.numpy(), self._host_ints.numpy()
         n = len(rows)
+        params = [row.params for row in rows]
         if n:
-            params = [row.params for row in rows]
             floats[0, :n] = [p.temperature for p in params]
             floats[1, :n] = [p.top_p for p in params]
             floats[2, :n] = [p.repetition_penalty for p in params]
             ints[0, :n] = [p.top_k for p in params]
             if self.history is not None:
                 ints[2, :n] = [self.history.slot(key, row) for key, row in zip(keys, rows)]
-        sampling = [row.params for row in rows if not row.params.greedy]
+        sampling = [p for p in params if not p.greedy]
         self.all_greedy = not sampling
         self.max_top_k = 0 if any(p.top_k == 0 for p in sampling) else max((p.top_k for p in sampling), default=0)
         self.any_top_p = any(p.top_p < 1.0 for p in sampling)
@@ -315,7 +315,8 @@ class DeviceSampler:
 
         logits = logits.float()
         if self.history is not None:
-            logits = penalize(logits, penalty, slots, stop_banned, self.history.seen, self.history.banned)
+            logits = penalize(logits, penalty, slots, stop_banned, self.history.seen, self.history.banned,
+                              always=TokenHistory.ALWAYS, under_min=TokenHistory.UNDER_MIN)
         if self.all_greedy and not general:
             ids = logits.argmax(dim=-1)
         elif vocab <= SMALL_VOCAB:

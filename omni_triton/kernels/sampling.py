@@ -159,7 +159,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 @triton.jit
 def _penalize_kernel(logits_ptr, stride_logits, out_ptr, vocab, penalty_ptr, slots_ptr, stop_banned_ptr, seen_ptr,
-                     banned_ptr, stride_history, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     banned_ptr, stride_history, ALWAYS: tl.constexpr, UNDER_MIN: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -172,15 +173,16 @@ def _penalize_kernel(logits_ptr, stride_logits, out_ptr, vocab, penalty_ptr, slo
     x = tl.where(seen != 0, penalised, x)
     banned = tl.load(banned_ptr + slot * stride_history + cols, mask=valid, other=0)
     stop_banned = tl.load(stop_banned_ptr + row)
-    x = tl.where((banned == 1) | ((banned == 2) & (stop_banned > 0)), float("-inf"), x)
+    x = tl.where((banned == ALWAYS) | ((banned == UNDER_MIN) & (stop_banned > 0)), float("-inf"), x)
     tl.store(out_ptr + row * vocab + cols, x, mask=valid)
 
 
 def penalize(logits: torch.Tensor, penalty: torch.Tensor, slots: torch.Tensor, stop_banned: torch.Tensor,
-             seen: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+             seen: torch.Tensor, banned: torch.Tensor, *, always: int, under_min: int) -> torch.Tensor:
     """logits [B, V] -> float32 [B, V]: each row's seen ids (``seen[slots[b]]`` nonzero) divided by its
     ``penalty`` when positive, multiplied when negative (HF's repetition penalty), then -inf where
-    ``banned[slots[b]]`` is 1, or 2 while ``stop_banned[b]`` (``engine.sampling.TokenHistory``'s codes).
+    ``banned[slots[b]]`` is ``always``, or ``under_min`` while ``stop_banned[b]`` (``engine.sampling.
+    TokenHistory``'s codes, passed by its caller).
     ``seen`` [slots, V] bool or uint8, ``banned`` [slots, V] int8, both contiguous."""
     num_rows, vocab = logits.shape
     if logits.stride(1) != 1 or seen.shape[1] != vocab or banned.shape != seen.shape:
@@ -195,7 +197,7 @@ def penalize(logits: torch.Tensor, penalty: torch.Tensor, slots: torch.Tensor, s
         seen_bytes = seen.view(torch.uint8) if seen.dtype == torch.bool else seen
         _penalize_kernel[(num_rows, triton.cdiv(vocab, block))](
             logits, logits.stride(0), out, vocab, penalty, slots, stop_banned, seen_bytes, banned, seen.stride(0),
-            BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl)
+            ALWAYS=always, UNDER_MIN=under_min, BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out
 
 
