@@ -118,6 +118,46 @@ def test_seeded_sampling_on_the_fast_path_does_not_depend_on_the_batch(tiny_chec
     assert len({tuple(t) for t in together.values()}) == 3
 
 
+def thinker_run(model, prompts, params: list[SamplingParams], **config):
+    """Tokens and finish reasons per request, and the engine (for its overlap counter)."""
+    engine = LLMEngine(ThinkerStage(model), EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8,
+                                                         max_num_batched_tokens=64, device="cuda",
+                                                         kv_dtype=torch.float32, **config))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), params[i], prompt_token_ids=prompt)
+    tokens, reasons = {}, {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    return tokens, reasons, engine
+
+
+@cuda
+def test_overlapped_steps_on_the_fast_path_equal_synchronous_steps(tiny_checkpoint):
+    """engine/overlap.py under CUDA graphs (and eagerly): the next step's ids from the device, its sampler
+    controls one token ahead (draws, the min_new_tokens ban, the device token history), a stop found while
+    the next step is in flight: the synchronous engine's tokens and finishes."""
+    model = load_thinker(tiny_checkpoint, "cuda", torch.float32, with_audio=False)
+    prompts = random_prompts(model.vocab_size, seed=5)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    reference, _, _ = thinker_run(model, prompts, [greedy] * 3)
+    ref = reference["0"]
+    stop = next(t for i, t in enumerate(ref) if i >= 12 and t not in ref[:i])
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(stop,)),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=5,
+                             max_new_tokens=30, min_new_tokens=9, stop_token_ids=(ref[0], ref[1])),
+              SamplingParams(temperature=0.8, top_k=0, seed=6, max_new_tokens=35, suppressed_token_ids=(ref[2],))]
+    sync = thinker_run(model, prompts, params)
+    assert sync[1]["0"] == "stop"
+    for config in ({}, {"cuda_graphs": False}):
+        tokens, reasons, engine = thinker_run(model, prompts, params, overlap_steps=True, **config)
+        assert engine.overlap.launched > 20
+        assert (tokens, reasons) == sync[:2], config
+
+
 def prompt_logits(model, prompt: list[int], kernels: bool) -> torch.Tensor:
     """Next-token logits after a whole prompt, one prefill through the kernels or the torch path."""
     set_fast_kernels(model, kernels)

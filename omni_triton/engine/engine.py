@@ -13,6 +13,8 @@ import torch
 
 from omni_triton import trace
 from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
+from omni_triton.engine.host_copies import HostIds
+from omni_triton.engine.overlap import LaunchedStep, StepOverlap
 from omni_triton.engine.runner import ModelRunner
 from omni_triton.engine.sampling import SamplingParams
 from omni_triton.engine.scheduler import Scheduler
@@ -46,6 +48,9 @@ class EngineConfig:
     dependent_launch: bool = True
     # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
     warmup: bool = False
+    # a stage whose next input is its sampled token (the thinker): launch the next decode step before this
+    # one's tokens reach the host (overlap.py); the same tokens either way
+    overlap_steps: bool = False
 
 
 @dataclass
@@ -95,6 +100,9 @@ class LLMEngine:
         self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
         self.step_log = StepLog(self.name, self.runner.device)  # written while tracing is on
+        self.overlap = (StepOverlap(self.scheduler, self.block_manager, self.runner, config.max_num_seqs)
+                        if config.overlap_steps and StepOverlap.supported(self.runner) else None)
+        self._inflight: LaunchedStep | None = None  # launched by the last step, finished by the next (overlap)
 
     # -- client API -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, sampling_params: SamplingParams, *,
@@ -153,25 +161,58 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """Runs one step and returns its outputs. Overlapped (``overlap.py``): finishes the step launched by the
+        last call, after launching the one after it."""
         began = self.step_log.begin() if trace.enabled() else None
+        current, self._inflight = self._inflight, None
+        if current is None:
+            current = self._launch_scheduled(traced=began is not None)
+            if current is None:
+                return []
+        self.last_step_size = len(current.batch)
+        if self.overlap is not None:
+            self._inflight = self.overlap.launch_next(current)
+        outputs, completion_rows = self._finish(current)
+        if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
+            self._inflight = None  # every row stopped: nothing of it to deliver
+        if began is not None:
+            result = current.result
+            completes = len(self.runner.streams) > 1  # the stage's completion samples (talker: code predictor)
+            self.step_log.end(began, **current.shape, sampled=len(result.sampled_seqs),
+                              completion_rows=completion_rows if completes else 0,
+                              left_runnable=self.scheduler.count(SequenceStatus.RUNNING) + len(self.scheduler.waiting),
+                              left_waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))
+        return [out for out in outputs.values()
+                if out.new_token_ids or out.states or out.extras or out.finished]
+
+    def _launch_scheduled(self, traced: bool) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.runner.release(seq)
         self.last_step_size = len(batch)
         if not batch:
-            return []
+            return None
         shape = None
-        if began is not None:
+        if traced:
             for seq in batch.seqs:
                 if seq.num_computed_tokens == 0:
                     trace.event(seq.request_id, f"{self.name}.prefill_start")
             shape = self._step_shape(batch)
         result = self.runner.run(batch)
-        outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in batch.seqs}
-        for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
+        for seq, _, end in result.chunks:
             seq.num_computed_tokens = end
+        host_ids = self.overlap.host_ids(result) if self.overlap is not None else HostIds(result.sampled_token_ids)
+        return LaunchedStep(batch, result, host_ids, shape)
+
+    def _finish(self, step: LaunchedStep) -> tuple[dict[str, RequestOutput], int]:
+        """The launched step's host work: states and tokens out, stop checks, the stage's bookkeeping. Rows
+        finished or aborted since its launch (an overlapped step's) are dropped. Returns the outputs and the
+        number of rows that go on."""
+        result = step.result
+        outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in step.batch.seqs if not seq.is_finished}
+        for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
             first = max(start, seq.num_emitted_positions)
-            if result.captured and first < end:
+            if result.captured and first < end and not seq.is_finished:
                 rows = slice(offset + first - start, offset + end - start)
                 outputs[seq.request_id].states = {name: t[rows] for name, t in result.captured.items()}
                 outputs[seq.request_id].states_start = first
@@ -179,8 +220,10 @@ class LLMEngine:
 
         continuing = []
         if result.sampled_seqs:
-            token_ids = result.sampled_token_ids.tolist()  # the step's one device -> host copy
+            token_ids = step.host_ids.tolist()  # the step's one device -> host copy
             for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
+                if seq.is_finished:
+                    continue
                 seq.append_output(token_id)
                 if seq.num_generated == 1:
                     trace.event(seq.request_id, f"{self.name}.first_token")
@@ -189,7 +232,7 @@ class LLMEngine:
                 if reason is None:
                     continuing.append(i)
                 else:
-                    self._finish(seq, reason, outputs[seq.request_id])
+                    self._finish_request(seq, reason, outputs[seq.request_id])
             if continuing:
                 seqs = [result.sampled_seqs[i] for i in continuing]
                 hidden, ids, completed = result.sampled_hidden, result.sampled_token_ids, result.completed
@@ -204,17 +247,13 @@ class LLMEngine:
                 for seq, extra in zip(seqs, extras):
                     outputs[seq.request_id].extras = extra
 
-        for seq in batch.seqs:
-            if not seq.is_finished:
+        # a row of the step launched after this one already holds its next position: its status is the next
+        # finish's to refresh (now it would read no input pending)
+        ahead = set(map(id, self._inflight.batch.seqs)) if self._inflight is not None else ()
+        for seq in step.batch.seqs:
+            if not seq.is_finished and id(seq) not in ahead:
                 self.scheduler.refresh_status(seq)
-        if began is not None:
-            completes = len(self.runner.streams) > 1  # the stage's completion samples (talker: code predictor)
-            self.step_log.end(began, **shape, sampled=len(result.sampled_seqs),
-                              completion_rows=len(continuing) if completes else 0,
-                              left_runnable=self.scheduler.count(SequenceStatus.RUNNING) + len(self.scheduler.waiting),
-                              left_waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))
-        return [out for out in outputs.values()
-                if out.new_token_ids or out.states or out.extras or out.finished]
+        return outputs, len(continuing)
 
     def _step_shape(self, batch) -> dict:
         """The step log's fields known before the step runs (``step_log.py``)."""
@@ -230,7 +269,7 @@ class LLMEngine:
                     preempted=len(batch.preempted), waiting=len(self.scheduler.waiting),
                     waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))
 
-    def _finish(self, seq: Sequence, reason: str, output: RequestOutput) -> None:
+    def _finish_request(self, seq: Sequence, reason: str, output: RequestOutput) -> None:
         self.scheduler.finish(seq, reason)
         self.runner.release(seq)
         del self.requests[seq.request_id]

@@ -25,6 +25,7 @@ import torch
 
 from omni_triton.graph_buckets import bucket_for, capture_buckets, fill_padded
 from omni_triton.engine.block_manager import kv_slots
+from omni_triton.engine.host_copies import StagingGuard
 from omni_triton.engine.prefill_graphs import PrefillGraphs
 from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
 from omni_triton.engine.scheduler import ScheduledBatch
@@ -137,17 +138,34 @@ class ModelRunner:
             sampled_ids = self.sample(sampled_seqs, self.stage.compute_logits(sampled_hidden))
         return StepResult(chunks, offsets, captured, sampled_seqs, sampled_hidden, sampled_ids)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        if not self.samplers:
+    @torch.inference_mode()
+    def run_ahead(self, chunks: list[Chunk], token_ids: torch.Tensor) -> StepResult:
+        """A decode step of one position per row whose inputs are the token ids still on the device, sampled by
+        the step before, whose tokens are not appended yet (``overlap.StepOverlap``; a stage with
+        ``embed_token_ids``). Samples as ``run`` would once they were: draws and bans one token ahead."""
+        seqs = [seq for seq, _, _ in chunks]
+        if self.graphs is not None and self.graphs.serves_rows(len(chunks)):
+            return self.graphs.run(chunks, token_ids=token_ids, tokens_ahead=1)
+        positions = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
+        hidden, captured = self.stage.forward(self.stage.embed_token_ids(token_ids),
+                                              _to_device(positions, self.device), self.attention_batch(chunks))
+        ids = self.sample(seqs, self.stage.compute_logits(hidden), tokens_ahead=1)
+        return StepResult(chunks, list(range(len(chunks))), captured, seqs, hidden, ids)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, tokens_ahead: int = 0) -> torch.Tensor:
+        if not self.samplers:  # the host sampler reads the rows' own history: callers ahead check it is exact
             return sample(logits, [seq.sample_row for seq in seqs])
-        self.prepare_sampler(MAIN_STREAM, seqs)
+        self.prepare_sampler(MAIN_STREAM, seqs, tokens_ahead)
         return self.samplers[MAIN_STREAM].sample(logits)
 
     def prepare_sampler(self, stream: str, seqs: list[Sequence], tokens_ahead: int = 0) -> None:
-        """Each row's draw index is its generated-token count (``tokens_ahead`` more when the step's own token is
-        not appended yet, as inside a graph), so the same frame draws the same uniforms on every path."""
+        """Each row's draw index is its generated-token count (``tokens_ahead`` more when tokens sampled before
+        are not appended yet: the step's own inside a graph, the previous step's when overlapped), so the same
+        frame draws the same uniforms on every path. The main stream's min_new_tokens ban counts them too (the
+        other streams' rows sample within a frame: their token count is the frame's)."""
         self.samplers[stream].prepare([seq.request_id for seq in seqs], [self.streams[stream](seq) for seq in seqs],
-                                      [seq.num_generated + tokens_ahead for seq in seqs])
+                                      [seq.num_generated + tokens_ahead for seq in seqs],
+                                      tokens_ahead if stream == MAIN_STREAM else 0)
 
     @torch.inference_mode()
     def complete_step(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor
@@ -191,6 +209,7 @@ class DecodeGraphs:
         self.host_tables = torch.zeros(max_batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.position_offsets: dict[str, int] = {}  # per request: rope position - sequence position past the prompt
+        self._staging = StagingGuard(device)  # host_ints and host_tables
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self.pool = None
@@ -237,13 +256,18 @@ class DecodeGraphs:
             self.position_offsets[seq.request_id] = int(seq.positions(start, start + 1)[0, 0]) - start
         return start + self.position_offsets[seq.request_id]
 
-    def run(self, chunks: list[Chunk]) -> StepResult:
+    def run(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None, tokens_ahead: int = 0) -> StepResult:
+        """One decode step by replay. ``token_ids`` (a token-input stage): the rows' input ids on the device,
+        sampled by a step whose tokens are not appended yet (``tokens_ahead`` of them: ``ModelRunner.run_ahead``)."""
         runner, num_rows = self.runner, len(chunks)
         batch_size = bucket_for(self.buckets, num_rows)  # serves() checked that one holds them
         seqs = [seq for seq, _, _ in chunks]
+        self._staging.before_write()
         host = self.host_ints.numpy()
         host[:3], host[3], host[4], host[5] = 0, -1, 0, 0
-        if self.token_inputs:
+        if token_ids is not None:
+            pass  # copied on the device below
+        elif self.token_inputs:
             host[5, :num_rows] = runner.stage.decode_token_ids(chunks)
         else:
             self.inputs_embeds[:num_rows].copy_(runner.stage.embed_inputs(chunks))
@@ -258,8 +282,13 @@ class DecodeGraphs:
             host_tables[i, :len(seq.block_table)] = seq.block_table
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.block_tables[:num_rows, :max_blocks].copy_(tables, non_blocking=True)
-        for name in runner.samplers if self.in_graph_sampling else ():
-            runner.prepare_sampler(name, seqs, tokens_ahead=0 if name == MAIN_STREAM else 1)
+        self._staging.copies_queued()
+        if token_ids is not None:
+            self.ints[5, :num_rows].copy_(token_ids)
+        # every sampler's controls are queued before the replay (also those sampling after it): then an
+        # overlapped step's rewrite of them waits for no more than the copies (host_copies.StagingGuard)
+        for name in runner.samplers:
+            runner.prepare_sampler(name, seqs, tokens_ahead + (name != MAIN_STREAM and self.in_graph_sampling))
         self.graphs[batch_size].replay()
         outputs = self.outputs[batch_size]
         hidden = outputs["hidden"][:num_rows].clone()  # copies: the next replay overwrites the graph's outputs
@@ -267,7 +296,7 @@ class DecodeGraphs:
         if self.in_graph_sampling:
             ids, completed = outputs["token_ids"][:num_rows].clone(), _rows(outputs, "completed.", num_rows)
         else:
-            ids, completed = runner.sample(seqs, outputs["logits"][:num_rows]), None
+            ids, completed = runner.samplers[MAIN_STREAM].sample(outputs["logits"][:num_rows]), None
         return StepResult(chunks, list(range(num_rows)), captured, seqs, hidden, ids, completed)
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omni_triton.engine.host_copies import StagingGuard
+
 
 @dataclass
 class SamplingParams:
@@ -85,7 +87,11 @@ class SampleRow:
 
     @property
     def stop_ids_banned(self) -> bool:
-        return self.num_generated < self.params.min_new_tokens and bool(self.params.stop_token_ids)
+        return self.stop_ids_banned_after(0)
+
+    def stop_ids_banned_after(self, tokens_ahead: int) -> bool:
+        """Whether the stop ids are banned once ``tokens_ahead`` more tokens are recorded."""
+        return self.num_generated + tokens_ahead < self.params.min_new_tokens and bool(self.params.stop_token_ids)
 
     def record(self, token_id: int) -> None:
         self.seen_ids.add(token_id)
@@ -249,6 +255,7 @@ class DeviceSampler:
         self._reset_host()
         self._floats = self._host_floats.to(device)
         self._ints = self._host_ints.to(device)
+        self._staging = StagingGuard(device)
         self.all_greedy, self.max_top_k, self.any_top_p = True, 0, False
         self._keys: list[str] = []  # the rows of the last prepare (``_fill_request_columns``)
         self._rows: list[SampleRow] = []
@@ -261,10 +268,12 @@ class DeviceSampler:
         ints[0], ints[1], ints[3] = 0, 0, 0
         ints[2] = self.history.padding_slot if self.history is not None else 0
 
-    def prepare(self, keys: list[str], rows: list[SampleRow], draws: list[int]) -> None:
-        """Controls of rows 0..n-1 (``draws``: each row's draw index, e.g. tokens generated so far)."""
+    def prepare(self, keys: list[str], rows: list[SampleRow], draws: list[int], tokens_ahead: int = 0) -> None:
+        """Controls of rows 0..n-1 (``draws``: each row's draw index, e.g. tokens generated so far;
+        ``tokens_ahead``: tokens sampled but not recorded in the rows yet, which the min_new_tokens ban counts)."""
         if len(rows) > self.max_rows:
             raise ValueError(f"DeviceSampler: {len(rows)} rows, at most {self.max_rows}")
+        self._staging.before_write()
         ints = self._host_ints.numpy()
         n = len(rows)
         # the same rows as the last call (a steady decode batch), no history slot given or freed since: their
@@ -280,9 +289,11 @@ class DeviceSampler:
             else:
                 ints[1, :n] = draw_seeds(np.array([row.seed & _MASK64 for row in rows], dtype=np.uint64),
                                          np.array(draws, dtype=np.uint64))
-            ints[3, :n] = [row.stop_ids_banned for row in rows]
+            ints[3, :n] = ([row.stop_ids_banned for row in rows] if not tokens_ahead else
+                           [row.stop_ids_banned_after(tokens_ahead) for row in rows])
         self._floats.copy_(self._host_floats, non_blocking=True)
         self._ints.copy_(self._host_ints, non_blocking=True)
+        self._staging.copies_queued()
 
     def _fill_request_columns(self, keys: list[str], rows: list[SampleRow]) -> None:
         """What stays fixed for a request (temperature, top_p, penalty, top_k, history slot) and the batch's

@@ -1,0 +1,106 @@
+"""Overlapped decode steps: the next step goes to the GPU before this step's tokens come back to the host.
+
+A synchronous step launches its work, waits for the sampled ids and only then does its host work (appending
+tokens, stop checks, outputs) and the next step's (scheduling, input buffers, sampler controls): the GPU idles
+for all of that. In the steady decode state of a stage whose next input is a function of the sampled ids on
+the device (the thinker: a token's embedding, ``stage.embed_token_ids``), the next step's batch is known
+before the ids are: the same rows, one position further, their inputs the ids still on the device. So
+``LLMEngine.step`` launches that step first (``launch_next``) and then finishes the previous one, whose
+host work runs while the GPU computes.
+
+Only what cannot change the batch is overlapped; anything else waits for the ids as before (the next call
+is a synchronous step): a request waiting for admission, an abort, a row that stopped (known only from its
+ids: its overlapped row is computed and dropped, its blocks freed once the launch is queued, which stream
+order makes safe), a row at max_new_tokens, too few free blocks, and on the host sampler rows whose
+repetition penalty or min_new_tokens ban depends on the token not read yet. Tokens, states and draws are the
+synchronous engine's: every sampler draw is keyed by the row's generated-token count, told one token ahead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omni_triton.engine.block_manager import BlockManager
+from omni_triton.engine.host_copies import HostIds
+from omni_triton.engine.runner import ModelRunner, StepResult
+from omni_triton.engine.scheduler import ScheduledBatch, Scheduler
+from omni_triton.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; ``LLMEngine`` finishes it (tokens to the host) later."""
+    batch: ScheduledBatch
+    result: StepResult
+    host_ids: HostIds
+    shape: dict | None = None  # the step log's fields (trace on)
+
+
+class StepOverlap:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, runner: ModelRunner, max_num_seqs: int):
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.runner = runner
+        cuda = runner.device.type == "cuda"
+        self._host_buffers = ([torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
+                              if cuda else [None, None])
+        self._next_buffer = 0
+        self.launched = 0  # overlapped steps launched (tests, diagnostics)
+
+    @staticmethod
+    def supported(runner: ModelRunner) -> bool:
+        """The stage's next input is its sampled id's embedding, and nothing samples after the main token."""
+        return getattr(runner.stage, "embed_token_ids", None) is not None and len(runner.streams) == 1
+
+    def host_ids(self, result: StepResult) -> HostIds:
+        host = self._host_buffers[self._next_buffer]
+        self._next_buffer ^= 1
+        return HostIds(result.sampled_token_ids, host)
+
+    def launch_next(self, current: LaunchedStep) -> LaunchedStep | None:
+        """The step after ``current`` (not finished yet), launched with its inputs on the device; None when the
+        batch could change (the caller then finishes ``current`` and schedules as usual)."""
+        seqs = current.batch.seqs
+        if not self._same_batch_next(current):
+            return None
+        bm, block_size = self.block_manager, self.block_manager.block_size
+        new_blocks = [seq for seq in seqs if seq.num_computed_tokens >= len(seq.block_table) * block_size]
+        if len(new_blocks) > bm.num_free:
+            return None
+        for seq in new_blocks:
+            bm.allocate(seq, 1)
+        chunks = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1) for seq in seqs]
+        result = self.runner.run_ahead(chunks, current.result.sampled_token_ids)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        self.launched += 1
+        batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
+        shape = None if current.shape is None else dict(current.shape, preempted=0)
+        return LaunchedStep(batch, result, self.host_ids(result), shape)
+
+    def _same_batch_next(self, current: LaunchedStep) -> bool:
+        """Whether the scheduler would run exactly ``current``'s rows once more, each decoding the token
+        ``current`` samples, whatever those tokens are (short of a stop)."""
+        result, seqs = current.result, current.batch.seqs
+        if (self.scheduler.waiting or not seqs or len(result.sampled_seqs) != len(seqs)
+                or any(n != 1 for n in current.batch.num_new_tokens)):
+            return False
+        if any(seq.status != SequenceStatus.RUNNING for seq in seqs):
+            return False  # aborted or stopped since
+        if self.scheduler.count(SequenceStatus.RUNNING) != len(seqs):
+            return False  # another row can run now
+        # the row's token count after current's token: another token still allowed
+        if any(seq.num_generated + 1 >= seq.params.max_new_tokens for seq in seqs):
+            return False
+        return self.runner.samplers or all(_host_sampling_ahead_exact(seq) for seq in seqs)
+
+
+def _host_sampling_ahead_exact(seq: Sequence) -> bool:
+    """The host sampler reads the row's history (repetition penalty) and token count (the min_new_tokens ban
+    on stop ids), which miss the token not read yet: exact only where neither depends on it."""
+    params, generated = seq.params, seq.num_generated
+    if params.repetition_penalty != 1.0:
+        return False
+    return not params.stop_token_ids or (generated < params.min_new_tokens) == (generated + 1 < params.min_new_tokens)

@@ -1,0 +1,178 @@
+"""Overlapped decode steps (engine/overlap.py) on the CPU path: the same tokens, states and finish reasons as
+the synchronous engine, with requests stopping, hitting max_new_tokens, arriving and being aborted while a
+step is in flight, under block pressure, on the host sampler's exactness guards, and behind the threaded
+loop; nothing leaks. (The CUDA-graph path runs the same engine logic: tests/test_fast_path.py on the GPU.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_toy_model import ToyThinker, reference_greedy
+from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, SamplingParams, ThinkerStage
+from omni_triton.engine.overlap import StepOverlap
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11, list(range(20, 2, -1)), [9, 8, 7, 6, 5, 4, 3]]
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    return ToyThinker().eval()
+
+
+def make_engine(model, overlap: bool, **config) -> LLMEngine:
+    return LLMEngine(ThinkerStage(model, accept_hidden_layer=2),
+                     EngineConfig(**{"block_size": 4, "num_blocks": 256, "overlap_steps": overlap, **config}))
+
+
+def mixed_params(thinker) -> list[SamplingParams]:
+    """Greedy and seeded sampling; one request stops on a token it first reaches late in the steady decode (a
+    stop found while the next step is in flight), others at max_new_tokens."""
+    ref = reference_greedy(thinker, PROMPTS[0], 30)
+    stop_at = next(t for i, t in enumerate(ref) if i >= 10 and t not in ref[:i])
+    return [SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=(stop_at,)),
+            SamplingParams(temperature=0.9, top_k=20, seed=3, max_new_tokens=40),
+            SamplingParams(temperature=0.0, max_new_tokens=12),
+            SamplingParams(temperature=1.1, top_p=0.8, seed=11, max_new_tokens=2),
+            SamplingParams(temperature=0.0, max_new_tokens=1)]
+
+
+def drive(engine: LLMEngine, requests, events=(), max_steps: int = 500):
+    """Steps until idle; ``events``: (call index, "add"|"abort", request id) applied before that call.
+    Returns per request: tokens, the states' rows (positions, accept_hidden) and the finish reason."""
+    pending = {f"r{i}": (params, prompt) for i, (params, prompt) in enumerate(requests)}
+    for request_id in [r for r in pending if not any(e[2] == r and e[1] == "add" for e in events)]:
+        params, prompt = pending[request_id]
+        engine.add_request(request_id, params, prompt_token_ids=prompt)
+    tokens, states, reasons = {}, {}, {}
+    for call in range(max_steps):
+        for _, kind, request_id in [e for e in events if e[0] == call]:
+            if kind == "add":
+                params, prompt = pending[request_id]
+                engine.add_request(request_id, params, prompt_token_ids=prompt)
+            else:
+                out = engine.abort(request_id)
+                if out is not None:
+                    reasons[request_id] = out.finish_reason
+        if not engine.has_work() and call > max((e[0] for e in events), default=0):
+            break
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.states:
+                rows = states.setdefault(out.request_id, [])
+                assert out.states_start == sum(len(r) for r in rows), "a state row streamed twice or skipped"
+                rows.append(out.states["accept_hidden"])
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    else:
+        raise AssertionError(f"engine did not go idle in {max_steps} steps: {engine.stats()}")
+    return tokens, {k: torch.cat(v) for k, v in states.items()}, reasons
+
+
+def assert_no_leaks(engine: LLMEngine):
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_overlapped_steps_give_the_synchronous_tokens_states_and_finishes(thinker):
+    requests = list(zip(mixed_params(thinker), PROMPTS))
+    runs = {}
+    for overlap in (False, True):
+        engine = make_engine(thinker, overlap, max_num_batched_tokens=16)
+        runs[overlap] = drive(engine, requests)
+        assert_no_leaks(engine)
+        if overlap:
+            assert engine.overlap.launched > 8  # the steady state really overlapped
+    (sync_tokens, sync_states, sync_reasons), (tokens, states, reasons) = runs[False], runs[True]
+    assert tokens == sync_tokens
+    assert reasons == sync_reasons and reasons["r0"] == "stop" and reasons["r1"] == "length"
+    assert states.keys() == sync_states.keys()
+    for request_id, rows in sync_states.items():
+        torch.testing.assert_close(states[request_id], rows, rtol=1e-5, atol=1e-5)
+    # and the greedy rows are the model's own greedy tokens
+    assert tokens["r2"] == reference_greedy(thinker, PROMPTS[2], 12)
+    assert tokens["r0"] == reference_greedy(thinker, PROMPTS[0], 30, stop_token_ids=(tokens["r0"][-1],))
+
+
+def test_arrivals_and_aborts_while_a_step_is_in_flight(thinker):
+    params = [SamplingParams(temperature=0.0, max_new_tokens=25),
+              SamplingParams(temperature=0.7, seed=5, max_new_tokens=25),
+              SamplingParams(temperature=0.0, max_new_tokens=20),
+              SamplingParams(temperature=0.0, max_new_tokens=8)]
+    requests = list(zip(params, PROMPTS))
+    # r2 arrives during the decode, r1 is aborted, r3 arrives and is aborted again before it decodes much
+    events = [(8, "add", "r2"), (12, "abort", "r1"), (15, "add", "r3"), (16, "abort", "r3")]
+    sync_engine, engine = make_engine(thinker, False), make_engine(thinker, True)
+    sync_tokens, _, sync_reasons = drive(sync_engine, requests, events)
+    tokens, _, reasons = drive(engine, requests, events)
+    assert engine.overlap.launched > 0
+    for request_id in ("r0", "r2"):
+        assert tokens[request_id] == sync_tokens[request_id]
+        assert reasons[request_id] == sync_reasons[request_id] == "length"
+    for request_id in ("r1", "r3"):
+        assert reasons[request_id] == "abort"
+        full = sync_tokens.get(request_id, [])
+        got = tokens.get(request_id, [])
+        assert got == full[:len(got)] or full == got[:len(full)]  # the same stream, cut at the abort
+    assert_no_leaks(engine)
+    assert_no_leaks(sync_engine)
+
+
+def test_block_pressure_and_preemption_with_overlap(thinker):
+    # 18 blocks x 4 slots: running all five preempts; an overlapped step never takes a block it lacks
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (12, 7, 20, 15, 9)]
+    requests = list(zip(params, PROMPTS))
+    sync_engine = make_engine(thinker, False, num_blocks=18, max_num_batched_tokens=32)
+    engine = make_engine(thinker, True, num_blocks=18, max_num_batched_tokens=32)
+    sync_tokens, _, _ = drive(sync_engine, requests)
+    tokens, _, _ = drive(engine, requests)
+    assert engine.scheduler.num_preemptions > 0 and engine.overlap.launched > 0
+    assert tokens == sync_tokens
+    assert [tokens[f"r{i}"] for i in range(5)] == [reference_greedy(thinker, prompt, p.max_new_tokens)
+                                                  for p, prompt in requests]
+    assert_no_leaks(engine)
+
+
+def test_host_sampler_rows_whose_draw_reads_the_unread_token_are_not_overlapped(thinker):
+    stop = reference_greedy(thinker, PROMPTS[0], 4)[1]
+    # a repetition penalty reads the token history: never ahead; a min_new_tokens ban on stop ids reads the
+    # token count: ahead only once it cannot change
+    penalised = [(SamplingParams(temperature=0.0, repetition_penalty=1.3, max_new_tokens=10), PROMPTS[0])]
+    banned = [(SamplingParams(temperature=0.0, min_new_tokens=6, stop_token_ids=(stop,), max_new_tokens=10),
+               PROMPTS[0])]
+    for requests, overlapped in ((penalised, False), (banned, True)):
+        sync_engine, engine = make_engine(thinker, False), make_engine(thinker, True)
+        sync_tokens, _, sync_reasons = drive(sync_engine, requests)
+        tokens, _, reasons = drive(engine, requests)
+        assert (tokens, reasons) == (sync_tokens, sync_reasons)
+        assert (engine.overlap.launched > 0) == overlapped
+    assert len(tokens["r0"]) >= 6  # the ban held
+
+
+def test_overlap_behind_the_threaded_loop(thinker):
+    engine = make_engine(thinker, True)
+    loop = EngineLoop(engine).start()
+    try:
+        streams = [loop.add_request(f"r{i}", SamplingParams(temperature=0.0, max_new_tokens=10),
+                                    prompt_token_ids=prompt) for i, prompt in enumerate(PROMPTS)]
+        results = [[t for out in stream for t in out.new_token_ids] for stream in streams]
+    finally:
+        loop.shutdown()
+    assert results == [reference_greedy(thinker, prompt, 10) for prompt in PROMPTS]
+    assert engine.overlap.launched > 0
+    assert_no_leaks(engine)
+
+
+def test_only_stages_that_embed_their_sampled_ids_overlap(thinker):
+    from engine_toy_model import ToyTalker
+    from omni_triton.engine import TalkerStage
+
+    talker = ToyTalker().eval()
+    stage = TalkerStage(talker, tts_eos_embed=torch.zeros(talker.hidden_size),
+                        tts_pad_embed=torch.zeros(talker.hidden_size))
+    engine = LLMEngine(stage, EngineConfig(block_size=4, num_blocks=64, overlap_steps=True))
+    assert engine.overlap is None and not StepOverlap.supported(engine.runner)
+    assert make_engine(thinker, True).overlap is not None
+    assert make_engine(thinker, False).overlap is None
