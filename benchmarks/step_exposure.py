@@ -103,6 +103,8 @@ def main() -> None:
             args.config_dir, "cuda", args.dtype, with_audio=False, load_format="dummy")),
                                       ("talker", cli.talker_batches, lambda: load_talker(
             args.config_dir, "cuda", args.dtype, load_format="dummy"))):
+        if not batches:
+            continue
         model = load()
         rows += [measure(args, stage_name, model, int(b)) for b in batches.split(",") if b]
         del model
