@@ -240,7 +240,7 @@ def make_engine(stage, model, args, max_batch: int, context: int, variant: str, 
         block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
         device=args.device, kv_dtype=dtype, fast_path=fast_path, cuda_graphs=cuda_graphs,
         prefill_graph_tokens=None if prefill_graphs else 0, linear_launch=linear_launch,
-        dependent_launch=dependent_launch, overlap_steps=getattr(args, "overlap_steps", False)))
+        dependent_launch=dependent_launch, overlap_steps=getattr(args, "overlap_steps", EngineConfig.overlap_steps)))
 
 
 def launch_counts(model, make, case, variants: list[str], device: torch.device) -> dict[str, dict[str, int]]:

@@ -11,8 +11,8 @@ events around each replay); wall - GPU is the host work not hidden behind the GP
 preparation before the replay; the eager sampling after the graph for the thinker, the read-back). ``-P``
 keeps the script's folder off sys.path, so PYTHONPATH picks the tree measured. Interleave two trees' runs
 (A B A B): the host side of this machine varies by 10-40% from one process to the next. ``--overlap-steps``:
-the thinker launches each decode step before the last one's ids are read (``engine/overlap.py``): its step
-wall is then about max(GPU, host) per step.
+on (the default): the thinker launches each decode step before the last one's ids are read
+(``engine/overlap.py``), so its step wall is about max(GPU, host) a step; off: synchronous steps.
 """
 
 from __future__ import annotations
@@ -89,14 +89,15 @@ def main() -> None:
     parser.add_argument("--thinker-batches", default="1,32")
     parser.add_argument("--talker-batches", default="1,64")
     parser.add_argument("--out-dir", type=Path, default=None, help="where step_exposure_TAG.json goes")
-    parser.add_argument("--overlap-steps", action="store_true",
-                        help="EngineConfig.overlap_steps (the thinker launches its next step before reading ids)")
+    parser.add_argument("--overlap-steps", choices=["on", "off"], default="on",
+                        help="EngineConfig.overlap_steps: the thinker launches its next step before reading the "
+                             "last one's ids (default: %(default)s)")
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_exposure.py times CUDA graph replays: it needs a CUDA GPU")
     args = types.SimpleNamespace(device="cuda", dtype=torch.bfloat16, max_num_batched_tokens=2048, tag=cli.tag,
                                  config_dir=mb.config_dir(mb.FULL_SIZE_CONFIG, 0), talker_prompt_len=128,
-                                 sampling="served", overlap_steps=cli.overlap_steps)
+                                 sampling="served", overlap_steps=cli.overlap_steps == "on")
     print(cli.tag, "omni_triton from", omni_triton.__file__, flush=True)
     rows = []
     for stage_name, batches, load in (("thinker", cli.thinker_batches, lambda: load_thinker(
@@ -112,7 +113,7 @@ def main() -> None:
     if cli.out_dir is not None:
         cli.out_dir.mkdir(parents=True, exist_ok=True)
         (cli.out_dir / f"step_exposure_{cli.tag}.json").write_text(json.dumps(
-            {"tag": cli.tag, "tree": omni_triton.__file__, "overlap_steps": cli.overlap_steps, "device": torch.cuda.get_device_name(),
+            {"tag": cli.tag, "tree": omni_triton.__file__, "overlap_steps": cli.overlap_steps == "on", "device": torch.cuda.get_device_name(),
              "torch": torch.__version__, "steps": STEPS, "results": rows}, indent=2) + "\n")
 
 

@@ -130,7 +130,7 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
                           interstage_memory=interstage_memory, max_inflight_requests=max(16, *workload.concurrencies),
                           fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
                           prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
-                          dependent_launch=args.dependent_launch == "on",
+                          dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
                           left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch,
                           chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
                           admission_capacity=args.admission_capacity,

@@ -50,7 +50,7 @@ class EngineConfig:
     warmup: bool = False
     # a stage whose next input is its sampled token (the thinker): launch the next decode step before this
     # one's tokens reach the host (overlap.py); the same tokens either way
-    overlap_steps: bool = False
+    overlap_steps: bool = True
 
 
 @dataclass

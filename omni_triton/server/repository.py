@@ -76,6 +76,7 @@ class LaunchConfig:
     prefill_graphs: bool = True  # with both: steps with prefill rows as CUDA graphs too (engine.prefill_graphs)
     linear_launch: str = "gemv"  # with fast_path: the small linears (EngineConfig.linear_launch)
     dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
+    overlap_steps: bool = True  # the thinker's decode steps overlap their host work (EngineConfig.overlap_steps)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
@@ -199,6 +200,7 @@ class LaunchConfig:
             prefill_graphs="on" if self.prefill_graphs else "off",
             linear_launch=self.linear_launch,
             dependent_launch="on" if self.dependent_launch else "off",
+            overlap_steps="on" if self.overlap_steps else "off",
             warmup="on" if self.resolved_warmup else "off",
         )
         return {k: str(v) for k, v in values.items()}

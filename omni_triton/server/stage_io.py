@@ -64,6 +64,7 @@ def engine_config(params: Mapping[str, str], device: torch.device | None = None)
                           prefill_graph_tokens=None if params.get("prefill_graphs", "on") == "on" else 0,
                           linear_launch=params.get("linear_launch", EngineConfig.linear_launch),
                           dependent_launch=params.get("dependent_launch", "on") == "on",
+                          overlap_steps=params.get("overlap_steps", "on") == "on",
                           warmup=params.get("warmup") == "on")
     return config, dtype
 
