@@ -158,6 +158,64 @@ def test_overlapped_steps_on_the_fast_path_equal_synchronous_steps(tiny_checkpoi
         assert (tokens, reasons) == sync[:2], config
 
 
+def talker_run(model, prompts, texts, params: list[SamplingParams], feed_plan, **config):
+    """Codes and finish reasons per request; ``feed_plan(call, i)`` says how many more trailing-text rows
+    request i gets before engine call ``call`` (its text finishes once all are given)."""
+    zeros = torch.zeros(model.hidden_size, device="cuda")
+    engine = LLMEngine(TalkerStage(model, tts_eos_embed=zeros + 0.1, tts_pad_embed=zeros - 0.1),
+                       EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
+                                    device="cuda", kv_dtype=torch.float32, **config))
+    given = [2] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), params[i], prompt_embeds=prompt, trailing_text_embeds=texts[i][:2])
+    codes, reasons = {}, {}
+    for call in range(400):
+        for i in range(len(prompts)):
+            more = feed_plan(call, i)
+            if more and str(i) in engine.requests and given[i] < len(texts[i]):
+                rows = texts[i][given[i]:given[i] + more]
+                given[i] += len(rows)
+                engine.append(str(i), trailing_text_embeds=rows, finished=given[i] == len(texts[i]))
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            if "codes" in out.extras:
+                codes.setdefault(out.request_id, []).extend(out.extras["codes"].tolist())
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    return codes, reasons, engine
+
+
+@cuda
+def test_overlapped_talker_frames_equal_synchronous_frames(tiny_checkpoint):
+    """The talker's overlapped steps (next input = the frame's codec embeds on the device + the trailing text
+    peeked before after_sample takes it) under CUDA graphs: the synchronous engine's codes and finishes, with
+    text arriving a row a call, a row starved of text for a while (it waits; nothing overlaps over it), served
+    sampling with a repetition penalty, and a stop in flight."""
+    model = load_talker(tiny_checkpoint, "cuda", torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randn(n, model.hidden_size, generator=gen).cuda() for n in PROMPT_LENS]
+    texts = [torch.randn(12, model.hidden_size, generator=gen).cuda() for _ in prompts]
+
+    def feed_plan(call, i):
+        return 0 if (i == 2 and 4 <= call < 12) else 1  # request 2 starves for 8 calls
+
+    greedy = [SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)] * 3
+    reference, _, _ = talker_run(model, prompts, texts, greedy, feed_plan, overlap_steps=False)
+    ref = [frame[0] for frame in reference["0"]]
+    stop = next(t for i, t in enumerate(ref) if i >= 12 and t not in ref[:i])
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(stop,)),
+              SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, seed=7,
+                             max_new_tokens=36, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=50, seed=8, max_new_tokens=30, ignore_eos=True)]
+    sync = talker_run(model, prompts, texts, params, feed_plan, overlap_steps=False)
+    codes, reasons, engine = talker_run(model, prompts, texts, params, feed_plan, overlap_steps=True)
+    assert sync[1]["0"] == "stop" and sync[2].overlap is None
+    assert engine.overlap is not None and engine.overlap.launched > 15
+    assert (codes, reasons) == sync[:2]
+
+
 def prompt_logits(model, prompt: list[int], kernels: bool) -> torch.Tensor:
     """Next-token logits after a whole prompt, one prefill through the kernels or the torch path."""
     set_fast_kernels(model, kernels)

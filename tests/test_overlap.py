@@ -176,3 +176,67 @@ def test_only_stages_that_embed_their_sampled_ids_overlap(thinker):
     assert engine.overlap is None and not StepOverlap.supported(engine.runner)
     assert make_engine(thinker, True).overlap is not None
     assert make_engine(thinker, False).overlap is None
+
+
+def test_peeking_the_trailing_text_takes_nothing():
+    from omni_triton.engine.stage import TrailingTextQueue
+
+    eos, pad = torch.full((4,), 0.5), torch.full((4,), -0.25)
+    queue = TrailingTextQueue(eos, pad)
+    rows = torch.randn(3, 4)
+    queue.append(rows[:2], finished=False)
+    taken = []
+    for step in range(6):
+        if step == 3:
+            queue.append(rows[2:], finished=True)
+        peeked = queue.peek_trailing()
+        got = queue.next_trailing()
+        assert (peeked is None and got is None) or torch.equal(peeked, got)
+        taken.append(got)
+    assert torch.equal(taken[0], rows[0]) and torch.equal(taken[1], rows[1]) and taken[2] is None
+    assert torch.equal(taken[3], rows[2]) and torch.equal(taken[4], eos) and torch.equal(taken[5], pad)
+    assert torch.equal(queue.peek_trailing(), pad)
+
+
+def test_talker_inputs_ahead_are_the_inputs_after_sample_pushes():
+    """``TalkerStage.inputs_ahead`` (what an overlapped talker step runs on) equals, row for row and bit for
+    bit, the inputs ``after_sample`` then pushes, and is None while some row waits for text."""
+    from engine_toy_model import ToyTalker
+    from omni_triton.engine import TalkerStage
+
+    talker = ToyTalker().eval()
+    hidden = talker.hidden_size
+    stage = TalkerStage(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
+    engine = LLMEngine(stage, EngineConfig(block_size=4, num_blocks=128))
+    gen = torch.Generator().manual_seed(0)
+    texts = torch.randn(4, hidden, generator=gen)
+    engine.add_request("a", SamplingParams(temperature=0.0, max_new_tokens=12),
+                       prompt_embeds=torch.randn(7, hidden, generator=gen), trailing_text_embeds=texts[:2])
+    engine.add_request("b", SamplingParams(temperature=0.0, max_new_tokens=12),
+                       prompt_embeds=torch.randn(5, hidden, generator=gen), thinker_finished=True)
+    checks = {"equal": 0, "waiting": 0}
+    after_sample = stage.after_sample
+
+    def checked_after_sample(seqs, completed):
+        ahead = stage.inputs_ahead(seqs, completed)
+        ready = [seq.stage_state.trailing.peek_trailing() is not None for seq in seqs]
+        counts = [len(seq.stage_state.input_embeds) for seq in seqs]
+        extras = after_sample(seqs, completed)
+        if ahead is None:
+            assert not all(ready)
+            checks["waiting"] += 1
+        else:
+            pushed = torch.stack([seq.stage_state.input_embeds[n] for seq, n in zip(seqs, counts)])
+            assert torch.equal(ahead, pushed)
+            checks["equal"] += 1
+        return extras
+
+    stage.after_sample = checked_after_sample
+    for call in range(40):
+        if call == 6:
+            engine.append("a", trailing_text_embeds=texts[2:], finished=True)
+        if not engine.has_work() and call > 6:
+            break
+        engine.step()
+    assert checks["equal"] >= 5 and checks["waiting"] >= 1
+    assert_no_leaks(engine)

@@ -135,7 +135,8 @@ class LLMEngine:
         if seq is None:
             raise KeyError(f"append: unknown or finished request_id {request_id!r}")
         self.stage.append_input(seq, **inputs)
-        self.scheduler.refresh_status(seq)
+        if not self._in_flight(seq):  # else the finish of its step refreshes it (see _finish)
+            self.scheduler.refresh_status(seq)
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Frees all of the request's blocks now. Returns its final output, or None if it is not known."""
@@ -249,11 +250,14 @@ class LLMEngine:
 
         # a row of the step launched after this one already holds its next position: its status is the next
         # finish's to refresh (now it would read no input pending)
-        ahead = set(map(id, self._inflight.batch.seqs)) if self._inflight is not None else ()
         for seq in step.batch.seqs:
-            if not seq.is_finished and id(seq) not in ahead:
+            if not seq.is_finished and not self._in_flight(seq):
                 self.scheduler.refresh_status(seq)
         return outputs, len(continuing)
+
+    def _in_flight(self, seq: Sequence) -> bool:
+        """Whether an overlapped step launched for seq is not finished yet."""
+        return self._inflight is not None and any(s is seq for s in self._inflight.batch.seqs)
 
     def _step_shape(self, batch) -> dict:
         """The step log's fields known before the step runs (``step_log.py``)."""

@@ -3,17 +3,19 @@
 A synchronous step launches its work, waits for the sampled ids and only then does its host work (appending
 tokens, stop checks, outputs) and the next step's (scheduling, input buffers, sampler controls): the GPU idles
 for all of that. In the steady decode state of a stage whose next input is a function of the sampled ids on
-the device (the thinker: a token's embedding, ``stage.embed_token_ids``), the next step's batch is known
-before the ids are: the same rows, one position further, their inputs the ids still on the device. So
+the device (the thinker: a token's embedding, ``stage.embed_token_ids``; the talker: its frame's codec embeds,
+from the completion the decode graph ran, + the next trailing text, ``stage.inputs_ahead``), the next step's
+batch is known before the ids are: the same rows, one position further, their inputs on the device. So
 ``LLMEngine.step`` launches that step first (``launch_next``) and then finishes the previous one, whose
 host work runs while the GPU computes.
 
 Only what cannot change the batch is overlapped; anything else waits for the ids as before (the next call
 is a synchronous step): a request waiting for admission, an abort, a row that stopped (known only from its
 ids: its overlapped row is computed and dropped, its blocks freed once the launch is queued, which stream
-order makes safe), a row at max_new_tokens, too few free blocks, and on the host sampler rows whose
-repetition penalty or min_new_tokens ban depends on the token not read yet. Tokens, states and draws are the
-synchronous engine's: every sampler draw is keyed by the row's generated-token count, told one token ahead.
+order makes safe), a row at max_new_tokens, too few free blocks, a talker row whose next trailing text has not
+arrived, and on the host sampler rows whose repetition penalty or min_new_tokens ban depends on the token not
+read yet. Tokens, states and draws are the synchronous engine's: every sampler draw is keyed by the row's
+generated-token count, told one token ahead.
 """
 
 from __future__ import annotations
@@ -51,8 +53,14 @@ class StepOverlap:
 
     @staticmethod
     def supported(runner: ModelRunner) -> bool:
-        """The stage's next input is its sampled id's embedding, and nothing samples after the main token."""
-        return getattr(runner.stage, "embed_token_ids", None) is not None and len(runner.streams) == 1
+        """The stage's next input is its sampled id's embedding and nothing samples after the main token (the
+        thinker), or it is made on the device from the step's completion, which the decode graphs run (the
+        talker: codec embeds + trailing text)."""
+        stage = runner.stage
+        if getattr(stage, "embed_token_ids", None) is not None:
+            return len(runner.streams) == 1
+        return (getattr(stage, "inputs_ahead", None) is not None and runner.graphs is not None
+                and runner.graphs.in_graph_sampling)
 
     def host_ids(self, result: StepResult) -> HostIds:
         host = self._host_buffers[self._next_buffer]
@@ -65,6 +73,9 @@ class StepOverlap:
         seqs = current.batch.seqs
         if not self._same_batch_next(current):
             return None
+        inputs = self._next_inputs(current)
+        if inputs is None:
+            return None
         bm, block_size = self.block_manager, self.block_manager.block_size
         new_blocks = [seq for seq in seqs if seq.num_computed_tokens >= len(seq.block_table) * block_size]
         if len(new_blocks) > bm.num_free:
@@ -72,13 +83,25 @@ class StepOverlap:
         for seq in new_blocks:
             bm.allocate(seq, 1)
         chunks = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1) for seq in seqs]
-        result = self.runner.run_ahead(chunks, current.result.sampled_token_ids)
+        result = self.runner.run_ahead(chunks, **inputs)
         for seq in seqs:
             seq.num_computed_tokens += 1
         self.launched += 1
         batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
         shape = None if current.shape is None else dict(current.shape, preempted=0)
         return LaunchedStep(batch, result, self.host_ids(result), shape)
+
+    def _next_inputs(self, current: LaunchedStep) -> dict | None:
+        """``run_ahead``'s inputs for the rows after ``current``: its sampled ids (token-input stages), or the
+        stage's inputs made from its completion (None: a row waits for input, or nothing completed it on the
+        device)."""
+        stage, result = self.runner.stage, current.result
+        if getattr(stage, "embed_token_ids", None) is not None:
+            return {"token_ids": result.sampled_token_ids}
+        if result.completed is None:
+            return None
+        inputs_embeds = stage.inputs_ahead(current.batch.seqs, result.completed)
+        return None if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
 
     def _same_batch_next(self, current: LaunchedStep) -> bool:
         """Whether the scheduler would run exactly ``current``'s rows once more, each decoding the token

@@ -139,13 +139,17 @@ class ModelRunner:
         return StepResult(chunks, offsets, captured, sampled_seqs, sampled_hidden, sampled_ids)
 
     @torch.inference_mode()
-    def run_ahead(self, chunks: list[Chunk], token_ids: torch.Tensor) -> StepResult:
-        """A decode step of one position per row whose inputs are the token ids still on the device, sampled by
-        the step before, whose tokens are not appended yet (``overlap.StepOverlap``; a stage with
-        ``embed_token_ids``). Samples as ``run`` would once they were: draws and bans one token ahead."""
+    def run_ahead(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
+                  inputs_embeds: torch.Tensor | None = None) -> StepResult:
+        """A decode step of one position per row whose inputs are on the device, made from the step before,
+        whose tokens are not appended yet (``overlap.StepOverlap``): its sampled ``token_ids`` (a stage with
+        ``embed_token_ids``) or ``inputs_embeds`` (``stage.inputs_ahead``: under the decode graphs only).
+        Samples as ``run`` would once they were: draws and bans one token ahead."""
         seqs = [seq for seq, _, _ in chunks]
         if self.graphs is not None and self.graphs.serves_rows(len(chunks)):
-            return self.graphs.run(chunks, token_ids=token_ids, tokens_ahead=1)
+            return self.graphs.run(chunks, token_ids=token_ids, inputs_embeds=inputs_embeds, tokens_ahead=1)
+        if token_ids is None:
+            raise ValueError("run_ahead without the decode graphs needs token ids")
         positions = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
         hidden, captured = self.stage.forward(self.stage.embed_token_ids(token_ids),
                                               _to_device(positions, self.device), self.attention_batch(chunks))
@@ -256,9 +260,11 @@ class DecodeGraphs:
             self.position_offsets[seq.request_id] = int(seq.positions(start, start + 1)[0, 0]) - start
         return start + self.position_offsets[seq.request_id]
 
-    def run(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None, tokens_ahead: int = 0) -> StepResult:
-        """One decode step by replay. ``token_ids`` (a token-input stage): the rows' input ids on the device,
-        sampled by a step whose tokens are not appended yet (``tokens_ahead`` of them: ``ModelRunner.run_ahead``)."""
+    def run(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
+            inputs_embeds: torch.Tensor | None = None, tokens_ahead: int = 0) -> StepResult:
+        """One decode step by replay. The rows' inputs on the device instead of the sequences' (made by a step
+        whose tokens are not appended yet: ``tokens_ahead`` of them, ``ModelRunner.run_ahead``): ``token_ids``
+        (a token-input stage) or ``inputs_embeds``."""
         runner, num_rows = self.runner, len(chunks)
         batch_size = bucket_for(self.buckets, num_rows)  # serves() checked that one holds them
         seqs = [seq for seq, _, _ in chunks]
@@ -270,7 +276,8 @@ class DecodeGraphs:
         elif self.token_inputs:
             host[5, :num_rows] = runner.stage.decode_token_ids(chunks)
         else:
-            self.inputs_embeds[:num_rows].copy_(runner.stage.embed_inputs(chunks))
+            self.inputs_embeds[:num_rows].copy_(inputs_embeds if inputs_embeds is not None
+                                                else runner.stage.embed_inputs(chunks))
         bs = runner.block_size
         max_blocks = max(len(seq.block_table) for seq in seqs)
         tables = self.host_tables[:num_rows * max_blocks].view(num_rows, max_blocks)

@@ -67,6 +67,8 @@ class StageModel(Protocol):
     # Optional, as a pair (the thinker): ``decode_token_ids(chunks) -> list[int] | None``, the token ids of
     # one-position decode chunks (None when some position needs more than its token's embedding), and
     # ``embed_token_ids(ids [B]) -> [B, H]``, which a decode CUDA graph runs itself (no eager embedding step).
+    # Optional (the talker): ``inputs_ahead(seqs, completed) -> [N, H] | None``, the rows' next inputs from a
+    # step's completion on the device, before ``after_sample`` (None when some row has no next input yet).
 
 
 class ThinkerStage:
@@ -169,20 +171,27 @@ class TrailingTextQueue:
         self.finished = self.finished or finished
 
     def next_trailing(self) -> torch.Tensor | None:
+        embed = self.peek_trailing()
         if self.rows:
-            return self.rows.popleft()
+            self.rows.popleft()
+        elif embed is not None:
+            self._eos_sent = True
+        return embed
+
+    def peek_trailing(self) -> torch.Tensor | None:
+        """What ``next_trailing`` would return now, without taking it."""
+        if self.rows:
+            return self.rows[0]
         if not self.finished:
             return None
-        embed = self.tts_pad_embed if self._eos_sent else self.tts_eos_embed
-        self._eos_sent = True
-        return embed
+        return self.tts_pad_embed if self._eos_sent else self.tts_eos_embed
 
 
 @dataclass
 class TalkerState:
     input_embeds: list[torch.Tensor]  # per position [H] (prefill rows, then one row per fed frame)
     predictor_row: SampleRow
-    trailing: object  # TrailingTextQueue or TalkerInputs: next_trailing() -> [H] | None
+    trailing: object  # TrailingTextQueue or TalkerInputs: next_trailing() / peek_trailing() -> [H] | None
     pending_codec_embeds: torch.Tensor | None = None  # last frame's codec embeds, waiting for trailing text
 
 
@@ -240,6 +249,16 @@ class TalkerStage:
     def complete_step(self, hidden, token_ids, sample_fns):
         codes, next_embeds = self.model.predict_frame(hidden, token_ids, sample_fns["predictor"])
         return {"codes": codes, "next_embeds": next_embeds}
+
+    def inputs_ahead(self, seqs, completed) -> torch.Tensor | None:
+        """The rows' next inputs [N, H] from a frame's completion still on the device, before ``after_sample``
+        takes their trailing text (``overlap.StepOverlap``): the values it will push, or None while a row waits
+        for text."""
+        texts = [seq.stage_state.trailing.peek_trailing() for seq in seqs]
+        if any(text is None for text in texts):
+            return None
+        codec = completed["next_embeds"]
+        return codec + torch.stack(texts).to(codec)
 
     def after_sample(self, seqs, completed):
         """Each row's next input = its frame's codec embeds + its next trailing text, added for all the rows that

@@ -119,15 +119,19 @@ class TalkerInputs:
 
     def next_trailing(self) -> torch.Tensor | None:
         """Trailing text embedding [H] for the next talker decode step, or None while waiting for the thinker."""
+        embed = self.peek_trailing()
+        if embed is not None:
+            self._trailing_taken += 1
+        return embed
+
+    def peek_trailing(self) -> torch.Tensor | None:
+        """What ``next_trailing`` would return now, without taking it."""
         index = self._trailing_taken + ASSISTANT_TEXT_ROWS
         if index < len(self._assistant):
-            embed = self._assistant[index]
-        elif not self.finished:
+            return self._assistant[index]
+        if not self.finished:
             return None
-        else:
-            embed = self.tts_eos if index == len(self._assistant) else self.tts_pad
-        self._trailing_taken += 1
-        return embed
+        return self.tts_eos if index == len(self._assistant) else self.tts_pad
 
     # ---- internals
     def _project_user_rows(self) -> torch.Tensor:
