@@ -48,8 +48,8 @@ class EngineConfig:
     dependent_launch: bool = True
     # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
     warmup: bool = False
-    # a stage whose next input is its sampled token (the thinker): launch the next decode step before this
-    # one's tokens reach the host (overlap.py); the same tokens either way
+    # launch the next decode step before this one's tokens reach the host where the stage's next input can be
+    # made on the device (the thinker; the talker under its decode graphs: overlap.py); the same tokens either way
     overlap_steps: bool = True
 
 

@@ -100,9 +100,9 @@ def add_engine_arguments(group) -> None:
                             "kernel ends (programmatic dependent launch; the linears prefetch their weights "
                             "meanwhile) (default: %(default)s)")
     group.add_argument("--overlap-steps", choices=["on", "off"], default="on",
-                       help="the thinker launches each decode step before the last one's tokens reach the host, "
-                            "whose host work then runs while the GPU computes (the same tokens; engine/overlap.py) "
-                            "(default: %(default)s)")
+                       help="the thinker and the talker (under its CUDA graphs) launch each decode step before the "
+                            "last one's tokens reach the host, whose host work then runs while the GPU computes (the "
+                            "same tokens; engine/overlap.py) (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

@@ -76,7 +76,7 @@ class LaunchConfig:
     prefill_graphs: bool = True  # with both: steps with prefill rows as CUDA graphs too (engine.prefill_graphs)
     linear_launch: str = "gemv"  # with fast_path: the small linears (EngineConfig.linear_launch)
     dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
-    overlap_steps: bool = True  # the thinker's decode steps overlap their host work (EngineConfig.overlap_steps)
+    overlap_steps: bool = True  # decode steps overlap their host work (EngineConfig.overlap_steps)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
