@@ -64,3 +64,15 @@ def test_the_shortcut_takes_the_steady_state_and_leaves_the_rest():
     assert build(decoding, free_blocks=1, waiting=1, budget=64)._decode_only_batch() is None  # admission due
     assert build(decoding, free_blocks=1, waiting=0, budget=1)._decode_only_batch() is None  # over the budget
     assert build(decoding + [(3, 3, "running")], 4, 0, 64)._decode_only_batch() is None  # a prefill chunk
+
+
+def test_allocating_the_next_positions_takes_blocks_for_all_rows_or_none():
+    # rows with 4, 6 and 8 computed positions: the first and last have full tables, the middle has room
+    scheduler = build([(4, 1, "running"), (6, 1, "running"), (8, 1, "running")], free_blocks=1, waiting=0, budget=64)
+    bm, seqs = scheduler.block_manager, list(scheduler.running)
+    tables = [list(seq.block_table) for seq in seqs]
+    assert not bm.allocate_next_positions(seqs)  # two full tables, one free block: nothing taken
+    assert [seq.block_table for seq in seqs] == tables and bm.num_free == 1
+    assert bm.allocate_next_positions(seqs[1:2]) and seqs[1].block_table == tables[1]  # room: no block
+    assert bm.allocate_next_positions(seqs[:2]) and bm.num_free == 0
+    assert len(seqs[0].block_table) == len(tables[0]) + 1

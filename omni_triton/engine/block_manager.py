@@ -61,6 +61,16 @@ class BlockManager:
             raise RuntimeError(f"request {seq.request_id!r} needs {needed} blocks, {self.num_free} free")
         seq.block_table.extend(self.free_blocks.popleft() for _ in range(needed))
 
+    def allocate_next_positions(self, seqs: list[Sequence]) -> bool:
+        """One more position after the computed ones for each of ``seqs`` (a decode step's rows): the blocks
+        those whose tables are full need, taken for all of them, or none and False when too few are free."""
+        full = [seq for seq in seqs if seq.num_computed_tokens >= len(seq.block_table) * self.block_size]
+        if len(full) > self.num_free:
+            return False
+        for seq in full:
+            seq.block_table.append(self.free_blocks.popleft())
+        return True
+
     def can_append(self, seq: Sequence) -> bool:
         return self.can_allocate(seq, 1)
 

@@ -76,12 +76,8 @@ class StepOverlap:
         inputs = self._next_inputs(current)
         if inputs is None:
             return None
-        bm, block_size = self.block_manager, self.block_manager.block_size
-        new_blocks = [seq for seq in seqs if seq.num_computed_tokens >= len(seq.block_table) * block_size]
-        if len(new_blocks) > bm.num_free:
+        if not self.block_manager.allocate_next_positions(seqs):
             return None
-        for seq in new_blocks:
-            bm.allocate(seq, 1)
         chunks = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1) for seq in seqs]
         result = self.runner.run_ahead(chunks, **inputs)
         for seq in seqs:

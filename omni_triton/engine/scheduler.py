@@ -92,21 +92,16 @@ class Scheduler:
         general loop's (running order, no preemption), in a few attribute reads a row; None otherwise."""
         if self.waiting:
             return None
-        bm, block_size = self.block_manager, self.block_manager.block_size
-        seqs, new_blocks = [], []
+        seqs = []
         for seq in self.running:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # waiting for input (a talker row): the general loop skips it too
-            computed = seq.num_computed_tokens
-            if seq.num_inputs - computed != 1:
+            if seq.num_inputs - seq.num_computed_tokens != 1:
                 return None  # a prefill chunk: the general loop's second phase
-            if computed >= len(seq.block_table) * block_size:
-                new_blocks.append(seq)
             seqs.append(seq)
-        if not seqs or len(seqs) > self.max_num_batched_tokens or len(new_blocks) > bm.num_free:
+        if (not seqs or len(seqs) > self.max_num_batched_tokens
+                or not self.block_manager.allocate_next_positions(seqs)):
             return None
-        for seq in new_blocks:
-            bm.allocate(seq, 1)
         return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs))
 
     def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
