@@ -257,7 +257,7 @@ class LLMEngine:
 
     def _in_flight(self, seq: Sequence) -> bool:
         """Whether an overlapped step launched for seq is not finished yet."""
-        return self._inflight is not None and any(s is seq for s in self._inflight.batch.seqs)
+        return self._inflight is not None and self._inflight.has_row(seq)
 
     def _step_shape(self, batch) -> dict:
         """The step log's fields known before the step runs (``step_log.py``)."""

@@ -39,6 +39,12 @@ class LaunchedStep:
     host_ids: HostIds
     shape: dict | None = None  # the step log's fields (trace on)
 
+    def __post_init__(self):
+        self._rows = frozenset(map(id, self.batch.seqs))
+
+    def has_row(self, seq: Sequence) -> bool:
+        return id(seq) in self._rows
+
 
 class StepOverlap:
     def __init__(self, scheduler: Scheduler, block_manager: BlockManager, runner: ModelRunner, max_num_seqs: int):
