@@ -39,7 +39,7 @@ SHAPES = {
     "predictor down": ("dense", 3072, 1024, {}),
     "o_proj of the talker and the predictor": ("dense", 2048, 1024, {}),
     "talker qkv": ("dense", 1024, 2560, {}),
-    "talker shared gate/up + router + gate (packed)": ("dense", 1024, 1665, {}),
+    "talker shared gate/up + router + gate (packed, padded to 8 rows)": ("dense", 1024, 1672, {}),
     "talker experts gate/up (6 pairs)": ("gate_up", 1024, 384, dict(experts=128, top_k=6)),
     "talker experts down (6 pairs)": ("down", 384, 1024, dict(experts=128, top_k=6)),
 }

@@ -45,27 +45,38 @@ def full_width_2_layers(tmp_path_factory):
     return write_config_with_layers(FULL_SIZE_CONFIG, 2, tmp_path_factory.mktemp("full2"))
 
 
+def gpu_engine(stage, dtype: torch.dtype, **config) -> LLMEngine:
+    """The engine these tests run: up to 8 rows, 64 tokens a step, 64 KV blocks of 16 on the GPU."""
+    return LLMEngine(stage, EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
+                                         device="cuda", kv_dtype=dtype, **config))
+
+
 def thinker_tokens(model, fast: bool, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                    **config) -> dict[str, list[int]]:
-    dtype = next(model.parameters()).dtype
-    engine = LLMEngine(ThinkerStage(model), EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8,
-                                                         max_num_batched_tokens=64, device="cuda", kv_dtype=dtype,
-                                                         fast_path=fast, **config))
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    return thinker_run(model, prompts, params, fast_path=fast, **config)[0]
+
+
+def thinker_run(model, prompts, params: list[SamplingParams], **config):
+    """Tokens and finish reasons per request, and the engine (for its overlap counter)."""
+    engine = gpu_engine(ThinkerStage(model), next(model.parameters()).dtype, **config)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), params[i] if isinstance(params, list) else params, prompt_token_ids=prompt)
-    tokens: dict[str, list[int]] = {}
+        engine.add_request(str(i), params[i], prompt_token_ids=prompt)
+    tokens, reasons = {}, {}
     while engine.has_work():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    return tokens, reasons, engine
 
 
 def talker_codes(model, fast: bool, prompts: list[torch.Tensor], **config) -> dict[str, list[list[int]]]:
     dtype = next(model.parameters()).dtype
     zeros = torch.zeros(model.hidden_size, dtype=dtype, device="cuda")
-    engine = LLMEngine(TalkerStage(model, tts_eos_embed=zeros, tts_pad_embed=zeros),
-                       EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
-                                    device="cuda", kv_dtype=dtype, fast_path=fast, **config))
+    engine = gpu_engine(TalkerStage(model, tts_eos_embed=zeros, tts_pad_embed=zeros), dtype, fast_path=fast,
+                        **config)
     params = SamplingParams(temperature=0.0, max_new_tokens=STEPS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), params, prompt_embeds=prompt, thinker_finished=True)
@@ -118,23 +129,6 @@ def test_seeded_sampling_on_the_fast_path_does_not_depend_on_the_batch(tiny_chec
     assert len({tuple(t) for t in together.values()}) == 3
 
 
-def thinker_run(model, prompts, params: list[SamplingParams], **config):
-    """Tokens and finish reasons per request, and the engine (for its overlap counter)."""
-    engine = LLMEngine(ThinkerStage(model), EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8,
-                                                         max_num_batched_tokens=64, device="cuda",
-                                                         kv_dtype=torch.float32, **config))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), params[i], prompt_token_ids=prompt)
-    tokens, reasons = {}, {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    return tokens, reasons, engine
-
-
 @cuda
 def test_overlapped_steps_on_the_fast_path_equal_synchronous_steps(tiny_checkpoint):
     """engine/overlap.py under CUDA graphs (and eagerly): the next step's ids from the device, its sampler
@@ -162,9 +156,8 @@ def talker_run(model, prompts, texts, params: list[SamplingParams], feed_plan, *
     """Codes and finish reasons per request; ``feed_plan(call, i)`` says how many more trailing-text rows
     request i gets before engine call ``call`` (its text finishes once all are given)."""
     zeros = torch.zeros(model.hidden_size, device="cuda")
-    engine = LLMEngine(TalkerStage(model, tts_eos_embed=zeros + 0.1, tts_pad_embed=zeros - 0.1),
-                       EngineConfig(block_size=16, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
-                                    device="cuda", kv_dtype=torch.float32, **config))
+    engine = gpu_engine(TalkerStage(model, tts_eos_embed=zeros + 0.1, tts_pad_embed=zeros - 0.1), torch.float32,
+                        **config)
     given = [2] * len(prompts)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), params[i], prompt_embeds=prompt, trailing_text_embeds=texts[i][:2])

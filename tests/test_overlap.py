@@ -240,3 +240,28 @@ def test_talker_inputs_ahead_are_the_inputs_after_sample_pushes():
         engine.step()
     assert checks["equal"] >= 5 and checks["waiting"] >= 1
     assert_no_leaks(engine)
+
+
+def test_tracing_turned_on_while_a_step_is_in_flight(thinker, tmp_path):
+    """A step launched untraced and finished traced has no step-log shape: it is not logged; the next are."""
+    import json
+
+    from omni_triton import trace
+
+    engine = make_engine(thinker, True)
+    engine.add_request("r0", SamplingParams(temperature=0.0, max_new_tokens=30), prompt_token_ids=PROMPTS[0])
+    try:
+        for _ in range(5):
+            engine.step()
+        assert engine._inflight is not None
+        trace.configure(tmp_path)
+        calls = 0
+        while engine.has_work():
+            engine.step()
+            calls += 1
+    finally:
+        trace.configure(None)
+    steps = [json.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()]
+    steps = [entry for entry in steps if entry.get("record") == "step"]
+    assert len(steps) == calls - 1 and all(entry["kind"] == "decode" and entry["rows"] == 1 for entry in steps)
+    assert_no_leaks(engine)

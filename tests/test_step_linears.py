@@ -149,7 +149,8 @@ def test_moe_packing_keeps_the_state_dict_and_feeds_the_shared_expert():
     after = moe.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[name], before[name]) for name in before)
     packed, shared = moe.packed_input_proj, moe.shared_expert
-    assert packed.shape == (2 * 40 + 16 + 1, 48)
+    assert packed.shape == (2 * 40 + 16 + 1 + 7, 48)  # zero rows to a multiple of 8: an aligned product
+    assert not packed[97:].any()
     rows = [0, 40, 80, 96]  # shared gate, shared up, router, shared-expert gate
     for linear, row in zip((shared.gate_proj, shared.up_proj, moe.gate, moe.shared_expert_gate), rows):
         assert linear.weight.data_ptr() == packed[row].data_ptr()
@@ -272,7 +273,10 @@ def test_talker_moe_at_released_dims_in_bf16(rows, talker_moe):
     with torch.no_grad():
         packed = step_linear(moe, x, moe.packed_input_proj)
         assert rel_error(packed, F.linear(x, moe.packed_input_proj)) < 1e-2
-        gate_up, router_logits, gate_logit = packed.split([2 * inter, TALKER_MOE["num_experts"], 1], dim=-1)
+        gate_up, router_logits, gate_logit, _ = packed.split(
+            [2 * inter, TALKER_MOE["num_experts"], 1, packed.shape[1] - 2 * inter - TALKER_MOE["num_experts"] - 1],
+            dim=-1)
+        assert packed.shape[1] % moe_module.PACKED_ROW_ALIGN == 0
         weights, ids = routing.route(router_logits, TALKER_MOE["top_k"], True)
         shared_out = moe.shared_expert.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         want = (moe_module.run_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, ids.long(), weights)

@@ -173,10 +173,12 @@ class LLMEngine:
         self.last_step_size = len(current.batch)
         if self.overlap is not None:
             self._inflight = self.overlap.launch_next(current)
+            if self._inflight is not None and began is not None:
+                self._inflight.shape = self._step_shape(self._inflight.batch, decoding=True)
         outputs, completion_rows = self._finish(current)
         if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
             self._inflight = None  # every row stopped: nothing of it to deliver
-        if began is not None:
+        if began is not None and current.shape is not None:  # (tracing turned on since its launch: no shape)
             result = current.result
             completes = len(self.runner.streams) > 1  # the stage's completion samples (talker: code predictor)
             self.step_log.end(began, **current.shape, sampled=len(result.sampled_seqs),
@@ -257,12 +259,13 @@ class LLMEngine:
 
     def _in_flight(self, seq: Sequence) -> bool:
         """Whether an overlapped step launched for seq is not finished yet."""
-        return self._inflight is not None and any(s is seq for s in self._inflight.batch.seqs)
+        return self._inflight is not None and self._inflight.has_row(seq)
 
-    def _step_shape(self, batch) -> dict:
-        """The step log's fields known before the step runs (``step_log.py``)."""
-        decode_rows = sum(n == 1 and seq.samples_after(seq.num_computed_tokens + 1)
-                          for seq, n in zip(batch.seqs, batch.num_new_tokens))
+    def _step_shape(self, batch, decoding: bool = False) -> dict:
+        """The step log's fields known before the step runs (``step_log.py``); ``decoding``: every row decodes
+        (an overlapped step, launched before its inputs are appended)."""
+        decode_rows = len(batch) if decoding else sum(n == 1 and seq.samples_after(seq.num_computed_tokens + 1)
+                                                      for seq, n in zip(batch.seqs, batch.num_new_tokens))
         kind = "decode" if decode_rows == len(batch) else "prefill" if decode_rows == 0 else "mixed"
         graphs, prefill_graphs = self.runner.graphs, self.runner.prefill_graphs
         tokens = sum(batch.num_new_tokens)

@@ -37,7 +37,13 @@ class LaunchedStep:
     batch: ScheduledBatch
     result: StepResult
     host_ids: HostIds
-    shape: dict | None = None  # the step log's fields (trace on)
+    shape: dict | None = None  # the step log's fields (tracing on at its launch)
+
+    def __post_init__(self):
+        self._rows = frozenset(map(id, self.batch.seqs))
+
+    def has_row(self, seq: Sequence) -> bool:
+        return id(seq) in self._rows
 
 
 class StepOverlap:
@@ -84,8 +90,7 @@ class StepOverlap:
             seq.num_computed_tokens += 1
         self.launched += 1
         batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
-        shape = None if current.shape is None else dict(current.shape, preempted=0)
-        return LaunchedStep(batch, result, self.host_ids(result), shape)
+        return LaunchedStep(batch, result, self.host_ids(result))
 
     def _next_inputs(self, current: LaunchedStep) -> dict | None:
         """``run_ahead``'s inputs for the rows after ``current``: its sampled ids (token-input stages), or the

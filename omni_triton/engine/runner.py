@@ -271,13 +271,11 @@ class DecodeGraphs:
         self._staging.before_write()
         host = self.host_ints.numpy()
         host[:3], host[3], host[4], host[5] = 0, -1, 0, 0
-        if token_ids is not None:
-            pass  # copied on the device below
-        elif self.token_inputs:
-            host[5, :num_rows] = runner.stage.decode_token_ids(chunks)
-        else:
+        if not self.token_inputs:
             self.inputs_embeds[:num_rows].copy_(inputs_embeds if inputs_embeds is not None
                                                 else runner.stage.embed_inputs(chunks))
+        elif token_ids is None:  # (given ids are copied on the device below)
+            host[5, :num_rows] = runner.stage.decode_token_ids(chunks)
         bs = runner.block_size
         max_blocks = max(len(seq.block_table) for seq in seqs)
         tables = self.host_tables[:num_rows * max_blocks].view(num_rows, max_blocks)

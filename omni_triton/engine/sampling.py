@@ -289,8 +289,7 @@ class DeviceSampler:
             else:
                 ints[1, :n] = draw_seeds(np.array([row.seed & _MASK64 for row in rows], dtype=np.uint64),
                                          np.array(draws, dtype=np.uint64))
-            ints[3, :n] = ([row.stop_ids_banned for row in rows] if not tokens_ahead else
-                           [row.stop_ids_banned_after(tokens_ahead) for row in rows])
+            ints[3, :n] = [row.stop_ids_banned_after(tokens_ahead) for row in rows]
         self._floats.copy_(self._host_floats, non_blocking=True)
         self._ints.copy_(self._host_ints, non_blocking=True)
         self._staging.copies_queued()

@@ -42,12 +42,17 @@ class KernelSwitch:
         """Layers with several projections of one input pack them here (see the module docstring)."""
 
 
-def pack_linears_(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_linears_(linears: list[nn.Linear], align_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [sum of out_features, in] weight (and bias) holding ``linears``' rows in order; each linear's
-    parameters become views of it."""
+    parameters become views of it. ``align_rows``: zero rows after them up to a multiple of it, so that the
+    product's row stride is aligned (cuBLAS takes a slow ``align1`` kernel for an odd-width output)."""
     with torch.no_grad():
-        weight = torch.cat([linear.weight for linear in linears])
-        bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+        rows = sum(linear.out_features for linear in linears)
+        padding = -rows % align_rows
+        weight = torch.cat([linear.weight for linear in linears]
+                           + [linears[0].weight.new_zeros(padding, linears[0].in_features)])
+        bias = (None if linears[0].bias is None else
+                torch.cat([linear.bias for linear in linears] + [linears[0].bias.new_zeros(padding)]))
     row = 0
     for linear in linears:
         rows = slice(row, row + linear.out_features)

@@ -66,6 +66,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
+# The talker's packed input projection is 2 x 768 + 128 + 1 = 1665 rows: an odd-width product, for which cuBLAS
+# ran a 9-us align1 kernel at 64 rows in every talker layer (benchmarks/results/h200-frame-sampler/
+# graph_timeline_da3d8d6_served.json); padded to 1672 rows its output rows start 16-byte aligned.
+PACKED_ROW_ALIGN = 8
+
+
 class SparseMoE(KernelSwitch, nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
                  norm_topk_prob: bool, shared_expert_intermediate_size: int = 0, act: str = "silu"):
@@ -80,7 +86,8 @@ class SparseMoE(KernelSwitch, nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
-        # [shared gate_proj; shared up_proj; router; shared_expert_gate] rows, with a shared expert
+        # [shared gate_proj; shared up_proj; router; shared_expert_gate; zero rows to a multiple of
+        # PACKED_ROW_ALIGN] rows, with a shared expert
         self.packed_input_proj: torch.Tensor | None = None
 
     def pack_projections_(self) -> None:
@@ -91,7 +98,7 @@ class SparseMoE(KernelSwitch, nn.Module):
             return
         shared = self.shared_expert
         self.packed_input_proj, _ = pack_linears_([shared.gate_proj, shared.up_proj, self.gate,
-                                                   self.shared_expert_gate])
+                                                   self.shared_expert_gate], align_rows=PACKED_ROW_ALIGN)
         shared.packed_gate_up = (self.packed_input_proj[:2 * shared.gate_proj.out_features], None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,9 +119,11 @@ class SparseMoE(KernelSwitch, nn.Module):
         shared = shared_gate = None
         if self.packed_input_proj is not None:
             inter = self.shared_expert.gate_proj.out_features
-            # column views of one [T, 2I + E + 1] output: the kernels below read rows at its stride
-            gate_up, router_logits, shared_gate = step_linear(self, x, self.packed_input_proj).split(
-                [2 * inter, self.gate.out_features, 1], dim=-1)
+            # column views of one [T, 2I + E + 1 + padding] output: the kernels below read rows at its stride
+            projected = step_linear(self, x, self.packed_input_proj)
+            router_end = 2 * inter + self.gate.out_features
+            gate_up, router_logits = projected[:, :2 * inter], projected[:, 2 * inter:router_end]
+            shared_gate = projected[:, router_end:router_end + 1]
             shared = step_linear(self, silu_and_mul(gate_up), self.shared_expert.down_proj.weight)
         else:
             router_logits = step_linear(self, x, self.gate.weight)
