@@ -99,32 +99,39 @@ def bench(rows_list: list[int], targets: list[int], gemv_programs: list[int], ba
 # and at 128)
 TILES = ([(n, k, w, 3) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4, 8)]
          + [(32, 128, 4, 4), (16, 256, 4, 4)])
+# with --splits past 1: the tiles tried at each split count (fewer: every split count is another compile);
+# wider column blocks than ``block_sizes``' 16 for the narrow layers, so fewer programs re-read all of x
+SPLIT_TILES = [(n, k, 4, 3) for n in (16, 32, 64) for k in (128, 256)]
 
 
-def sweep_tiles(rows_list: list[int], bandwidth: float) -> list[dict]:
-    """The one-pass MMA kernel at every tile of ``TILES`` per layer and row count: the fastest against the
-    default (``block_sizes``, 4 warps), for the table ``small_linear`` should read."""
+def sweep_tiles(rows_list: list[int], bandwidth: float, layers: list[str], splits: list[int]) -> list[dict]:
+    """The MMA kernel at every tile of ``TILES`` (one pass) per layer and row count, and with ``splits`` past 1
+    at every tile of ``SPLIT_TILES`` split that many ways: the fastest against the default (``launch_plan``),
+    for the table ``small_linear`` should read."""
     l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
     results = []
     for rows in rows_list:
-        for name, (depth, cols, fusion) in LAYERS.items():
+        for name in layers:
+            depth, cols, fusion = LAYERS[name]
             calls, weight_bytes = layer_calls(rows, depth, cols, fusion, 4 * l2_bytes)
-            default_us = 1e6 * seconds_per_call(calls, 1, False)
+            default_us = 1e6 * seconds_per_call(calls, None, False)
             timed = []
             for block_m in sorted({min(128, max(16, triton.next_power_of_2(rows))), min(64, max(16, rows))}):
-                for block_n, block_k, warps, stages in TILES:
-                    try:
-                        us = 1e6 * seconds_per_call(calls, 1, False, tile=(block_m, block_n, block_k, warps, stages))
-                    except Exception as error:  # out of shared memory / registers: not a candidate
-                        print(f"  {name} rows {rows} tile {(block_m, block_n, block_k, warps, stages)}: {error}"[:200])
-                        continue
-                    timed.append((us, (block_m, block_n, block_k, warps, stages)))
+                for split_k in splits:
+                    for block_n, block_k, warps, stages in (TILES if split_k == 1 else SPLIT_TILES):
+                        tile = (block_m, block_n, block_k, warps, stages)
+                        try:
+                            us = 1e6 * seconds_per_call(calls, split_k, False, tile=tile)
+                        except Exception as error:  # out of shared memory / registers: not a candidate
+                            print(f"  {name} rows {rows} tile {tile} split {split_k}: {error}"[:200])
+                            continue
+                        timed.append((us, tile + (split_k,)))
             best_us, best = min(timed)
             results.append(dict(layer=name, rows=rows, K=depth, N=cols, floor_us=1e6 * weight_bytes / bandwidth,
-                                default_us=default_us, best_us=best_us, best_tile=best,
+                                default_us=default_us, best_us=best_us, best_tile_and_splits=best,
                                 tiles={str(t): us for us, t in timed}))
             print(f"{name:8s} rows {rows:4d}: default {default_us:7.2f} us, best {best_us:7.2f} us at {best} "
-                  f"(floor {1e6 * weight_bytes / bandwidth:.2f})", flush=True)
+                  f"(tile and splits; floor {1e6 * weight_bytes / bandwidth:.2f})", flush=True)
             del calls
             torch.cuda.empty_cache()
     return results
@@ -155,7 +162,10 @@ def main(argv=None) -> None:
     parser.add_argument("--gemv-programs", default=str(small_linear_module.GEMV_MIN_PROGRAMS),
                         help="GEMV_MIN_PROGRAMS values to time the GEMV at (comma list)")
     parser.add_argument("--sweep-tiles", action="store_true",
-                        help="instead: the one-pass kernel's tiles (TILES) per layer and row count, best vs default")
+                        help="instead: the MMA kernel's tiles (TILES) per layer and row count, best vs default")
+    parser.add_argument("--layers", default=",".join(LAYERS), help="--sweep-tiles: the layers (comma list)")
+    parser.add_argument("--splits", default="1",
+                        help="--sweep-tiles: K splits to try (comma list; past 1 with the SPLIT_TILES tiles)")
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -165,7 +175,12 @@ def main(argv=None) -> None:
     if args.sweep_tiles:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        swept = sweep_tiles([int(r) for r in args.rows.split(",")], bandwidth)
+        layers = args.layers.split(",")
+        unknown = sorted(set(layers) - set(LAYERS))
+        if unknown:
+            parser.error(f"--layers: unknown {', '.join(unknown)} (known: {', '.join(LAYERS)})")
+        swept = sweep_tiles([int(r) for r in args.rows.split(",")], bandwidth, layers,
+                            [int(k) for k in args.splits.split(",")])
         (out / "small_linear_tiles.json").write_text(json.dumps(dict(
             device_name=torch.cuda.get_device_name(), copy_gb_s=bandwidth / 1e9, rows=swept), indent=2) + "\n")
         return
