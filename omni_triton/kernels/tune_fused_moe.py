@@ -1,6 +1,7 @@
 """Pick ``fused_moe``'s block sizes on this GPU, per token-count bucket, and write them as JSON.
 
     python -m omni_triton.kernels.tune_fused_moe --out fused_moe_configs.json   # then merge into the package's
+    python -m omni_triton.kernels.tune_fused_moe --stages talker --buckets 16,64 --wide --out talker.json
 
 The shapes are the MoE layers of the shipped full-size config (thinker and talker). Each candidate is timed as
 CUDA-graph replays of the whole fused MoE over ``LAYERS`` different weight copies in a row, so nothing stays
@@ -29,6 +30,11 @@ LAYERS = 4
 GEMM_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
                    for n, k, w, s in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3),
                                       (128, 64, 8, 4), (128, 128, 8, 3))]
+# --wide adds these: deeper pipelines and longer K steps, more weight bytes in flight per program (the talker's
+# experts at 64 tokens read ~290 MB a layer at ~3.4 TB/s with the six above)
+WIDE_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+                   for n, k, w, s in ((32, 128, 4, 6), (32, 256, 4, 4), (64, 128, 4, 6), (64, 256, 8, 4),
+                                      (16, 256, 4, 4), (16, 128, 2, 6))]
 
 
 def block_m_candidates(num_tokens: int, top_k: int, num_experts: int) -> list[int]:
@@ -37,14 +43,14 @@ def block_m_candidates(num_tokens: int, top_k: int, num_experts: int) -> list[in
 
 
 def tune_shape(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
-               table: dict[str, dict], save) -> None:
+               table: dict[str, dict], save, buckets=BUCKETS, candidates=GEMM_CANDIDATES) -> None:
     """Fills ``table`` bucket by bucket, calling ``save()`` after each (a cut-short run keeps what it found)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate_ups = [torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=dtype, generator=gen) * hidden ** -0.5
                 for _ in range(LAYERS)]
     downs = [torch.randn(num_experts, hidden, inter, device="cuda", dtype=dtype, generator=gen) * inter ** -0.5
              for _ in range(LAYERS)]
-    for num_tokens in BUCKETS:
+    for num_tokens in buckets:
         x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype, generator=gen)
         logits = torch.randn(num_tokens, num_experts, device="cuda", dtype=dtype, generator=gen)
         weights, ids = route(logits, top_k, True)
@@ -63,7 +69,7 @@ def tune_shape(num_experts: int, hidden: int, inter: int, top_k: int, dtype: tor
         for block_m in block_m_candidates(num_tokens, top_k, num_experts):
             config = dict(default_config(num_tokens), BLOCK_M=block_m)
             for part in ("gate_up", "down"):
-                timed = [(ms(dict(config, **{part: gemm})), gemm) for gemm in GEMM_CANDIDATES]
+                timed = [(ms(dict(config, **{part: gemm})), gemm) for gemm in candidates]
                 config[part] = min(timed, key=lambda t: t[0])[1]
             took = ms(config)
             if best is None or took < best[0]:
@@ -80,7 +86,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=FULL_SIZE_CONFIG)
     parser.add_argument("--out", default="fused_moe_configs.json")
+    parser.add_argument("--stages", default="thinker,talker", help="whose MoE shapes to tune (comma list)")
+    parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                        help="token-count buckets to tune (comma list; the table keeps these only)")
+    parser.add_argument("--wide", action="store_true", help="also try WIDE_CANDIDATES (longer run)")
     args = parser.parse_args(argv)
+    stages = args.stages.split(",")
+    if not stages or set(stages) - {"thinker", "talker"}:
+        parser.error(f"--stages: thinker and/or talker, got {args.stages!r}")
+    buckets = [int(b) for b in args.buckets.split(",")]
+    candidates = GEMM_CANDIDATES + (WIDE_CANDIDATES if args.wide else [])
     config = OmniConfig.from_pretrained(resolve_config_dir(args.config))
     out = Path(args.out)
     table = json.loads(out.read_text()) if out.is_file() else {}
@@ -89,10 +104,11 @@ def main(argv=None) -> None:
     def save():
         out.write_text(json.dumps(table, indent=1) + "\n")
 
-    for text in (config.thinker.text, config.talker.text):
+    for stage in stages:
+        text = getattr(config, stage).text
         shape = tuned[shape_key(text.num_experts, text.hidden_size, text.moe_intermediate_size)] = {}
         tune_shape(text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok,
-                   torch.bfloat16, shape, save)
+                   torch.bfloat16, shape, save, buckets, candidates)
     print(f"wrote {out}")
 
 
