@@ -124,7 +124,5 @@ class StepOverlap:
 def _host_sampling_ahead_exact(seq: Sequence) -> bool:
     """The host sampler reads the row's history (repetition penalty) and token count (the min_new_tokens ban
     on stop ids), which miss the token not read yet: exact only where neither depends on it."""
-    params, generated = seq.params, seq.num_generated
-    if params.repetition_penalty != 1.0:
-        return False
-    return not params.stop_token_ids or (generated < params.min_new_tokens) == (generated + 1 < params.min_new_tokens)
+    row = seq.sample_row
+    return row.params.repetition_penalty == 1.0 and row.stop_ids_banned == row.stop_ids_banned_after(1)

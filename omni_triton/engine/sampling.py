@@ -117,7 +117,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
             penalties += [p.repetition_penalty] * len(row.seen_ids)
         if p.suppressed_token_ids:
             masked.setdefault(p.suppressed_token_ids, []).append(i)
-        if row.num_generated < p.min_new_tokens and p.stop_token_ids:
+        if row.stop_ids_banned:
             masked.setdefault(p.stop_token_ids, []).append(i)
     if penalty_rows:
         r = torch.tensor(penalty_rows, device=device)
