@@ -135,11 +135,12 @@ def test_router_kernel_matches_softmax_topk():
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (7, 4), (33, 16)])
-def test_expert_sorted_layout_covers_every_pair_once(num_tokens, block_m):
-    num_experts, top_k = 8, 2
+@pytest.mark.parametrize("sorted_layout", [True, False], ids=["sorted", "atomic"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m",
+                         [(1, 8, 2, 16), (7, 8, 2, 4), (33, 8, 2, 16), (64, 128, 8, 16), (40, 16, 4, 64)])
+def test_expert_sorted_layout_covers_every_pair_once(num_tokens, num_experts, top_k, block_m, sorted_layout):
     _, (_, ids) = random_routing(num_tokens, num_experts, top_k, seed=num_tokens)
-    sorted_pairs, block_expert = routing.expert_sorted_layout(ids.int(), num_experts, block_m)
+    sorted_pairs, block_expert = routing.expert_sorted_layout(ids.int(), num_experts, block_m, sorted_layout)
     num_pairs = ids.numel()
     flat_ids = ids.reshape(-1).cpu()
     pairs = sorted_pairs.view(-1, block_m).cpu()
@@ -154,6 +155,37 @@ def test_expert_sorted_layout_covers_every_pair_once(num_tokens, block_m):
     used = owners >= 0
     assert used.sum() == sum(-(-int((flat_ids == e).sum()) // block_m) for e in range(num_experts))
     assert not used[int(used.sum()):].any()  # runs are packed at the front
+    assert owners[used].tolist() == sorted(owners[used].tolist())  # expert by expert
+
+
+def test_sorted_layout_takes_over_up_to_its_pair_limit(monkeypatch):
+    """Past SORT_MAX_PAIRS the atomic kernel runs (a prefill's thousands of pairs do not fit one sort); both
+    kernels give the same blocks (which pairs each block holds; the order inside a run may differ)."""
+    _, (_, ids) = random_routing(20, 16, 4, seed=5)
+    monkeypatch.setattr(routing, "SORT_MAX_PAIRS", 79)  # 80 pairs: one past the limit
+    launched = []
+    for name in ("_sorted_layout_kernel", "_expert_sorted_layout_kernel"):
+        kernel = getattr(routing, name)
+        monkeypatch.setattr(routing, name, _Recording(kernel, name, launched))
+    layouts = [routing.expert_sorted_layout(ids.int(), 16, 8, sorted_layout) for sorted_layout in (True, False)]
+    assert launched == ["_expert_sorted_layout_kernel"] * 2
+    monkeypatch.setattr(routing, "SORT_MAX_PAIRS", 80)
+    layouts.append(routing.expert_sorted_layout(ids.int(), 16, 8))
+    assert launched[-1] == "_sorted_layout_kernel"
+    blocks = [(pairs.view(-1, 8).sort(dim=1).values.cpu(), owners.cpu()) for pairs, owners in layouts]
+    for pairs, owners in blocks[1:]:
+        assert torch.equal(owners, blocks[0][1]) and torch.equal(pairs, blocks[0][0])
+
+
+class _Recording:
+    """A kernel that notes its name when launched (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, name: str, launched: list):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
