@@ -20,6 +20,7 @@ from omni_triton.models.layers.fast_kernels import pack_linears_  # noqa: E402
 from omni_triton.models.layers.attention import AttentionBatch, _AttentionPlan, attend_fast, attend_paged  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
 from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+from test_small_linear_gemv import RecordingKernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -163,29 +164,18 @@ def test_sorted_layout_takes_over_up_to_its_pair_limit(monkeypatch):
     kernels give the same blocks (which pairs each block holds; the order inside a run may differ)."""
     _, (_, ids) = random_routing(20, 16, 4, seed=5)
     monkeypatch.setattr(routing, "SORT_MAX_PAIRS", 79)  # 80 pairs: one past the limit
-    launched = []
-    for name in ("_sorted_layout_kernel", "_expert_sorted_layout_kernel"):
-        kernel = getattr(routing, name)
-        monkeypatch.setattr(routing, name, _Recording(kernel, name, launched))
+    by_sort, by_atomics = [], []
+    monkeypatch.setattr(routing, "_sorted_layout_kernel", RecordingKernel(routing._sorted_layout_kernel, by_sort))
+    monkeypatch.setattr(routing, "_expert_sorted_layout_kernel",
+                        RecordingKernel(routing._expert_sorted_layout_kernel, by_atomics))
     layouts = [routing.expert_sorted_layout(ids.int(), 16, 8, sorted_layout) for sorted_layout in (True, False)]
-    assert launched == ["_expert_sorted_layout_kernel"] * 2
+    assert len(by_atomics) == 2 and not by_sort
     monkeypatch.setattr(routing, "SORT_MAX_PAIRS", 80)
     layouts.append(routing.expert_sorted_layout(ids.int(), 16, 8))
-    assert launched[-1] == "_sorted_layout_kernel"
+    assert len(by_sort) == 1 and len(by_atomics) == 2
     blocks = [(pairs.view(-1, 8).sort(dim=1).values.cpu(), owners.cpu()) for pairs, owners in layouts]
     for pairs, owners in blocks[1:]:
         assert torch.equal(owners, blocks[0][1]) and torch.equal(pairs, blocks[0][0])
-
-
-class _Recording:
-    """A kernel that notes its name when launched (``kernel[grid](...)``)."""
-
-    def __init__(self, kernel, name: str, launched: list):
-        self.kernel, self.name, self.launched = kernel, name, launched
-
-    def __getitem__(self, grid):
-        self.launched.append(self.name)
-        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
