@@ -153,12 +153,16 @@ def test_frame_attention_rejects_a_cache_too_long_for_one_program():
 
 # ---------------------------------------------------------------------------------------------- whole frame
 
-def recorded_frame(predictor: CodePredictor, hidden, code0_embeds, fused: bool, forced: torch.Tensor | None = None):
+def recorded_frame(predictor: CodePredictor, hidden, code0_embeds, fused: bool, forced: torch.Tensor | None = None,
+                   dtypes: set | None = None):
     """(codes, embeds, logits per group) of one frame; ``forced`` [B, G-1] codes feed both paths the same
-    inputs (teacher forcing), so their logits compare step by step even where greedy picks would differ."""
+    inputs (teacher forcing), so their logits compare step by step even where greedy picks would differ.
+    ``dtypes`` collects the dtypes of the logits the sampler was handed."""
     logits = []
 
     def sample_fn(step_logits, group):
+        if dtypes is not None:
+            dtypes.add(step_logits.dtype)
         logits.append(step_logits.float().clone())
         return step_logits.argmax(dim=-1) if forced is None else forced[:, group - 1]
 
@@ -200,9 +204,11 @@ def check_frame(dims: dict, dtype: torch.dtype, rows: int, logit_rel: float, see
     code0_embeds = torch.randn(rows, dims["hidden_size"], generator=gen).to(DEVICE, dtype)
     forced = torch.randint(0, dims["vocab_size"], (rows, predictor.num_code_groups - 1), generator=gen).to(DEVICE)
     want_codes, want_embeds, want_logits = recorded_frame(predictor, hidden, code0_embeds, False, forced)
-    got_codes, got_embeds, got_logits = recorded_frame(predictor, hidden, code0_embeds, True, forced)
+    handed = set()
+    got_codes, got_embeds, got_logits = recorded_frame(predictor, hidden, code0_embeds, True, forced, handed)
     assert torch.equal(got_codes, want_codes) and torch.equal(got_embeds, want_embeds)
-    assert got_logits.dtype == torch.float32
+    # the fused frame hands the sampler the model dtype's logits (the sampler reads them as fp32 itself)
+    assert handed == {dtype}
     for group in range(got_logits.shape[1]):
         assert rel_error(got_logits[:, group], want_logits[:, group]) < logit_rel, group
     scale = float(want_logits.abs().max())

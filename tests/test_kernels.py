@@ -20,6 +20,7 @@ from omni_triton.models.layers.fast_kernels import pack_linears_  # noqa: E402
 from omni_triton.models.layers.attention import AttentionBatch, _AttentionPlan, attend_fast, attend_paged  # noqa: E402
 from omni_triton.models.layers.norm import RMSNorm  # noqa: E402
 from omni_triton.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+from test_small_linear_gemv import RecordingKernel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -135,11 +136,12 @@ def test_router_kernel_matches_softmax_topk():
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (7, 4), (33, 16)])
-def test_expert_sorted_layout_covers_every_pair_once(num_tokens, block_m):
-    num_experts, top_k = 8, 2
+@pytest.mark.parametrize("sorted_layout", [True, False], ids=["sorted", "atomic"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m",
+                         [(1, 8, 2, 16), (7, 8, 2, 4), (33, 8, 2, 16), (64, 128, 8, 16), (40, 16, 4, 64)])
+def test_expert_sorted_layout_covers_every_pair_once(num_tokens, num_experts, top_k, block_m, sorted_layout):
     _, (_, ids) = random_routing(num_tokens, num_experts, top_k, seed=num_tokens)
-    sorted_pairs, block_expert = routing.expert_sorted_layout(ids.int(), num_experts, block_m)
+    sorted_pairs, block_expert = routing.expert_sorted_layout(ids.int(), num_experts, block_m, sorted_layout)
     num_pairs = ids.numel()
     flat_ids = ids.reshape(-1).cpu()
     pairs = sorted_pairs.view(-1, block_m).cpu()
@@ -154,6 +156,32 @@ def test_expert_sorted_layout_covers_every_pair_once(num_tokens, block_m):
     used = owners >= 0
     assert used.sum() == sum(-(-int((flat_ids == e).sum()) // block_m) for e in range(num_experts))
     assert not used[int(used.sum()):].any()  # runs are packed at the front
+    assert owners[used].tolist() == sorted(owners[used].tolist())  # expert by expert
+
+
+def test_sorted_layout_takes_over_up_to_its_pair_limit(monkeypatch):
+    """Past SORT_MAX_PAIRS the atomic kernel runs (a prefill's thousands of pairs do not fit one sort); both
+    kernels give the same block owners and put each pair in its expert's blocks (the order inside a run, so
+    which of an expert's blocks holds a pair, is up to the atomics' order on a GPU)."""
+    _, (_, ids) = random_routing(20, 16, 4, seed=5)
+    monkeypatch.setattr(routing, "SORT_MAX_PAIRS", 79)  # 80 pairs: one past the limit
+    by_sort, by_atomics = [], []
+    monkeypatch.setattr(routing, "_sorted_layout_kernel", RecordingKernel(routing._sorted_layout_kernel, by_sort))
+    monkeypatch.setattr(routing, "_expert_sorted_layout_kernel",
+                        RecordingKernel(routing._expert_sorted_layout_kernel, by_atomics))
+    layouts = [routing.expert_sorted_layout(ids.int(), 16, 8, sorted_layout) for sorted_layout in (True, False)]
+    assert len(by_atomics) == 2 and not by_sort
+    monkeypatch.setattr(routing, "SORT_MAX_PAIRS", 80)
+    layouts.append(routing.expert_sorted_layout(ids.int(), 16, 8))
+    assert len(by_sort) == 1 and len(by_atomics) == 2
+    def pair_owners(pairs, owners):  # pair -> the expert whose block holds it
+        return {pair: owner for block, owner in zip(pairs.view(-1, 8).tolist(), owners.tolist())
+                for pair in block if pair < ids.numel()}
+
+    want = pair_owners(*layouts[0])
+    assert want == dict(enumerate(ids.reshape(-1).tolist()))
+    for pairs, owners in layouts[1:]:
+        assert torch.equal(owners, layouts[0][1]) and pair_owners(pairs, owners) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -229,9 +257,9 @@ def test_store_kv_writes_each_token_at_its_slot_and_skips_padding():
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,context_lens", [
     (4, 2, [1, 9, 70, 33]), (6, 6, [1, 9, 70, 33]), (8, 1, [1, 9, 70, 33]),
-    (4, 4, [3, 130, 17, 64] * 10)])  # 40 sequences x 4 KV heads: no context split
+    (4, 4, [3, 130, 17, 64] * 20)])  # 80 sequences x 4 KV heads: no context split
 def test_paged_decode_attention_matches_the_gather_reference(num_heads, num_kv_heads, context_lens):
-    assert (paged_attention.decode_splits(len(context_lens), num_kv_heads) == 1) == (len(context_lens) == 40)
+    assert (paged_attention.decode_splits(len(context_lens), num_kv_heads) == 1) == (len(context_lens) == 80)
     batch = paged_batch(context_lens, num_kv_heads, head_dim=16, block_size=4, seed=num_heads)
     q = torch.randn(len(context_lens), num_heads, 16).to(DEVICE)
     want = attend_paged(q, batch.kv_caches[0], batch, scale=0.3)

@@ -30,6 +30,8 @@ from omni_triton.models.layers.decoder import SelfAttention  # noqa: E402
 from omni_triton.models.layers.fast_kernels import KernelSwitch, step_linear  # noqa: E402
 from omni_triton.models.layers import moe as moe_module  # noqa: E402
 from omni_triton.models.layers.moe import SparseMoE  # noqa: E402
+from omni_triton.models.layers import side_stream as side_stream_module  # noqa: E402
+from omni_triton.models.layers.side_stream import SideBranch  # noqa: E402
 from omni_triton.models.layers.rope import RotaryEmbedding  # noqa: E402
 from test_code_predictor_kernels import DTYPES, rel_error, tolerance  # noqa: E402
 from test_small_linear_gemv import RecordingKernel  # noqa: E402
@@ -291,9 +293,28 @@ def test_talker_moe_at_released_dims_in_bf16(rows, talker_moe):
 
 
 @cuda
-def test_talker_moe_fast_path_replays_under_a_cuda_graph(talker_moe):
+@pytest.mark.parametrize("rows", [1, 64])
+def test_talker_moe_shared_expert_on_the_side_stream_gives_the_same_bits(rows, talker_moe, monkeypatch):
+    """The shared expert forked onto the side stream and joined before the top-k sum: the same output as run
+    inline on the current stream, and the side stream really took the work."""
     moe = talker_moe
-    inputs = torch.randn(3, 1, TALKER_MOE["hidden_size"], generator=torch.Generator().manual_seed(3)).to(
+    x = torch.randn(rows, TALKER_MOE["hidden_size"], generator=torch.Generator().manual_seed(rows)).to(
+        DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        beside = moe.forward_with_kernels(x)
+        assert x.device in side_stream_module._streams
+        monkeypatch.setattr(moe_module, "SideBranch", lambda like, enabled: SideBranch(like, enabled=False))
+        inline = moe.forward_with_kernels(x)
+    assert torch.equal(beside, inline)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 64])
+def test_talker_moe_fast_path_replays_under_a_cuda_graph(rows, talker_moe):
+    """Replays of the block (the shared expert's side-stream branch captured as a parallel branch of the graph)
+    equal eager calls, at a decode step's one row (per-pair GEMVs) and at 64 (grouped GEMMs, sorted layout)."""
+    moe = talker_moe
+    inputs = torch.randn(3, rows, TALKER_MOE["hidden_size"], generator=torch.Generator().manual_seed(3)).to(
         DEVICE, torch.bfloat16)
     static = inputs[0].clone()
     with torch.no_grad():

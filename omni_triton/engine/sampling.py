@@ -323,7 +323,8 @@ class DeviceSampler:
         top_k, seeds, slots, stop_banned = self._ints[:, :num_rows]
         from omni_triton.kernels.sampling import penalize, sample_candidates, sample_rows  # triton: CUDA runs
 
-        logits = logits.float()
+        # penalize, the argmax and sample_rows read any float dtype as fp32 (the code predictor hands bf16
+        # logits: a cast launch per predictor step fewer); the multi-launch samplers take fp32
         if self.history is not None:
             logits = penalize(logits, penalty, slots, stop_banned, self.history.seen, self.history.banned,
                               always=TokenHistory.ALWAYS, under_min=TokenHistory.UNDER_MIN)
@@ -332,9 +333,9 @@ class DeviceSampler:
         elif vocab <= SMALL_VOCAB:
             ids = sample_rows(logits.contiguous(), temperature, top_k, top_p, seeds, group)
         elif not general and 0 < self.max_top_k <= SMALL_VOCAB:  # the thinker's top_k 20: ~10 launches, not ~30
-            ids = sample_candidates(logits, self.max_top_k, temperature, top_k, top_p, seeds, group)
+            ids = sample_candidates(logits.float(), self.max_top_k, temperature, top_k, top_p, seeds, group)
         else:
-            ids = race_sample(logits, temperature, top_k, top_p, seeds + group,
+            ids = race_sample(logits.float(), temperature, top_k, top_p, seeds + group,
                               max_top_k=0 if general else self.max_top_k, top_p_used=general or self.any_top_p)
         if self.history is not None:
             self.history.record(slots, ids)

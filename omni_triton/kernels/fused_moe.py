@@ -184,29 +184,48 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
                   expert_weights: torch.Tensor, config: dict | None = None, *, shared: torch.Tensor | None = None,
                   shared_gate: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
     """Same contract as ``models.layers.moe.run_experts`` with SiLU: x [T, H]; gate_up [E, 2I, H];
-    down [E, H, I]; expert_ids/weights [T, k] -> [T, H].
+    down [E, H, I]; expert_ids/weights [T, k] -> [T, H]: ``expert_pairs`` then ``sum_top_k``.
 
     With ``shared`` [T, H] (a shared expert's output) and ``shared_gate`` [T, 1] (its gate logit; any row
     strides) the top-k sum's launch also adds ``sigmoid(shared_gate) * shared``: the talker's combine.
     ``gemv``: up to ``GEMV_MAX_TOKENS`` tokens, each (token, slot) pair runs as multiply-add GEMVs over its own
     expert's weights (no expert-sorted layout: one launch fewer), as ``kernels.small_linear``'s GEMV does for
     the dense linears."""
-    num_tokens, hidden = x.shape
-    top_k = expert_ids.shape[1]
-    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
-        raise ValueError("fused_experts needs the last dim of x and of the expert weights contiguous")
+    check_shared(x, shared, shared_gate)
+    per_pair = expert_pairs(x, gate_up, down, expert_ids, expert_weights, config, gemv=gemv)
+    return sum_top_k(per_pair, expert_ids.shape[1], shared, shared_gate)
+
+
+def check_shared(x: torch.Tensor, shared: torch.Tensor | None, shared_gate: torch.Tensor | None) -> None:
+    """The shared expert's output and gate logit fit x (checked before any launch)."""
     if (shared is None) != (shared_gate is None):
         raise ValueError("fused_experts takes shared and shared_gate together")
     if shared is not None and (shared.shape != x.shape or shared.stride(-1) != 1
-                               or shared_gate.shape != (num_tokens, 1)):
+                               or shared_gate.shape != (x.shape[0], 1)):
         raise ValueError(f"fused_experts shared {tuple(shared.shape)} / shared_gate {tuple(shared_gate.shape)} "
                          f"do not match x {tuple(x.shape)} (want [T, H] with contiguous features and [T, 1])")
+
+
+def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                 expert_weights: torch.Tensor, config: dict | None = None, *, gemv: bool = False) -> torch.Tensor:
+    """per_pair [T * k, H]: each (token, slot) pair's expert output times its router weight (``fused_experts``
+    without the top-k sum, so that other work can be joined in before it)."""
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("fused_experts needs the last dim of x and of the expert weights contiguous")
     pdl = enabled_for(x)
-    if gemv and num_tokens <= GEMV_MAX_TOKENS:
-        per_pair = _experts_by_pair(x, gate_up, down, expert_ids, expert_weights, pdl)
-    else:
-        per_pair = _experts_by_block(x, gate_up, down, expert_ids, expert_weights, config, pdl)
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if gemv and x.shape[0] <= GEMV_MAX_TOKENS:
+        return _experts_by_pair(x, gate_up, down, expert_ids, expert_weights, pdl)
+    return _experts_by_block(x, gate_up, down, expert_ids, expert_weights, config, pdl)
+
+
+def sum_top_k(per_pair: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,
+              shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """per_pair [T * k, H] -> [T, H]: each token's k pair outputs summed (fp32, rounded once), plus
+    ``sigmoid(shared_gate) * shared`` when given (``fused_experts``' combine)."""
+    num_pairs, hidden = per_pair.shape
+    num_tokens = num_pairs // top_k
+    out = torch.empty(num_tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
+    pdl = enabled_for(per_pair)
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
         per_pair, out, out if shared is None else shared, out if shared_gate is None else shared_gate, hidden,

@@ -141,7 +141,7 @@ def _sample_rows_kernel(logits_ptr, stride_logits, vocab, temperature_ptr, top_k
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 seeds: torch.Tensor, group: int = 0) -> torch.Tensor:
-    """logits [B, V <= MAX_VOCAB] float32, per-row controls [B] -> ids [B] int64."""
+    """logits [B, V <= MAX_VOCAB] (any float dtype: read as float32), per-row controls [B] -> ids [B] int64."""
     num_rows, vocab = logits.shape
     if vocab > MAX_VOCAB or logits.stride(1) != 1:
         raise ValueError(f"sample_rows takes at most {MAX_VOCAB} contiguous logits per row, got {vocab}")
@@ -179,8 +179,8 @@ def _penalize_kernel(logits_ptr, stride_logits, out_ptr, vocab, penalty_ptr, slo
 
 def penalize(logits: torch.Tensor, penalty: torch.Tensor, slots: torch.Tensor, stop_banned: torch.Tensor,
              seen: torch.Tensor, banned: torch.Tensor, *, always: int, under_min: int) -> torch.Tensor:
-    """logits [B, V] -> float32 [B, V]: each row's seen ids (``seen[slots[b]]`` nonzero) divided by its
-    ``penalty`` when positive, multiplied when negative (HF's repetition penalty), then -inf where
+    """logits [B, V] (any float dtype) -> float32 [B, V]: each row's seen ids (``seen[slots[b]]`` nonzero)
+    divided by its ``penalty`` when positive, multiplied when negative (HF's repetition penalty), then -inf where
     ``banned[slots[b]]`` is ``always``, or ``under_min`` while ``stop_banned[b]`` (``engine.sampling.
     TokenHistory``'s codes, passed by its caller).
     ``seen`` [slots, V] bool or uint8, ``banned`` [slots, V] int8, both contiguous."""

@@ -159,8 +159,10 @@ class CodePredictor(KernelSwitch, nn.Module):
                                        eps=layer.post_attention_layernorm.eps, gated=True, **launch)
                 x = small_linear(gate_up, mlp.down_proj.weight, residual=x, **launch)
             last = x.view(rows, new, hidden_size)[:, -1]
+            # logits in the model dtype (the kernels round them to it anyway): the samplers read them as fp32
+            # themselves, so no cast launch per step
             logits = small_linear(last, self.lm_head[group - 1].weight, norm_weight=model.norm.weight,
-                                  eps=model.norm.eps, out_dtype=torch.float32, **launch)
+                                  eps=model.norm.eps, **launch)
             code = sample_fn(logits, group)
             codes.append(code)
             x = model.codec_embedding[group - 1](code)

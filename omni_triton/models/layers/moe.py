@@ -21,6 +21,7 @@ from torch import nn
 
 from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_, step_linear
 from omni_triton.models.layers.mlp import GatedMLP, activation
+from omni_triton.models.layers.side_stream import SideBranch
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +117,7 @@ class SparseMoE(KernelSwitch, nn.Module):
         from omni_triton.kernels import fused_moe, routing
         from omni_triton.kernels.activation import silu_and_mul
 
-        shared = shared_gate = None
+        shared = shared_gate = branch = None
         if self.packed_input_proj is not None:
             inter = self.shared_expert.gate_proj.out_features
             # column views of one [T, 2I + E + 1 + padding] output: the kernels below read rows at its stride
@@ -124,13 +125,19 @@ class SparseMoE(KernelSwitch, nn.Module):
             router_end = 2 * inter + self.gate.out_features
             gate_up, router_logits = projected[:, :2 * inter], projected[:, 2 * inter:router_end]
             shared_gate = projected[:, router_end:router_end + 1]
-            shared = step_linear(self, silu_and_mul(gate_up), self.shared_expert.down_proj.weight)
+            # the shared expert beside the routed ones (fused steps): off their critical path
+            branch = SideBranch(x, enabled=self.use_fused_steps)
+            with branch:
+                shared = step_linear(self, silu_and_mul(gate_up), self.shared_expert.down_proj.weight)
         else:
             router_logits = step_linear(self, x, self.gate.weight)
         weights, ids = routing.route(router_logits, self.top_k, self.norm_topk_prob)
         gemv = self.use_fused_steps and self.linear_launch == "gemv"  # the per-pair GEMVs at 1-2 tokens
-        out = fused_moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, gemv=gemv,
-                                      shared=shared, shared_gate=shared_gate)
+        per_pair = fused_moe.expert_pairs(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
+                                          gemv=gemv)
+        if branch is not None:
+            branch.join()
+        out = fused_moe.sum_top_k(per_pair, self.top_k, shared, shared_gate)
         if self.shared_expert is not None and shared is None:  # not packed: the shared expert's own modules
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
