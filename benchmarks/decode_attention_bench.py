@@ -55,13 +55,12 @@ def main(argv=None) -> None:
     parser.add_argument("--out-dir", default="decode_attention_bench")
     args = parser.parse_args(argv)
     config = OmniConfig.from_pretrained(resolve_config_dir(FULL_SIZE_CONFIG))
-    bandwidth, _ = measure_ceilings(torch.device("cuda"))
-    read_bandwidth = bandwidth / 2  # the copy moves each byte twice
+    bandwidth, _ = measure_ceilings(torch.device("cuda"))  # HBM bytes (read + written) per second
     rule = paged_attention.decode_splits
     rows, lines = [], []
     splits_list = [int(s) for s in args.splits.split(",")]
     header = "| stage | batch | context | floor us | " + " | ".join(f"{s} splits" for s in splits_list) + " |"
-    lines += [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read floor at half of it); us per call, the rule's "
+    lines += [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (the floor: K/V bytes at it); us per call, the rule's "
               "pick in bold, TB/s of K/V read in brackets", "", header, "|---" * (4 + len(splits_list)) + "|"]
     print(lines[0], flush=True)
     try:
@@ -79,7 +78,7 @@ def main(argv=None) -> None:
                         timings[splits] = seconds * 1e6
                         cell = f"{seconds * 1e6:.2f} ({kv_bytes / seconds / 1e12:.2f})"
                         cells.append(f"**{cell}**" if splits == picked else cell)
-                    floor = kv_bytes / read_bandwidth * 1e6
+                    floor = kv_bytes / bandwidth * 1e6
                     rows.append(dict(stage=stage, batch=batch, context=context, rule_splits=picked,
                                      floor_us=floor, kv_bytes=kv_bytes, us_per_call=timings))
                     lines.append(f"| {stage} | {batch} | {context} | {floor:.2f} | " + " | ".join(cells) + " |")
