@@ -53,11 +53,12 @@ def layer_calls(rows: int, depth: int, cols: int, fusion: str, min_bytes: int) -
     return [(x, weights[i % copies], kwargs) for i in range(CALLS_PER_GRAPH)], weight_bytes
 
 
-def seconds_per_call(calls: list, split_k: int | None, gemv: bool, repeat: int = 5, tile=None) -> float:
+def seconds_per_call(calls: list, split_k: int | None, gemv: bool, repeat: int = 5, tile=None,
+                     cublas: bool = False) -> float:
     """Median over ``repeat`` replays of a CUDA graph of ``calls`` (made eagerly first: compiled, scratch made)."""
     def issue_calls():
         for x, weight, kwargs in calls:
-            small_linear(x, weight, split_k=split_k, gemv=gemv, tile=tile, **kwargs)
+            small_linear(x, weight, split_k=split_k, gemv=gemv, tile=tile, cublas=cublas, **kwargs)
 
     return graph_seconds_per_call(issue_calls, len(calls), repeat)
 
@@ -99,15 +100,20 @@ def bench(rows_list: list[int], targets: list[int], gemv_programs: list[int], ba
 # and at 128)
 TILES = ([(n, k, w, 3) for n in (16, 32, 64) for k in (64, 128, 256) for w in (4, 8)]
          + [(32, 128, 4, 4), (16, 256, 4, 4)])
+# --deep: short K steps in deep pipelines instead (what cuBLAS's kernels at these shapes do: K tiles of 64 in
+# 10-15 stages), so more weight bytes are in flight per program than TILES' 3-4 stages keep
+DEEP_TILES = [(n, k, 4, stages) for n in (16, 32, 64) for k, stages in ((64, 6), (64, 8), (64, 12), (128, 6))]
 # with --splits past 1: the tiles tried at each split count (fewer: every split count is another compile);
 # wider column blocks than ``block_sizes``' 16 for the narrow layers, so fewer programs re-read all of x
 SPLIT_TILES = [(n, k, 4, 3) for n in (16, 32, 64) for k in (128, 256)]
 
 
-def sweep_tiles(rows_list: list[int], bandwidth: float, layers: list[str], splits: list[int]) -> list[dict]:
-    """The MMA kernel at every tile of ``TILES`` (one pass) per layer and row count, and with ``splits`` past 1
-    at every tile of ``SPLIT_TILES`` split that many ways: the fastest against the default (``launch_plan``),
-    for the table ``small_linear`` should read."""
+def sweep_tiles(rows_list: list[int], bandwidth: float, layers: list[str], splits: list[int],
+                tiles: list = TILES) -> list[dict]:
+    """The MMA kernel at every tile of ``tiles`` (one pass) per layer and row count, and with ``splits`` past 1
+    at every tile of ``SPLIT_TILES`` split that many ways: the fastest against the default (``launch_plan``)
+    and the served launch (cuBLAS for the wide layers from ``CUBLAS_MIN_ROWS`` rows), for the table
+    ``small_linear`` should read."""
     l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2 ** 20)
     results = []
     for rows in rows_list:
@@ -115,10 +121,11 @@ def sweep_tiles(rows_list: list[int], bandwidth: float, layers: list[str], split
             depth, cols, fusion = LAYERS[name]
             calls, weight_bytes = layer_calls(rows, depth, cols, fusion, 4 * l2_bytes)
             default_us = 1e6 * seconds_per_call(calls, None, False)
+            served_us = 1e6 * seconds_per_call(calls, None, True, cublas=True)
             timed = []
             for block_m in sorted({min(128, max(16, triton.next_power_of_2(rows))), min(64, max(16, rows))}):
                 for split_k in splits:
-                    for block_n, block_k, warps, stages in (TILES if split_k == 1 else SPLIT_TILES):
+                    for block_n, block_k, warps, stages in (tiles if split_k == 1 else SPLIT_TILES):
                         tile = (block_m, block_n, block_k, warps, stages)
                         try:
                             us = 1e6 * seconds_per_call(calls, split_k, False, tile=tile)
@@ -128,9 +135,11 @@ def sweep_tiles(rows_list: list[int], bandwidth: float, layers: list[str], split
                         timed.append((us, tile + (split_k,)))
             best_us, best = min(timed)
             results.append(dict(layer=name, rows=rows, K=depth, N=cols, floor_us=1e6 * weight_bytes / bandwidth,
-                                default_us=default_us, best_us=best_us, best_tile_and_splits=best,
+                                default_us=default_us, served_us=served_us, best_us=best_us,
+                                best_tile_and_splits=best,
                                 tiles={str(t): us for us, t in timed}))
-            print(f"{name:8s} rows {rows:4d}: default {default_us:7.2f} us, best {best_us:7.2f} us at {best} "
+            print(f"{name:8s} rows {rows:4d}: default {default_us:7.2f} us, served {served_us:7.2f} us, "
+                  f"best {best_us:7.2f} us at {best} "
                   f"(tile and splits; floor {1e6 * weight_bytes / bandwidth:.2f})", flush=True)
             del calls
             torch.cuda.empty_cache()
@@ -164,6 +173,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="instead: the MMA kernel's tiles (TILES) per layer and row count, best vs default")
     parser.add_argument("--layers", default=",".join(LAYERS), help="--sweep-tiles: the layers (comma list)")
+    parser.add_argument("--deep", action="store_true",
+                        help="--sweep-tiles: the deep-pipeline tiles (DEEP_TILES) instead of TILES")
     parser.add_argument("--splits", default="1",
                         help="--sweep-tiles: K splits to try (comma list; past 1 with the SPLIT_TILES tiles)")
     parser.add_argument("--out-dir", default=".")
@@ -180,7 +191,7 @@ def main(argv=None) -> None:
         if unknown:
             parser.error(f"--layers: unknown {', '.join(unknown)} (known: {', '.join(LAYERS)})")
         swept = sweep_tiles([int(r) for r in args.rows.split(",")], bandwidth, layers,
-                            [int(k) for k in args.splits.split(",")])
+                            [int(k) for k in args.splits.split(",")], DEEP_TILES if args.deep else TILES)
         (out / "small_linear_tiles.json").write_text(json.dumps(dict(
             device_name=torch.cuda.get_device_name(), copy_gb_s=bandwidth / 1e9, rows=swept), indent=2) + "\n")
         return
