@@ -233,8 +233,7 @@ class Orchestrator:
 
     def _run(self, ticket: "_Ticket") -> None:
         pb = self._pb
-        request, sender, inputs, request_id = ticket.request, ticket.sender, ticket.inputs, ticket.request_id
-        cancelled, deadline = ticket.cancelled, ticket.deadline
+        sender, inputs, request_id, deadline = ticket.sender, ticket.inputs, ticket.request_id, ticket.deadline
         send_lock = threading.Lock()
         with self._lock:
             self._active[request_id] = None
