@@ -38,18 +38,17 @@ if [ "$part" = parallel ]; then
   for file in $rest; do
     g=$(( 1 + i % (jobs - 1) )); groups[$g]="${groups[$g]:-} $file"; i=$((i + 1))
   done
-  pids=()
+  pids=() names=()
   for g in "${!groups[@]}"; do
-    name=$([ "$g" = 0 ] && echo first || echo "rest$g")
-    { header "parallel/$name"; pytest_files ${groups[$g]}; } > "$out/gpu_tests_parallel_$name.log" 2>&1 &
+    names[$g]=$([ "$g" = 0 ] && echo first || echo "rest$g")
+    { header "parallel/${names[$g]}"; pytest_files ${groups[$g]}; } > "$out/gpu_tests_parallel_${names[$g]}.log" 2>&1 &
     pids+=($!)
   done
   status=0
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   {
     header parallel
-    for g in "${!groups[@]}"; do
-      name=$([ "$g" = 0 ] && echo first || echo "rest$g")
+    for name in "${names[@]}"; do
       echo "## group $name"; cat "$out/gpu_tests_parallel_$name.log"
     done
     echo "# python3 benchmarks/capture_gc_probe.py"
