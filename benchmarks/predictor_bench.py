@@ -1,11 +1,10 @@
 """The code predictor's 15 steps of one frame (``CodePredictor.predict_with_kernels``, greedy) under a CUDA graph, at
-several row counts, in four launches of its linears (the question: which rows should take cuBLAS, and which
+several row counts, in three launches of its linears (the question: which rows should take cuBLAS, and which
 linears):
 
 - ``fused``: every linear one ``small_linear`` kernel launch (the served launch before ``cublas=True`` existed);
 - ``served``: the served launch, ``small_linear(gemv=True, cublas=True)``: the wide outputs without a residual
   (qkv, gate/up, lm_head) from ``CUBLAS_MIN_ROWS`` rows through the norm kernel + cuBLAS + the activation kernel;
-- ``served-no-prefetch``: the served launch without the side stream's weight prefetch (``WeightPrefetch``);
 - ``all-cublas``: o and down too (cuBLAS, then the residual add).
 
     python benchmarks/predictor_bench.py --out-dir benchmarks/results/NAME
@@ -36,12 +35,12 @@ from omni_triton.models.config import FULL_SIZE_CONFIG
 from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_linear_launch
 from omni_triton.models.weights import load_talker
 
-LAUNCHES = ("fused", "served", "served-no-prefetch", "all-cublas")
+LAUNCHES = ("fused", "served", "all-cublas")
 
 
 @contextlib.contextmanager
-def launch(name: str, predictor):
-    """``small_linear`` (and the weight prefetch) as launch ``name`` wants it, while the frame is captured."""
+def launch(name: str):
+    """``small_linear`` as launch ``name`` wants it, while the frame is captured."""
     real_takes, real_linear = small_linear_module.takes_cublas, small_linear_module.small_linear
 
     def all_cublas(x, weight, *, residual=None, **kwargs):
@@ -53,12 +52,10 @@ def launch(name: str, predictor):
         small_linear_module.takes_cublas = lambda rows, cols, residual: False
     elif name == "all-cublas":
         small_linear_module.small_linear = all_cublas
-    predictor.prefetch_weights = name != "served-no-prefetch"
     try:
         yield
     finally:
         small_linear_module.takes_cublas, small_linear_module.small_linear = real_takes, real_linear
-        predictor.prefetch_weights = True
 
 
 def frame_ms(predictor, hidden: torch.Tensor, code0_embeds: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -103,7 +100,7 @@ def main() -> None:
                                            generator=gen)
         row, fused_codes = {"rows": rows}, None
         for name in LAUNCHES:
-            with launch(name, talker.code_predictor):
+            with launch(name):
                 ms, codes = frame_ms(talker.code_predictor, hidden, code0_embeds)
             fused_codes = codes if fused_codes is None else fused_codes
             row[name] = dict(ms=ms, codes_equal_to_fused=float((codes == fused_codes).float().mean()))

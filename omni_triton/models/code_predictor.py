@@ -82,9 +82,6 @@ class CodePredictorModel(DecoderStack):
 
 
 class CodePredictor(KernelSwitch, nn.Module):
-    # the fused frame pulls each layer's weights into L2 from a side stream ahead of its GEMMs (WeightPrefetch)
-    prefetch_weights: bool = True
-
     def __init__(self, cfg: TextModelConfig, num_code_groups: int):
         super().__init__()
         if cfg.mrope_section is not None:
@@ -147,14 +144,11 @@ class CodePredictor(KernelSwitch, nn.Module):
         x = torch.stack((talker_hidden, code0_embeds), dim=1).reshape(rows * 2, hidden_size)
         start, new = 0, 2
         codes, embeds = [], []
-        prefetch = WeightPrefetch(self, talker_hidden)
-        for layer in model.layers:
-            layer.self_attn.pack_projections_()
-            layer.mlp.pack_projections_()
         for group in range(1, self.num_code_groups):
             for i, layer in enumerate(model.layers):
                 attn, mlp = layer.self_attn, layer.mlp
-                prefetch.ahead_of(group, i)
+                attn.pack_projections_()
+                mlp.pack_projections_()
                 qkv = small_linear(x, attn.packed_qkv[0], norm_weight=layer.input_layernorm.weight,
                                    eps=layer.input_layernorm.eps, **launch)
                 attended = frame_attention(qkv, attn.q_norm.weight, attn.k_norm.weight, cos, sin, keys[i],
@@ -174,7 +168,6 @@ class CodePredictor(KernelSwitch, nn.Module):
             x = model.codec_embedding[group - 1](code)
             embeds.append(x)
             start, new = start + new, 1
-        prefetch.join()
         return torch.stack(codes, dim=1), embeds
 
     def _rope_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,49 +179,3 @@ class CodePredictor(KernelSwitch, nn.Module):
             self._rope_cache = self.model.rotary.cos_sin(table, like.dtype)
             self._rope_cache_key = key
         return self._rope_cache
-
-
-class WeightPrefetch:
-    """The fused frame's weight reads started early (``kernels.weight_prefetch``), one side-stream launch per layer.
-
-    Before layer i's qkv: its o, gate/up and down, and the qkv of the layer after it (the next step's first layer
-    after the last one, and the step's lm_head), so every GEMM but the frame's first finds its weights in flight
-    or in L2; ~31 MB asked at a time, within an H200's 50 MB L2. ``join`` before the frame's result is read (a CUDA
-    graph must end on the capturing stream). Off (``CodePredictor.prefetch_weights``) or where the prefetch does
-    nothing (``prefetch_supported``): no launch, no side stream."""
-
-    def __init__(self, predictor: CodePredictor, like: torch.Tensor):
-        from omni_triton.kernels.weight_prefetch import prefetch_supported
-
-        self.predictor = predictor
-        self.enabled = predictor.prefetch_weights and prefetch_supported(like)
-        self.like = like
-        self.branch = None
-
-    def tensors_for(self, group: int, layer_index: int) -> list[torch.Tensor]:
-        """What to prefetch before layer ``layer_index`` of step ``group`` (1..G-1)."""
-        layers = self.predictor.model.layers
-        layer = layers[layer_index]
-        wanted = [] if (group, layer_index) != (1, 0) else [layer.self_attn.packed_qkv[0]]
-        wanted += [layer.self_attn.o_proj.weight, layer.mlp.packed_gate_up[0], layer.mlp.down_proj.weight]
-        if layer_index + 1 < len(layers):
-            wanted.append(layers[layer_index + 1].self_attn.packed_qkv[0])
-        else:
-            wanted.append(self.predictor.lm_head[group - 1].weight)
-            if group + 1 < self.predictor.num_code_groups:
-                wanted.append(layers[0].self_attn.packed_qkv[0])
-        return wanted
-
-    def ahead_of(self, group: int, layer_index: int) -> None:
-        if not self.enabled:
-            return
-        from omni_triton.kernels.weight_prefetch import prefetch_to_l2
-        from omni_triton.models.layers.side_stream import SideBranch
-
-        self.branch = SideBranch(self.like)
-        with self.branch:
-            prefetch_to_l2(self.tensors_for(group, layer_index))
-
-    def join(self) -> None:
-        if self.branch is not None:
-            self.branch.join()
