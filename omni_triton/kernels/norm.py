@@ -19,23 +19,24 @@ PREFETCH_CHUNK = 1024  # L2 lines a program asks for per round (8 a thread at 4 
 
 
 @triton.jit
-def _prefetch_share(ptr, total_lines, lines_per_program, PDL: tl.constexpr, CHUNK: tl.constexpr):
+def _prefetch_share(ptr, total_lines, lines_per_program, PDL: tl.constexpr, CHUNK: tl.constexpr,
+                    LINE_BYTES: tl.constexpr):
     """This program's share of ``total_lines`` 128-byte lines from ``ptr`` (a byte pointer), asked of L2."""
     if PDL:
         first = tl.program_id(0) * lines_per_program
         end = tl.minimum(first + lines_per_program, total_lines)
         for start in range(first, end, CHUNK):
             lines = start + tl.arange(0, CHUNK)
-            prefetch_l2(ptr + lines.to(tl.int64) * L2_LINE_BYTES, lines < end, ptr, PDL)
+            prefetch_l2(ptr + lines.to(tl.int64) * LINE_BYTES, lines < end, ptr, PDL)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, n_cols, stride_x, stride_r,
                      stride_out, stride_rout, eps, prefetch_ptr, prefetch_lines, prefetch_per_program,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                     PREFETCH_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                     PREFETCH_CHUNK: tl.constexpr, LINE_BYTES: tl.constexpr, PDL: tl.constexpr):
     if PREFETCH:  # the next kernel's weights, while the previous kernel still runs (see ``rms_norm``)
-        _prefetch_share(prefetch_ptr, prefetch_lines, prefetch_per_program, PDL, PREFETCH_CHUNK)
+        _prefetch_share(prefetch_ptr, prefetch_lines, prefetch_per_program, PDL, PREFETCH_CHUNK, LINE_BYTES)
     wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -73,7 +74,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         residual_out.stride(0) if residual is not None else 0, eps,
         prefetch.view(torch.uint8) if prefetching else out, lines, triton.cdiv(lines, max(1, x2.shape[0])),
         HAS_RESIDUAL=residual is not None, BLOCK=block, PREFETCH=prefetching, PREFETCH_CHUNK=PREFETCH_CHUNK,
-        num_warps=min(max(block // 256, 1), 8), PDL=pdl, launch_pdl=pdl)
+        LINE_BYTES=L2_LINE_BYTES, num_warps=min(max(block // 256, 1), 8), PDL=pdl, launch_pdl=pdl)
     return out.view(shape), None if residual_out is None else residual_out.view(shape)
 
 
