@@ -13,30 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from omni_triton.kernels.dependent_launch import L2_LINE_BYTES, enabled_for, prefetch_l2, wait_for_previous
-
-PREFETCH_CHUNK = 1024  # L2 lines a program asks for per round (8 a thread at 4 warps)
-
-
-@triton.jit
-def _prefetch_share(ptr, total_lines, lines_per_program, PDL: tl.constexpr, CHUNK: tl.constexpr,
-                    LINE_BYTES: tl.constexpr):
-    """This program's share of ``total_lines`` 128-byte lines from ``ptr`` (a byte pointer), asked of L2."""
-    if PDL:
-        first = tl.program_id(0) * lines_per_program
-        end = tl.minimum(first + lines_per_program, total_lines)
-        for start in range(first, end, CHUNK):
-            lines = start + tl.arange(0, CHUNK)
-            prefetch_l2(ptr + lines.to(tl.int64) * LINE_BYTES, lines < end, ptr, PDL)
+from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, n_cols, stride_x, stride_r,
-                     stride_out, stride_rout, eps, prefetch_ptr, prefetch_lines, prefetch_per_program,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                     PREFETCH_CHUNK: tl.constexpr, LINE_BYTES: tl.constexpr, PDL: tl.constexpr):
-    if PREFETCH:  # the next kernel's weights, while the previous kernel still runs (see ``rms_norm``)
-        _prefetch_share(prefetch_ptr, prefetch_lines, prefetch_per_program, PDL, PREFETCH_CHUNK, LINE_BYTES)
+                     stride_out, stride_rout, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -53,8 +35,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     tl.store(out_ptr + row * stride_out + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
@@ -64,28 +46,17 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         residual_out = torch.empty_like(residual2)
     block = triton.next_power_of_2(shape[-1])
     pdl = enabled_for(x2)
-    prefetching = prefetch is not None and pdl and x2.shape[0] > 0
-    if prefetch is not None and not prefetch.is_contiguous():
-        raise ValueError("rms_norm prefetch needs a contiguous tensor (its lines are asked for by address)")
-    lines = triton.cdiv(prefetch.numel() * prefetch.element_size(), L2_LINE_BYTES) if prefetching else 0
     _rms_norm_kernel[(x2.shape[0],)](
         x2, residual2 if residual is not None else x2, weight, out, residual_out if residual is not None else out,
         shape[-1], x2.stride(0), residual2.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0) if residual is not None else 0, eps,
-        prefetch.view(torch.uint8) if prefetching else out, lines, triton.cdiv(lines, max(1, x2.shape[0])),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PREFETCH=prefetching, PREFETCH_CHUNK=PREFETCH_CHUNK,
-        LINE_BYTES=L2_LINE_BYTES, num_warps=min(max(block // 256, 1), 8), PDL=pdl, launch_pdl=pdl)
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8), PDL=pdl, launch_pdl=pdl)
     return out.view(shape), None if residual_out is None else residual_out.view(shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """weight * normalise(x) over the last dim.
-
-    ``prefetch``: the weights of the library GEMM that reads this output next (cuBLAS's kernels wait for this
-    one to end and read their weights from HBM only then). Under programmatic dependent launch the norm's programs
-    start while the previous kernel still runs; each first asks L2 for its share of these lines, so the GEMM
-    finds them there. Changes no value; without PDL (or off CUDA) it does nothing."""
-    return _launch_rms_norm(x, None, weight, eps, prefetch)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * normalise(x) over the last dim."""
+    return _launch_rms_norm(x, None, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

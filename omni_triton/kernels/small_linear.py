@@ -334,8 +334,7 @@ def library_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Ten
                    gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
     """``small_linear`` without a residual as three library-grade launches: the norm kernel, cuBLAS's GEMM, the
     activation kernel; each rounds to x's dtype where the torch modules do (the same as the fused kernel)."""
-    # the norm asks L2 for cuBLAS's weights while the kernel before it still runs (rms_norm's ``prefetch``)
-    out = F.linear(x if norm_weight is None else rms_norm(x, norm_weight, eps, prefetch=weight), weight)
+    out = F.linear(x if norm_weight is None else rms_norm(x, norm_weight, eps), weight)
     if gated:
         out = silu_and_mul(out)
     return out if out_dtype is None else out.to(out_dtype)
