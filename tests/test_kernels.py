@@ -12,6 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from omni_triton.engine.sampling import race_sample  # noqa: E402
 from omni_triton.kernels import activation, fused_moe, norm, paged_attention, random, routing, sampling  # noqa: E402
 from omni_triton.kernels.scratch import buffers_of  # noqa: E402
@@ -391,6 +394,43 @@ def test_sampling_among_the_top_candidates_draws_what_the_torch_race_draws():
     assert len(set(got[1:7].tolist())) > 3
     with pytest.raises(ValueError, match="candidates"):
         sampling.sample_candidates(logits, 0, temperature, top_k, top_p, seeds)
+
+
+@triton.jit
+def _threshold_probe_kernel(values_ptr, k_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr, SHORT: tl.constexpr):
+    row = tl.program_id(0)
+    ids = tl.arange(0, BLOCK_V)
+    values = tl.load(values_ptr + row * vocab + ids, mask=ids < vocab, other=float("-inf"))
+    threshold, count, rounds = sampling._shortlist_threshold(sampling._ordered(values), tl.load(k_ptr + row), SHORT)
+    tl.store(out_ptr + row * 3 + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, threshold,
+             tl.where(tl.arange(0, 4) == 1, count, rounds)).to(tl.int64), mask=tl.arange(0, 4) < 3)
+
+
+def test_shortlist_threshold_halves_the_values_not_their_bits():
+    """The shortlist's bisection: a threshold that k to SHORTLIST values reach, found in a handful of counts
+    on rows like logits (halving the bit patterns took 8-10 here: the exponents between the k-th value and 0);
+    rows with -inf (banned) ids and rows with fewer finite values than k keep the invariant."""
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 6, 2048
+    values = torch.randn(rows, vocab, generator=gen) * 3 - 4
+    values -= values.max(dim=1, keepdim=True).values  # as the kernel sees them: the row's max at 0
+    values[1, ::3] = float("-inf")
+    values[2, 40:] = float("-inf")  # 40 finite values, k 50: the bracket starts at -inf, the k-th is a tie
+    values[3] = torch.randint(-8, 1, (vocab,), generator=gen).float()  # ties: no threshold under SHORTLIST
+    k = torch.tensor([50, 50, 50, 50, 1, 64], dtype=torch.int32)
+    out = torch.empty(rows, 3, dtype=torch.int64, device=DEVICE)
+    _threshold_probe_kernel[(rows,)](values.to(DEVICE), k.to(DEVICE), out, vocab, BLOCK_V=vocab,
+                                     SHORT=sampling.SHORTLIST)
+    out = out.cpu()
+    ordered = torch.where(values.view(torch.int32) >= 0, values.view(torch.int32), values.view(torch.int32) ^ 0x7FFFFFFF)
+    for row in range(rows):
+        threshold, count, rounds = out[row].tolist()
+        assert count == int((ordered[row].long() >= threshold).sum()), row
+        if row in (2, 3):  # ties at the k-th value (-inf in row 2): the caller sorts the row instead
+            assert count > sampling.SHORTLIST, (row, count)
+            continue
+        assert int(k[row]) <= count <= sampling.SHORTLIST, (row, count)
+        assert rounds <= 8, (row, rounds)
 
 
 @pytest.mark.parametrize("vocab", [20, 300] + ([2048, 3072] if DEVICE == "cuda" else []))  # the interpreter: small
