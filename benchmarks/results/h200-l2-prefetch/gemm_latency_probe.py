@@ -49,5 +49,5 @@ for name, K, N in (("o", 2048, 1024), ("down", 3072, 1024), ("qkv", 1024, 4096),
                     except Exception as e:
                         print("fail", sk, tile, str(e)[:100])
         print(f"{name:8s} 64 rows {copies_mode}: " + "  ".join(f"{k} {v*1e6:.2f}" for k, v in res.items()), flush=True)
-        del ws
+        ws = None  # freed before the next shape
         torch.cuda.empty_cache()

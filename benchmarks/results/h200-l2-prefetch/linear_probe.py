@@ -24,5 +24,5 @@ for name, K, N in (("o", 2048, 1024), ("down", 3072, 1024), ("qkv", 1024, 4096),
         floor = N * K * 2 / 4.0e12
         print(f"{name:8s} rows {rows:4d} floor@4TB/s {floor*1e6:5.2f} us  " +
               "  ".join(f"{k} {v*1e6:6.2f}" for k, v in res.items()), flush=True)
-        del ws
+        ws = None  # freed before the next shape
         torch.cuda.empty_cache()

@@ -1,7 +1,6 @@
 """Two-pass split-K (partials, then a reduce launch) vs the served launches, predictor shapes at 64 and 128 rows."""
 import sys, torch
 sys.path.insert(0, "benchmarks")
-import torch.nn.functional as F
 from engine_microbench import graph_seconds_per_call
 from omni_triton.kernels.small_linear import small_linear
 from omni_triton.kernels.norm import rms_norm
@@ -44,5 +43,5 @@ for rows in (64, 128):
             except Exception as e:
                 print("  fail", name, t, sk, str(e)[:160])
         print(f"{name:8s} rows {rows}: " + "  ".join(f"{k} {v*1e6:.2f}" for k, v in res.items()), flush=True)
-        del ws
+        ws = None  # freed before the next shape
         torch.cuda.empty_cache()
