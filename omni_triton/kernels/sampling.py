@@ -46,10 +46,16 @@ def _ordered(values):
 
 
 @triton.jit
+def _unordered(ordered):
+    """``_ordered`` undone: int32 (any int dtype holding one) -> the float32 it came from."""
+    bits = ordered.to(tl.int32)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _key_values(keys, ID_BITS: tl.constexpr):
     """Packed keys -> their float32 logits (``_ordered`` undone on the high bits)."""
-    ordered = (keys >> ID_BITS).to(tl.int32)
-    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    return _unordered(keys >> ID_BITS)
 
 
 @triton.jit
@@ -74,13 +80,6 @@ def _race(keys, ranks, top_k, top_p, seed, BLOCK_V: tl.constexpr, ID_BITS: tl.co
     probs = _softmax(values)
     probs = tl.where(tl.cumsum(probs, axis=0) - probs < top_p, probs, 0.0)
     return _race_winner(keys, probs, ranks, ranks, seed, BLOCK_V)
-
-
-@triton.jit
-def _unordered(ordered):
-    """``_ordered`` undone: int32 (any int dtype holding one) -> the float32 it came from."""
-    bits = ordered.to(tl.int32)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
 @triton.jit
