@@ -17,7 +17,8 @@
 #   bash benchmarks/gpu_tests.sh parallel # first | the rest in JOBS - 1 processes (default JOBS=4) | then probe
 # Logs: $OUT/gpu_tests_parallel_<group>.log per process, and $OUT/gpu_tests_parallel.log with all of them.
 # Its first GPU run (b033116, an H200 that had compiled some of the kernels for benchmarks earlier in its lease):
-# 359 passed, 1 skipped in 305 s, the slowest process (the capture-order files) 253 s.
+# 359 passed, 1 skipped in 305 s, the slowest process (the capture-order files) 253 s; on a fresh machine (37694e3,
+# every kernel compiled in the run) 312 s, the capture-order files 256 s.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-/tmp}
