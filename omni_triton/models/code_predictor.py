@@ -131,6 +131,7 @@ class CodePredictor(KernelSwitch, nn.Module):
     def predict_with_kernels(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
                              sample_fn: SampleFn = greedy) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``predict`` through the fused kernels (any device Triton runs on: the interpreter on CPU in tests)."""
+        from omni_triton.kernels.activation import silu_and_mul
         from omni_triton.kernels.frame_attention import frame_attention
         from omni_triton.kernels.small_linear import small_linear, takes_cublas
 
@@ -169,13 +170,13 @@ class CodePredictor(KernelSwitch, nn.Module):
                     x = small_linear(gate_up, mlp.down_proj.weight, residual=x, **launch)
                     continue
                 # folded pre-norms: cuBLAS on the raw residual stream, each row's rstd applied after the product
-                # (by the attention for qkv, by the down projection's input for gate/up, from the o projection's
-                # row squares); the SiLU-and-mul read by the down projection: 5 launches a layer instead of 8
+                # (by the attention for qkv; by the activation for gate/up, from the o projection's row squares):
+                # 6 launches a layer instead of 8
                 qkv_weight, gate_up_weight = folded[i]
                 attended = frame_attention(F.linear(x, qkv_weight), input_norm=(x, norm1.eps), **attention)
                 x, squares = small_linear(attended, attn.o_proj.weight, residual=x, row_squares=True, **launch)
-                x = small_linear(F.linear(x, gate_up_weight), mlp.down_proj.weight, residual=x, activated_input=True,
-                                 input_norm=(squares, hidden_size, norm2.eps), **launch)
+                activated = silu_and_mul(F.linear(x, gate_up_weight), input_norm=(squares, hidden_size, norm2.eps))
+                x = small_linear(activated, mlp.down_proj.weight, residual=x, **launch)
             last = x.view(rows, new, hidden_size)[:, -1]
             # logits in the model dtype (the kernels round them to it anyway): the samplers read them as fp32
             # themselves, so no cast launch per step
