@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from omni_triton.kernels.activation import silu_and_mul  # noqa: E402
 from omni_triton.kernels.frame_attention import frame_attention  # noqa: E402
 from omni_triton.kernels.small_linear import small_linear  # noqa: E402
 from omni_triton.models.code_predictor import CodePredictor, FrameCache  # noqa: E402
@@ -108,9 +109,9 @@ def test_small_linear_reads_strided_rows_and_rejects_bad_shapes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 37])
 @pytest.mark.parametrize("split_k", [1, None])  # one pass, and the split plan (its last program's epilogue)
-def test_small_linear_folded_pre_norm_pieces(dtype, rows, split_k):
-    """row_squares: the same output, plus each column block's sum of squares of it; activated_input with
-    input_norm: the down projection of silu(r * gate) * (r * up), r from those squares, each rounded."""
+def test_small_linear_row_squares_feed_the_folded_activation(dtype, rows, split_k):
+    """row_squares: the same output, plus each column block's sum of its squares; silu_and_mul with those as
+    input_norm: silu(r * gate) * (r * up) with r = rsqrt(mean square + eps), each product rounded."""
     gen = torch.Generator().manual_seed(rows)
     hidden, inter, eps = 80, 150, 1e-6  # ragged against the blocks
     attended = torch.randn(rows, 96, generator=gen).to(DEVICE, dtype)
@@ -124,29 +125,12 @@ def test_small_linear_folded_pre_norm_pieces(dtype, rows, split_k):
         want = (x[:, b * block:(b + 1) * block].float() ** 2).sum(dim=1)
         torch.testing.assert_close(squares[b], want, rtol=1e-5, atol=1e-5)
     gate_up = torch.randn(rows, 2 * inter, generator=gen).to(DEVICE, dtype)
-    down = (torch.randn(hidden, inter, generator=gen) / inter ** 0.5).to(DEVICE, dtype)
-    rstd = torch.rsqrt(squares.sum(dim=0) / hidden + eps)[:, None]
+    rstd = torch.rsqrt((x.float() ** 2).mean(dim=1, keepdim=True) + eps)
     gate, up = ((gate_up.float() * rstd).to(dtype)).chunk(2, dim=-1)
-    want = small_linear(F.silu(gate) * up, down, residual=x, split_k=split_k)
-    got = small_linear(gate_up, down, residual=x, activated_input=True, input_norm=(squares, hidden, eps),
-                       split_k=split_k)
-    assert rel_error(got, want) < tolerance(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    assert rel_error(small_linear(gate_up, down, activated_input=True, split_k=split_k),
-                     small_linear(F.silu(gate) * up, down, split_k=split_k)) < tolerance(dtype)
-
-
-def test_small_linear_rejects_inconsistent_folded_arguments():
-    gate_up, down = torch.randn(3, 64, device=DEVICE), torch.randn(16, 32, device=DEVICE)
-    squares = torch.ones(2, 3, device=DEVICE)
-    with pytest.raises(ValueError, match="input_norm"):
-        small_linear(gate_up[:, :32], down, input_norm=(squares, 16, 1e-6))
-    with pytest.raises(ValueError, match="neither gated"):
-        small_linear(gate_up, torch.randn(32, 32, device=DEVICE), activated_input=True, gated=True)
+    got = silu_and_mul(gate_up, input_norm=(squares, hidden, eps))
+    assert rel_error(got, F.silu(gate) * up) < tolerance(dtype)
     with pytest.raises(ValueError, match="float32"):
-        small_linear(gate_up, down, activated_input=True, input_norm=(squares[:, :2], 16, 1e-6))
-    with pytest.raises(ValueError, match="matching K"):
-        small_linear(gate_up, torch.randn(16, 64, device=DEVICE), activated_input=True)
+        silu_and_mul(gate_up, input_norm=(squares[:, :0], hidden, eps))
 
 
 # ---------------------------------------------------------------------------------------------- frame attention

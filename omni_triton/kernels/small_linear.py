@@ -63,12 +63,10 @@ NARROW_COLS = 1024  # the predictor's o/down projections: thin column blocks (bl
 
 @triton.jit
 def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, partial_ptr, counter_ptr,
-                         squares_in_ptr, squares_out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
-                         stride_rm, eps, square_blocks, input_norm_size, input_norm_eps,
+                         squares_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, eps,
                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
-                         ACTIVATED_INPUT: tl.constexpr, INPUT_NORM: tl.constexpr, SQUARES: tl.constexpr,
-                         SQUARE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                         SQUARES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                          PREFETCH_LINES: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,12 +86,6 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
             x = tl.load(x_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         rstd = tl.rsqrt(squares / K + eps)
-    input_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if INPUT_NORM:  # the folded pre-norm of the projection that made x: its rows' mean squares, in partial sums
-        blocks = tl.arange(0, SQUARE_BLOCK)
-        partial_squares = tl.load(squares_in_ptr + blocks[:, None] * M + rows[None, :],
-                                  mask=(blocks < square_blocks)[:, None] & row_mask[None, :], other=0.0)
-        input_rstd = tl.rsqrt(tl.sum(partial_squares, axis=0) / input_norm_size + input_norm_eps)
     w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -105,9 +97,6 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
             normed = (a.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
             weight = tl.load(norm_weight_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             a = (weight[None, :] * normed).to(dtype)
-        if ACTIVATED_INPUT:  # x holds [gate | up] (K columns each): a = silu(gate) * up, rounded as the modules do
-            up = tl.load(x_rows + K + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            a = _activated(a, up, input_rstd, dtype, INPUT_NORM)
         w_mask = k_mask[:, None] & col_mask[None, :]
         acc = tl.dot(a, tl.load(w_cols + kk[:, None], mask=w_mask, other=0.0), acc, input_precision=PRECISION)
         if GATED:  # the up half of W starts N rows further down
@@ -135,11 +124,11 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
                 acc += tl.load(slot + at, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if GATED:
                     acc_up += tl.load(slot + M * N + at, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(acc, acc_up, out_ptr, residual_ptr, squares_out_ptr, M, rows, cols, out_mask, stride_om,
+            _store_output(acc, acc_up, out_ptr, residual_ptr, squares_ptr, M, rows, cols, out_mask, stride_om,
                           stride_rm, dtype, GATED, RESIDUAL, SQUARES)
             tl.store(tile, 0)  # every split has counted: ready for the next call (and graph replay)
     else:
-        _store_output(acc, acc_up, out_ptr, residual_ptr, squares_out_ptr, M, rows, cols, out_mask, stride_om,
+        _store_output(acc, acc_up, out_ptr, residual_ptr, squares_ptr, M, rows, cols, out_mask, stride_om,
                       stride_rm, dtype, GATED, RESIDUAL, SQUARES)
 
 
@@ -208,20 +197,6 @@ def _prefetch_weight_slice(w_ptr, cols, col_mask, k_begin, k_end, N, stride_wn, 
         prefetch_l2(ptrs, mask, w_ptr, PDL)
         if GATED:
             prefetch_l2(ptrs + N * stride_wn, mask, w_ptr, PDL)
-
-
-@triton.jit
-def _activated(gate, up, input_rstd, dtype: tl.constexpr, INPUT_NORM: tl.constexpr):
-    """silu(gate) * up of a packed gate/up projection's output tiles, rounded where ``silu_and_mul`` rounds;
-    under INPUT_NORM both are first scaled by their row's rstd (the projection's pre-norm, folded into its
-    weight) and rounded, as that projection's output would have been."""
-    gate = gate.to(tl.float32)
-    up = up.to(tl.float32)
-    if INPUT_NORM:
-        gate = (gate * input_rstd[:, None]).to(dtype).to(tl.float32)
-        up = (up * input_rstd[:, None]).to(dtype).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (activated * up).to(dtype)
 
 
 @triton.jit
@@ -375,7 +350,6 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
                  eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, split_k: int | None = None, gemv: bool = False,
                  cublas: bool = False, tile: tuple[int, int, int, int, int] | None = None,
-                 activated_input: bool = False, input_norm: tuple[torch.Tensor, int, float] | None = None,
                  row_squares: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any row stride), weight [N, K] ([2N, K]: gate rows then up rows when ``gated``) -> [M, N].
 
@@ -386,41 +360,28 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     ``tile`` force a kernel launch). ``tile``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the MMA kernels instead
     of ``block_sizes``' (benchmarks/small_linear_bench.py --sweep-tiles).
 
-    The folded pre-norm (the code predictor's served launch from ``CUBLAS_MIN_ROWS`` rows, ``models.code_predictor``)
-    adds three: ``activated_input``: x is a packed gate/up projection's output ``[M, 2K]`` and the product reads
-    ``silu(gate) * up`` (the activation launch saved); ``input_norm`` = (squares, size, eps): gate and up are first
-    scaled by their row's ``rsqrt(sum(squares[:, row]) / size + eps)`` (that projection's RMSNorm, whose weight was
-    folded into its W); ``row_squares``: returns (out, squares ``[column blocks, M]`` float32), each column block's
-    sum of the stored rows' squares, which a later call takes as its ``input_norm``. These run the MMA kernels
-    (never the GEMV or cuBLAS)."""
+    ``row_squares``: returns (out, squares ``[column blocks, M]`` float32), each column block's sum of the stored
+    rows' squares: the statistics of the next RMSNorm when its weight is folded into the next projection (the code
+    predictor's served launch, ``models.code_predictor``; ``silu_and_mul(input_norm=)`` applies it). It runs the
+    MMA kernels (not the GEMV)."""
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
-    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] * (2 if activated_input else 1) != depth:
+    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != depth:
         raise ValueError(f"small_linear needs contiguous rows and matching K: x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     if residual is not None and (residual.shape != (rows, cols) or residual.stride(1) != 1):
         raise ValueError(f"small_linear residual {tuple(residual.shape)} does not match the output ({rows}, {cols})")
     if split_k is not None and split_k < 1:
         raise ValueError(f"small_linear split_k must be None or >= 1, got {split_k}")
-    folded = activated_input or row_squares
-    if activated_input:
-        depth //= 2
-        if gated or norm_weight is not None:
-            raise ValueError("small_linear activated_input takes neither gated nor norm_weight")
-    elif input_norm is not None:
-        raise ValueError("small_linear input_norm scales an activated_input's gate and up: pass both")
-    if input_norm is not None and (input_norm[0].dtype != torch.float32 or input_norm[0].dim() != 2
-                                   or input_norm[0].shape[1] != rows or not input_norm[0].is_contiguous()):
-        raise ValueError(f"small_linear input_norm squares must be contiguous float32 [blocks, {rows}], got "
-                         f"{input_norm[0].dtype} {tuple(input_norm[0].shape)}")
-    if cublas and not folded and split_k is None and tile is None and takes_cublas(rows, cols, residual is not None):
+    if (cublas and not row_squares and split_k is None and tile is None
+            and takes_cublas(rows, cols, residual is not None)):
         return library_linear(x, weight, norm_weight, eps, gated, out_dtype)
     out = torch.empty(rows, cols, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return (out, torch.zeros(0, 0, dtype=torch.float32, device=x.device)) if row_squares else out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pdl = enabled_for(x)
-    if gemv and rows <= GEMV_MAX_ROWS and not folded:
+    if gemv and rows <= GEMV_MAX_ROWS and not row_squares:
         block_m, block_n, block_k, warps = gemv_launch(rows, cols, depth, gated)
         _gemv_kernel[(triton.cdiv(cols, block_n),)](
             x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
@@ -444,15 +405,11 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         partials = workspace(x.device, torch.float32, splits * (2 if gated else 1) * rows * cols)
         counters = workspace(x.device, torch.int32, grid[0] * grid[1])
     squares = torch.empty(grid[0], rows, dtype=torch.float32, device=x.device) if row_squares else out
-    squares_in, norm_size, norm_eps = input_norm if input_norm is not None else (squares, 1, 0.0)
-    square_blocks = squares_in.shape[0] if input_norm is not None else 1
     _small_linear_kernel[grid](
         x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
-        partials, counters, squares_in, squares, rows, cols, depth, k_per_split, x.stride(0), weight.stride(0),
-        out.stride(0), 0 if residual is None else residual.stride(0), eps, square_blocks, float(norm_size),
-        float(norm_eps), NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
-        ACTIVATED_INPUT=activated_input, INPUT_NORM=input_norm is not None, SQUARES=row_squares,
-        SQUARE_BLOCK=max(2, triton.next_power_of_2(square_blocks)),
+        partials, counters, squares, rows, cols, depth, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        0 if residual is None else residual.stride(0), eps,
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits, SQUARES=row_squares,
         BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
         PRECISION=precision, PDL=pdl, PREFETCH_LINES=prefetch_lines(k_per_split, weight.element_size()),
         num_warps=4 if tile is None else tile[3], num_stages=stages, launch_pdl=pdl)
