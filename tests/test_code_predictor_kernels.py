@@ -399,3 +399,27 @@ def test_fused_frame_launches_far_fewer_kernels():
     steps = predictor.num_code_groups - 1
     assert fused <= 30 * steps, fused  # per step: 5 layers x 5 + lm_head + argmax + embedding (+ 2 stacks)
     assert fused * 2 < module, (fused, module)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [8, 64])
+def test_folded_frame_is_as_close_to_fp32_as_the_bf16_modules(rows, monkeypatch):
+    """The folded pre-norms round differently from the modules (the product of the folded weight, then the row
+    scale); in bf16 at the released dims, teacher-forced, their logits are as close to the fp32 frame of the same
+    weights as the bf16 module frame's and the unfolded fused frame's are."""
+    import copy
+
+    predictor = random_predictor(RELEASED, torch.bfloat16, seed=rows)
+    reference = copy.deepcopy(predictor).float()
+    gen = torch.Generator().manual_seed(rows)
+    hidden, code0_embeds = (torch.randn(2, rows, RELEASED["hidden_size"], generator=gen) / 2).to(DEVICE, torch.bfloat16)
+    forced = torch.randint(0, RELEASED["vocab_size"], (rows, predictor.num_code_groups - 1), generator=gen).to(DEVICE)
+    exact = recorded_frame(reference, hidden.float(), code0_embeds.float(), False, forced)[2]
+    errors = {"module": rel_error(recorded_frame(predictor, hidden, code0_embeds, False, forced)[2], exact)}
+    monkeypatch.setattr(KernelSwitch, "linear_launch", "gemv")
+    for fold in (False, True):
+        monkeypatch.setattr(CodePredictor, "fold_norms", fold)
+        errors["folded" if fold else "unfolded"] = rel_error(
+            recorded_frame(predictor, hidden, code0_embeds, True, forced)[2], exact)
+    print(f"rows {rows}: logits' relative error against fp32: {errors}")
+    assert errors["folded"] <= 1.25 * max(errors["module"], errors["unfolded"]), errors
