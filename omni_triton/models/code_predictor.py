@@ -9,7 +9,10 @@ through fused kernels instead of the decoder modules (``predict_with_kernels``):
 (``kernels.frame_attention``), o_proj+residual, norm+gate/up+SiLU, down+residual (``kernels.small_linear``),
 then norm+lm_head: ~28 launches a step (with sampling and the embedding) instead of ~65; ``linear_launch``
 picks how those linears launch (one-pass, split-K, or the multiply-add GEMV for few rows). The modules stay
-the reference (and the CPU path); the kernels round where they round.
+the reference (and the CPU path); the kernels round where they round, except where the served launch runs qkv and
+gate/up on cuBLAS (from ``CUBLAS_MIN_ROWS`` rows): there the two pre-norms are folded into those weights
+(``folded_weights``) and each row's rstd is applied after the product, by the frame attention and by the
+activation: 6 launches a layer instead of 8, as close to the fp32 frame as the bf16 modules (docs/fused_steps.md).
 """
 
 from __future__ import annotations
