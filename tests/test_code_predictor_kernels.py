@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from omni_triton.kernels.activation import silu_and_mul  # noqa: E402
 from omni_triton.kernels.frame_attention import frame_attention  # noqa: E402
 from omni_triton.kernels.small_linear import small_linear  # noqa: E402
 from omni_triton.models.code_predictor import CodePredictor, FrameCache  # noqa: E402
@@ -105,6 +106,33 @@ def test_small_linear_reads_strided_rows_and_rejects_bad_shapes():
         small_linear(x[:, -1], weight, residual=torch.zeros(3, 8, device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 37])
+@pytest.mark.parametrize("split_k", [1, None])  # one pass, and the split plan (its last program's epilogue)
+def test_small_linear_row_squares_feed_the_folded_activation(dtype, rows, split_k):
+    """row_squares: the same output, plus each column block's sum of its squares; silu_and_mul with those as
+    input_norm: silu(r * gate) * (r * up) with r = rsqrt(mean square + eps), each product rounded."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter, eps = 80, 150, 1e-6  # ragged against the blocks
+    attended = torch.randn(rows, 96, generator=gen).to(DEVICE, dtype)
+    o_weight = (torch.randn(hidden, 96, generator=gen) / 96 ** 0.5).to(DEVICE, dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype)
+    x, squares = small_linear(attended, o_weight, residual=residual, row_squares=True, split_k=split_k)
+    assert torch.equal(x, small_linear(attended, o_weight, residual=residual, split_k=split_k))
+    assert squares.dtype == torch.float32 and squares.shape[1] == rows
+    block = -(-hidden // squares.shape[0])  # the column blocks, in order
+    for b in range(squares.shape[0]):
+        want = (x[:, b * block:(b + 1) * block].float() ** 2).sum(dim=1)
+        torch.testing.assert_close(squares[b], want, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen).to(DEVICE, dtype)
+    rstd = torch.rsqrt((x.float() ** 2).mean(dim=1, keepdim=True) + eps)
+    gate, up = ((gate_up.float() * rstd).to(dtype)).chunk(2, dim=-1)
+    got = silu_and_mul(gate_up, input_norm=(squares, hidden, eps))
+    assert rel_error(got, F.silu(gate) * up) < tolerance(dtype)
+    with pytest.raises(ValueError, match="float32"):
+        silu_and_mul(gate_up, input_norm=(squares[:, :0], hidden, eps))
+
+
 # ---------------------------------------------------------------------------------------------- frame attention
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,6 +165,33 @@ def test_frame_attention_equals_norm_rope_and_the_frame_cache(dtype, dims):
         torch.testing.assert_close(keys[:, :, :start + new], reference.keys[0, :, :, :start + new],
                                    **_close(dtype))
         start, new = start + new, 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_frame_attention_applies_the_folded_input_norm(dtype):
+    """input_norm=(x, eps): q, k and v scaled by their row's rsqrt(mean(x^2) + eps) and rounded first; the same
+    as the plain kernel on the scaled qkv (both the 2-token first step and a 1-token step)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, rows, positions, hidden = 4, 2, 16, 3, 4, 40
+    norm_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(DEVICE, dtype)
+    cos, sin = RotaryEmbedding(head_dim, 1e6).cos_sin(torch.arange(positions, device=DEVICE), dtype)
+    caches = [torch.zeros(rows, kv_heads, positions, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
+    start = 0
+    for new in (2, 1):
+        x = (3 * torch.randn(rows * new, hidden, generator=gen)).to(DEVICE, dtype)
+        qkv = torch.randn(rows * new, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+        rstd = torch.rsqrt((x.float() ** 2).mean(dim=1, keepdim=True) + 1e-6)
+        args = (norm_weight, norm_weight, cos, sin)
+        want = frame_attention((qkv.float() * rstd).to(dtype), *args, caches[0], caches[1], start, new, heads, 1e-6,
+                               0.25)
+        got = frame_attention(qkv, *args, caches[2], caches[3], start, new, heads, 1e-6, 0.25,
+                              input_norm=(x, 1e-6))
+        assert rel_error(got, want) < tolerance(dtype)
+        for mine, theirs in ((caches[2], caches[0]), (caches[3], caches[1])):
+            torch.testing.assert_close(mine, theirs, **_close(dtype))
+        start += new
+    with pytest.raises(ValueError, match="input_norm"):
+        frame_attention(qkv, *args, caches[2], caches[3], start - 1, 1, heads, 1e-6, 0.25, input_norm=(x[:1], 1e-6))
 
 
 def _close(dtype: torch.dtype) -> dict:
@@ -220,6 +275,29 @@ def test_fused_frame_equals_the_module_frame_small(dtype):
     # 8 code groups: every step kind (the 2-token first step, 1-token steps, the cache filling) in half the
     # interpreter time of 16
     check_frame(SMALL, dtype, rows=3, logit_rel=1e-5 if dtype == torch.float32 else 1e-2, groups=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_frame_with_folded_pre_norms_equals_the_module_frame(dtype, monkeypatch):
+    """The served launch's folded pre-norms (where its qkv and gate/up GEMMs take cuBLAS: forced here at the
+    small dims) against the module frame, and the folded weights made again when a norm weight changes."""
+    from omni_triton.kernels import small_linear as small_linear_module
+
+    monkeypatch.setattr(small_linear_module, "takes_cublas", lambda rows, cols, residual: not residual)
+    monkeypatch.setattr(KernelSwitch, "linear_launch", "gemv")
+    folds = []
+    real_fold = CodePredictor.folded_weights
+    monkeypatch.setattr(CodePredictor, "folded_weights", lambda self: folds.append(1) or real_fold(self))
+    check_frame(SMALL, dtype, rows=3, logit_rel=1e-5 if dtype == torch.float32 else 1e-2, groups=6)
+    assert folds  # the folded path ran
+    predictor = random_predictor(SMALL, dtype, groups=3)
+    hidden = torch.randn(2, SMALL["hidden_size"], device=DEVICE, dtype=dtype)
+    predictor.predict_with_kernels(hidden, hidden)
+    first = [w.clone() for pair in predictor.folded_weights() for w in pair]
+    with torch.no_grad():
+        predictor.model.layers[0].input_layernorm.weight.mul_(2)
+    again = [w for pair in predictor.folded_weights() for w in pair]
+    assert not torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
 def test_fast_path_switch_selects_the_fused_frame_only_on_cuda_tensors(monkeypatch):
@@ -321,3 +399,27 @@ def test_fused_frame_launches_far_fewer_kernels():
     steps = predictor.num_code_groups - 1
     assert fused <= 30 * steps, fused  # per step: 5 layers x 5 + lm_head + argmax + embedding (+ 2 stacks)
     assert fused * 2 < module, (fused, module)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [8, 64])
+def test_folded_frame_is_as_close_to_fp32_as_the_bf16_modules(rows, monkeypatch):
+    """The folded pre-norms round differently from the modules (the product of the folded weight, then the row
+    scale); in bf16 at the released dims, teacher-forced, their logits are as close to the fp32 frame of the same
+    weights as the bf16 module frame's and the unfolded fused frame's are."""
+    import copy
+
+    predictor = random_predictor(RELEASED, torch.bfloat16, seed=rows)
+    reference = copy.deepcopy(predictor).float()
+    gen = torch.Generator().manual_seed(rows)
+    hidden, code0_embeds = (torch.randn(2, rows, RELEASED["hidden_size"], generator=gen) / 2).to(DEVICE, torch.bfloat16)
+    forced = torch.randint(0, RELEASED["vocab_size"], (rows, predictor.num_code_groups - 1), generator=gen).to(DEVICE)
+    exact = recorded_frame(reference, hidden.float(), code0_embeds.float(), False, forced)[2]
+    errors = {"module": rel_error(recorded_frame(predictor, hidden, code0_embeds, False, forced)[2], exact)}
+    monkeypatch.setattr(KernelSwitch, "linear_launch", "gemv")
+    for fold in (False, True):
+        monkeypatch.setattr(CodePredictor, "fold_norms", fold)
+        errors["folded" if fold else "unfolded"] = rel_error(
+            recorded_frame(predictor, hidden, code0_embeds, True, forced)[2], exact)
+    print(f"rows {rows}: logits' relative error against fp32: {errors}")
+    assert errors["folded"] <= 1.25 * max(errors["module"], errors["unfolded"]), errors

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from omni_triton.graph_buckets import capturing  # noqa: E402
 from omni_triton.kernels import small_linear as small_linear_module  # noqa: E402
 from omni_triton.kernels.small_linear import CUBLAS_MIN_COLS, CUBLAS_MIN_ROWS, takes_cublas  # noqa: E402
+from omni_triton.models.code_predictor import CodePredictor  # noqa: E402
 from omni_triton.models.layers.fast_kernels import set_linear_launch  # noqa: E402
 from test_code_predictor_kernels import DEVICE, SMALL, check_frame, random_predictor, rel_error, tolerance  # noqa: E402
 from test_small_linear_gemv import RecordingKernel  # noqa: E402
@@ -72,15 +73,21 @@ def test_takes_cublas_picks_the_predictors_wide_outputs_from_eight_rows():
     assert takes_cublas(8, 2048, False) and not takes_cublas(7, 4096, False)
 
 
-def test_the_fused_frame_equals_the_module_frame_through_cublas(monkeypatch):
-    """The small predictor's qkv, gate/up and lm_head (64-192 columns) routed to cuBLAS, o/down fused."""
+@pytest.mark.parametrize("fold_norms", [False, True])
+def test_the_fused_frame_equals_the_module_frame_through_cublas(monkeypatch, fold_norms):
+    """The small predictor's qkv, gate/up and lm_head (64-192 columns) routed to cuBLAS, o/down fused; with the
+    pre-norms folded (the served default) qkv and gate/up are cuBLAS products of the folded weights and only
+    lm_head goes through ``library_linear`` (its norm launch kept)."""
     monkeypatch.setattr(small_linear_module, "CUBLAS_MIN_COLS", 32)
     monkeypatch.setattr(small_linear_module, "CUBLAS_MIN_ROWS", 3)
+    monkeypatch.setattr(CodePredictor, "fold_norms", fold_norms)
     routed = []
     real = small_linear_module.library_linear
     monkeypatch.setattr(small_linear_module, "library_linear", lambda *a: routed.append(a[0].shape) or real(*a))
     check_frame(SMALL, torch.float32, rows=3, logit_rel=1e-5, groups=4)
-    assert len(routed) >= 2 * 3 * SMALL["num_layers"]  # per predictor step and layer: qkv, gate/up (+ lm_head)
+    steps = 2 * 3  # two frames (teacher-forced, then greedy) of 3 predictor steps
+    # per step: lm_head, and unless folded qkv and gate/up of every layer
+    assert len(routed) == steps * (1 if fold_norms else 1 + 2 * SMALL["num_layers"])
 
 
 @cuda

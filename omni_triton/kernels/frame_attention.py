@@ -33,11 +33,11 @@ MAX_POSITIONS = 16  # a frame's code predictor sees talker hidden + 15 codebook 
 
 
 @triton.jit
-def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, out_ptr,
+def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, out_ptr, x_ptr,
                             start, num_kv_heads, stride_qkv, stride_out, stride_cache_row, stride_cache_head,
-                            stride_rope, eps, scale,
+                            stride_rope, stride_x, hidden, eps, x_eps, scale,
                             NEW: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
-                            PDL: tl.constexpr):
+                            X_NORM: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -61,10 +61,14 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
     for j in tl.static_range(NEW):  # the new keys (normed, rotated) and values: into the tiles and the cache
         token = (row * NEW + j).to(tl.int64)
         position = start + j
+        x_rstd = _input_rstd(x_ptr + token * stride_x, hidden, x_eps, X_NORM, BLOCK_X)
         k_row = qkv_ptr + token * stride_qkv + q_size + kv_head * HEAD_DIM + pair * 0
         key = norm_rope_heads(k_row, first, k_norm_ptr, cos_ptr + position * stride_rope,
-                              sin_ptr + position * stride_rope, eps, HEAD_DIM).to(keys_ptr.dtype.element_ty)
+                              sin_ptr + position * stride_rope, eps, x_rstd, HEAD_DIM,
+                              X_NORM).to(keys_ptr.dtype.element_ty)
         value = tl.load(qkv_ptr + token * stride_qkv + q_size + kv_size + kv_head * HEAD_DIM + dims)
+        if X_NORM:
+            value = (value.to(tl.float32) * x_rstd).to(value.dtype)
         value = value.to(values_ptr.dtype.element_ty)
         tl.store(keys_ptr + cache + position * HEAD_DIM + pair * 0 + dims[None, :], key, mask=first & stores[None, :])
         tl.store(values_ptr + cache + position * HEAD_DIM + dims, value, mask=stores)
@@ -76,9 +80,10 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
     for j in tl.static_range(NEW):
         token = (row * NEW + j).to(tl.int64)
         position = start + j
+        x_rstd = _input_rstd(x_ptr + token * stride_x, hidden, x_eps, X_NORM, BLOCK_X)
         q_row = qkv_ptr + token * stride_qkv + head * HEAD_DIM + pair * 0
         query = norm_rope_heads(q_row, first, q_norm_ptr, cos_ptr + position * stride_rope,
-                                sin_ptr + position * stride_rope, eps, HEAD_DIM)
+                                sin_ptr + position * stride_rope, eps, x_rstd, HEAD_DIM, X_NORM)
         query = tl.sum(tl.where(first, query, 0.0), axis=0)  # [D]
         scores = tl.sum(query[None, :] * keys, axis=1) * scale  # [BLOCK_L]
         scores = tl.where(positions <= position, scores, float("-inf"))
@@ -88,12 +93,28 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
         tl.store(out_ptr + token * stride_out + head * HEAD_DIM + dims, attended.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _input_rstd(x_row, hidden, eps, X_NORM: tl.constexpr, BLOCK_X: tl.constexpr):
+    """rsqrt(mean(x_row^2) + eps): the row scale of the qkv projection's pre-norm, folded into its weight."""
+    rstd = 1.0
+    if X_NORM:
+        cols = tl.arange(0, BLOCK_X)
+        x = tl.load(x_row + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    return rstd
+
+
 def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                    new: int, num_heads: int, eps: float, scale: float) -> torch.Tensor:
+                    new: int, num_heads: int, eps: float, scale: float,
+                    input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """qkv [B * new, (Hq + 2 Hkv) * D] (row-major: row b's new tokens consecutive; q heads, k heads, v heads),
     keys/values [B, Hkv, L, D] (this layer's frame cache; positions < start filled by earlier steps),
-    cos/sin [>= start + new, D] (rows = positions) -> attention output [B * new, Hq * D]."""
+    cos/sin [>= start + new, D] (rows = positions) -> attention output [B * new, Hq * D].
+
+    ``input_norm`` = (x [B * new, H], eps): qkv is ``x @ (W * norm_weight).T``, the projection of x with its
+    RMSNorm's weight folded in, so q, k and v are first scaled by their row's ``rsqrt(mean(x^2) + eps)`` and
+    rounded (the folded pre-norm of the code predictor's served launch: no norm launch before the qkv GEMM)."""
     rows, num_kv_heads, max_len, head_dim = keys.shape
     if not (keys.is_contiguous() and values.is_contiguous() and qkv.stride(1) == 1 and cos.stride(1) == 1
             and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)):
@@ -104,13 +125,18 @@ def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weigh
     if max_len > MAX_POSITIONS or head_dim & (head_dim - 1):
         raise ValueError(f"frame_attention takes <= {MAX_POSITIONS} positions and a power-of-2 head_dim, "
                          f"got {max_len} and {head_dim}")
+    if input_norm is not None and (input_norm[0].shape[0] != rows * new or input_norm[0].stride(1) != 1):
+        raise ValueError(f"frame_attention input_norm x {tuple(input_norm[0].shape)} must have {rows * new} "
+                         "unit-stride rows")
+    x, x_eps = input_norm if input_norm is not None else (qkv, 0.0)
     group = num_heads // num_kv_heads
     out = torch.empty(rows * new, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if rows:
         pdl = enabled_for(qkv)
         _frame_attention_kernel[(rows, num_heads)](
-            qkv, q_norm_weight, k_norm_weight, cos, sin, keys, values, out, start, num_kv_heads, qkv.stride(0),
-            out.stride(0), keys.stride(0), keys.stride(1), cos.stride(0), eps, scale,
-            NEW=new, GROUP=group, HEAD_DIM=head_dim, BLOCK_L=triton.next_power_of_2(max_len), num_warps=1,
-            PDL=pdl, launch_pdl=pdl)
+            qkv, q_norm_weight, k_norm_weight, cos, sin, keys, values, out, x, start, num_kv_heads, qkv.stride(0),
+            out.stride(0), keys.stride(0), keys.stride(1), cos.stride(0), x.stride(0), x.shape[1], eps, x_eps, scale,
+            NEW=new, GROUP=group, HEAD_DIM=head_dim, BLOCK_L=triton.next_power_of_2(max_len),
+            X_NORM=input_norm is not None, BLOCK_X=triton.next_power_of_2(x.shape[1]) if input_norm else 16,
+            num_warps=1, PDL=pdl, launch_pdl=pdl)
     return out

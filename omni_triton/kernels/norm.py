@@ -66,10 +66,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def norm_rope_heads(rows, head_mask, weight_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr):
+def norm_rope_heads(rows, head_mask, weight_ptr, cos_row, sin_row, eps, scale, HEAD_DIM: tl.constexpr,
+                    SCALED: tl.constexpr):
     """RMSNorm per head + rotary (rotate-half) of the heads whose first elements ``rows`` [R, 1] point at,
     with the cos/sin row of their position -> [R, HEAD_DIM] fp32 holding values of the input dtype.
-    Shared by ``head_norm_rope`` and the code predictor's ``frame_attention``."""
+    Shared by ``head_norm_rope`` and the code predictor's ``frame_attention``; under SCALED the heads are first
+    multiplied by ``scale`` and rounded (a folded pre-norm's row scale, as the projection's output would be)."""
     dims = tl.arange(0, HEAD_DIM)
     half: tl.constexpr = HEAD_DIM // 2
     rotated_dims = (dims + half) % HEAD_DIM  # rotate-half: element d pairs with d +- half
@@ -77,6 +79,9 @@ def norm_rope_heads(rows, head_mask, weight_ptr, cos_row, sin_row, eps, HEAD_DIM
     dtype = x.dtype
     xf = x.to(tl.float32)
     x_rotated = tl.load(rows + rotated_dims[None, :], mask=head_mask, other=0.0).to(tl.float32)
+    if SCALED:
+        xf = (xf * scale).to(dtype).to(tl.float32)
+        x_rotated = (x_rotated * scale).to(dtype).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
     weight = tl.load(weight_ptr + dims).to(tl.float32)[None, :]
     weight_rotated = tl.load(weight_ptr + rotated_dims).to(tl.float32)[None, :]
@@ -95,7 +100,7 @@ def _norm_rope_token(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, token, num_he
     heads = tl.arange(0, BLOCK_H)
     head_mask = (heads < num_heads)[:, None]
     out = norm_rope_heads(x_ptr + token * stride_xt + heads[:, None] * stride_xh, head_mask, weight_ptr,
-                          cos_ptr + token * stride_cos, sin_ptr + token * stride_sin, eps, HEAD_DIM)
+                          cos_ptr + token * stride_cos, sin_ptr + token * stride_sin, eps, 1.0, HEAD_DIM, False)
     dims = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=head_mask)

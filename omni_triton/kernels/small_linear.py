@@ -63,9 +63,9 @@ NARROW_COLS = 1024  # the predictor's o/down projections: thin column blocks (bl
 
 @triton.jit
 def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, partial_ptr, counter_ptr,
-                         M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, eps,
+                         squares_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_rm, eps,
                          NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SQUARES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                          PREFETCH_LINES: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,12 +124,12 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
                 acc += tl.load(slot + at, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if GATED:
                     acc_up += tl.load(slot + M * N + at, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stride_om, stride_rm, dtype,
-                          GATED, RESIDUAL)
+            _store_output(acc, acc_up, out_ptr, residual_ptr, squares_ptr, M, rows, cols, out_mask, stride_om,
+                          stride_rm, dtype, GATED, RESIDUAL, SQUARES)
             tl.store(tile, 0)  # every split has counted: ready for the next call (and graph replay)
     else:
-        _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stride_om, stride_rm, dtype,
-                      GATED, RESIDUAL)
+        _store_output(acc, acc_up, out_ptr, residual_ptr, squares_ptr, M, rows, cols, out_mask, stride_om,
+                      stride_rm, dtype, GATED, RESIDUAL, SQUARES)
 
 
 @triton.jit
@@ -180,8 +180,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, str
             acc = tl.where(at_m, acc + tl.sum(w * a[None, :], axis=1)[None, :], acc)
             if GATED:
                 acc_up = tl.where(at_m, acc_up + tl.sum(w_up * a[None, :], axis=1)[None, :], acc_up)
-    _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, row_mask[:, None] & col_mask[None, :],
-                  stride_om, stride_rm, dtype, GATED, RESIDUAL)
+    _store_output(acc, acc_up, out_ptr, residual_ptr, out_ptr, M, rows, cols, row_mask[:, None] & col_mask[None, :],
+                  stride_om, stride_rm, dtype, GATED, RESIDUAL, False)
 
 
 @triton.jit
@@ -200,9 +200,11 @@ def _prefetch_weight_slice(w_ptr, cols, col_mask, k_begin, k_end, N, stride_wn, 
 
 
 @triton.jit
-def _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stride_om, stride_rm,
-                  dtype: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """The epilogue on the fp32 sums: rounded to x's dtype, gated and residual-added as the modules round."""
+def _store_output(acc, acc_up, out_ptr, residual_ptr, squares_ptr, M, rows, cols, out_mask, stride_om, stride_rm,
+                  dtype: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, SQUARES: tl.constexpr):
+    """The epilogue on the fp32 sums: rounded to x's dtype, gated and residual-added as the modules round; under
+    SQUARES the sum of the stored row's squares over this column block, for the next pre-norm
+    (``squares_ptr[column block, row]``)."""
     out = acc.to(dtype)
     if GATED:
         gate = out.to(tl.float32)
@@ -214,6 +216,10 @@ def _store_output(acc, acc_up, out_ptr, residual_ptr, rows, cols, out_mask, stri
         out = (out.to(tl.float32) + residual.to(tl.float32)).to(dtype)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=out_mask)
+    if SQUARES:
+        stored = out.to(tl.float32)
+        tl.store(squares_ptr + tl.program_id(0) * M + rows, tl.sum(tl.where(out_mask, stored * stored, 0.0), axis=1),
+                 mask=rows < M)
 
 
 def block_sizes(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
@@ -343,7 +349,8 @@ def library_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Ten
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, split_k: int | None = None, gemv: bool = False,
-                 cublas: bool = False, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                 cublas: bool = False, tile: tuple[int, int, int, int, int] | None = None,
+                 row_squares: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any row stride), weight [N, K] ([2N, K]: gate rows then up rows when ``gated``) -> [M, N].
 
     The result is rounded to x's dtype (as the torch layer's output is) and stored as ``out_dtype`` (default
@@ -351,7 +358,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     the one-pass kernel). ``gemv``: up to ``GEMV_MAX_ROWS`` rows, the multiply-add kernel instead (more rows:
     as ``split_k`` says). ``cublas``: shapes ``takes_cublas`` picks run ``library_linear`` (unless ``split_k`` or
     ``tile`` force a kernel launch). ``tile``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the MMA kernels instead
-    of ``block_sizes``' (benchmarks/small_linear_bench.py --sweep-tiles)."""
+    of ``block_sizes``' (benchmarks/small_linear_bench.py --sweep-tiles).
+
+    ``row_squares``: returns (out, squares ``[column blocks, M]`` float32), each column block's sum of the stored
+    rows' squares: the statistics of the next RMSNorm when its weight is folded into the next projection (the code
+    predictor's served launch, ``models.code_predictor``; ``silu_and_mul(input_norm=)`` applies it). It runs the
+    MMA kernels (not the GEMV)."""
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != depth:
@@ -361,14 +373,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
         raise ValueError(f"small_linear residual {tuple(residual.shape)} does not match the output ({rows}, {cols})")
     if split_k is not None and split_k < 1:
         raise ValueError(f"small_linear split_k must be None or >= 1, got {split_k}")
-    if cublas and split_k is None and tile is None and takes_cublas(rows, cols, residual is not None):
+    if (cublas and not row_squares and split_k is None and tile is None
+            and takes_cublas(rows, cols, residual is not None)):
         return library_linear(x, weight, norm_weight, eps, gated, out_dtype)
     out = torch.empty(rows, cols, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
-        return out
+        return (out, torch.zeros(0, 0, dtype=torch.float32, device=x.device)) if row_squares else out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pdl = enabled_for(x)
-    if gemv and rows <= GEMV_MAX_ROWS:
+    if gemv and rows <= GEMV_MAX_ROWS and not row_squares:
         block_m, block_n, block_k, warps = gemv_launch(rows, cols, depth, gated)
         _gemv_kernel[(triton.cdiv(cols, block_n),)](
             x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
@@ -391,12 +404,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
     if splits > 1:
         partials = workspace(x.device, torch.float32, splits * (2 if gated else 1) * rows * cols)
         counters = workspace(x.device, torch.int32, grid[0] * grid[1])
+    squares = torch.empty(grid[0], rows, dtype=torch.float32, device=x.device) if row_squares else out
     _small_linear_kernel[grid](
         x, weight, out, x if norm_weight is None else norm_weight, out if residual is None else residual,
-        partials, counters, rows, cols, depth, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        partials, counters, squares, rows, cols, depth, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0), eps,
-        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits,
+        NORM=norm_weight is not None, GATED=gated, RESIDUAL=residual is not None, SPLITS=splits, SQUARES=row_squares,
         BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2], NORM_BLOCK=norm_block,
         PRECISION=precision, PDL=pdl, PREFETCH_LINES=prefetch_lines(k_per_split, weight.element_size()),
         num_warps=4 if tile is None else tile[3], num_stages=stages, launch_pdl=pdl)
-    return out
+    return (out, squares) if row_squares else out

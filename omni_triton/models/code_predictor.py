@@ -9,7 +9,10 @@ through fused kernels instead of the decoder modules (``predict_with_kernels``):
 (``kernels.frame_attention``), o_proj+residual, norm+gate/up+SiLU, down+residual (``kernels.small_linear``),
 then norm+lm_head: ~28 launches a step (with sampling and the embedding) instead of ~65; ``linear_launch``
 picks how those linears launch (one-pass, split-K, or the multiply-add GEMV for few rows). The modules stay
-the reference (and the CPU path); the kernels round where they round.
+the reference (and the CPU path); the kernels round where they round, except where the served launch runs qkv and
+gate/up on cuBLAS (from ``CUBLAS_MIN_ROWS`` rows): there the two pre-norms are folded into those weights
+(``folded_weights``) and each row's rstd is applied after the product, by the frame attention and by the
+activation: 6 launches a layer instead of 8, as close to the fp32 frame as the bf16 modules (docs/fused_steps.md).
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ class CodePredictorModel(DecoderStack):
 
 
 class CodePredictor(KernelSwitch, nn.Module):
+    # the served launch folds the qkv and gate/up pre-norms into their weights where those GEMMs run on cuBLAS
+    # (``folded_weights``); off: a norm launch before each, as before (benchmarks compare the two)
+    fold_norms: bool = True
+
     def __init__(self, cfg: TextModelConfig, num_code_groups: int):
         super().__init__()
         if cfg.mrope_section is not None:
@@ -127,14 +134,19 @@ class CodePredictor(KernelSwitch, nn.Module):
     def predict_with_kernels(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
                              sample_fn: SampleFn = greedy) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``predict`` through the fused kernels (any device Triton runs on: the interpreter on CPU in tests)."""
+        from omni_triton.kernels.activation import silu_and_mul
         from omni_triton.kernels.frame_attention import frame_attention
-        from omni_triton.kernels.small_linear import small_linear
+        from omni_triton.kernels.small_linear import small_linear, takes_cublas
 
         cfg, model = self.config, self.model
         # split_k None: small_linear's split plan, 1: the one-pass kernel; gemv: multiply-adds for few rows and
         # cuBLAS for many rows of the wide outputs
         served = self.linear_launch == "gemv"
         launch = dict(split_k=1 if self.linear_launch == "one-pass" else None, gemv=served, cublas=served)
+        qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        for layer in model.layers:
+            layer.self_attn.pack_projections_()
+            layer.mlp.pack_projections_()
         rows, hidden_size = talker_hidden.shape
         positions = self.num_code_groups  # position 0: talker hidden, 1..G-1: code embeddings 0..G-2
         cos, sin = self._rope_table(positions, talker_hidden)
@@ -145,19 +157,29 @@ class CodePredictor(KernelSwitch, nn.Module):
         start, new = 0, 2
         codes, embeds = [], []
         for group in range(1, self.num_code_groups):
+            folded = self.folded_weights() if served and self.fold_norms and takes_cublas(x.shape[0], qkv_cols,
+                                                                                          False) else None
             for i, layer in enumerate(model.layers):
                 attn, mlp = layer.self_attn, layer.mlp
-                attn.pack_projections_()
-                mlp.pack_projections_()
-                qkv = small_linear(x, attn.packed_qkv[0], norm_weight=layer.input_layernorm.weight,
-                                   eps=layer.input_layernorm.eps, **launch)
-                attended = frame_attention(qkv, attn.q_norm.weight, attn.k_norm.weight, cos, sin, keys[i],
-                                           values[i], start, new, cfg.num_heads, attn.q_norm.eps,
-                                           attn.head_dim ** -0.5)
-                x = small_linear(attended, attn.o_proj.weight, residual=x, **launch)
-                gate_up = small_linear(x, mlp.packed_gate_up[0], norm_weight=layer.post_attention_layernorm.weight,
-                                       eps=layer.post_attention_layernorm.eps, gated=True, **launch)
-                x = small_linear(gate_up, mlp.down_proj.weight, residual=x, **launch)
+                norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+                attention = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, cos=cos, sin=sin,
+                                 keys=keys[i], values=values[i], start=start, new=new, num_heads=cfg.num_heads,
+                                 eps=attn.q_norm.eps, scale=attn.head_dim ** -0.5)
+                if folded is None:
+                    qkv = small_linear(x, attn.packed_qkv[0], norm_weight=norm1.weight, eps=norm1.eps, **launch)
+                    x = small_linear(frame_attention(qkv, **attention), attn.o_proj.weight, residual=x, **launch)
+                    gate_up = small_linear(x, mlp.packed_gate_up[0], norm_weight=norm2.weight, eps=norm2.eps,
+                                           gated=True, **launch)
+                    x = small_linear(gate_up, mlp.down_proj.weight, residual=x, **launch)
+                    continue
+                # folded pre-norms: cuBLAS on the raw residual stream, each row's rstd applied after the product
+                # (by the attention for qkv; by the activation for gate/up, from the o projection's row squares):
+                # 6 launches a layer instead of 8
+                qkv_weight, gate_up_weight = folded[i]
+                attended = frame_attention(F.linear(x, qkv_weight), input_norm=(x, norm1.eps), **attention)
+                x, squares = small_linear(attended, attn.o_proj.weight, residual=x, row_squares=True, **launch)
+                activated = silu_and_mul(F.linear(x, gate_up_weight), input_norm=(squares, hidden_size, norm2.eps))
+                x = small_linear(activated, mlp.down_proj.weight, residual=x, **launch)
             last = x.view(rows, new, hidden_size)[:, -1]
             # logits in the model dtype (the kernels round them to it anyway): the samplers read them as fp32
             # themselves, so no cast launch per step
@@ -169,6 +191,27 @@ class CodePredictor(KernelSwitch, nn.Module):
             embeds.append(x)
             start, new = start + new, 1
         return torch.stack(codes, dim=1), embeds
+
+    def folded_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the packed qkv and gate/up weights with their pre-norm's weight folded in (``W * w`` over
+        the input features, rounded once to the weights' dtype): RMSNorm(x) @ W.T == rsqrt(mean(x^2) + eps) *
+        (x @ (W * w).T), so the norm needs no launch of its own before a cuBLAS GEMM. Made on first use and
+        again whenever a source weight changes (its version counter or storage); ~20 MB a layer at full size."""
+        layers = self.model.layers
+        sources = [(layer.self_attn.packed_qkv[0], layer.input_layernorm.weight, layer.mlp.packed_gate_up[0],
+                    layer.post_attention_layernorm.weight) for layer in layers]
+        # inference tensors (packed under inference mode) keep no version counter: their storage stands for them
+        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for source in sources for t in source)
+        if getattr(self, "_folded_key", None) != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the code predictor's folded weights are made by an eager call: run the frame "
+                                   "once before capturing it in a CUDA graph")
+            with torch.no_grad():
+                self._folded = [tuple((weight.float() * norm.float()[None, :]).to(weight.dtype)
+                                      for weight, norm in ((qkv, qkv_norm), (gate_up, gate_up_norm)))
+                                for qkv, qkv_norm, gate_up, gate_up_norm in sources]
+            self._folded_key = key
+        return self._folded
 
     def _rope_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions 0..positions-1 (the same for every frame), made once per device and dtype, so a
