@@ -3,7 +3,7 @@ import sys, torch, triton
 sys.path.insert(0, "benchmarks")
 from engine_microbench import graph_seconds_per_call
 from omni_triton.kernels import sampling
-dev = torch.device("cuda")
+from sampler_probe import dev, served_inputs  # the same inputs as sampler_probe.py
 
 def run(logits, t, k, p, seeds, group, warps):
     rows, vocab = logits.shape
@@ -17,10 +17,7 @@ def run(logits, t, k, p, seeds, group, warps):
 
 for vocab in (2048, 3072):
     for rows in (1, 64):
-        gen = torch.Generator(device=dev).manual_seed(rows)
-        logits = (torch.randn(50, rows, vocab, device=dev, generator=gen) * 3).to(torch.bfloat16)
-        t = torch.full((rows,), 0.9, device=dev); k = torch.full((rows,), 50, device=dev, dtype=torch.int64)
-        p = torch.full((rows,), 0.8, device=dev); seeds = torch.arange(rows, device=dev, dtype=torch.int64)
+        logits, t, k, p, seeds = served_inputs(vocab, rows)
         ref = torch.stack([sampling.sample_rows(logits[i], t, k, p, seeds, i) for i in range(50)])
         cells = []
         for warps in (2, 4, 8, 16):
