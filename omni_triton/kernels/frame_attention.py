@@ -58,10 +58,16 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
                    other=0.0).to(tl.float32)
     values = tl.load(values_ptr + cache + positions[:, None] * HEAD_DIM + dims[None, :], mask=cached,
                      other=0.0).to(tl.float32)
+    # the folded pre-norm's row scale of each new token (NEW <= 2), computed once for its key and its query
+    first_token = (row * NEW).to(tl.int64)
+    first_rstd = _input_rstd(x_ptr + first_token * stride_x, hidden, x_eps, X_NORM, BLOCK_X)
+    last_rstd = first_rstd
+    if NEW > 1:
+        last_rstd = _input_rstd(x_ptr + (first_token + 1) * stride_x, hidden, x_eps, X_NORM, BLOCK_X)
     for j in tl.static_range(NEW):  # the new keys (normed, rotated) and values: into the tiles and the cache
         token = (row * NEW + j).to(tl.int64)
         position = start + j
-        x_rstd = _input_rstd(x_ptr + token * stride_x, hidden, x_eps, X_NORM, BLOCK_X)
+        x_rstd = first_rstd if j == 0 else last_rstd
         k_row = qkv_ptr + token * stride_qkv + q_size + kv_head * HEAD_DIM + pair * 0
         key = norm_rope_heads(k_row, first, k_norm_ptr, cos_ptr + position * stride_rope,
                               sin_ptr + position * stride_rope, eps, x_rstd, HEAD_DIM,
@@ -80,7 +86,7 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
     for j in tl.static_range(NEW):
         token = (row * NEW + j).to(tl.int64)
         position = start + j
-        x_rstd = _input_rstd(x_ptr + token * stride_x, hidden, x_eps, X_NORM, BLOCK_X)
+        x_rstd = first_rstd if j == 0 else last_rstd
         q_row = qkv_ptr + token * stride_qkv + head * HEAD_DIM + pair * 0
         query = norm_rope_heads(q_row, first, q_norm_ptr, cos_ptr + position * stride_rope,
                                 sin_ptr + position * stride_rope, eps, x_rstd, HEAD_DIM, X_NORM)
@@ -125,9 +131,9 @@ def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weigh
     if max_len > MAX_POSITIONS or head_dim & (head_dim - 1):
         raise ValueError(f"frame_attention takes <= {MAX_POSITIONS} positions and a power-of-2 head_dim, "
                          f"got {max_len} and {head_dim}")
-    if input_norm is not None and (input_norm[0].shape[0] != rows * new or input_norm[0].stride(1) != 1):
+    if input_norm is not None and (input_norm[0].shape[0] != rows * new or input_norm[0].stride(1) != 1 or new > 2):
         raise ValueError(f"frame_attention input_norm x {tuple(input_norm[0].shape)} must have {rows * new} "
-                         "unit-stride rows")
+                         f"unit-stride rows, for at most 2 new tokens a row (got {new})")
     x, x_eps = input_norm if input_norm is not None else (qkv, 0.0)
     group = num_heads // num_kv_heads
     out = torch.empty(rows * new, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
