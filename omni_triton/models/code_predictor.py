@@ -92,6 +92,9 @@ class CodePredictor(KernelSwitch, nn.Module):
     # are made once (``first_layer_qkv_tables``) and the attention reads the sampled code's row: no qkv GEMM in 14
     # of the 15 steps; off: the GEMM, as before (benchmarks compare the two)
     qkv_tables: bool = True
+    # where the pre-norms are folded, qkv and gate/up (+ SiLU) run on the TMA kernel inside the dependent-launch
+    # chain (``kernels.wide_linear``); off: cuBLAS and the activation kernel, as before
+    tma_linears: bool = True
 
     def __init__(self, cfg: TextModelConfig, num_code_groups: int):
         super().__init__()
@@ -138,9 +141,9 @@ class CodePredictor(KernelSwitch, nn.Module):
     def predict_with_kernels(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
                              sample_fn: SampleFn = greedy) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``predict`` through the fused kernels (any device Triton runs on: the interpreter on CPU in tests)."""
-        from omni_triton.kernels.activation import silu_and_mul
         from omni_triton.kernels.frame_attention import frame_attention
         from omni_triton.kernels.small_linear import small_linear, takes_cublas
+        from omni_triton.kernels.wide_linear import wide_linear
 
         cfg, model = self.config, self.model
         # split_k None: small_linear's split plan, 1: the one-pass kernel; gemv: multiply-adds for few rows and
@@ -177,18 +180,20 @@ class CodePredictor(KernelSwitch, nn.Module):
                 elif folded is None:
                     qkv = small_linear(x, attn.packed_qkv[0], norm_weight=norm1.weight, eps=norm1.eps, **launch)
                     attended = frame_attention(qkv, **attention)
-                else:  # folded pre-norm: cuBLAS on the raw residual stream, the attention applies each row's rstd
-                    attended = frame_attention(F.linear(x, folded[i][0]), input_norm=(x, norm1.eps), **attention)
+                else:  # folded pre-norm: the product of the raw residual stream, the attention applies each row's rstd
+                    qkv = wide_linear(x, folded[i][0], tma=self.tma_linears)
+                    attended = frame_attention(qkv, input_norm=(x, norm1.eps), **attention)
                 if folded is None:
                     x = small_linear(attended, attn.o_proj.weight, residual=x, **launch)
                     gate_up = small_linear(x, mlp.packed_gate_up[0], norm_weight=norm2.weight, eps=norm2.eps,
                                            gated=True, **launch)
                     x = small_linear(gate_up, mlp.down_proj.weight, residual=x, **launch)
                     continue
-                # folded: the activation applies the rstd of the o projection's row squares (6 launches a layer,
-                # not 8)
+                # folded: gate/up's epilogue applies the rstd of the o projection's row squares, then the SiLU (5
+                # launches a layer, not 8)
                 x, squares = small_linear(attended, attn.o_proj.weight, residual=x, row_squares=True, **launch)
-                activated = silu_and_mul(F.linear(x, folded[i][1]), input_norm=(squares, hidden_size, norm2.eps))
+                activated = wide_linear(x, folded[i][1], gated=True, input_norm=(squares, hidden_size, norm2.eps),
+                                        tma=self.tma_linears)
                 x = small_linear(activated, mlp.down_proj.weight, residual=x, **launch)
             last = x.view(rows, new, hidden_size)[:, -1]
             # logits in the model dtype (the kernels round them to it anyway): the samplers read them as fp32
