@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from omni_triton.graph_buckets import capturing  # noqa: E402
 from omni_triton.kernels import wide_linear as wide_linear_module  # noqa: E402
 from omni_triton.kernels.activation import silu_and_mul  # noqa: E402
-from omni_triton.kernels.wide_linear import WIDE_MAX_ROWS, tma_ready, wide_linear  # noqa: E402
+from omni_triton.kernels.wide_linear import WIDE_MAX_ROWS, takes_tma, tma_ready, wide_linear  # noqa: E402
 from omni_triton.models.code_predictor import CodePredictor  # noqa: E402
 from omni_triton.models.layers.fast_kernels import KernelSwitch  # noqa: E402
 from test_code_predictor_kernels import DEVICE, SMALL, check_frame, rel_error, tolerance  # noqa: E402
@@ -65,6 +65,10 @@ def test_wide_linear_equals_cublas_and_the_activation(dtype, rows, variant, tma_
     assert len(tma_launches) == 1
 
 
+def test_the_served_frame_takes_the_kernel_where_it_won():
+    assert [rows for rows in (1, 8, 32, 33, 64, 65, 128) if takes_tma(rows)] == [33, 64]
+
+
 def test_tma_ready_refuses_what_a_descriptor_cannot_describe(tma_launches):
     x, weight, _ = operands(8, 64, 16, torch.float32, False, seed=1)
     assert tma_ready(x, weight)
@@ -92,6 +96,7 @@ def test_folded_frame_through_the_tma_kernel_equals_the_module_frame(monkeypatch
     monkeypatch.setattr(small_linear_module, "takes_cublas", lambda rows, cols, residual: not residual)
     monkeypatch.setattr(KernelSwitch, "linear_launch", "gemv")
     monkeypatch.setattr(CodePredictor, "tma_linears", tma)
+    monkeypatch.setattr(wide_linear_module, "TMA_MIN_ROWS", 1)  # the small frame's 3-6 rows
     check_frame(SMALL, torch.float32, rows=3, logit_rel=1e-5, groups=4)
     # per fused frame (two: teacher-forced, greedy): gate/up of every layer of every step, qkv but the tables'
     steps, layers = 3, SMALL["num_layers"]

@@ -8,7 +8,8 @@ its own. This kernel keeps the chain: it pulls its slice of W into L2 before wai
 loads x and W tiles by TMA (tensor descriptors: one instruction a tile, where the pointer loads of
 ``kernels.small_linear`` keep its load units ~87% busy re-reading 64 rows of x per program), and applies the folded
 pre-norm's row scale and the SiLU-and-mul in its epilogue. On an H200 (benchmarks/results/h200-qkv-tables/), 75
-layers of the predictor's GEMMs at 64 rows: 2.02 ms with cuBLAS, 1.61 ms with these two products on this kernel.
+layers of the predictor's GEMMs at 64 rows: 2.02 ms with cuBLAS, 1.61 ms with these two products on this kernel;
+the 15 predictor steps of 64 rows 2.54 -> 2.31 ms.
 
     wide_linear(x, W)                                   x @ W.T
     wide_linear(x, W, gated=True)                       silu(x @ Wg.T) * (x @ Wu.T), W = [Wg; Wu] packed
@@ -16,9 +17,10 @@ layers of the predictor's GEMMs at 64 rows: 2.02 ms with cuBLAS, 1.61 ms with th
                                                         first (W has the pre-norm's weight folded in)
 
 Roundings: each product rounded to x's dtype, then (input_norm) scaled by the rstd and rounded, then the SiLU, its
-product with up, each rounded: as ``silu_and_mul`` after a library GEMM. ``tma_ready`` says where the kernel runs
-(Hopper or later, or Triton's interpreter; TMA-aligned strides; up to ``WIDE_MAX_ROWS`` rows); elsewhere
-``wide_linear`` is cuBLAS (+ ``silu_and_mul``), as before.
+product with up, each rounded: as ``silu_and_mul`` after a library GEMM. ``tma_ready`` says where the kernel can
+run (Hopper or later, or Triton's interpreter; TMA-aligned strides; up to ``WIDE_MAX_ROWS`` rows), ``takes_tma``
+where the served frame asks for it (33-64 rows, where it won); elsewhere ``wide_linear`` is cuBLAS (+
+``silu_and_mul``), as before.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ from omni_triton.kernels.activation import silu_and_mul
 from omni_triton.kernels.dependent_launch import enabled_for, prefetch_lines, wait_for_previous
 from omni_triton.kernels.small_linear import prefetch_weight_slice
 
-WIDE_MAX_ROWS = 128  # the predictor's first step at 64 rows (2 tokens a row); past it cuBLAS
+WIDE_MAX_ROWS = 128  # what the tiles cover (``wide_blocks``); past it cuBLAS
+# Where the served frame takes the kernel (``takes_tma``): on the H200 (switch_ab.py, the 15 predictor steps of a
+# batch of B rows, whose first step has 2B) it won at B = 64, 2.535 -> 2.313 ms, and lost at B = 8 / 16 / 32 / 128
+# (2.241 -> 2.529, 2.446 -> 2.657, 2.377 -> 2.422, 3.017 -> 3.073 ms): the 64-row MMA tile costs as much at 8 rows
+# as at 64, where cuBLAS picks smaller tiles, and the 128-row tile lost to cuBLAS's
+TMA_MIN_ROWS, TMA_MAX_ROWS = 33, 64
 TMA_ALIGN = 16  # bytes: a TMA descriptor's base address and row strides
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -95,11 +102,17 @@ def tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def wide_blocks(rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, stages): the H200 probe's best for the predictor's qkv and gate/up (tma_probe.py):
-    one 64-row block of thin column blocks (128 programs for qkv) with five K steps of 128 in flight up to 64 rows,
-    128-row blocks with three past that."""
-    return (64, 32, 128, 5) if rows <= 64 else (128, 32, 128, 3)
+def takes_tma(rows: int) -> bool:
+    """Whether the served frame's folded products of this many rows take the kernel (``TMA_MIN_ROWS`` ..)."""
+    return TMA_MIN_ROWS <= rows <= TMA_MAX_ROWS
+
+
+def wide_blocks(rows: int, element_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages): the H200 probe's best for the predictor's qkv and gate/up at 64 rows
+    (tma_probe.py): one 64-row block of thin column blocks (128 programs for qkv) with five K steps of 128 in
+    flight; 128-row blocks with three past 64 rows; fp32 operands (tests) two stages (shared memory)."""
+    block_m, stages = (64, 5) if rows <= 64 else (128, 3)
+    return block_m, 32, 128, 2 if element_size > 2 else stages
 
 
 def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False,
@@ -108,7 +121,8 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False,
 
     ``input_norm`` = (squares [blocks, M] float32, size, eps): weight has an RMSNorm's weight folded in and each
     row is scaled by ``rsqrt(sum(squares[:, row]) / size + eps)`` (``small_linear(row_squares=True)``'s output).
-    ``tma=False`` (or operands ``tma_ready`` refuses): cuBLAS, then ``silu_and_mul`` (side-by-side runs)."""
+    ``tma=False`` (the served frame: unless ``takes_tma``) or operands ``tma_ready`` refuses: cuBLAS, then
+    ``silu_and_mul``."""
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if gated else weight.shape[0]
     if weight.shape[1] != depth:
@@ -123,7 +137,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False,
                                    or not squares.is_contiguous()):
         raise ValueError(f"wide_linear input_norm squares must be contiguous float32 [blocks, {rows}], got "
                          f"{squares.dtype} {tuple(squares.shape)}")
-    block_m, block_n, block_k, stages = wide_blocks(rows)
+    block_m, block_n, block_k, stages = wide_blocks(rows, x.element_size())
     out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     pdl = enabled_for(x)
     _wide_linear_kernel[(triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))](

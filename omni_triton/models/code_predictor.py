@@ -93,7 +93,8 @@ class CodePredictor(KernelSwitch, nn.Module):
     # of the 15 steps; off: the GEMM, as before (benchmarks compare the two)
     qkv_tables: bool = True
     # where the pre-norms are folded, qkv and gate/up (+ SiLU) run on the TMA kernel inside the dependent-launch
-    # chain (``kernels.wide_linear``); off: cuBLAS and the activation kernel, as before
+    # chain at the row counts where it won (``kernels.wide_linear.takes_tma``); off: cuBLAS and the activation
+    # kernel, as before
     tma_linears: bool = True
 
     def __init__(self, cfg: TextModelConfig, num_code_groups: int):
@@ -143,7 +144,7 @@ class CodePredictor(KernelSwitch, nn.Module):
         """``predict`` through the fused kernels (any device Triton runs on: the interpreter on CPU in tests)."""
         from omni_triton.kernels.frame_attention import frame_attention
         from omni_triton.kernels.small_linear import small_linear, takes_cublas
-        from omni_triton.kernels.wide_linear import wide_linear
+        from omni_triton.kernels.wide_linear import takes_tma, wide_linear
 
         cfg, model = self.config, self.model
         # split_k None: small_linear's split plan, 1: the one-pass kernel; gemv: multiply-adds for few rows and
@@ -167,6 +168,7 @@ class CodePredictor(KernelSwitch, nn.Module):
         for group in range(1, self.num_code_groups):
             folded = self.folded_weights() if served and self.fold_norms and takes_cublas(x.shape[0], qkv_cols,
                                                                                           False) else None
+            tma = self.tma_linears and takes_tma(x.shape[0])
             if group == 2 and self.qkv_tables:
                 tables = self.first_layer_qkv_tables()
             for i, layer in enumerate(model.layers):
@@ -181,7 +183,7 @@ class CodePredictor(KernelSwitch, nn.Module):
                     qkv = small_linear(x, attn.packed_qkv[0], norm_weight=norm1.weight, eps=norm1.eps, **launch)
                     attended = frame_attention(qkv, **attention)
                 else:  # folded pre-norm: the product of the raw residual stream, the attention applies each row's rstd
-                    qkv = wide_linear(x, folded[i][0], tma=self.tma_linears)
+                    qkv = wide_linear(x, folded[i][0], tma=tma)
                     attended = frame_attention(qkv, input_norm=(x, norm1.eps), **attention)
                 if folded is None:
                     x = small_linear(attended, attn.o_proj.weight, residual=x, **launch)
@@ -193,7 +195,7 @@ class CodePredictor(KernelSwitch, nn.Module):
                 # launches a layer, not 8)
                 x, squares = small_linear(attended, attn.o_proj.weight, residual=x, row_squares=True, **launch)
                 activated = wide_linear(x, folded[i][1], gated=True, input_norm=(squares, hidden_size, norm2.eps),
-                                        tma=self.tma_linears)
+                                        tma=tma)
                 x = small_linear(activated, mlp.down_proj.weight, residual=x, **launch)
             last = x.view(rows, new, hidden_size)[:, -1]
             # logits in the model dtype (the kernels round them to it anyway): the samplers read them as fp32
