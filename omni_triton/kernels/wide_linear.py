@@ -146,5 +146,6 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False,
         squares.shape[0] if input_norm is not None else 1, float(norm_size), float(eps), GATED=gated,
         INPUT_NORM=input_norm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         SQUARE_BLOCK=max(2, triton.next_power_of_2(squares.shape[0])) if input_norm is not None else 2,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, PREFETCH_LINES=prefetch_lines(depth, weight.element_size()), num_warps=4, launch_pdl=pdl)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+        PREFETCH_LINES=prefetch_lines(depth, weight.element_size()), num_warps=4, launch_pdl=pdl)
     return out
