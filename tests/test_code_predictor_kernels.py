@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+import omni_triton.kernels.frame_attention as frame_attention_module  # noqa: E402
 from omni_triton.kernels.activation import silu_and_mul  # noqa: E402
 from omni_triton.kernels.frame_attention import frame_attention  # noqa: E402
 from omni_triton.kernels.small_linear import small_linear  # noqa: E402
@@ -194,6 +195,32 @@ def test_frame_attention_applies_the_folded_input_norm(dtype):
         frame_attention(qkv, *args, caches[2], caches[3], start - 1, 1, heads, 1e-6, 0.25, input_norm=(x[:1], 1e-6))
 
 
+def test_frame_attention_reads_qkv_rows_from_a_table():
+    """qkv_rows: token t's q/k/v are the table's row qkv_rows[t]; the same as the plain kernel on the gathered
+    rows (keys, values and output), with or without the folded input norm."""
+    gen = torch.Generator().manual_seed(9)
+    heads, kv_heads, head_dim, rows, positions, hidden, entries = 4, 2, 16, 3, 4, 40, 11
+    dtype = torch.float32
+    norm_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(DEVICE, dtype)
+    cos, sin = RotaryEmbedding(head_dim, 1e6).cos_sin(torch.arange(positions, device=DEVICE), dtype)
+    table = torch.randn(entries, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    args = (norm_weight, norm_weight, cos, sin)
+    for input_norm in (None, (torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype), 1e-6)):
+        caches = [torch.randn(rows, kv_heads, positions, head_dim, generator=gen).to(DEVICE, dtype)
+                  for _ in range(2)]
+        caches += [cache.clone() for cache in caches]
+        codes = torch.tensor([7, 0, 7], device=DEVICE)  # a repeated entry, and the first
+        want = frame_attention(table[codes], *args, caches[0], caches[1], 2, 1, heads, 1e-6, 0.25,
+                               input_norm=input_norm)
+        got = frame_attention(table, *args, caches[2], caches[3], 2, 1, heads, 1e-6, 0.25, input_norm=input_norm,
+                              qkv_rows=codes.to(torch.int32))
+        torch.testing.assert_close(got, want, **_close(dtype))
+        for mine, theirs in ((caches[2], caches[0]), (caches[3], caches[1])):
+            torch.testing.assert_close(mine, theirs, **_close(dtype))
+    with pytest.raises(ValueError, match="qkv_rows"):
+        frame_attention(table, *args, caches[2], caches[3], 2, 1, heads, 1e-6, 0.25, qkv_rows=codes[:2])
+
+
 def _close(dtype: torch.dtype) -> dict:
     return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
 
@@ -299,6 +326,44 @@ def test_fused_frame_with_folded_pre_norms_equals_the_module_frame(monkeypatch):
         predictor.model.layers[0].input_layernorm.weight.mul_(2)
     again = [w for pair in predictor.folded_weights() for w in pair]
     assert not torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_qkv_tables_replace_the_first_layers_qkv_after_the_first_step(monkeypatch, fold):
+    """The steps after a frame's first read the first layer's q/k/v of the fed code from the tables: the frame
+    equals the module frame with them (fp32; bf16 on the GPU below) and equals the fused frame without them;
+    the tables are made once and again when an embedding changes."""
+    dtype = torch.float32
+    if fold:
+        from omni_triton.kernels import small_linear as small_linear_module
+
+        monkeypatch.setattr(small_linear_module, "takes_cublas", lambda rows, cols, residual: not residual)
+        monkeypatch.setattr(KernelSwitch, "linear_launch", "gemv")
+    gathered = []
+    real_attention = frame_attention_module.frame_attention
+    monkeypatch.setattr(frame_attention_module, "frame_attention",
+                        lambda *a, **k: gathered.append(k.get("qkv_rows") is not None) or real_attention(*a, **k))
+    groups, rows = 5, 3
+    check_frame(SMALL, dtype, rows=rows, logit_rel=1e-5, groups=groups)
+    steps = groups - 1
+    # two frames (teacher-forced, greedy), each: the first layer of every step but the first from a table
+    assert gathered.count(True) == 2 * (steps - 1) and len(gathered) == 2 * steps * SMALL["num_layers"]
+    predictor = random_predictor(SMALL, dtype, groups=groups)
+    gen = torch.Generator().manual_seed(3)
+    hidden, code0 = torch.randn(2, rows, SMALL["hidden_size"], generator=gen).to(DEVICE, dtype)
+    forced = torch.randint(0, SMALL["vocab_size"], (rows, groups - 1), generator=gen).to(DEVICE)
+    with_tables = recorded_frame(predictor, hidden, code0, True, forced)
+    monkeypatch.setattr(CodePredictor, "qkv_tables", False)
+    without = recorded_frame(predictor, hidden, code0, True, forced)
+    torch.testing.assert_close(with_tables[2], without[2], rtol=1e-5, atol=1e-5)
+    tables = [t.clone() for t in predictor.first_layer_qkv_tables()]
+    assert len(tables) == groups - 2 and tables[0].shape == (SMALL["vocab_size"], predictor.model.layers[0]
+                                                            .self_attn.packed_qkv[0].shape[0])
+    assert predictor.first_layer_qkv_tables()[0] is predictor.first_layer_qkv_tables()[0]  # made once
+    with torch.no_grad():
+        predictor.model.codec_embedding[1].weight.mul_(2)
+    again = predictor.first_layer_qkv_tables()
+    assert torch.equal(again[0], tables[0]) and not torch.equal(again[1], tables[1])
 
 
 def test_fast_path_switch_selects_the_fused_frame_only_on_cuda_tensors(monkeypatch):

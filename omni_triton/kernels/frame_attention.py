@@ -34,10 +34,10 @@ MAX_POSITIONS = 16  # a frame's code predictor sees talker hidden + 15 codebook 
 
 @triton.jit
 def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, out_ptr, x_ptr,
-                            start, num_kv_heads, stride_qkv, stride_out, stride_cache_row, stride_cache_head,
-                            stride_rope, stride_x, hidden, eps, x_eps, scale,
+                            qkv_rows_ptr, start, num_kv_heads, stride_qkv, stride_out, stride_cache_row,
+                            stride_cache_head, stride_rope, stride_x, hidden, eps, x_eps, scale,
                             NEW: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
-                            X_NORM: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
+                            X_NORM: tl.constexpr, BLOCK_X: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -68,11 +68,12 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
         token = (row * NEW + j).to(tl.int64)
         position = start + j
         x_rstd = first_rstd if j == 0 else last_rstd
-        k_row = qkv_ptr + token * stride_qkv + q_size + kv_head * HEAD_DIM + pair * 0
+        qkv_row = qkv_ptr + _qkv_row(qkv_rows_ptr, token, GATHER) * stride_qkv
+        k_row = qkv_row + q_size + kv_head * HEAD_DIM + pair * 0
         key = norm_rope_heads(k_row, first, k_norm_ptr, cos_ptr + position * stride_rope,
                               sin_ptr + position * stride_rope, eps, x_rstd, HEAD_DIM,
                               X_NORM).to(keys_ptr.dtype.element_ty)
-        value = tl.load(qkv_ptr + token * stride_qkv + q_size + kv_size + kv_head * HEAD_DIM + dims)
+        value = tl.load(qkv_row + q_size + kv_size + kv_head * HEAD_DIM + dims)
         if X_NORM:
             value = (value.to(tl.float32) * x_rstd).to(value.dtype)
         value = value.to(values_ptr.dtype.element_ty)
@@ -87,7 +88,7 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
         token = (row * NEW + j).to(tl.int64)
         position = start + j
         x_rstd = first_rstd if j == 0 else last_rstd
-        q_row = qkv_ptr + token * stride_qkv + head * HEAD_DIM + pair * 0
+        q_row = qkv_ptr + _qkv_row(qkv_rows_ptr, token, GATHER) * stride_qkv + head * HEAD_DIM + pair * 0
         query = norm_rope_heads(q_row, first, q_norm_ptr, cos_ptr + position * stride_rope,
                                 sin_ptr + position * stride_rope, eps, x_rstd, HEAD_DIM, X_NORM)
         query = tl.sum(tl.where(first, query, 0.0), axis=0)  # [D]
@@ -97,6 +98,14 @@ def _frame_attention_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, k
         probs = probs / tl.sum(probs, axis=0)
         attended = tl.sum(probs[:, None] * values, axis=0)  # [D]
         tl.store(out_ptr + token * stride_out + head * HEAD_DIM + dims, attended.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _qkv_row(qkv_rows_ptr, token, GATHER: tl.constexpr):
+    """The qkv row of a new token: its own, or under GATHER the table row it names."""
+    if GATHER:
+        return tl.load(qkv_rows_ptr + token).to(tl.int64)
+    return token
 
 
 @triton.jit
@@ -113,21 +122,30 @@ def _input_rstd(x_row, hidden, eps, X_NORM: tl.constexpr, BLOCK_X: tl.constexpr)
 def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                     new: int, num_heads: int, eps: float, scale: float,
-                    input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                    input_norm: tuple[torch.Tensor, float] | None = None,
+                    qkv_rows: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [B * new, (Hq + 2 Hkv) * D] (row-major: row b's new tokens consecutive; q heads, k heads, v heads),
     keys/values [B, Hkv, L, D] (this layer's frame cache; positions < start filled by earlier steps),
     cos/sin [>= start + new, D] (rows = positions) -> attention output [B * new, Hq * D].
 
     ``input_norm`` = (x [B * new, H], eps): qkv is ``x @ (W * norm_weight).T``, the projection of x with its
     RMSNorm's weight folded in, so q, k and v are first scaled by their row's ``rsqrt(mean(x^2) + eps)`` and
-    rounded (the folded pre-norm of the code predictor's served launch: no norm launch before the qkv GEMM)."""
+    rounded (the folded pre-norm of the code predictor's served launch: no norm launch before the qkv GEMM).
+
+    ``qkv_rows`` [B * new] (integer): qkv is a table and token t's q/k/v are its row ``qkv_rows[t]`` (the code
+    predictor's first layer reads the projections of the codebook entry a step feeds, made once: no qkv GEMM)."""
     rows, num_kv_heads, max_len, head_dim = keys.shape
+    qkv_cols = (num_heads + 2 * num_kv_heads) * head_dim
     if not (keys.is_contiguous() and values.is_contiguous() and qkv.stride(1) == 1 and cos.stride(1) == 1
             and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)):
         raise ValueError("frame_attention needs contiguous caches and unit-stride qkv/cos/sin rows")
-    if qkv.shape != (rows * new, (num_heads + 2 * num_kv_heads) * head_dim) or start + new > max_len:
+    if (qkv.shape[1] != qkv_cols or (qkv_rows is None and qkv.shape[0] != rows * new)
+            or start + new > max_len):
         raise ValueError(f"frame_attention: qkv {tuple(qkv.shape)} for {rows} rows x {new} new tokens at "
                          f"{start} in a cache of {max_len} positions")
+    if qkv_rows is not None and (qkv_rows.shape != (rows * new,) or qkv_rows.dtype.is_floating_point):
+        raise ValueError(f"frame_attention qkv_rows must be {rows * new} integer indices, got {qkv_rows.dtype} "
+                         f"{tuple(qkv_rows.shape)}")
     if max_len > MAX_POSITIONS or head_dim & (head_dim - 1):
         raise ValueError(f"frame_attention takes <= {MAX_POSITIONS} positions and a power-of-2 head_dim, "
                          f"got {max_len} and {head_dim}")
@@ -140,9 +158,10 @@ def frame_attention(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weigh
     if rows:
         pdl = enabled_for(qkv)
         _frame_attention_kernel[(rows, num_heads)](
-            qkv, q_norm_weight, k_norm_weight, cos, sin, keys, values, out, x, start, num_kv_heads, qkv.stride(0),
-            out.stride(0), keys.stride(0), keys.stride(1), cos.stride(0), x.stride(0), x.shape[1], eps, x_eps, scale,
+            qkv, q_norm_weight, k_norm_weight, cos, sin, keys, values, out, x,
+            qkv if qkv_rows is None else qkv_rows.contiguous(), start, num_kv_heads, qkv.stride(0), out.stride(0),
+            keys.stride(0), keys.stride(1), cos.stride(0), x.stride(0), x.shape[1], eps, x_eps, scale,
             NEW=new, GROUP=group, HEAD_DIM=head_dim, BLOCK_L=triton.next_power_of_2(max_len),
             X_NORM=input_norm is not None, BLOCK_X=triton.next_power_of_2(x.shape[1]) if input_norm else 16,
-            num_warps=1, PDL=pdl, launch_pdl=pdl)
+            GATHER=qkv_rows is not None, num_warps=1, PDL=pdl, launch_pdl=pdl)
     return out

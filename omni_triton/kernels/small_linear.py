@@ -73,7 +73,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, p
     row_mask, col_mask = rows < M, cols < N
     ks = tl.arange(0, BLOCK_K)
     k_start = tl.program_id(2) * k_per_split  # slices are whole BLOCK_K steps, so ``kk < K`` masks the last one
-    _prefetch_weight_slice(w_ptr, cols, col_mask, k_start, tl.minimum(K, k_start + k_per_split), N, stride_wn,
+    prefetch_weight_slice(w_ptr, cols, col_mask, k_start, tl.minimum(K, k_start + k_per_split), N, stride_wn,
                            GATED, PDL, PREFETCH_LINES)
     wait_for_previous(PDL)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
@@ -145,7 +145,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, str
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     ks = tl.arange(0, BLOCK_K)
-    _prefetch_weight_slice(w_ptr, cols, col_mask, 0, K, N, stride_wn, GATED, PDL, PREFETCH_LINES)
+    prefetch_weight_slice(w_ptr, cols, col_mask, 0, K, N, stride_wn, GATED, PDL, PREFETCH_LINES)
     wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -185,7 +185,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_weight_ptr, residual_ptr, M, N, str
 
 
 @triton.jit
-def _prefetch_weight_slice(w_ptr, cols, col_mask, k_begin, k_end, N, stride_wn, GATED: tl.constexpr,
+def prefetch_weight_slice(w_ptr, cols, col_mask, k_begin, k_end, N, stride_wn, GATED: tl.constexpr,
                            PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     """This program's W rows (and their up half) over K in [k_begin, k_end), into L2 while the previous kernel
     still runs (``kernels.dependent_launch``): one prefetch per 128-byte line."""

@@ -13,6 +13,9 @@ the reference (and the CPU path); the kernels round where they round, except whe
 gate/up on cuBLAS (from ``CUBLAS_MIN_ROWS`` rows): there the two pre-norms are folded into those weights
 (``folded_weights``) and each row's rstd is applied after the product, by the frame attention and by the
 activation: 6 launches a layer instead of 8, as close to the fp32 frame as the bf16 modules (docs/fused_steps.md).
+There, at 33-64 rows, qkv and gate/up (+ row scale + SiLU) run on a TMA kernel inside the dependent-launch chain
+(``kernels.wide_linear``: 5 launches a layer). At every row count the steps after a frame's first read the first
+layer's q/k/v of the fed code from a table made once (``first_layer_qkv_tables``): no qkv GEMM there.
 """
 
 from __future__ import annotations
@@ -88,6 +91,14 @@ class CodePredictor(KernelSwitch, nn.Module):
     # the served launch folds the qkv and gate/up pre-norms into their weights where those GEMMs run on cuBLAS
     # (``folded_weights``); off: a norm launch before each, as before (benchmarks compare the two)
     fold_norms: bool = True
+    # every step after the first feeds one codebook entry's embedding, so the first layer's q/k/v of every entry
+    # are made once (``first_layer_qkv_tables``) and the attention reads the sampled code's row: no qkv GEMM in 14
+    # of the 15 steps; off: the GEMM, as before (benchmarks compare the two)
+    qkv_tables: bool = True
+    # where the pre-norms are folded, qkv and gate/up (+ SiLU) run on the TMA kernel inside the dependent-launch
+    # chain at the row counts where it won (``kernels.wide_linear.takes_tma``); off: cuBLAS and the activation
+    # kernel, as before
+    tma_linears: bool = True
 
     def __init__(self, cfg: TextModelConfig, num_code_groups: int):
         super().__init__()
@@ -134,9 +145,9 @@ class CodePredictor(KernelSwitch, nn.Module):
     def predict_with_kernels(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
                              sample_fn: SampleFn = greedy) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``predict`` through the fused kernels (any device Triton runs on: the interpreter on CPU in tests)."""
-        from omni_triton.kernels.activation import silu_and_mul
         from omni_triton.kernels.frame_attention import frame_attention
         from omni_triton.kernels.small_linear import small_linear, takes_cublas
+        from omni_triton.kernels.wide_linear import takes_tma, wide_linear
 
         cfg, model = self.config, self.model
         # split_k None: small_linear's split plan, 1: the one-pass kernel; gemv: multiply-adds for few rows and
@@ -156,29 +167,38 @@ class CodePredictor(KernelSwitch, nn.Module):
         x = torch.stack((talker_hidden, code0_embeds), dim=1).reshape(rows * 2, hidden_size)
         start, new = 0, 2
         codes, embeds = [], []
+        tables = code = None
         for group in range(1, self.num_code_groups):
             folded = self.folded_weights() if served and self.fold_norms and takes_cublas(x.shape[0], qkv_cols,
                                                                                           False) else None
+            tma = self.tma_linears and takes_tma(x.shape[0])
+            if group == 2 and self.qkv_tables:
+                tables = self.first_layer_qkv_tables()
             for i, layer in enumerate(model.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
                 attention = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, cos=cos, sin=sin,
                                  keys=keys[i], values=values[i], start=start, new=new, num_heads=cfg.num_heads,
                                  eps=attn.q_norm.eps, scale=attn.head_dim ** -0.5)
-                if folded is None:
+                if i == 0 and tables is not None:  # the fed code's row: normed and projected once for every entry
+                    attended = frame_attention(tables[group - 2], qkv_rows=code, **attention)
+                elif folded is None:
                     qkv = small_linear(x, attn.packed_qkv[0], norm_weight=norm1.weight, eps=norm1.eps, **launch)
-                    x = small_linear(frame_attention(qkv, **attention), attn.o_proj.weight, residual=x, **launch)
+                    attended = frame_attention(qkv, **attention)
+                else:  # folded pre-norm: the product of the raw residual stream, the attention applies each row's rstd
+                    qkv = wide_linear(x, folded[i][0], tma=tma)
+                    attended = frame_attention(qkv, input_norm=(x, norm1.eps), **attention)
+                if folded is None:
+                    x = small_linear(attended, attn.o_proj.weight, residual=x, **launch)
                     gate_up = small_linear(x, mlp.packed_gate_up[0], norm_weight=norm2.weight, eps=norm2.eps,
                                            gated=True, **launch)
                     x = small_linear(gate_up, mlp.down_proj.weight, residual=x, **launch)
                     continue
-                # folded pre-norms: cuBLAS on the raw residual stream, each row's rstd applied after the product
-                # (by the attention for qkv; by the activation for gate/up, from the o projection's row squares):
-                # 6 launches a layer instead of 8
-                qkv_weight, gate_up_weight = folded[i]
-                attended = frame_attention(F.linear(x, qkv_weight), input_norm=(x, norm1.eps), **attention)
+                # folded: gate/up's epilogue applies the rstd of the o projection's row squares, then the SiLU (5
+                # launches a layer, not 8)
                 x, squares = small_linear(attended, attn.o_proj.weight, residual=x, row_squares=True, **launch)
-                activated = silu_and_mul(F.linear(x, gate_up_weight), input_norm=(squares, hidden_size, norm2.eps))
+                activated = wide_linear(x, folded[i][1], gated=True, input_norm=(squares, hidden_size, norm2.eps),
+                                        tma=tma)
                 x = small_linear(activated, mlp.down_proj.weight, residual=x, **launch)
             last = x.view(rows, new, hidden_size)[:, -1]
             # logits in the model dtype (the kernels round them to it anyway): the samplers read them as fp32
@@ -212,6 +232,27 @@ class CodePredictor(KernelSwitch, nn.Module):
                                 for qkv, qkv_norm, gate_up, gate_up_norm in sources]
             self._folded_key = key
         return self._folded
+
+    def first_layer_qkv_tables(self) -> list[torch.Tensor]:
+        """For each codebook whose code a later step feeds (``codec_embedding[0 .. G-3]``), the first layer's
+        q/k/v of every entry: ``RMSNorm(E) @ W_qkv.T`` [vocab, (Hq + 2 Hkv) * D], rounded as the modules round
+        (the normed row, then the product). A step's qkv GEMM becomes a row read by the attention: what the GEMM
+        would compute for the fed embedding, made once. 14 x 2048 x 4096 bf16 = 235 MB at full size; made on
+        first use and again whenever a source weight changes (as ``folded_weights``)."""
+        first = self.model.layers[0]
+        first.self_attn.pack_projections_()
+        norm, qkv_weight = first.input_layernorm, first.self_attn.packed_qkv[0]
+        embeddings = [embedding.weight for embedding in self.model.codec_embedding[:self.num_code_groups - 2]]
+        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
+                    for t in (qkv_weight, norm.weight, *embeddings))
+        if getattr(self, "_tables_key", None) != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the code predictor's qkv tables are made by an eager call: run the frame "
+                                   "once before capturing it in a CUDA graph")
+            with torch.no_grad():
+                self._tables = [F.linear(norm(embedding), qkv_weight) for embedding in embeddings]
+            self._tables_key = key
+        return self._tables
 
     def _rope_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions 0..positions-1 (the same for every frame), made once per device and dtype, so a
