@@ -19,7 +19,7 @@ the 15 predictor steps of 64 rows 2.54 -> 2.31 ms.
 Roundings: each product rounded to x's dtype, then (input_norm) scaled by the rstd and rounded, then the SiLU, its
 product with up, each rounded: as ``silu_and_mul`` after a library GEMM. ``tma_ready`` says where the kernel can
 run (Hopper or later, or Triton's interpreter; TMA-aligned strides; up to ``WIDE_MAX_ROWS`` rows), ``takes_tma``
-where the served frame asks for it (33-64 rows, where it won); elsewhere ``wide_linear`` is cuBLAS (+
+where the served frame asks for it (16-64 rows, where it won); elsewhere ``wide_linear`` is cuBLAS (+
 ``silu_and_mul``), as before.
 """
 
@@ -39,11 +39,12 @@ from omni_triton.kernels.dependent_launch import enabled_for, prefetch_lines, wa
 from omni_triton.kernels.small_linear import prefetch_weight_slice
 
 WIDE_MAX_ROWS = 128  # what the tiles cover (``wide_blocks``); past it cuBLAS
-# Where the served frame takes the kernel (``takes_tma``): on the H200 (switch_ab.py, the 15 predictor steps of a
-# batch of B rows, whose first step has 2B) it won at B = 64, 2.535 -> 2.313 ms, and lost at B = 8 / 16 / 32 / 128
-# (2.241 -> 2.529, 2.446 -> 2.657, 2.377 -> 2.422, 3.017 -> 3.073 ms): the 64-row MMA tile costs as much at 8 rows
-# as at 64, where cuBLAS picks smaller tiles, and the 128-row tile lost to cuBLAS's
-TMA_MIN_ROWS, TMA_MAX_ROWS = 33, 64
+# Where the served frame takes the kernel (``takes_tma``), from the talker frame's graph on the H200 (a batch of B
+# rows runs its first predictor step at 2B, the other 14 at B; step_exposure.py, h200-qkv-tables/tma-rows/): from
+# 16 rows it won (B = 16: 4.268 -> 4.250 ms, B = 32: 4.569 -> 4.478, B = 64: 5.19 -> 4.84 with the tables), at
+# B = 8 it lost (3.825 -> 3.953): the 64-row MMA tile costs as much at 8 rows as at 64, where cuBLAS picks smaller
+# tiles. Past 64 rows the 128-row tile lost to cuBLAS's (the predictor's 15 steps at B = 128: 3.017 -> 3.073 ms).
+TMA_MIN_ROWS, TMA_MAX_ROWS = 16, 64
 TMA_ALIGN = 16  # bytes: a TMA descriptor's base address and row strides
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -13,7 +13,7 @@ the reference (and the CPU path); the kernels round where they round, except whe
 gate/up on cuBLAS (from ``CUBLAS_MIN_ROWS`` rows): there the two pre-norms are folded into those weights
 (``folded_weights``) and each row's rstd is applied after the product, by the frame attention and by the
 activation: 6 launches a layer instead of 8, as close to the fp32 frame as the bf16 modules (docs/fused_steps.md).
-There, at 33-64 rows, qkv and gate/up (+ row scale + SiLU) run on a TMA kernel inside the dependent-launch chain
+There, at 16-64 rows, qkv and gate/up (+ row scale + SiLU) run on a TMA kernel inside the dependent-launch chain
 (``kernels.wide_linear``: 5 launches a layer). At every row count the steps after a frame's first read the first
 layer's q/k/v of the fed code from a table made once (``first_layer_qkv_tables``): no qkv GEMM there.
 """
