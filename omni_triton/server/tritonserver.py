@@ -302,7 +302,9 @@ class TritonServer:
         return self
 
     def wait_ready(self, models: list[str] | None = None, timeout_s: float = 120.0) -> float:
-        """Block until the server and every model are ready; returns seconds waited."""
+        """Block until the server and every model are ready and the metrics port answers; returns seconds waited.
+        (Triton loads the models, then starts its endpoints: HTTP says ready some 40 ms before the metrics
+        service listens, and a client that reads the metrics at "ready" was refused.)"""
         models = self.repository_models() if models is None else models
         start = time.monotonic()
         while True:
@@ -310,7 +312,8 @@ class TritonServer:
                 code = None if self.process is None else self.process.returncode
                 raise TritonServerError(f"tritonserver exited with code {code} before it was ready\n"
                                         f"{self.log_tail()}")
-            if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in models):
+            if (self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in models)
+                    and self._answers(self.metrics_url)):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
                 raise TritonServerError(f"tritonserver not ready after {timeout_s:.0f} s "
@@ -319,8 +322,12 @@ class TritonServer:
 
     def _ready(self, path: str) -> bool:
         """HTTP 200 from a KServe health endpoint (plain urllib: no client library needed to launch)."""
+        return self._answers(f"http://{self.http_url}{path}")
+
+    @staticmethod
+    def _answers(url: str) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 return response.status == 200
         except OSError:  # refused while starting, or 400 (not ready yet)
             return False
