@@ -11,5 +11,9 @@ the first kernel module is imported): that is how ``tests/test_kernels.py`` chec
 Modules: ``norm`` (RMSNorm, residual add + RMSNorm, per-head q/k norm + rotary), ``routing`` (softmax top-k
 router, expert-sorted token layout), ``fused_moe`` (the two grouped GEMMs of a MoE block),
 ``paged_attention`` (KV store by slot mapping, single-token decode over the paged cache), ``random``
-(counter-based uniforms for seeded sampling).
+(counter-based uniforms for seeded sampling), ``sampling`` (the row sampler), ``activation`` (SiLU-and-mul),
+``small_linear`` (linears for few rows with their neighbours fused in), ``wide_linear`` (the code predictor's
+wide products as a TMA GEMM), ``frame_attention`` (the code predictor's attention of one step),
+``dependent_launch`` (programmatic dependent launch), ``scratch`` (buffers kept from call to call),
+``tune_fused_moe`` (the MoE block sizes per GPU).
 """
