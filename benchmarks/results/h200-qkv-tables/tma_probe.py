@@ -72,7 +72,7 @@ SHAPES = dict(qkv=(H, QKV, False, False), gate_up=(H, I, True, False), o=(2048, 
 
 
 def configs(rows, name):
-    bms = [64] if rows <= 64 else [64, 128]
+    bms = ([16, 32, 64] if rows <= 32 else [64]) if rows <= 64 else [64, 128]  # 16-32: mma.sync tiles
     for bm, bn, bk, stages in itertools.product(bms, [32, 64, 128], [64, 128], [3, 5]):
         if bk * (bm + bn * (2 if name == "gate_up" else 1)) * 2 * stages > 200_000:
             continue
