@@ -32,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _enabled = True
 # Triton reads it when a kernel is defined, so it cannot change under a running process; read it once.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def set_dependent_launch(enabled: bool) -> None:
@@ -45,15 +45,19 @@ def dependent_launch_on() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _supported(device_index: int) -> bool:
+def _sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def hopper_or_later(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives on a GPU of compute capability 9.0 or later (PDL, TMA descriptors)."""
+    return tensor.is_cuda and _sm90(tensor.device.index if tensor.device.index is not None
+                                    else torch.cuda.current_device())
 
 
 def enabled_for(tensor: torch.Tensor) -> bool:
     """Whether kernels reading ``tensor`` launch with PDL (their ``PDL`` argument and ``launch_pdl=``)."""
-    if not (_enabled and tensor.is_cuda) or _INTERPRETED:
-        return False
-    return _supported(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+    return _enabled and not INTERPRETED and hopper_or_later(tensor)
 
 
 @triton.jit

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omni_triton.kernels.activation import silu_times
 from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
 
 from omni_triton.kernels.routing import expert_sorted_layout
@@ -71,11 +72,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_p
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
     dtype = out_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], (activated * up).to(dtype),
-             mask=valid[:, None] & col_mask[None, :])
+    activated = silu_times(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
+    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], activated, mask=valid[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -138,10 +136,8 @@ def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, 
     acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K)
     acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + pair * stride_ot + cols, (activated * acc_up.to(dtype).to(tl.float32)).to(dtype),
-             mask=col_mask)
+    activated = silu_times(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
+    tl.store(out_ptr + pair * stride_ot + cols, activated, mask=col_mask)
 
 
 @triton.jit

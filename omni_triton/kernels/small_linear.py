@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from omni_triton.kernels.activation import silu_and_mul
+from omni_triton.kernels.activation import silu_and_mul, silu_times
 from omni_triton.kernels.dependent_launch import enabled_for, prefetch_l2, prefetch_lines, wait_for_previous
 from omni_triton.kernels.norm import rms_norm
 from omni_triton.kernels.scratch import persistent_zeros
@@ -207,9 +207,7 @@ def _store_output(acc, acc_up, out_ptr, residual_ptr, squares_ptr, M, rows, cols
     (``squares_ptr[column block, row]``)."""
     out = acc.to(dtype)
     if GATED:
-        gate = out.to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = (activated * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        out = silu_times(out.to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
     if RESIDUAL:
         residual = tl.load(residual_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=out_mask,
                            other=0.0)

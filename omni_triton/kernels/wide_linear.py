@@ -25,17 +25,16 @@ where the served frame asks for it (16-64 rows, where it won); elsewhere ``wide_
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from omni_triton.kernels.activation import silu_and_mul
-from omni_triton.kernels.dependent_launch import enabled_for, prefetch_lines, wait_for_previous
+from omni_triton.kernels.activation import (checked_input_norm, rstd_from_squares, silu_and_mul, silu_times,
+                                            square_block)
+from omni_triton.kernels.dependent_launch import (INTERPRETED, enabled_for, hopper_or_later, prefetch_lines,
+                                                  wait_for_previous)
 from omni_triton.kernels.small_linear import prefetch_weight_slice
 
 WIDE_MAX_ROWS = 128  # what the tiles cover (``wide_blocks``); past it cuBLAS
@@ -46,7 +45,6 @@ WIDE_MAX_ROWS = 128  # what the tiles cover (``wide_blocks``); past it cuBLAS
 # tiles. Past 64 rows the 128-row tile lost to cuBLAS's (the predictor's 15 steps at B = 128: 3.017 -> 3.073 ms).
 TMA_MIN_ROWS, TMA_MAX_ROWS = 16, 64
 TMA_ALIGN = 16  # bytes: a TMA descriptor's base address and row strides
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -73,21 +71,12 @@ def _wide_linear_kernel(x_desc, w_desc, w_ptr, out_ptr, squares_ptr, M, N, K, st
     out = acc.to(dtype)
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if INPUT_NORM:  # this row's rsqrt(mean(x^2) + eps), from the column blocks' sums of squares [blocks, M]
-        blocks = tl.arange(0, SQUARE_BLOCK)
-        squares = tl.load(squares_ptr + blocks[:, None] * M + rows[None, :],
-                          mask=(blocks < square_blocks)[:, None] & (rows < M)[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(squares, axis=0) / norm_size + eps)
+        rstd = rstd_from_squares(squares_ptr, rows, M, square_blocks, norm_size, eps, SQUARE_BLOCK)
         out = (out.to(tl.float32) * rstd[:, None]).to(dtype)
     if GATED:
         up = (acc_up.to(dtype).to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-        gate = out.to(tl.float32)
-        out = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+        out = silu_times(out.to(tl.float32), up, dtype)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out, mask=mask)
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -98,9 +87,7 @@ def tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not all(t.data_ptr() % TMA_ALIGN == 0 and t.stride(0) * t.element_size() % TMA_ALIGN == 0
                for t in (x, weight)):
         return False
-    if _INTERPRETED:
-        return True
-    return x.is_cuda and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return INTERPRETED or hopper_or_later(x)
 
 
 def takes_tma(rows: int) -> bool:
@@ -133,20 +120,15 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False,
     if not (tma and tma_ready(x, weight)):
         out = F.linear(x, weight)
         return silu_and_mul(out, input_norm=input_norm) if gated else out
-    squares, norm_size, eps = input_norm if input_norm is not None else (x, 1, 0.0)
-    if input_norm is not None and (squares.dtype != torch.float32 or squares.dim() != 2 or squares.shape[1] != rows
-                                   or not squares.is_contiguous()):
-        raise ValueError(f"wide_linear input_norm squares must be contiguous float32 [blocks, {rows}], got "
-                         f"{squares.dtype} {tuple(squares.shape)}")
+    squares, norm_size, eps, square_blocks = checked_input_norm(input_norm, rows, x, "wide_linear")
     block_m, block_n, block_k, stages = wide_blocks(rows, x.element_size())
     out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     pdl = enabled_for(x)
     _wide_linear_kernel[(triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))](
         TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
         weight, out, squares, rows, cols, depth, out.stride(0), weight.stride(0),
-        squares.shape[0] if input_norm is not None else 1, float(norm_size), float(eps), GATED=gated,
-        INPUT_NORM=input_norm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        SQUARE_BLOCK=max(2, triton.next_power_of_2(squares.shape[0])) if input_norm is not None else 2,
+        square_blocks, norm_size, eps, GATED=gated, INPUT_NORM=input_norm is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SQUARE_BLOCK=square_block(square_blocks),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
         PREFETCH_LINES=prefetch_lines(depth, weight.element_size()), num_warps=4, launch_pdl=pdl)
     return out

@@ -215,44 +215,43 @@ class CodePredictor(KernelSwitch, nn.Module):
     def folded_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the packed qkv and gate/up weights with their pre-norm's weight folded in (``W * w`` over
         the input features, rounded once to the weights' dtype): RMSNorm(x) @ W.T == rsqrt(mean(x^2) + eps) *
-        (x @ (W * w).T), so the norm needs no launch of its own before a cuBLAS GEMM. Made on first use and
-        again whenever a source weight changes (its version counter or storage); ~20 MB a layer at full size."""
-        layers = self.model.layers
+        (x @ (W * w).T), so the norm needs no launch of its own before a cuBLAS GEMM. ~20 MB a layer at full
+        size (``derived_from``)."""
         sources = [(layer.self_attn.packed_qkv[0], layer.input_layernorm.weight, layer.mlp.packed_gate_up[0],
-                    layer.post_attention_layernorm.weight) for layer in layers]
-        # inference tensors (packed under inference mode) keep no version counter: their storage stands for them
-        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for source in sources for t in source)
-        if getattr(self, "_folded_key", None) != key:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the code predictor's folded weights are made by an eager call: run the frame "
-                                   "once before capturing it in a CUDA graph")
-            with torch.no_grad():
-                self._folded = [tuple((weight.float() * norm.float()[None, :]).to(weight.dtype)
-                                      for weight, norm in ((qkv, qkv_norm), (gate_up, gate_up_norm)))
-                                for qkv, qkv_norm, gate_up, gate_up_norm in sources]
-            self._folded_key = key
-        return self._folded
+                    layer.post_attention_layernorm.weight) for layer in self.model.layers]
+        return self.derived_from(
+            "folded weights", [t for source in sources for t in source],
+            lambda: [tuple((weight.float() * norm.float()[None, :]).to(weight.dtype)
+                           for weight, norm in ((qkv, qkv_norm), (gate_up, gate_up_norm)))
+                     for qkv, qkv_norm, gate_up, gate_up_norm in sources])
 
     def first_layer_qkv_tables(self) -> list[torch.Tensor]:
         """For each codebook whose code a later step feeds (``codec_embedding[0 .. G-3]``), the first layer's
         q/k/v of every entry: ``RMSNorm(E) @ W_qkv.T`` [vocab, (Hq + 2 Hkv) * D], rounded as the modules round
         (the normed row, then the product). A step's qkv GEMM becomes a row read by the attention: what the GEMM
-        would compute for the fed embedding, made once. 14 x 2048 x 4096 bf16 = 235 MB at full size; made on
-        first use and again whenever a source weight changes (as ``folded_weights``)."""
+        would compute for the fed embedding, made once. 14 x 2048 x 4096 bf16 = 235 MB at full size
+        (``derived_from``)."""
         first = self.model.layers[0]
         first.self_attn.pack_projections_()
         norm, qkv_weight = first.input_layernorm, first.self_attn.packed_qkv[0]
         embeddings = [embedding.weight for embedding in self.model.codec_embedding[:self.num_code_groups - 2]]
-        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
-                    for t in (qkv_weight, norm.weight, *embeddings))
-        if getattr(self, "_tables_key", None) != key:
+        return self.derived_from("qkv tables", [qkv_weight, norm.weight, *embeddings],
+                                 lambda: [F.linear(norm(embedding), qkv_weight) for embedding in embeddings])
+
+    def derived_from(self, what: str, sources: list[torch.Tensor], make: Callable[[], list]) -> list:
+        """``make()``'s tensors (``what``: the folded weights, the qkv tables), made on first use and again whenever
+        a source tensor changes (its version counter or storage); refused inside a CUDA graph capture, where they
+        could not be made."""
+        # inference tensors (packed under inference mode) keep no version counter: their storage stands for them
+        key = tuple((t.data_ptr(), -1 if t.is_inference() else t._version) for t in sources)
+        cache = self.__dict__.setdefault("_derived", {})
+        if what not in cache or cache[what][0] != key:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the code predictor's qkv tables are made by an eager call: run the frame "
-                                   "once before capturing it in a CUDA graph")
+                raise RuntimeError(f"the code predictor's {what} are made by an eager call: run the frame once "
+                                   "before capturing it in a CUDA graph")
             with torch.no_grad():
-                self._tables = [F.linear(norm(embedding), qkv_weight) for embedding in embeddings]
-            self._tables_key = key
-        return self._tables
+                cache[what] = (key, make())
+        return cache[what][1]
 
     def _rope_table(self, positions: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of positions 0..positions-1 (the same for every frame), made once per device and dtype, so a
