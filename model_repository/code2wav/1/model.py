@@ -23,7 +23,7 @@ from omni_triton.server.model_args import (limit_torch_threads, model_parameters
                                           report_native_crashes)
 from omni_triton.server.stage_io import (chunk_policy, configure_interstage_memory, from_torch, load_options,
                                          stage_device, stage_loading)
-from omni_triton.stage_profile import start_window
+from omni_triton.stage_profile import start_watching
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -33,7 +33,7 @@ RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt
 class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
-        start_window("code2wav")  # OMNI_TRITON_PROFILE_DIR: a torch.profiler window of this stage
+        start_watching("code2wav")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])

@@ -11,7 +11,7 @@ from omni_triton.server.model_args import (limit_torch_threads, model_parameters
 from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, host_array,
                                          input_arrays, load_options, send_output, stage_device, stage_loading,
                                          talker_output_tensors, thinker_output_from_request)
-from omni_triton.stage_profile import start_window
+from omni_triton.stage_profile import start_watching
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
                 "MIN_AUDIO_FRAMES")
@@ -21,7 +21,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
-        start_window("talker")  # OMNI_TRITON_PROFILE_DIR: a torch.profiler window of this stage
+        start_watching("talker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
