@@ -285,3 +285,13 @@ def test_plot_draws_the_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = open_loop_report.plot(synthetic_report(tmp_path), tmp_path)
     assert path == tmp_path / "open_loop.png" and path.stat().st_size > 10_000
+
+
+def test_goodput_notes_name_a_search_at_its_ceiling_and_failures_below_the_goodput():
+    from omni_triton.bench.open_loop_cli import _goodput_notes
+
+    ceiling = _goodput_notes(Search(start=1, max_rate=8), {"requests_per_s": 8, "tried": [(4, True), (8, True)]})
+    assert ceiling == ["goodput search stopped at --goodput-max 8: the goodput may be higher"]
+    (note,) = _goodput_notes(None, {"requests_per_s": 6, "tried": [(2, True), (4, False), (6, True), (8, False)]})
+    assert note.startswith("rates below the goodput failed (4/s)")
+    assert _goodput_notes(None, {"requests_per_s": None, "tried": [(2, False)]}) == []

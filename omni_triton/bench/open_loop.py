@@ -54,7 +54,7 @@ class RateRun:
     not_started: int               # arrivals dropped: max_in_flight requests were running
     drained_out: int               # requests cancelled at the drain timeout (their timing says DRAIN_TIMEOUT)
     peak_in_flight: int
-    wall_s: float                  # first request sent -> last one ended
+    wall_s: float                  # the schedule's start -> the last request ended (0: none sent)
 
 
 class StreamPool:
@@ -97,7 +97,6 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
                          f"{drain_timeout_s}")
     timings: list[RequestTiming] = []
     lags: list[float] = []
-    sent_at: list[float] = []
     ended_at: list[float] = []
     running: dict[int, Worker] = {}  # arrival index -> its worker, while its request runs
     drained: set[int] = set()
@@ -123,7 +122,6 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
                 timing.error = f"{DRAIN_TIMEOUT_CODE}: still running {drain_timeout_s:g} s after the last arrival"
             timings.append(timing)
             lags.append(sent - due)
-            sent_at.append(sent)
             ended_at.append(ended)
         if index not in drained:  # a cancelled stream is still closing: never reused
             pool.give_back(worker)
@@ -160,7 +158,7 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
         for index in running:  # not even the cancel ended it: left behind, a row of its own
             timings.append(RequestTiming(error=f"{DRAIN_TIMEOUT_CODE}: did not end when cancelled",
                                          error_code=DRAIN_TIMEOUT_CODE))
-        wall_s = max(ended_at) - min(sent_at) if sent_at else 0.0
+        wall_s = max(ended_at) - start if ended_at else 0.0
         return RateRun(timings=list(timings), start_lags_s=list(lags), not_started=not_started,
                        drained_out=len(late), peak_in_flight=peak[0], wall_s=wall_s)
 
@@ -169,7 +167,8 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
 class RateSummary:
     """One system at one offered rate: the open loop's row. The request metrics are the closed loop's
     (``metrics``, bench.metrics.summarize over the rate's requests; its ``concurrency`` is the most requests in
-    flight at once and its throughput counts completed requests from the first sent to the last ended)."""
+    flight at once and its throughput counts completed requests from the schedule's start to the last request's
+    end, the drain included, as ``vllm bench serve`` does: past capacity it is what the server completes)."""
 
     rate: float                    # offered: requests/s the schedule was drawn at
     duration_s: float              # arrivals were drawn over this window

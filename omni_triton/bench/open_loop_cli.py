@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
                                                           "min_rate": search.min_rate,
                                                           "bisections": search.bisections}}
         return {**header, "open_loop": settings, "goodput": goodput, "rates": [row.to_dict() for row in rows],
-                "notes": notes + _search_notes(search, goodput)}
+                "notes": notes + _goodput_notes(search, goodput)}
 
     def measure(rate: float) -> bool:
         arrivals = arrival_times(rate, args.duration, args.arrival_seed)
@@ -149,9 +149,16 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
     return 1 if any(row.failed_by_code or row.not_started for row in rows) else 0
 
 
-def _search_notes(search: Search | None, goodput: dict) -> list[str]:
-    if search is None or goodput["requests_per_s"] is None:
+def _goodput_notes(search: Search | None, goodput: dict) -> list[str]:
+    """What the goodput figure cannot say by itself: a search stopped at its ceiling, a failing rate below it."""
+    found = goodput["requests_per_s"]
+    if found is None:
         return []
-    if goodput["requests_per_s"] >= search.max_rate:
-        return [f"goodput search stopped at --goodput-max {search.max_rate:g}: the goodput may be higher"]
-    return []
+    notes = []
+    if search is not None and found >= search.max_rate:
+        notes.append(f"goodput search stopped at --goodput-max {search.max_rate:g}: the goodput may be higher")
+    below = sorted(rate for rate, ok in goodput["tried"] if not ok and rate < found)
+    if below:
+        notes.append(f"rates below the goodput failed ({', '.join(f'{rate:g}' for rate in below)}/s): the verdicts "
+                     "are not monotone in the rate (noise near the limit, or a --duration too short for the p95)")
+    return notes

@@ -39,7 +39,7 @@ def markdown(report: dict) -> str:
         "| TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | dry p95 ms | ran dry | req/s | audio s/s | RTF mean | passes |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for row in report["rates"]:
+    for row in sorted(report["rates"], key=lambda row: (row["system"], row["rate"])):  # a search's in rate order
         failed = sum(row["failed_by_code"].values()) + row["not_started"]
         lines.append(
             f"| {row['system']} | {row['rate']:g} | {row['achieved_rate']:.2f} | {row['sent']} | {row['completed']} | "
@@ -52,8 +52,8 @@ def markdown(report: dict) -> str:
                   "arrivals); failed: by error code below, plus arrivals not sent at the client's in-flight cap "
                   f"(--max-client-streams {open_loop['max_client_streams']}); late starts: sent > "
                   f"{open_loop['late_start_s'] * 1000:.0f} ms after their arrival time (the client fell behind); "
-                  "peak in flight: most requests running at once; req/s, audio s/s: completed requests from the "
-                  "first sent to the last ended."]
+                  "peak in flight: most requests running at once; req/s, audio s/s: completed requests over the "
+                  "time from the rate's start to its last request's end (the drain included)."]
     failures = [(row["system"], row["rate"], code, count) for row in report["rates"]
                 for code, count in row["failed_by_code"].items()]
     failures += [(row["system"], row["rate"], "not sent (client cap)", row["not_started"])
@@ -91,6 +91,8 @@ def plot(report: dict, out_dir: Path) -> Path | str:
                              label=f"{system} {metric.removeprefix('ttfa_')}")
         throughput.plot(rates, [row["requests_per_s"] for row in mine], marker="o", color=f"C{index}",
                         label=f"{system} completed")
+        throughput.plot(rates, [row["achieved_rate"] for row in mine], marker="x", color=f"C{index}", linestyle="",
+                        label=f"{system} sent (achieved arrivals)")
     goodput = report["goodput"]
     latency.axhline(goodput["ttfa_p95_limit_s"] * 1000, color="grey", linestyle=":", label="p95 limit")
     offered = sorted({row["rate"] for row in rows})
@@ -98,6 +100,7 @@ def plot(report: dict, out_dir: Path) -> Path | str:
     if goodput["requests_per_s"] is not None:
         for axes in (latency, throughput):
             axes.axvline(goodput["requests_per_s"], color="green", alpha=0.5, label="goodput")
+    latency.set_ylim(bottom=0)
     latency.set_ylabel("TTFA (ms)")
     throughput.set_ylabel("completed requests / second")
     for axes in (latency, throughput):
