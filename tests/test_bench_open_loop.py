@@ -295,3 +295,47 @@ def test_goodput_notes_name_a_search_at_its_ceiling_and_failures_below_the_goodp
     (note,) = _goodput_notes(None, {"requests_per_s": 6, "tried": [(2, True), (4, False), (6, True), (8, False)]})
     assert note.startswith("rates below the goodput failed (4/s)")
     assert _goodput_notes(None, {"requests_per_s": None, "tried": [(2, False)]}) == []
+
+
+# -- merging open-loop runs ------------------------------------------------------------------------
+
+def write_run(tmp_path, name: str, keep_rates: set[float], **open_loop) -> str:
+    report = synthetic_report(tmp_path)
+    report["rates"] = [row for row in report["rates"] if row["rate"] in keep_rates]
+    report["goodput"]["tried"] = [(row["rate"], row["passes"]) for row in report["rates"]]
+    report["open_loop"].update(open_loop)
+    report["command"] += f" --out {name}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "results.json").write_text(json.dumps(report))
+    return str(tmp_path / name)
+
+
+def test_open_loop_runs_merge_into_one_report_with_the_goodput_of_all(tmp_path):
+    from omni_triton.bench.cli import main
+
+    high, low = write_run(tmp_path, "high", {4.0}), write_run(tmp_path, "low", {1.0, 2.0})
+    out = tmp_path / "merged"
+    assert main(["--merge", high, low, "--out", str(out)]) == 1  # rate 4 had a failed request
+    report = json.loads((out / "results.json").read_text())
+    assert [row["rate"] for row in report["rates"]] == [1.0, 2.0, 4.0]
+    assert report["goodput"]["requests_per_s"] == 2.0 and report["goodput"]["tried"] == [[1.0, True], [2.0, True],
+                                                                                          [4.0, False]]
+    assert [entry["dir"] for entry in report["merged_from"]] == [high, low]
+    text = (out / "results.md").read_text()
+    assert "Merged from:" in text and f"--out {high}" not in text and "--out high`" in text
+    assert "Goodput: **2 requests/s**" in text
+
+
+def test_open_loop_merge_refuses_a_rate_twice_other_settings_and_closed_loop_runs(tmp_path):
+    from omni_triton.bench.merge import MergeError, write_merged
+
+    first = write_run(tmp_path, "a", {1.0, 2.0})
+    with pytest.raises(MergeError, match="rate 2/s is in both"):
+        write_merged([first, write_run(tmp_path, "b", {2.0})], tmp_path / "out")
+    with pytest.raises(MergeError, match="open_loop duration_s"):
+        write_merged([first, write_run(tmp_path, "c", {4.0}, duration_s=60.0)], tmp_path / "out")
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    (closed / "results.json").write_text(json.dumps({"results": [], "workload": {}, "machine": {}, "command": "x"}))
+    with pytest.raises(MergeError, match="do not merge with closed-loop ones"):
+        write_merged([first, str(closed)], tmp_path / "out")

@@ -269,7 +269,8 @@ def merge_runs(args: argparse.Namespace) -> int:
         return 2
     print(table)
     print(f"wrote {args.out}/results.json, results.md (merged {len(args.merge)} runs)", file=sys.stderr)
-    return 1 if any(row["failed"] for row in report["results"]) else 0
+    rows = report["rates"] if "open_loop" in report else report["results"]
+    return 1 if any(row["failed"] or row.get("not_started") for row in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,9 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
     rows: list[RateSummary] = []
     search = (Search(start=args.goodput_start, max_rate=args.goodput_max, min_rate=min(0.125, args.goodput_start),
                      bisections=args.goodput_bisections) if args.request_rate == AUTO else None)
+    # the closed loop's levels are not this run's
+    header = {**header, "workload": {key: value for key, value in header["workload"].items()
+                                     if key not in ("concurrencies", "requests_per_level")}}
     settings = {"system": runner.name, "duration_s": args.duration, "arrival_seed": args.arrival_seed,
                 "max_client_streams": args.max_client_streams, "drain_timeout_s": args.drain_timeout,
                 "late_start_s": LATE_START_S}
@@ -135,16 +138,9 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
     finally:
         pool.close()
 
-    report = build_report()
-    plot = open_loop_report.plot(report, out_dir)
-    if isinstance(plot, str):
-        report["notes"].append(plot)
-        print(plot, file=sys.stderr)
-    reporting.write_json(out_dir / "results.json", report)
-    table = open_loop_report.markdown(report)
-    (out_dir / "results.md").write_text(table)
+    table, plot = open_loop_report.write(build_report(), out_dir)
     print(table)
-    print(f"wrote {out_dir}/results.json, results.md" + ("" if isinstance(plot, str) else f", {plot.name}"),
+    print(f"wrote {out_dir}/results.json, results.md" + (f" ({plot})" if isinstance(plot, str) else f", {plot.name}"),
           file=sys.stderr)
     return 1 if any(row.failed_by_code or row.not_started for row in rows) else 0
 

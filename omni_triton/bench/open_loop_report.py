@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_triton.bench.metrics import RAN_DRY_S
-from omni_triton.bench.report import ms, num, workload_line
+from omni_triton.bench.report import merged_commands, ms, num, workload_line, write_json
 
 
 def goodput_line(goodput: dict) -> str:
@@ -27,6 +27,11 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
+    ]
+    if "merged_from" in report:  # bench --merge of open-loop runs: the commands that measured the rates
+        lines += ["Merged from:", ""] + [f"- `{run_dir}`: `{command}`"
+                                         for run_dir, command in merged_commands(report["merged_from"])] + [""]
+    lines += [
         "Machine: " + ", ".join(f"{key} {value}" for key, value in report["machine"].items()),
         "",
         workload_line(report, "open loop: Poisson arrivals for "
@@ -67,6 +72,19 @@ def markdown(report: dict) -> str:
     for note in report.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out_dir: Path) -> tuple[str, Path | str]:
+    """results.json (with a note when the plot could not be drawn), results.md and open_loop.png into
+    ``out_dir``; the markdown and the plot's path (or why there is none)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn = plot(report, out_dir)
+    if isinstance(drawn, str):
+        report["notes"].append(drawn)
+    write_json(out_dir / "results.json", report)
+    table = markdown(report)
+    (out_dir / "results.md").write_text(table)
+    return table, drawn
 
 
 def plot(report: dict, out_dir: Path) -> Path | str:
