@@ -339,3 +339,30 @@ def test_open_loop_merge_refuses_a_rate_twice_other_settings_and_closed_loop_run
     (closed / "results.json").write_text(json.dumps({"results": [], "workload": {}, "machine": {}, "command": "x"}))
     with pytest.raises(MergeError, match="do not merge with closed-loop ones"):
         write_merged([first, str(closed)], tmp_path / "out")
+
+
+def test_a_stream_that_cannot_be_opened_fails_its_request_only():
+    class FlakyRunner(FakeRunner):
+        def open_worker(self):
+            if not self.opened:
+                self.opened.append(None)
+                raise ConnectionError("refused")
+            return super().open_worker()
+
+    pool = StreamPool(FlakyRunner())
+    run = run_rate(pool, {}, np.array([0.0, 0.01, 0.02]), max_in_flight=10, drain_timeout_s=30)
+    assert sorted(t.error_code or "ok" for t in run.timings) == ["ConnectionError", "ok", "ok"]
+    assert run.not_started == 0 and run.drained_out == 0
+
+
+def test_a_server_started_for_the_open_loop_admits_max_inflight(tiny_checkpoint):
+    from omni_triton.bench.cli import launch_config
+    from omni_triton.bench.workload import QUICK, with_overrides
+
+    def admitted(argv: list[str]) -> int:
+        args = parse_args(["--start-server", "--checkpoint", str(tiny_checkpoint)] + argv)
+        return launch_config(args, with_overrides(QUICK, concurrencies=args.concurrency))[0].max_inflight_requests
+
+    assert admitted(["--request-rate", "1"]) == 64
+    assert admitted(["--request-rate", "1", "--max-inflight", "32"]) == 32
+    assert admitted(["--concurrency", "1,40"]) == 40 and admitted([]) == 16

@@ -106,7 +106,16 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
     peak = [0]
 
     def send(index: int, due: float) -> None:
-        worker = pool.take()  # opening a stream, when none is idle, counts in the start lag
+        try:
+            worker = pool.take()  # opening a stream, when none is idle, counts in the start lag
+        except Exception as error:  # e.g. the server is gone: this request fails, the others go on
+            with lock:
+                timings.append(RequestTiming(error=f"{type(error).__name__}: {error}",
+                                             error_code=type(error).__name__))
+                lags.append(clock() - due)
+                ended_at.append(clock())
+            in_flight.release()
+            return
         with lock:
             running[index] = worker
             peak[0] = max(peak[0], len(running))
