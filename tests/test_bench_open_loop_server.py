@@ -42,6 +42,7 @@ def test_open_loop_reports_every_rate_and_its_goodput(triton_server, tiny_checkp
         assert row["requests_per_s"] > 0
         assert row["audio_s_per_s"] == pytest.approx(row["requests_per_s"] * row["audio_s_per_request"])
         assert row["passes"] == (row["verdict"] is None) == (row["ran_dry"] == 0)
+        assert row["server_cpu_pct"]["tritonserver"] > 0  # a server on this machine: its CPU per rate
     goodput = report["goodput"]
     assert goodput["tried"] == [[row["rate"], row["passes"]] for row in rows]
     passing = [row["rate"] for row in rows if row["passes"]]

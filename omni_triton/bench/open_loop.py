@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -156,9 +156,9 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
     for thread in threads:
         thread.join(max(0.0, deadline - clock()))
     with lock:
-        late = dict(running)
-        drained.update(late)
-    for worker in late.values():
+        still_running = dict(running)
+        drained.update(still_running)
+    for worker in still_running.values():
         worker.cancel()
     for thread in threads:
         thread.join(30.0)  # the cancelled requests return with CANCELLED
@@ -169,7 +169,7 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
                                          error_code=DRAIN_TIMEOUT_CODE))
         wall_s = max(ended_at) - start if ended_at else 0.0
         return RateRun(timings=list(timings), start_lags_s=list(lags), not_started=not_started,
-                       drained_out=len(late), peak_in_flight=peak[0], wall_s=wall_s)
+                       drained_out=len(still_running), peak_in_flight=peak[0], wall_s=wall_s)
 
 
 @dataclass
@@ -191,13 +191,11 @@ class RateSummary:
     achieved_rate: float           # requests sent / duration_s: the rate this sample of arrivals offered
     metrics: LevelSummary
     verdict: str | None = None     # None: meets the goodput criterion; else why not (bench.goodput)
-    errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """One flat row: the request metrics with the open-loop fields beside them."""
         row = {key: value for key, value in asdict(self).items() if key != "metrics"}
-        return {**row, **{key: value for key, value in self.metrics.to_dict().items() if key != "errors"},
-                "passes": self.verdict is None, "errors": self.errors}
+        return {**row, **self.metrics.to_dict(), "passes": self.verdict is None}
 
 
 def summarize_rate(system: str, rate: float, duration_s: float, run: RateRun) -> RateSummary:
@@ -211,4 +209,4 @@ def summarize_rate(system: str, rate: float, duration_s: float, run: RateRun) ->
         completed=sum(t.ok for t in run.timings), failed_by_code=dict(sorted(failed.items())),
         not_started=run.not_started, late_starts=sum(lag > LATE_START_S for lag in run.start_lags_s),
         start_lag_p99_s=percentile(run.start_lags_s, 99), achieved_rate=len(run.timings) / duration_s,
-        metrics=metrics, errors=metrics.errors)
+        metrics=metrics)

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from omni_triton.bench import open_loop_report
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
+from omni_triton.bench.gpu_memory import GpuMemoryPeak
 from omni_triton.bench.goodput import Search, highest_passing, verdict
 from omni_triton.bench.open_loop import (LATE_START_S, RateSummary, StreamPool, arrival_times, run_rate,
                                          summarize_rate)
 from omni_triton.bench.runners.triton_stream import TritonStreamRunner
+from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.workload import Workload, client_tensors
 
 AUTO = "auto"
@@ -114,9 +117,12 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
         arrivals = arrival_times(rate, args.duration, args.arrival_seed)
         print(f"{runner.name} at {rate:g} requests/s: {len(arrivals)} arrivals over {args.duration:g} s",
               file=sys.stderr)
-        rate_run = run_rate(pool, tensors, arrivals, max_in_flight=args.max_client_streams,
-                            drain_timeout_s=args.drain_timeout)
+        with GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu:
+            rate_run = run_rate(pool, tensors, arrivals, max_in_flight=args.max_client_streams,
+                                drain_timeout_s=args.drain_timeout)
         row = summarize_rate(runner.name, rate, args.duration, rate_run)
+        row.metrics = replace(row.metrics, gpu_memory_peak_gib=gpu_memory.gib,
+                              gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu, server_cpu_pct=server_cpu.percent)
         row.verdict = verdict(row, limit_s)
         rows.append(row)
         print(f"  {row.completed}/{row.sent} completed, TTFA p50/p95 {reporting.ms(row.metrics.ttfa_p50)}/"

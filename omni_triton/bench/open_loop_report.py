@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_triton.bench.metrics import RAN_DRY_S
-from omni_triton.bench.report import merged_commands, ms, num, workload_line, write_json
+from omni_triton.bench.report import merged_commands, ms, num, server_cpu_table, workload_line, write_json
 
 
 def goodput_line(goodput: dict) -> str:
@@ -22,6 +22,7 @@ def goodput_line(goodput: dict) -> str:
 
 def markdown(report: dict) -> str:
     open_loop = report["open_loop"]
+    rows = sorted(report["rates"], key=lambda row: (row["system"], row["rate"]))  # a search's in rate order
     lines = [
         f"# omni-triton open-loop benchmark: {report['label']}",
         "",
@@ -41,17 +42,18 @@ def markdown(report: dict) -> str:
         goodput_line(report["goodput"]),
         "",
         "| system | rate /s | achieved /s | sent | completed | failed | late starts | peak in flight | TTFT p50 ms "
-        "| TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | dry p95 ms | ran dry | req/s | audio s/s | RTF mean | passes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | dry p95 ms | ran dry | req/s | audio s/s | RTF mean | GPU GiB "
+        "| passes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for row in sorted(report["rates"], key=lambda row: (row["system"], row["rate"])):  # a search's in rate order
+    for row in rows:
         failed = sum(row["failed_by_code"].values()) + row["not_started"]
         lines.append(
             f"| {row['system']} | {row['rate']:g} | {row['achieved_rate']:.2f} | {row['sent']} | {row['completed']} | "
             f"{failed} | {row['late_starts']} | {row['concurrency']} | {ms(row['ttft_p50'])} | "
             f"{ms(row['ttfa_p50'])} | {ms(row['ttfa_p95'])} | {ms(row['ttfa_p99'])} | {ms(row['dry_p95'])} | "
             f"{'-' if row['ran_dry'] is None else row['ran_dry']} | {num(row['requests_per_s'])} | "
-            f"{num(row['audio_s_per_s'])} | {num(row['rtf_mean'], 3)} | "
+            f"{num(row['audio_s_per_s'])} | {num(row['rtf_mean'], 3)} | {num(row['gpu_memory_peak_gib'], 1)} | "
             f"{'yes' if row['passes'] else 'no: ' + row['verdict']} |")
     lines += ["", "rate: offered (the schedule's mean); achieved: requests sent / duration (this sample of "
                   "arrivals); failed: by error code below, plus arrivals not sent at the client's in-flight cap "
@@ -59,6 +61,8 @@ def markdown(report: dict) -> str:
                   f"{open_loop['late_start_s'] * 1000:.0f} ms after their arrival time (the client fell behind); "
                   "peak in flight: most requests running at once; req/s, audio s/s: completed requests over the "
                   "time from the rate's start to its last request's end (the drain included)."]
+    lines += server_cpu_table([(row["system"], f"{row['rate']:g}/s", row["server_cpu_pct"])
+                               for row in rows], "rate")
     failures = [(row["system"], row["rate"], code, count) for row in report["rates"]
                 for code, count in row["failed_by_code"].items()]
     failures += [(row["system"], row["rate"], "not sent (client cap)", row["not_started"])

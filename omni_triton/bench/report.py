@@ -99,7 +99,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
                      f"{num(s.rtf_p95, 3)} | {num(s.audio_s_per_request)} | {num(s.requests_per_s)} | {num(s.audio_s_per_s)} | "
                      f"{num(s.continuity)} | {_gpu_gib(s)} |")
     lines += listener_table(summaries)
-    lines += server_cpu_table(summaries)
+    lines += server_cpu_table([(s.system, str(s.concurrency), s.server_cpu_pct) for s in summaries], "conc")
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
                       "audio s/s: <1 is less throughput):", "",
@@ -134,19 +134,19 @@ def listener_table(summaries: list[LevelSummary]) -> list[str]:
     return lines
 
 
-def server_cpu_table(summaries: list[LevelSummary]) -> list[str]:
-    """The local server's processes' CPU per level (bench.server_cpu): a stage's stub near 100% is bound by its
-    one Python thread at a time, whatever its GPU does."""
-    rows = [s for s in summaries if s.server_cpu_pct]
+def server_cpu_table(levels: list[tuple[str, str, dict[str, float] | None]], level_name: str) -> list[str]:
+    """The local server's processes' CPU per level (bench.server_cpu), from (system, level, CPU % by process) per
+    level (``level_name``: what the level is, e.g. conc): a stage's stub near 100% is bound by its one Python
+    thread at a time, whatever its GPU does."""
+    rows = [(system, level, cpu) for system, level, cpu in levels if cpu]
     if not rows:
         return []
-    names = sorted({name for s in rows for name in s.server_cpu_pct}, key=lambda name: (name != "tritonserver", name))
+    names = sorted({name for _, _, cpu in rows for name in cpu}, key=lambda name: (name != "tritonserver", name))
     lines = ["", "Server processes' CPU during each level, % of one core (tritonserver and each stage instance's "
                  "Python stub; a stub near 100% is bound by its Python thread):", "",
-             "| system | conc | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
-    for s in rows:
-        lines.append(f"| {s.system} | {s.concurrency} | "
-                     + " | ".join(num(s.server_cpu_pct.get(name), 0) for name in names) + " |")
+             f"| system | {level_name} | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for system, level, cpu in rows:
+        lines.append(f"| {system} | {level} | " + " | ".join(num(cpu.get(name), 0) for name in names) + " |")
     return lines
 
 
