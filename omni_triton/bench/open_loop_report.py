@@ -111,6 +111,11 @@ def plot(report: dict, out_dir: Path) -> Path | str:
             if points:
                 latency.plot(*zip(*points), marker="o", color=f"C{index}", linestyle=style,
                              label=f"{system} {metric.removeprefix('ttfa_')}")
+        failing = [(row["rate"], row["ttfa_p95"] * 1000) for row in mine
+                   if not row["passes"] and row["ttfa_p95"] is not None]
+        if failing:  # dry streams or failures fail a rate whatever its TTFA: say which did
+            latency.plot(*zip(*failing), marker="x", markersize=10, color="red", linestyle="",
+                         label=f"{system} fails (see verdict)")
         throughput.plot(rates, [row["requests_per_s"] for row in mine], marker="o", color=f"C{index}",
                         label=f"{system} completed")
         throughput.plot(rates, [row["achieved_rate"] for row in mine], marker="x", color=f"C{index}", linestyle="",
