@@ -4,6 +4,7 @@
     omni-triton bench --url 127.0.0.1:8001 --checkpoint CKPT --concurrency 1,4,8,16,32,64
     omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --systems server,inprocess
     omni-triton bench --merge RUN_A RUN_B RUN_C --out benchmarks/results/h200-full [--label h200-full]
+    omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --request-rate auto --goodput-start 4
 
 Systems: `server` (streaming, the system under test), `server-sequential` (same server, SEQUENTIAL=true),
 `inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate(return_audio=True), concurrency 1, not
@@ -19,6 +20,10 @@ and writes OUT/results.json (with `merged_from`: every run's dir, command, machi
 included) and OUT/results.md (every command listed). It refuses runs that measured the same system at the same
 concurrency, runs whose workloads differ in prompt, thinker tokens or audio frames, and runs on another CPU or
 GPU model (omni_triton/bench/merge.py).
+
+--request-rate R[,R...]|auto: the open loop instead (bench/open_loop_cli.py): Poisson arrivals at each rate for
+--duration seconds, each request on its own stream, and the goodput: the highest rate with TTFA p95 <= 500 ms, no
+stream dry, none failed (bench/goodput.py); `auto` searches it.
 
 --trace DIR: every measured request is traced (omni_triton/trace.py) and the report gets, per system and level,
 where the time to first audio went: client -> orchestrator, thinker queueing and prefill, the first thinker
@@ -40,7 +45,7 @@ from pathlib import Path
 from typing import Iterator
 
 from omni_triton import trace
-from omni_triton.bench import breakdown
+from omni_triton.bench import breakdown, open_loop_cli
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
@@ -56,6 +61,9 @@ from omni_triton.trace import TRACE_DIR_ENV
 
 SYSTEMS = ("server", "server-sequential", "inprocess", "transformers")
 REFERENCE = "server"
+# The started server's requests in flight per stage under the open loop, whose in-flight count is not set by a
+# --concurrency: the admission limit `omni-triton serve --max-inflight 64` is measured with (benchmarks/README.md).
+OPEN_LOOP_MAX_INFLIGHT = 64
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "exact prompt length")
     target.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     target.add_argument("--tritonserver", help="tritonserver binary for --start-server (default: found)")
+    target.add_argument("--max-inflight", type=int, metavar="N",
+                        help="--start-server: the server's concurrent requests per stage (default: max(16, highest "
+                             f"--concurrency); open loop: {OPEN_LOOP_MAX_INFLIGHT})")
     add_model_source_arguments(target)
     add_memory_arguments(target)
     add_engine_arguments(target)
@@ -82,8 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--audio-frames", type=int)
     load.add_argument("--requests-per-level", type=int, help="default: 2 x concurrency, at least 4")
     load.add_argument("--warmup", type=int, dest="warmup_requests", help="uncounted requests per system")
-    parser.add_argument("--systems", type=lambda text: text.split(","), default=list(SYSTEMS),
-                        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--systems", type=lambda text: text.split(","),
+                        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all; open loop: server)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads in this process for inprocess/transformers (the server's stages "
                              "use 1 each by default)")
@@ -96,9 +107,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "level's time to first audio goes: this process's events in DIR/<system>-c<N>, the "
                              "server's in DIR/server (set for a --start-server server; start a server of your own "
                              f"with {TRACE_DIR_ENV}=DIR/server)")
+    open_loop_cli.add_arguments(parser)
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results/<UTC time>)")
     parser.add_argument("--label", help="report title (default: the output dir's name)")
     args = parser.parse_args(argv)
+    if args.request_rate is not None:
+        open_loop_cli.check_arguments(parser, args)
+        args.max_inflight = args.max_inflight or OPEN_LOOP_MAX_INFLIGHT
+    args.systems = args.systems or list(SYSTEMS)
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
@@ -127,7 +143,8 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
     the measured concurrency."""
     config = LaunchConfig(checkpoint_dir=args.source.checkpoint_dir.resolve(), device=args.device,
                           load_format=args.source.load_format, dummy_seed=args.source.seed,
-                          interstage_memory=interstage_memory, max_inflight_requests=max(16, *workload.concurrencies),
+                          interstage_memory=interstage_memory,
+                          max_inflight_requests=args.max_inflight or max(16, *workload.concurrencies),
                           fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
                           prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
                           dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
@@ -252,7 +269,8 @@ def merge_runs(args: argparse.Namespace) -> int:
         return 2
     print(table)
     print(f"wrote {args.out}/results.json, results.md (merged {len(args.merge)} runs)", file=sys.stderr)
-    return 1 if any(row["failed"] for row in report["results"]) else 0
+    rows = report["rates"] if "open_loop" in report else report["results"]
+    return 1 if any(row["failed"] or row.get("not_started") for row in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,21 +307,28 @@ def main(argv: list[str] | None = None) -> int:
     summaries: list[LevelSummary] = []
     breakdowns: list[dict] = []
 
+    header = {
+        "label": args.label or out_dir.name,
+        "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "machine": machine,
+        "workload": {**workload.__dict__, "prompt_text": text},
+        "prompt_ids": _prompt_ids(args.checkpoint, text),
+        "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(sum(idle_gpu_mib) / 1024, 2),
+        "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
+                     "seed": args.source.seed} if args.source is not None else "unknown"),
+    }
+    if args.request_rate is not None:
+        with served(args, workload, notes) as url:
+            return open_loop_cli.run(args, workload, text, url, header, notes, out_dir)
+
     def build_report(rows: list[LevelSummary], complete: bool) -> dict:
         return {
-            "label": args.label or out_dir.name,
-            "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "machine": machine,
-            "workload": {**workload.__dict__, "prompt_text": text},
-            "prompt_ids": _prompt_ids(args.checkpoint, text),
+            **header,
             "torch_threads": args.torch_threads,
             "results": [s.to_dict() for s in rows],
             "ratios_to": REFERENCE,
             "ratios": ratios_to(REFERENCE, rows),
             "ttfa_breakdown": breakdowns,
-            "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(sum(idle_gpu_mib) / 1024, 2),
-            "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
-                         "seed": args.source.seed} if args.source is not None else "unknown"),
             "notes": notes + (["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]
                               if "transformers" in systems else [])
                      + ([] if complete else ["partial: the run stopped before its last level"]),

@@ -26,6 +26,7 @@ class RequestTiming:
     audio_chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, samples) per non-empty chunk
     total_s: float = 0.0                                               # until the stream closed
     error: str | None = None
+    error_code: str | None = None  # a failure's Triton error code (client.error_code), or its exception's type
 
     @property
     def ok(self) -> bool:
