@@ -103,14 +103,19 @@ def test_every_relative_link_resolves(page):
     assert not outside, f"{page.relative_to(ROOT)} links files outside the repository: {outside}"
 
 
+@functools.cache
+def markdown_files() -> frozenset[str]:
+    """The names of the repository's Markdown files (not the environment's or the build's)."""
+    return frozenset(path.name for path in ROOT.rglob("*.md")
+                     if not {".git", ".venv", "build", "node_modules"} & set(path.relative_to(ROOT).parts))
+
+
 @pytest.mark.parametrize("page", DOCS_PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())
 def test_every_markdown_file_a_page_names_is_in_the_repository(page):
     """A reader cannot open a design note or a README that only exists on someone's machine."""
-    in_repository = {path.name for path in ROOT.rglob("*.md")
-                     if not {".git", ".venv", "build", "node_modules"} & set(path.relative_to(ROOT).parts)}
     named = set(re.findall(r"([\w-]+\.md)\b", visible_markdown(page)))
-    assert not named - in_repository, (f"{page.relative_to(ROOT)} names files the repository does not hold: "
-                                       f"{sorted(named - in_repository)}")
+    assert not named - markdown_files(), (f"{page.relative_to(ROOT)} names files the repository does not hold: "
+                                          f"{sorted(named - markdown_files())}")
 
 
 def test_the_readme_is_a_short_guide():
