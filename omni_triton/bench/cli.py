@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_memory_arguments(target)
     add_engine_arguments(target)
     add_load_arguments(target)
-    load = parser.add_argument_group("workload (defaults: DESIGN.md section 6, or --quick)")
+    load = parser.add_argument_group("workload (defaults: the fixed workload of benchmarks/README.md, or --quick)")
     load.add_argument("--quick", action="store_true", help="CPU/CI preset: 16-token prompt, 16 tokens, 25 frames, "
                                                            "concurrency 1,2,4")
     load.add_argument("--concurrency", type=_int_list, help="comma-separated levels, e.g. 1,4,8")

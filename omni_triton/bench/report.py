@@ -117,7 +117,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
 
 
 def listener_table(summaries: list[LevelSummary]) -> list[str]:
-    """What a listener hears (DESIGN.md section 6): dry time after the first chunk, the start delay a player
+    """What a listener hears (benchmarks/README.md, Metrics): dry time after the first chunk, the start delay a player
     needs for gapless playback (TTFA + dry time) and the streams that ran dry (dry time > RAN_DRY_S)."""
     rows = [s for s in summaries if s.ran_dry is not None]
     if not rows:
