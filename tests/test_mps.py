@@ -83,8 +83,9 @@ FAKE_DAEMON = """#!/bin/bash
 # Stand-in for nvidia-cuda-mps-control: "-d" leaves a process named like the real daemon, holding this
 # environment (its pipe directory and CUDA_VISIBLE_DEVICES), and a control socket; "quit" on stdin ends both.
 if [ "$1" = "-d" ]; then
-    echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY visible=${{CUDA_VISIBLE_DEVICES-unset}}" >> "{log}"
-    (exec -a nvidia-cuda-mps-control sleep 600) </dev/null >/dev/null 2>&1 &
+    visible=${{CUDA_VISIBLE_DEVICES-unset}}
+    echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY visible=$visible" >> "{log}"
+    (exec -a nvidia-cuda-mps-control bash -c 'while :; do sleep 1; done' -d) </dev/null >/dev/null 2>&1 &
     echo $! > "$CUDA_MPS_PIPE_DIRECTORY/daemon.pid"
     echo $! >> "{log}.pids"
     touch "$CUDA_MPS_PIPE_DIRECTORY/control"

@@ -72,8 +72,7 @@ class MpsDaemon:
             self.own_directory = None
 
 
-def start_mps(choice: str, gpu: bool, environ: dict[str, str] | None = None,
-              proc: Path = Path("/proc")) -> MpsDaemon:
+def start_mps(choice: str, gpu: bool, environ: dict[str, str] | None = None) -> MpsDaemon:
     """The MPS daemon serving uses (see the module's doc); ``environ`` defaults to this process's."""
     if choice not in MPS_CHOICES:
         raise MpsError(f"--mps must be one of {MPS_CHOICES}, got {choice!r}")
@@ -81,23 +80,15 @@ def start_mps(choice: str, gpu: bool, environ: dict[str, str] | None = None,
     if choice == "off" or not gpu:
         return MpsDaemon(note="off" if choice == "off" else "off (no GPU)")
     host_pipe = Path(environ.get(PIPE) or DEFAULT_PIPE_DIRECTORY)
-    refused = ""
+    passed_over = ""
     if (host_pipe / "control").exists():
-        visible = _gpus(environ.get(VISIBLE))
-        seen = host_daemon_gpus(host_pipe, proc)
-        if seen is None or (seen == UNREADABLE and visible is None):  # it sees every GPU of the host
-            return MpsDaemon(note=f"the host's control daemon ({host_pipe})")
-        if seen != UNREADABLE and visible is not None and set(visible) <= set(seen):
-            positions = ",".join(str(seen.index(gpu_id)) for gpu_id in visible)
-            return MpsDaemon(environment={VISIBLE: positions},
-                             note=f"the host's control daemon ({host_pipe}, its GPUs {','.join(seen)}; "
-                                  f"ours {','.join(visible)} are its {positions})")
-        refused = (f"the host's daemon at {host_pipe} "
-                   + ("cannot be shown to see" if seen == UNREADABLE else f"sees GPUs {','.join(seen)}, not all of")
-                   + f" {VISIBLE}={environ.get(VISIBLE)}; ")
+        host, passed_over = _the_hosts_daemon(host_pipe, environ.get(VISIBLE))
+        if host is not None:
+            return host
     binary = shutil.which(CONTROL_BINARY, path=environ.get("PATH"))
     if binary is None:
-        why = f"{refused}{CONTROL_BINARY} not found on PATH" + ("" if refused else f" and no control daemon at {host_pipe}")
+        why = passed_over + f"{CONTROL_BINARY} not found on PATH" + (
+            "" if passed_over else f" and no control daemon at {host_pipe}")
         if choice == "on":
             raise MpsError(f"--mps on: {why}")
         return MpsDaemon(note=f"off ({why}: the stages time-slice the GPU)")
@@ -110,14 +101,29 @@ def start_mps(choice: str, gpu: bool, environ: dict[str, str] | None = None,
     result = subprocess.run([binary, "-d"], env={**environ, **env}, capture_output=True, timeout=30, check=False)
     if result.returncode != 0:
         shutil.rmtree(own, ignore_errors=True)
-        why = f"{refused}{CONTROL_BINARY} -d exited with {result.returncode}: " \
-              f"{(result.stderr or result.stdout).decode()[-300:]}"
+        why = (f"{passed_over}{CONTROL_BINARY} -d exited with {result.returncode}: "
+               f"{(result.stderr or result.stdout).decode()[-300:]}")
         if choice == "on":
             raise MpsError(f"--mps on: {why}")
         return MpsDaemon(note=f"off ({why})")
     gpus = f"GPUs {environ[VISIBLE]}" if VISIBLE in environ else "every GPU"
-    return MpsDaemon(environment={**env, VISIBLE: None},
-                     note=f"{refused}own control daemon on {gpus} (pipe {env[PIPE]})", own_directory=own, binary=binary)
+    # tritonserver gets no CUDA_VISIBLE_DEVICES: the daemon already holds only our GPUs, numbered from 0
+    return MpsDaemon(environment={**env, VISIBLE: None}, own_directory=own, binary=binary,
+                     note=f"{passed_over}own control daemon on {gpus} (pipe {env[PIPE]})")
+
+
+def _the_hosts_daemon(pipe: Path, our_visible: str | None) -> tuple[MpsDaemon | None, str]:
+    """The host's daemon listening in ``pipe`` when it is shown to see our GPUs, else (None, why not)."""
+    ours, seen = _gpus(our_visible), host_daemon_gpus(pipe)
+    if seen is None or (seen == UNREADABLE and ours is None):
+        return MpsDaemon(note=f"the host's control daemon ({pipe})"), ""
+    if seen != UNREADABLE and ours is not None and set(ours) <= set(seen):
+        positions = ",".join(str(seen.index(gpu_id)) for gpu_id in ours)
+        return MpsDaemon(environment={VISIBLE: positions},
+                         note=f"the host's control daemon ({pipe}, its GPUs {','.join(seen)}; "
+                              f"ours {','.join(ours)} are its {positions})"), ""
+    sees = "cannot be shown to see" if seen == UNREADABLE else f"sees GPUs {','.join(seen)}, not all of"
+    return None, f"the host's daemon at {pipe} {sees} {VISIBLE}={our_visible}; "
 
 
 def _gpus(visible: str | None) -> list[str] | None:
@@ -133,7 +139,8 @@ def host_daemon_gpus(pipe: Path, proc: Path = Path("/proc")) -> list[str] | None
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if Path(argv[0].decode(errors="replace")).name != CONTROL_BINARY:
+            # the daemon (-d, or -f in the foreground), not a command sent to it ("echo quit | ...")
+            if Path(argv[0].decode(errors="replace")).name != CONTROL_BINARY or not {b"-d", b"-f"} & set(argv[1:]):
                 continue
             environ = dict(item.split("=", 1) for item in
                            (entry / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
