@@ -440,23 +440,26 @@ class TritonServer:
         return {name: pid for instances in stubs.values() for name, pid in instances.items()}
 
     def supervise(self, ready_timeout_s: float, max_restarts: int, log: Callable[[str], None],
-                  reloaded_by_orchestrator: tuple[str, ...] = ()) -> int:
+                  reloaded_by_orchestrator: tuple[str, ...] = (), stopped: Callable[[], bool] = lambda: False) -> int:
         """Keep the server up until Ctrl-C. A native crash in a backend takes the whole process down; a stub
         that dies leaves its model answering nothing (Triton 2.51 never restarts stubs). Either way: stop what
         is left and start again, up to ``max_restarts`` times. Stubs of ``reloaded_by_orchestrator`` are left
-        to the orchestrator (``--allow-stage-reload``). Returns the exit code of the run not restarted."""
+        to the orchestrator (``--allow-stage-reload``). Returns the exit code of the run not restarted, or 0 once
+        ``stopped()`` (another thread stops the server: a bench's own server is not restarted then)."""
         def watched_stubs() -> dict[str, int]:
             return self.stub_pids([m for m in self.repository_models() if m not in reloaded_by_orchestrator])
 
         restarts, watched = 0, watched_stubs()
         while True:
-            while self.process is not None and self.process.poll() is None:
+            while self.process is not None and self.process.poll() is None and not stopped():
                 dead = [m for m, pid in watched.items() if not stub_alive(pid, self.process.pid)]
                 if dead:
                     log(f"the stub process of {dead} died; its requests can never complete")
                     break
                 time.sleep(0.5)
             else:
+                if stopped():
+                    return 0
                 code = None if self.process is None else self.process.returncode
                 log(f"tritonserver exited with code {code}\n{self.log_tail()}")
             if restarts >= max_restarts:
