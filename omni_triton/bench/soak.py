@@ -278,7 +278,8 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
             event["error"] = f"no stub process of {stage} found"
             return
         os.kill(pid, signal.SIGKILL)
-        event["killed_at"] = time.perf_counter() - clock_zero
+        event["killed_perf_counter"] = time.perf_counter()
+        event["killed_at"] = event["killed_perf_counter"] - clock_zero
         event["pid"] = pid
         while time.perf_counter() - clock_zero - event["killed_at"] < back_timeout_s:
             sent = time.perf_counter() - clock_zero
@@ -312,6 +313,7 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
     hung = [t for t in timings if t.error_code in (DRAIN_TIMEOUT_CODE, "DEADLINE_EXCEEDED")]
     return {
         "stage": stage, "rate": rate, "duration_s": duration_s, "killed_at_s": round(killed_at, 2),
+        "killed_perf_counter": event["killed_perf_counter"],
         "killed_pid": event["pid"], "requests": len(timings), "errors_by_fate_and_code": errors_by_code(timings),
         "in_flight_at_kill": len(in_flight), "in_flight_completed": len(in_flight) - len(in_flight_failed),
         "in_flight_failed_within_s": max(ends, default=None), "in_flight_errors": sorted(

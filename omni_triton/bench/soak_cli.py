@@ -202,9 +202,9 @@ def _kill_on_fresh_server(args, workload, notes, load_for, mix: RequestMix, stag
     server = start_server(args, workload, notes, Path(f"build/bench-run/kill-{stage}"), stage_reload=True,
                           exit_timeout_s=2)
     stopping = threading.Event()
-    restarts: list[str] = []
+    restarts: list[tuple[float, str]] = []  # (time.perf_counter(), what serve's watch said)
     watcher = threading.Thread(target=server.supervise, name="serve-watch", daemon=True, kwargs=dict(
-        ready_timeout_s=600, max_restarts=1, log=restarts.append, reloaded_by_orchestrator=STAGE_RELOADED,
+        ready_timeout_s=600, max_restarts=1, log=lambda line: restarts.append((time.perf_counter(), line)), reloaded_by_orchestrator=STAGE_RELOADED,
         stopped=stopping.is_set))
     watcher.start()
     try:
@@ -217,7 +217,9 @@ def _kill_on_fresh_server(args, workload, notes, load_for, mix: RequestMix, stag
         result = soak.kill_stage(load_for(server.grpc_url), probe, stage, stub_pid, rate, args.kill_duration,
                                  args.kill_after, args.back_timeout, idle_timeout_s)
         log = server.log_path.read_text(errors="replace")
-        result["server_restarts"] = [line.split("\n")[0] for line in restarts]
+        killed = result.pop("killed_perf_counter", None)
+        result["server_restarts"] = [f"{when - killed:+.1f} s: {line.splitlines()[0]}" if killed else line
+                                     for when, line in restarts]
         result["reload_log"] = [line.strip()[-120:] for line in log.splitlines() if "stage reloaded in" in line
                                 or "lock_exception" in line][:4]
         return result

@@ -341,23 +341,24 @@ class TritonServer:
     def repository_models(self) -> list[str]:
         return sorted(p.name for p in self.repository.iterdir() if (p / "config.pbtxt").is_file())
 
-    def stop(self, timeout_s: float = 20.0) -> int | None:
+    def stop(self, timeout_s: float = 20.0, graceful: bool = True) -> int | None:
         """SIGINT (graceful: Triton drains requests and unloads every model), then SIGTERM, then SIGKILL, to
-        the whole group."""
+        the whole group; SIGKILL at once when not ``graceful``."""
         self._stop_echo.set()
         try:
-            return self._stop_server(timeout_s)
+            return self._stop_server(timeout_s, graceful)
         finally:
             if self.mps is not None:
                 self.mps.stop()  # after the server: its clients must be gone first
 
-    def _stop_server(self, timeout_s: float) -> int | None:
+    def _stop_server(self, timeout_s: float, graceful: bool) -> int | None:
         stubs = list(self.stub_pids().values())
         process, self.process = self.process, None
         if process is None:
             return None
         self.stop_outcome = "graceful"
-        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        signals = ((signal.SIGINT, timeout_s), (signal.SIGTERM, 5.0)) if graceful else ()
+        for sig, wait_s in (*signals, (signal.SIGKILL, 5.0)):
             if process.poll() is not None:
                 break
             if sig != signal.SIGINT:
@@ -456,8 +457,9 @@ class TritonServer:
                 if dead:
                     log(f"the stub process of {dead} died; its requests can never complete")
                     break
-                time.sleep(0.5)
+                time.sleep(0.1)  # until it is seen, requests fail with Triton's UNKNOWN "Stub ... is not healthy"
             else:
+                dead = []
                 if stopped():
                     return 0
                 code = None if self.process is None else self.process.returncode
@@ -466,7 +468,10 @@ class TritonServer:
                 log(f"not restarting: {max_restarts} restarts already (--max-restarts)")
                 return self.process.returncode if self.process is not None and self.process.returncode else 1
             restarts += 1
-            self.stop()
+            # A dead stub's requests can never complete: a graceful stop would only answer new ones with
+            # "unknown model" (UNKNOWN) while the others unload, where a stopped server refuses the connection
+            # (UNAVAILABLE) and restarts sooner.
+            self.stop(graceful=not dead)
             log(f"restarting tritonserver ({restarts}/{max_restarts}) ...")
             self.start()
             self.wait_ready(timeout_s=ready_timeout_s)
