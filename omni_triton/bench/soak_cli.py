@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_
             report["scenarios"]["kill"].append(_kill_on_fresh_server(args, workload, notes, load_for, mix, stage,
                                                                      rates["kill"], idle_timeout_s))
             save()
-    save(partial=False)
+    report["partial"] = False
     table, plot = soak_report.write(report, out_dir)
     print(table)
     print(f"wrote {out_dir}/results.json, results.md" + (f" ({plot})" if isinstance(plot, str) else f", {plot.name}"),
