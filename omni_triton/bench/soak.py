@@ -27,13 +27,14 @@ import numpy as np
 
 from omni_triton.bench.metrics import RAN_DRY_S, dry_time, percentile, ttfa
 from omni_triton.bench.open_loop import DRAIN_TIMEOUT_CODE, StreamPool, arrival_times, run_rate
-from omni_triton.bench.soak_probes import Sampler, ServerProbe, held, leaks
+from omni_triton.bench.soak_probes import Sampler, ServerProbe, held, leaks, read_gauges
 from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakRunner, SoakTiming
 from omni_triton.client import OmniStreamClient
 
 EXPECTED_CODES = {COMPLETE: None, CANCEL: "CANCELLED", DEADLINE: "DEADLINE_EXCEEDED"}
 LIMIT_WORDS = ("max_inflight_requests", "admission_queue", "admission")  # a refusal names one of them
 PROBE_EVERY_S = 0.25
+BUSY_WAIT_S = 30.0  # after --kill-after, a kill waits at most this long for the stage to hold a request
 PROBE_REQUEST = dict(max_tokens=2, min_tokens=2, ignore_eos=True, max_audio_frames=4, min_audio_frames=4)
 
 
@@ -266,13 +267,18 @@ def _recovered_after(after: list, burst_end: float, normal_s: float | None) -> f
 
 def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Callable[[], int | None], rate: float,
                duration_s: float, kill_after_s: float, back_timeout_s: float, idle_timeout_s: float) -> dict:
-    """Open-loop arrivals at ``rate`` for ``duration_s`` (requests all meant to complete); ``kill_after_s`` in,
-    SIGKILL the stage's stub (``stub_pid()`` finds it) and probe until a request is served again."""
+    """Open-loop arrivals at ``rate`` for ``duration_s`` (requests all meant to complete); ``kill_after_s`` in, once
+    the stage holds a request (at most BUSY_WAIT_S later), SIGKILL its stub (``stub_pid()`` finds it) and probe
+    until a request is served again."""
     mix = replace(load.mix, cancel_fraction=0.0, deadline_fraction=0.0)
     event: dict = {}
 
     def kill_and_probe(clock_zero: float) -> None:
         time.sleep(kill_after_s)
+        # killed while it serves: at a low rate the kill time alone may fall between requests
+        waited_until = time.monotonic() + BUSY_WAIT_S
+        while not _serving(probe, stage) and time.monotonic() < waited_until:
+            time.sleep(0.02)
         pid = stub_pid()
         if pid is None:
             event["error"] = f"no stub process of {stage} found"
@@ -339,6 +345,17 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
                   f"{event.get('served_s')} s", "target"),
         ],
     }
+
+
+def _serving(probe: ServerProbe, stage: str) -> bool:
+    """Whether ``stage`` holds a request now (its gauge: code2wav's open streams, the others' active requests)."""
+    name = "omni_code2wav_streams" if stage == "code2wav" else "omni_active_requests"
+    try:
+        gauges = read_gauges(probe.metrics_url)
+    except OSError:
+        return False
+    return any(value > 0 for key, value in gauges.items()
+               if key.startswith(name + "{") and f"stage={stage}" in key.split("{", 1)[1].rstrip("}").split(","))
 
 
 def _short(error: Exception) -> str:
