@@ -16,8 +16,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from omni_triton.bench.server_cpu import _cmdline, server_processes
 
 GPU_APPS_QUERY = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
@@ -30,6 +28,8 @@ FREE_GAUGE = "omni_kv_blocks_free"  # must be back at its value on the idle serv
 
 def read_gauges(metrics_url: str) -> dict[str, float]:
     """The server's ``omni_*`` gauges, keyed ``name{label=value,...}`` (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families  # the bench extra: only --soak reads it
+
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     gauges = {}
