@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from omni_triton.bench.metrics import RequestTiming
+from omni_triton.bench.runners.triton_stream import TritonStreamWorker
 from omni_triton.bench.workload import PROMPT_WORDS
 from omni_triton.client import INPUT_SAMPLE_RATE, OmniStreamClient
 
@@ -132,40 +133,24 @@ class SoakTiming(RequestTiming):
     extra: dict = field(default_factory=dict)
 
 
-class SoakWorker:
-    """One gRPC stream (an ``OmniStreamClient``); ``request`` sends a SoakRequest on it and times it. Fits the
-    open loop's stream pool (bench.open_loop.StreamPool) as a worker."""
+class SoakWorker(TritonStreamWorker):
+    """One gRPC stream; ``request`` sends a SoakRequest on it, times it, and cancels it mid-stream when that is its
+    fate. Fits the open loop's stream pool (bench.open_loop.StreamPool) as a worker."""
 
     def __init__(self, url: str, clock_zero: float, timeout_s: float):
-        self.client = OmniStreamClient(url)
-        self.clock_zero, self.timeout_s = clock_zero, timeout_s
+        super().__init__(OmniStreamClient(url), timeout_s)
+        self.clock_zero = clock_zero
 
     def request(self, request: SoakRequest) -> SoakTiming:
-        timing = SoakTiming(index=request.index, fate=request.fate)
-        start = time.perf_counter()
-        timing.sent_at = start - self.clock_zero
+        timing = SoakTiming(index=request.index, fate=request.fate, sent_at=time.perf_counter() - self.clock_zero)
 
-        def on_audio(chunk: np.ndarray) -> None:
-            timing.audio_chunks.append((time.perf_counter() - start, chunk.size))
+        def after_chunk() -> None:
             if request.fate == CANCEL and len(timing.audio_chunks) == request.cancel_after_chunks:
                 timing.cancel_sent = True
                 self.client.cancel()
 
-        try:
-            self.client.stream(request.text, request.audio_in, timeout_s=self.timeout_s,
-                               on_text=lambda delta: timing.text_times.append(time.perf_counter() - start),
-                               on_audio=on_audio, deadline_s=request.deadline_s, **request.scalars())
-        except Exception as error:  # a failed request is a result to report
-            timing.error = f"{type(error).__name__}: {error}"
-            timing.error_code = getattr(error, "code", type(error).__name__)
-        timing.total_s = time.perf_counter() - start
-        return timing
-
-    def cancel(self) -> None:
-        self.client.cancel()
-
-    def close(self) -> None:
-        self.client.close()
+        return self.stream_timed(timing, request.text, request.audio_in, after_chunk, deadline_s=request.deadline_s,
+                                 **request.scalars())
 
 
 class SoakRunner:
