@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from conftest import TEST_LIMITS
 from omni_triton.client import OmniStreamClient, StreamError, build_inputs, main
-from omni_triton.server.orchestrator import REQUEST_INPUTS
+from omni_triton.stages.orchestrator import REQUEST_INPUTS
 from reliability_helpers import seconds_until_idle
 from server_fixture import serving
 

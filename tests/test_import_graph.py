@@ -156,27 +156,19 @@ def cycles(graph) -> list[list[str]]:
     return sorted(found)
 
 
-# Today's violations, fixed by the restructuring that follows (strict: each must fail until it is fixed).
-TODAY = pytest.mark.xfail(strict=True, reason="server/ mixes launcher and stages; cli <-> deploy; "
-                                               "kernels -> models; omni_triton -> build_engines")
-
-
 @pytest.fixture(scope="module")
 def graph():
     return import_graph(ROOT)
 
 
-@TODAY
 def test_every_module_has_a_layer(graph):
     assert unplaced(graph) == []
 
 
-@TODAY
 def test_no_upward_import(graph):
     assert upward_imports(graph) == []
 
 
-@TODAY
 def test_no_import_circle(graph):
     assert cycles(graph) == []
 
@@ -185,7 +177,6 @@ def test_launcher_and_stages_meet_only_in_shared(graph):
     assert crossings(graph) == []
 
 
-@TODAY
 def test_build_engines_is_never_imported_by_the_package(graph):
     assert back_into(graph) == []
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_triton.server.mps import MpsError, start_mps
+from omni_triton.launch.mps import MpsError, start_mps
 
 FAKE_CONTROL = """#!/bin/sh
 echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY stdin=$(cat /dev/stdin 2>/dev/null | head -c 20)" >> "{log}"

@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from omni_triton.api.app import create_app  # noqa: E402
 from omni_triton.client import OmniStreamClient, to_pcm16, write_wav  # noqa: E402
-from omni_triton.server.tritonserver import free_port  # noqa: E402
+from omni_triton.launch.tritonserver import free_port  # noqa: E402
 from reliability_helpers import VICTIM_REQUEST, held_state, read_gauges, seconds_until_idle  # noqa: E402
 
 pytestmark = pytest.mark.server

@@ -52,11 +52,11 @@ from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
-from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
+from omni_triton.launch.options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
                                                add_memory_arguments, add_model_source_arguments, model_source,
                                                with_kv_budget)
-from omni_triton.server.memory_plan import SERVED_GPU_PROCESSES
-from omni_triton.server.repository import LaunchConfig
+from omni_triton.launch.memory_plan import SERVED_GPU_PROCESSES
+from omni_triton.shared.settings import LaunchConfig
 from omni_triton.trace import TRACE_DIR_ENV
 
 SYSTEMS = ("server", "server-sequential", "inprocess", "transformers")
@@ -169,8 +169,8 @@ def served(args: argparse.Namespace, workload: Workload, notes: list[str]) -> It
     if not args.start_server:
         yield args.url
         return
-    from omni_triton.server.repository import available_models, render_repository
-    from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+    from omni_triton.launch.repository import available_models, render_repository
+    from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
     install = find_tritonserver(args.tritonserver, device=args.device)
     config, kv_note = launch_config(args, workload, install.interstage_memory(args.device))

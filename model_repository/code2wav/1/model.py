@@ -11,17 +11,17 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from omni_triton.models.code2wav import exact_left_context_frames
-from omni_triton.models.code2wav_graphs import GraphSettings
-from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.pipeline.code2wav_states import Code2WavStreamStates
-from omni_triton.pipeline.code2wav_stream import StreamDecoder
-from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
-from omni_triton.server.code2wav_requests import Code2WavRequests
-from omni_triton.server.metrics import HostHopCounter
-from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
+from omni_triton.models.code2wav.vocoder import exact_left_context_frames
+from omni_triton.models.code2wav.graphs import GraphSettings
+from omni_triton.models.code2wav.runtime import Code2WavRuntime
+from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates
+from omni_triton.pipeline.code2wav.chunking import StreamDecoder
+from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
+from omni_triton.stages.code2wav_requests import Code2WavRequests
+from omni_triton.stages.metrics import HostHopCounter
+from omni_triton.stages.model_args import (limit_torch_threads, model_parameters, replica_labels,
                                           report_native_crashes)
-from omni_triton.server.stage_io import (chunk_policy, configure_interstage_memory, from_torch, load_options,
+from omni_triton.stages.stage_io import (chunk_policy, configure_interstage_memory, from_torch, load_options,
                                          stage_device, stage_loading)
 from omni_triton.stage_profile import start_watching
 

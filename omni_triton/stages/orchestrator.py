@@ -41,17 +41,17 @@ from tokenizers import Tokenizer
 
 from omni_triton import trace
 from omni_triton.error_tags import triton_error
-from omni_triton.models.code2wav import Code2WavConfig, exact_left_context_frames
-from omni_triton.pipeline.chunk_pacing import ChunkPacer
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
+from omni_triton.models.code2wav.vocoder import Code2WavConfig, exact_left_context_frames
+from omni_triton.pipeline.code2wav.pacing import ChunkPacer
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
-from omni_triton.server.admission import Admission, RealtimeCapacity
-from omni_triton.server.bls_clients import BlsStageClients
-from omni_triton.server.metrics import HostHopCounter
-from omni_triton.server.repository import CHUNK_PACING
-from omni_triton.server.stage_io import from_torch
-from omni_triton.server.stage_supervisor import StageSupervisor
+from omni_triton.stages.admission import Admission, RealtimeCapacity
+from omni_triton.stages.bls_clients import BlsStageClients
+from omni_triton.stages.metrics import HostHopCounter
+from omni_triton.shared.settings import CHUNK_PACING
+from omni_triton.stages.stage_io import from_torch
+from omni_triton.stages.stage_supervisor import StageSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ STAGE_ALIVE_MAX_AGE_S = 0.05
 
 
 class Orchestrator:
-    def __init__(self, pb_utils: Any, checkpoint_dir: str, device: torch.device, policy: ChunkPolicy,
+    def __init__(self, pb_utils: Any, checkpoint_dir: str | Path, device: torch.device, policy: ChunkPolicy,
                  max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
                  max_starting: int = 0):

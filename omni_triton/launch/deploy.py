@@ -118,15 +118,17 @@ def serve_arguments(values: Values) -> list[str]:
 
 def checked_serve(values: Values, source: str = "values") -> tuple[argparse.Namespace, Any]:
     """``serve_arguments`` parsed by serve's own parser, and the tritonserver options serve builds from them
-    (``cli.server_options``). Raises ValuesError for options serve refuses or GPUs the pod does not have."""
-    from omni_triton import cli
-    from omni_triton.server.launch_options import LaunchOptionError, placement
-    from omni_triton.server.repository import LaunchConfig
+    (``serve.server_options``). Raises ValuesError for options serve refuses or GPUs the pod does not have."""
+    from omni_triton.launch.options import LaunchOptionError, placement
+    from omni_triton.launch.serve import add_serve_arguments, server_options
+    from omni_triton.shared.settings import LaunchConfig
 
+    serve = argparse.ArgumentParser(prog="omni-triton serve")
+    add_serve_arguments(serve)
     refusal = io.StringIO()
     try:
         with contextlib.redirect_stderr(refusal):  # argparse prints why it exits: that is the message
-            args = cli.build_parser().parse_args(serve_arguments(values))
+            args = serve.parse_args(serve_arguments(values)[1:])
         if args.checkpoint is None and args.config is None:
             raise LaunchOptionError("give checkpoint.claimName + checkpoint.path, or serve: [--config NAME]")
         placed = placement(args)
@@ -140,7 +142,7 @@ def checked_serve(values: Values, source: str = "values") -> tuple[argparse.Name
         raise ValuesError(f"{source}: gpus {values.gpus}, but the placement ({placed.describe()}) uses GPU "
                           f"{needed - 1}: set gpus: {needed}")
     config = LaunchConfig(checkpoint_dir=Path("."), device="cuda", placement=placed)
-    return args, cli.server_options(args, config)
+    return args, server_options(args, config)
 
 
 def render(values: Values, source: str = "values") -> dict[str, list[dict]]:

@@ -7,7 +7,7 @@ holding ``python/{libtriton_python.so, triton_python_backend_stub, triton_python
 (``--python-backend auto|built|bundled``, default auto: built when a usable build is present).
 
 Why build one: the backend bundled with nvidia-pytriton 0.7.0 (Triton 2.51) cannot carry CUDA tensors through
-decoupled BLS and crashes under concurrent streams (``omni_triton/server/bundled_backend/``).
+decoupled BLS and crashes under concurrent streams (``omni_triton/shared/bundled_backend/``).
 """
 
 from __future__ import annotations

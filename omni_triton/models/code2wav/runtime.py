@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from omni_triton.models.code2wav import Code2Wav, Code2WavConfig
-from omni_triton.models.code2wav_graphs import Code2WavGraphs, GraphSettings
-from omni_triton.models.code2wav_streaming import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
+from omni_triton.models.code2wav.vocoder import Code2Wav, Code2WavConfig
+from omni_triton.models.code2wav.graphs import Code2WavGraphs, GraphSettings
+from omni_triton.models.code2wav.stateful import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
                                                    StateSpec, StreamingCode2Wav, chunk_samples)
 
 KINDS = ("torch", "onnxruntime", "tensorrt", "auto")

@@ -1,7 +1,7 @@
 """Pick ``fused_moe``'s block sizes on this GPU, per token-count bucket, and write them as JSON.
 
-    python -m omni_triton.kernels.tune_fused_moe --out fused_moe_configs.json   # then merge into the package's
-    python -m omni_triton.kernels.tune_fused_moe --stages talker --buckets 16,64 --wide --out talker.json
+    python -m omni_triton.bench.tune_fused_moe --out fused_moe_configs.json   # then merge into the package's
+    python -m omni_triton.bench.tune_fused_moe --stages talker --buckets 16,64 --wide --out talker.json
 
 The shapes are the MoE layers of the shipped full-size config (thinker and talker). Each candidate is timed as
 CUDA-graph replays of the whole fused MoE over ``LAYERS`` different weight copies in a row, so nothing stays

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
-from omni_triton.server.procfs import PARENT, STATE, stat_fields
+from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
 
 logger = logging.getLogger(__name__)
 
@@ -173,50 +173,6 @@ class StageSupervisor:
             urllib.request.urlopen(request, timeout=self._reload_timeout_s).close()
         except urllib.error.HTTPError as error:  # Triton's reason, e.g. not in explicit model-control mode
             raise ValueError(json.loads(error.read() or b"{}").get("error", str(error))) from None
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, or None if it is gone."""
-    fields = stat_fields(pid)
-    return None if fields is None else (fields[STATE], int(fields[PARENT]))
-
-
-def stub_alive(pid: int, parent: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[0] not in "ZX" and stat[1] == parent  # a killed stub stays a zombie
-
-
-def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
-    """stage -> the pid of its first live instance stub (for stages of one instance)."""
-    return {stage: stubs[min(stubs)] for stage, stubs in find_stub_instances(parent, stages).items()}
-
-
-def stub_instance(argv: list[str]) -> tuple[str, str] | None:
-    """(model, instance name) of a model-instance stub's command line, or None for any other process. A stub's
-    argv is [stub, <repository>/<model>/<version>/model.py, shm region, 2 sizes, parent pid, backend dir, ipc
-    handle, name, ...]; the name is the instance's (talker_0_0, talker_0_1) except in the short-lived stub that
-    auto-completes the model's config while it loads, where it is the model's own: that one is no instance."""
-    parts = Path(argv[1]).parts if len(argv) > 8 else ()
-    if len(parts) >= 3 and parts[-1] == "model.py" and argv[8] != parts[-3]:
-        return parts[-3], argv[8]
-    return None
-
-
-def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, int]]:
-    """stage -> {instance name: pid} of the live model-instance stubs (``stub_instance``) of ``stages`` among
-    ``parent``'s children (the config stub exiting is no death)."""
-    found: dict[str, dict[str, int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
-            continue
-        try:
-            argv = [os.fsdecode(arg) for arg in (entry / "cmdline").read_bytes().split(b"\0")]
-        except OSError:
-            continue
-        instance = stub_instance(argv)
-        if instance is not None and instance[0] in stages:
-            found.setdefault(instance[0], {})[instance[1]] = int(entry.name)
-    return found
 
 
 def _server_flags(server_pid: int) -> dict[str, str]:

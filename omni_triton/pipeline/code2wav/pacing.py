@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 
 FRAME_S = 1 / 12.5  # audio per codec frame (12.5 frames per second)
 

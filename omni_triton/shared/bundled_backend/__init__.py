@@ -1,7 +1,7 @@
 """Every workaround for the Python backend bundled with nvidia-pytriton 0.7.0 (Triton 2.51), behind one switch.
 
 That backend has four defects that the served pipeline meets (upstream fixed them in python_backend r26.07,
-which ``omni-triton build python-backend`` builds; ``omni_triton/server/python_backend.py``):
+which ``omni-triton build python-backend`` builds; ``omni_triton/launch/python_backend.py``):
 
 | defect of the 2.51 backend | upstream fix | what this package does |
 | --- | --- | --- |
@@ -24,8 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omni_triton.server.bundled_backend.iterator_retirement import IteratorRetirement
-from omni_triton.server.bundled_backend.lock_fix import lock_fix_environment
+from omni_triton.shared.bundled_backend.iterator_retirement import IteratorRetirement
+from omni_triton.shared.bundled_backend.lock_fix import lock_fix_environment
 
 SWITCH = "OMNI_TRITON_BUNDLED_BACKEND"
 # The Python-backend stubs of nvidia-pytriton 0.7.0 (Triton 2.51), one per Python version: the binaries whose

@@ -1,23 +1,22 @@
-"""Render the model_repository/ templates into a runnable Triton model repository.
+"""The launch settings: what a deployer chooses at `omni-triton serve`, as one typed object.
 
-Each template's config.pbtxt holds ``${name}`` placeholders (string.Template) for launch parameters;
-every model.py and other file is copied as-is. Python models read the values back from the config's
-``parameters`` (see omni_triton.server.model_args).
+The launcher builds it from the flags (``launch/serve.py``) and writes it once, as JSON, into every model's
+config.pbtxt (the ``settings`` parameter, ``launch/repository.py``); each stage stub reads the same object back
+(``LaunchConfig.from_json``, through ``stages/model_args.launch_settings``). Defaults live here and nowhere else;
+docs/settings.md says how to add a setting.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
-import shutil
-import string
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from omni_triton.server.memory_plan import CPU_KV_CACHE_TOKENS
-from omni_triton.server.placement import GPU_STAGES, Placement
+from omni_triton.shared.placement import Placement
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_repository"
+CPU_KV_CACHE_TOKENS = 16384  # the engines' KV budget on the CPU (the GPU's is planned: launch/memory_plan.py)
 STAGES = ("preprocess", "orchestrator", "thinker", "talker", "code2wav")
 # auto: the TensorRT plan when tensorrt imports and the engine file is a .plan on a GPU, else ONNX Runtime
 # for a .onnx file, else torch
@@ -29,18 +28,20 @@ CODE2WAV_RUNTIMES = ("torch", "onnx", "trt", "auto")
 # omni_interstage_host_tensors_total.
 INTERSTAGE_MEMORY = ("device", "host")
 # safetensors: the checkpoint's weights. dummy: seeded random weights built on the device from the checkpoint
-# dir's config.json (omni_triton.models.weights), e.g. a dir written by build_engines.dummy_checkpoint.
+# dir's config.json (omni_triton.models.weights), e.g. a dir written by omni_triton.checkpoints.dummy.
 LOAD_FORMATS = ("safetensors", "dummy")
 # models.layers.fast_kernels.LINEAR_LAUNCHES, spelled out so that launching imports no torch (a test keeps them equal)
 LINEAR_LAUNCHES = ("one-pass", "split-k", "gemv")
-# adaptive: each stream's chunk sizes follow its frame rate and its listener's buffer (pipeline/chunk_pacing.py);
+# adaptive: each stream's chunk sizes follow its frame rate and its listener's buffer (pipeline/code2wav/pacing.py);
 # ramp: ChunkPolicy's fixed ramp alone (4, 8, 24, 25, ...)
 CHUNK_PACING = ("adaptive", "ramp")
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Everything a deployer chooses at launch; rendered into every model's config.pbtxt."""
+    """Everything a deployer chooses at launch; written into every model's config.pbtxt as JSON. A field's
+    default is the flag's default; ``None`` means "chosen from other settings" (the ``resolved_*`` properties, which
+    the launcher and the stages both read, so that both resolve it the same way)."""
 
     checkpoint_dir: Path
     device: str = "cpu"                   # cpu | cuda
@@ -57,8 +58,8 @@ class LaunchConfig:
     # unless exported --stateful, TensorRT keeps no state, and a stream's chunks must reach the instance that
     # holds its state)
     left_context_frames: int | str | None = None
-    chunk_pacing: str = "adaptive"        # adaptive: chunk sizes follow each stream (chunk_pacing.py) | ramp
-    # Admission (server/admission.py): requests that may wait for a start (None: max_inflight_requests), and
+    chunk_pacing: str = "adaptive"        # adaptive: chunk sizes follow each stream (pipeline/code2wav/pacing.py) | ramp
+    # Admission (stages/admission.py): requests that may wait for a start (None: max_inflight_requests), and
     # the real-time capacity that gates starts: "auto" (learned), "off" (max_inflight alone), or a fixed number of
     # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
     admission_queue: int | None = None
@@ -137,6 +138,28 @@ class LaunchConfig:
             raise ValueError(f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
                              f"got {self.default_max_tokens}")
 
+    def to_json(self) -> str:
+        """The settings as one line of JSON (paths as strings; ``from_json`` reads it back)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["placement"] = {"gpus": {stage: list(ids) for stage, ids in self.placement.gpus.items()},
+                               "instances": dict(self.placement.instances)}
+        return json.dumps(values, default=str, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchConfig:
+        """The settings ``to_json`` wrote (validated again: a hand-edited repository fails here, naming the field)."""
+        values: dict[str, Any] = json.loads(text)
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"launch settings: unknown field {unknown[0]!r} (written by another omni-triton?)")
+        placement = values.pop("placement", {})
+        values["placement"] = Placement(gpus={stage: tuple(ids) for stage, ids in placement.get("gpus", {}).items()},
+                                        instances=placement.get("instances", {}))
+        for name in ("checkpoint_dir", "code2wav_engine_path"):
+            if values.get(name) is not None:
+                values[name] = Path(values[name])
+        return cls(**values)
+
     @property
     def resolved_left_context_frames(self) -> int | str:
         if self.left_context_frames is None:
@@ -173,40 +196,8 @@ class LaunchConfig:
     def resolved_talker_kv_cache_tokens(self) -> int:
         return self.talker_kv_cache_tokens or self.kv_cache_tokens
 
-    def template_values(self, model: str) -> dict[str, str]:
-        """The ${...} values for one model (torch_threads and kv_cache_tokens are that model's own)."""
-        checkpoint = Path(self.checkpoint_dir).resolve()
-        values = {k: v for k, v in asdict(self).items() if k not in ("torch_threads", "placement")}
-        values.update(
-            checkpoint_dir=checkpoint,
-            dtype=self.resolved_dtype,
-            instance_group=self.placement.instance_group(model, self.device) if model in GPU_STAGES else "",
-            # the orchestrator watches every stage instance's process (stage_supervisor)
-            stage_instances=",".join(f"{stage}={self.placement.count(stage)}" for stage in GPU_STAGES),
-            # inter-stage states (thinker embeddings/hidden) travel in the engines' dtype
-            state_data_type={"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}[
-                self.resolved_dtype],
-            torch_threads=self.torch_threads.get(model, 1),
-            kv_cache_tokens=self.resolved_talker_kv_cache_tokens if model == "talker" else self.kv_cache_tokens,
-            talker_kv_cache_tokens=self.resolved_talker_kv_cache_tokens,
-            left_context_frames=self.resolved_left_context_frames,
-            admission_queue=self.resolved_admission_queue,
-            admission_capacity=self.resolved_admission_capacity,
-            admission_max_starting=self.resolved_admission_max_starting,
-            code2wav_engine_path=Path(self.code2wav_engine_path).resolve() if self.code2wav_engine_path else "",
-            code_groups=_checkpoint_code_groups(checkpoint),
-            fast_path="on" if self.fast_path else "off",
-            cuda_graphs="on" if self.cuda_graphs else "off",
-            prefill_graphs="on" if self.prefill_graphs else "off",
-            linear_launch=self.linear_launch,
-            dependent_launch="on" if self.dependent_launch else "off",
-            overlap_steps="on" if self.overlap_steps else "off",
-            warmup="on" if self.resolved_warmup else "off",
-        )
-        return {k: str(v) for k, v in values.items()}
 
-
-DEFAULT_MAX_STARTING_CUDA = 6  # starts at once on a GPU (server/admission.py; benchmarks/results/h200-load: 0 of 128 dry at 64)
+DEFAULT_MAX_STARTING_CUDA = 6  # starts at once on a GPU (stages/admission.py; benchmarks/results/h200-load: 0 of 128 dry at 64)
 
 
 def admission_capacity_setting(text: str) -> float | str:
@@ -220,53 +211,3 @@ def admission_capacity_setting(text: str) -> float | str:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"admission_capacity must be auto, off or audio-seconds per second > 0, got {text!r}")
     return value
-
-
-def _checkpoint_code_groups(checkpoint: Path) -> int:
-    config_path = checkpoint / "config.json"
-    try:
-        return int(json.loads(config_path.read_text())["talker_config"]["num_code_groups"])
-    except (OSError, KeyError, ValueError) as error:
-        raise ValueError(f"checkpoint {checkpoint}: cannot read talker_config.num_code_groups "
-                         f"from {config_path}: {error}") from None
-
-
-def available_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:
-    return sorted(p.name for p in Path(template_dir).iterdir() if (p / "config.pbtxt").is_file())
-
-
-def render_repository(config: LaunchConfig, out_dir: str | Path, models: list[str] | None = None,
-                      template_dir: str | Path = TEMPLATE_DIR) -> Path:
-    """Write the rendered repository to ``out_dir`` (replacing it) and return it."""
-    template_dir, out_dir = Path(template_dir), Path(out_dir)
-    models = available_models(template_dir) if models is None else list(models)
-    missing = [m for m in models if not (template_dir / m / "config.pbtxt").is_file()]
-    if missing:
-        raise ValueError(f"no model template for {missing} in {template_dir} "
-                         f"(have {available_models(template_dir)})")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    for model in models:
-        source, target = template_dir / model, out_dir / model
-        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
-        text, values = (source / "config.pbtxt").read_text(), config.template_values(model)
-        try:
-            rendered = string.Template(text).substitute(values)
-        except (KeyError, ValueError) as error:
-            raise ValueError(f"{source / 'config.pbtxt'}: unknown or malformed placeholder {error}") from None
-        (target / "config.pbtxt").write_text(rendered)
-    _check_ensemble_steps(out_dir, models)
-    return out_dir
-
-
-def _check_ensemble_steps(out_dir: Path, models: list[str]) -> None:
-    """An ensemble whose step model is absent would only fail inside tritonserver's log: fail here."""
-    for model in models:
-        text = (out_dir / model / "config.pbtxt").read_text()
-        if 'platform: "ensemble"' not in text:
-            continue
-        steps = set(re.findall(r'model_name:\s*"([^"]+)"', text))
-        absent = sorted(steps - set(models))
-        if absent:
-            raise ValueError(f"ensemble {model!r} needs models {absent}, which are not rendered")

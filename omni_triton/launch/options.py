@@ -4,7 +4,7 @@ the KV budget, and the engines' fast path.
 
 ``--config`` takes a shipped config name (``qwen3_omni_30b_a3b``: Qwen3-Omni-30B-A3B's dimensions) or a dir
 with config.json; the stages then read a dummy checkpoint dir built from it once
-(``build_engines.dummy_checkpoint``: the config, a tokenizer with the config's token ids, a generation
+(``omni_triton.checkpoints.dummy``: the config, a tokenizer with the config's token ids, a generation
 config; ``checkpoints/dummy/<name>``), and build their weights on the device.
 """
 
@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZATION, THINKER_KV_SHARE, kv_budget,
-                                            kv_tokens_setting, word_or_count)
-from omni_triton.server.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
+from omni_triton.launch.memory_plan import (DEFAULT_UTILIZATION, THINKER_KV_SHARE, kv_budget, kv_tokens_setting,
+                                            word_or_count)
+from omni_triton.shared.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
-from omni_triton.server.repository import (CHUNK_PACING, LINEAR_LAUNCHES, LOAD_FORMATS, LaunchConfig,
-                                           admission_capacity_setting)
+from omni_triton.shared.settings import (CHUNK_PACING, CPU_KV_CACHE_TOKENS, LINEAR_LAUNCHES, LOAD_FORMATS,
+                                         LaunchConfig, admission_capacity_setting)
 
 
 class LaunchOptionError(ValueError):
@@ -133,7 +133,7 @@ def _admission_capacity(text: str) -> str:
 
 
 def add_placement_arguments(group) -> None:
-    """--stage-gpus and --instances: where each stage runs (omni_triton.server.placement)."""
+    """--stage-gpus and --instances: where each stage runs (omni_triton.shared.placement)."""
     group.add_argument("--stage-gpus", type=_option_type(parse_stage_gpus), default={}, metavar="STAGE=GPUS,...",
                        help=f"cuda: the GPU(s) of each stage ({', '.join(GPU_STAGES)}), e.g. "
                             "thinker=0,talker=1,code2wav=1; several GPUs with ':' (talker=1:2); stages not named run "
@@ -177,7 +177,7 @@ def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path
     if args.dummy_layers is not None and args.dummy_layers < 1:
         raise LaunchOptionError(f"--dummy-layers must be >= 1, got {args.dummy_layers}")
     if args.config:
-        from build_engines.dummy_checkpoint import build
+        from omni_triton.checkpoints.dummy import build
 
         try:
             checkpoint = build(args.config, layers=args.dummy_layers)

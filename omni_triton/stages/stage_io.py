@@ -16,7 +16,7 @@ import torch.utils.dlpack
 
 from omni_triton.engine import EngineConfig
 from omni_triton.engine.handoff import InputStream
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 

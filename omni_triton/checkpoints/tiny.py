@@ -5,7 +5,7 @@ shared expert, MTP code predictor, Code2Wav, audio encoder) at toy widths, so ev
 server runs on a laptop. It is written by transformers' own ``save_pretrained`` so tensor names,
 sharding index and config keys are exactly what a downloaded checkpoint has.
 
-    python -m build_engines.tiny_checkpoint --out checkpoints/tiny
+    python -m omni_triton.checkpoints.tiny --out checkpoints/tiny
     omni-triton build tiny --out checkpoints/tiny
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from build_engines.transformers_rope_keys import quiet_mrope_key_warning
-from build_engines.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer, write_tokenizer_files
+from omni_triton.checkpoints.transformers_rope_keys import quiet_mrope_key_warning
+from omni_triton.checkpoints.tokenizer import SPECIAL_TOKENS, build_tokenizer, write_tokenizer_files
 
 # Presets differ in layer counts and code-group counts so nothing downstream is hard-wired to one shape.
 # talker_extra_codes: talker ids between the codebook and the 1024 control ids. The released talker has none,

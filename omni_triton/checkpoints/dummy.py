@@ -8,7 +8,7 @@ vocabulary so that every token the config names sits at exactly that id: ``<|im_
 the audio/vision tokens, ``<tts_pad>``/``<tts_text_bos>``/``<tts_text_eod>``, the role words (single tokens, as
 the talker finds turns by them) and the generation config's EOS/pad (``<|endoftext|>``). No weights file.
 
-    python -m build_engines.dummy_checkpoint --config qwen3_omni_30b_a3b [--layers 40] [--out DIR]
+    python -m omni_triton.checkpoints.dummy --config qwen3_omni_30b_a3b [--layers 40] [--out DIR]
     omni-triton build dummy --config qwen3_omni_30b_a3b
 """
 
@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from build_engines.tiny_tokenizer import build_tokenizer, with_token_ids, write_tokenizer_files
+from omni_triton.checkpoints.tokenizer import build_tokenizer, with_token_ids, write_tokenizer_files
 from omni_triton.models.config import resolve_config_dir, write_config_with_layers
 
 STAMP_FILE = "dummy_checkpoint.json"  # written last: a complete dir, and what it was built from

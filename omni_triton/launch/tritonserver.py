@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from omni_triton.server import bundled_backend
-from omni_triton.server.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
-from omni_triton.server.mps import MpsDaemon, start_mps
-from omni_triton.server.procfs import PARENT, stat_fields
-from omni_triton.server.stage_supervisor import find_stub_instances, stub_alive
+from omni_triton.shared import bundled_backend
+from omni_triton.launch.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
+from omni_triton.launch.mps import MpsDaemon, start_mps
+from omni_triton.shared.procfs import PARENT, stat_fields
+from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
@@ -215,7 +215,7 @@ class ServerOptions:
     log_verbose: int = 0
     exit_timeout_s: int = 10
     extra_args: list[str] = field(default_factory=list)
-    mps: str = "off"  # CUDA MPS for the stages sharing a GPU: auto | on | off (omni_triton.server.mps)
+    mps: str = "off"  # CUDA MPS for the stages sharing a GPU: auto | on | off (omni_triton.launch.mps)
 
 
 class TritonServer:

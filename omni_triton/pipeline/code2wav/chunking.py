@@ -25,7 +25,7 @@ exactness for compute with a smaller value (HF's ``chunked_decode`` uses 25) -- 
 context makes each 25-frame chunk a 603-frame decode.
 
 Stateful. ``ChunkPolicy(stateful=True)``: chunks carry new frames only (``context_frames`` 0) and the code2wav
-stage keeps each stream's vocoder state between them (``omni_triton/pipeline/code2wav_states.py``): the
+stage keeps each stream's vocoder state between them (``omni_triton/pipeline/code2wav/stream_states.py``): the
 one-pass samples at the cost of the new frames (docs/code2wav_streaming.md).
 
 Batching. ``StreamDecoder.decode`` runs the chunks of many streams in one call: shorter chunks are

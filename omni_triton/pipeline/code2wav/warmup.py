@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.warmup_progress import PROGRESS_MARK
 
 EVERY_LENGTH_UP_TO = 64  # frames: warm every call length up to here (see above); past it, one stream's ramp

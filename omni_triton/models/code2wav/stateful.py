@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from omni_triton.models.code2wav import CausalConv1d, CausalTransConv1d, Code2Wav
+from omni_triton.models.code2wav.vocoder import CausalConv1d, CausalTransConv1d, Code2Wav
 
 
 @dataclass(frozen=True)

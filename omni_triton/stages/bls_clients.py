@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from omni_triton.pipeline.session import ThinkerChunk
-from omni_triton.server import bundled_backend
-from omni_triton.server.stage_io import (THINKER_ROW_TENSORS, concat_rows, device_tensors_between_stages, from_torch,
+from omni_triton.shared import bundled_backend
+from omni_triton.stages.stage_io import (THINKER_ROW_TENSORS, concat_rows, device_tensors_between_stages, from_torch,
                                          host_array, to_torch)
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]

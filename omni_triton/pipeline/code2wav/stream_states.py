@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from omni_triton.models.code2wav_streaming import StateSpec
+from omni_triton.models.code2wav.stateful import StateSpec
 
 DEFAULT_IDLE_TIMEOUT_S = 600.0  # far beyond any gap between one request's chunks
 

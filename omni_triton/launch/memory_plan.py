@@ -34,13 +34,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from omni_triton.server.placement import ENGINE_STAGES, REPLICABLE_STAGES, Placement
+from omni_triton.shared.placement import ENGINE_STAGES, REPLICABLE_STAGES, Placement
+from omni_triton.shared.settings import CPU_KV_CACHE_TOKENS
 
 if TYPE_CHECKING:  # torch is imported where a footprint is measured: `omni-triton --help` stays quick
     import torch
 
 GIB = 1 << 30
-CPU_KV_CACHE_TOKENS = 16384
 GPU_PROCESS_BYTES = 3 * GIB // 4
 ENGINE_STEP_BYTES = 3 * GIB // 2
 CODE2WAV_LIVE_TENSORS = 16
@@ -80,8 +80,8 @@ class Footprint:
         import torch
 
         from omni_triton.models.audio_encoder import AudioEncoder
-        from omni_triton.models.code2wav import Code2Wav, exact_left_context_frames
-        from omni_triton.models.code2wav_streaming import StreamingCode2Wav
+        from omni_triton.models.code2wav.vocoder import Code2Wav, exact_left_context_frames
+        from omni_triton.models.code2wav.stateful import StreamingCode2Wav
         from omni_triton.models.config import OmniConfig
         from omni_triton.models.talker import Talker
         from omni_triton.models.thinker import Thinker
@@ -372,7 +372,7 @@ def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dt
                              f"{_gib(available)} of host memory available: serve this model with --device cuda")
         tokens = CPU_KV_CACHE_TOKENS if setting == "auto" else int(setting)
         return KvBudget(tokens, tokens, f"KV cache: {tokens} tokens per engine")
-    from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+    from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 
     policy = ChunkPolicy.from_setting(first_chunk_frames, chunk_frames, left_context_frames)
     frames = policy.resolved(footprint.exact_left_context_frames).max_frames_per_call()

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omni_triton.models.code2wav import Code2WavConfig, check_code_range, code_embedding_rows
-from omni_triton.pipeline.code2wav_states import StreamChunk
-from omni_triton.pipeline.code2wav_stream import ChunkJob
-from omni_triton.server.stage_io import host_array, to_torch
+from omni_triton.models.code2wav.vocoder import Code2WavConfig, check_code_range, code_embedding_rows
+from omni_triton.pipeline.code2wav.stream_states import StreamChunk
+from omni_triton.pipeline.code2wav.chunking import ChunkJob
+from omni_triton.stages.stage_io import host_array, to_torch
 
 
 @dataclass
