@@ -51,7 +51,7 @@ from omni_triton.models.code2wav.vocoder import exact_left_context_frames
 from omni_triton.models.code2wav.graphs import GraphSettings
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
-                                      write_config_with_layers)
+                                       write_config_with_layers)
 from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_linear_launch
 from omni_triton.models.weights import load_talker, load_thinker
 from omni_triton.pipeline.request_params import TALKER_REPETITION_PENALTY, SamplingDefaults

@@ -27,7 +27,7 @@ import torch
 from omni_triton.models.weights import load_code2wav
 from omni_triton.models.code2wav.vocoder import Code2Wav
 from omni_triton.models.code2wav.stateful import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
-                                                   StreamingCode2Wav)
+                                                  StreamingCode2Wav)
 
 INPUT_NAME, OUTPUT_NAME = "codes", "waveform"
 PROTOBUF_LIMIT_BYTES = 2 * 1024**3

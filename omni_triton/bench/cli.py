@@ -53,8 +53,8 @@ from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
 from omni_triton.launch.options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
-                                               add_memory_arguments, add_model_source_arguments, model_source,
-                                               with_kv_budget)
+                                        add_memory_arguments, add_model_source_arguments, flag_settings,
+                                        model_source, with_kv_budget)
 from omni_triton.launch.memory_plan import SERVED_GPU_PROCESSES
 from omni_triton.shared.settings import LaunchConfig
 from omni_triton.trace import TRACE_DIR_ENV
@@ -141,17 +141,12 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
     """What the started server (and, with ``gpu_processes`` 1, the in-process pipeline) runs, with its KV
     budget and the note saying it. Enough engine slots for the highest level, so the launch config never caps
     the measured concurrency."""
-    config = LaunchConfig(checkpoint_dir=args.source.checkpoint_dir.resolve(), device=args.device,
-                          load_format=args.source.load_format, dummy_seed=args.source.seed,
-                          interstage_memory=interstage_memory,
-                          max_inflight_requests=args.max_inflight or max(16, *workload.concurrencies),
-                          fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
-                          prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
-                          dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
-                          left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch,
-                          chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
-                          admission_capacity=args.admission_capacity,
-                          admission_max_starting=args.admission_max_starting)
+    config = LaunchConfig(**{
+        # serve's settings by their shared flags; --torch-threads is this process's here, not the stages'
+        **flag_settings(args, ignored=("torch_threads",)),
+        "checkpoint_dir": args.source.checkpoint_dir.resolve(), "load_format": args.source.load_format,
+        "dummy_seed": args.source.seed, "interstage_memory": interstage_memory,
+        "max_inflight_requests": args.max_inflight or max(16, *workload.concurrencies)})
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization, gpu_processes)
 
 

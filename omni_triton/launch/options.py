@@ -11,16 +11,17 @@ config; ``checkpoints/dummy/<name>``), and build their weights on the device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from omni_triton.launch.memory_plan import (DEFAULT_UTILIZATION, THINKER_KV_SHARE, kv_budget, kv_tokens_setting,
                                             word_or_count)
 from omni_triton.shared.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
 from omni_triton.shared.settings import (CHUNK_PACING, CPU_KV_CACHE_TOKENS, LINEAR_LAUNCHES, LOAD_FORMATS,
-                                         LaunchConfig, admission_capacity_setting)
+                                         LaunchConfig, admission_capacity_setting, on_off)
 
 
 class LaunchOptionError(ValueError):
@@ -47,7 +48,7 @@ def add_model_source_arguments(group) -> None:
     group.add_argument("--load-format", choices=LOAD_FORMATS,
                        help="safetensors: the checkpoint's weights; dummy: seeded random weights built on the "
                             "device from config.json (default: safetensors, dummy with --config)")
-    group.add_argument("--dummy-seed", type=int, default=0,
+    group.add_argument("--dummy-seed", type=int, default=LaunchConfig.dummy_seed,
                        help="seed of the dummy weights (default: %(default)s)")
     group.add_argument("--dummy-layers", type=int, metavar="N",
                        help="with --config: cut thinker and talker to at most N layers (full width), e.g. to fit "
@@ -78,14 +79,14 @@ def add_memory_arguments(group) -> None:
 
 
 def add_engine_arguments(group) -> None:
-    group.add_argument("--fast-path", choices=["on", "off"], default="on",
+    group.add_argument("--fast-path", choices=["on", "off"], default=on_off(LaunchConfig.fast_path),
                        help="cuda: the engines' Triton kernels and GPU sampling (off: the plain torch path, the "
                             "reference; the CPU always runs it) (default: %(default)s)")
-    group.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
+    group.add_argument("--cuda-graphs", choices=["on", "off"], default=on_off(LaunchConfig.cuda_graphs),
                        help="cuda: with --fast-path on, the engines' decode steps as CUDA graphs; with or without "
                             "it, the code2wav torch runtime's short chunks (first-chunk shapes captured at start) "
                             "(default: %(default)s)")
-    group.add_argument("--prefill-graphs", choices=["on", "off"], default="on",
+    group.add_argument("--prefill-graphs", choices=["on", "off"], default=on_off(LaunchConfig.prefill_graphs),
                        help="cuda: with --fast-path and --cuda-graphs on, the engines' steps with prefill rows "
                             "(prompts, chunks, mixed steps of up to --max-batched-tokens) as CUDA graphs too, one "
                             "per token bucket, captured at start (default: %(default)s)")
@@ -95,11 +96,11 @@ def add_engine_arguments(group) -> None:
                             "outputs from 8 rows; the decode steps' layer linears at 1-2 rows too), split-k (no GEMV, the "
                             "predictor's wide outputs fused at every row count too), or one-pass (one MMA tile a "
                             "program, never split); the two last keep cuBLAS for the layers (default: %(default)s)")
-    group.add_argument("--dependent-launch", choices=["on", "off"], default="on",
+    group.add_argument("--dependent-launch", choices=["on", "off"], default=on_off(LaunchConfig.dependent_launch),
                        help="cuda sm_90+: with --fast-path on, the engines' Triton kernels start while the previous "
                             "kernel ends (programmatic dependent launch; the linears prefetch their weights "
                             "meanwhile) (default: %(default)s)")
-    group.add_argument("--overlap-steps", choices=["on", "off"], default="on",
+    group.add_argument("--overlap-steps", choices=["on", "off"], default=on_off(LaunchConfig.overlap_steps),
                        help="the thinker and the talker (under its CUDA graphs) launch each decode step before the "
                             "last one's tokens reach the host, whose host work then runs while the GPU computes (the "
                             "same tokens; engine/overlap.py) (default: %(default)s)")
@@ -190,6 +191,25 @@ def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path
     else:
         raise LaunchOptionError("give --checkpoint DIR or --config NAME_OR_DIR")
     return ModelSource(checkpoint, load_format, args.dummy_seed)
+
+
+# planned from its flag and the GPU by the memory plan (with_kv_budget), not taken as given
+PLANNED_SETTINGS = ("kv_cache_tokens", "talker_kv_cache_tokens")
+
+
+def flag_settings(args: argparse.Namespace, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The LaunchConfig fields whose flag has the field's name (``--first-chunk-frames`` -> first_chunk_frames),
+    an on/off flag as a bool: a new setting with such a flag reaches the config with no line here. ``ignored``: a
+    command's flags of a field's name that mean something else there."""
+    values = {}
+    for setting in dataclasses.fields(LaunchConfig):
+        if setting.name in PLANNED_SETTINGS + ignored or not hasattr(args, setting.name):
+            continue
+        value = getattr(args, setting.name)
+        if setting.type in ("bool", "bool | None") and value in ("on", "off"):
+            value = value == "on"
+        values[setting.name] = value
+    return values
 
 
 def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,

@@ -5,14 +5,12 @@ its manifests against the same parser and server options."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from pathlib import Path
-from typing import Any
 
 from omni_triton.launch.options import (add_engine_arguments, add_load_arguments, add_memory_arguments,
-                                        add_model_source_arguments, add_placement_arguments, model_source,
-                                        placement, with_kv_budget)
+                                        add_model_source_arguments, add_placement_arguments, flag_settings,
+                                        model_source, placement, with_kv_budget)
 from omni_triton.launch.repository import render_repository
 from omni_triton.launch.mps import MPS_CHOICES
 from omni_triton.launch.python_backend import PYTHON_BACKEND_CHOICES
@@ -38,7 +36,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--checkpoint", type=Path,
                         help=f"checkpoint directory (default: build the tiny one at {DEFAULT_TINY_CHECKPOINT})")
     add_model_source_arguments(launch)
-    launch.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+    launch.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device,
                         help="where the models run (default: %(default)s)")
     launch.add_argument("--interstage-memory", choices=INTERSTAGE_MEMORY,
                         help="where tensors between stages live on a GPU: device (GPU tensors) or host; host is "
@@ -71,7 +69,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds,
                         help="longest AUDIO_IN a request may send, in seconds (default: %(default)s)")
     launch.add_argument("--torch-threads", type=int, default=1, help="torch threads per stage (default: 1)")
-    launch.add_argument("--code2wav-runtime", choices=CODE2WAV_RUNTIMES, default="torch",
+    launch.add_argument("--code2wav-runtime", choices=CODE2WAV_RUNTIMES, default=defaults.code2wav_runtime,
                         help="the vocoder's runtime: torch, onnx (ONNX Runtime), trt (TensorRT) or auto (the engine "
                              "file's kind) (default: %(default)s)")
     launch.add_argument("--code2wav-engine", type=Path,
@@ -120,24 +118,6 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
         "torch_threads": {stage: args.torch_threads for stage in STAGES}, "placement": placement(args),
     })
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization)
-
-
-# planned from its flag and the GPU by the memory plan (with_kv_budget), not taken as given
-PLANNED_SETTINGS = ("kv_cache_tokens", "talker_kv_cache_tokens")
-
-
-def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The LaunchConfig fields whose flag has the field's name (``--first-chunk-frames`` -> first_chunk_frames),
-    an on/off flag as a bool: a new setting with such a flag reaches the config with no line here."""
-    values = {}
-    for setting in dataclasses.fields(LaunchConfig):
-        if setting.name in PLANNED_SETTINGS or not hasattr(args, setting.name):
-            continue
-        value = getattr(args, setting.name)
-        if setting.type in ("bool", "bool | None") and value in ("on", "off"):
-            value = value == "on"
-        values[setting.name] = value
-    return values
 
 
 def server_options(args: argparse.Namespace, config: LaunchConfig) -> ServerOptions:

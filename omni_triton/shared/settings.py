@@ -58,7 +58,7 @@ class LaunchConfig:
     # unless exported --stateful, TensorRT keeps no state, and a stream's chunks must reach the instance that
     # holds its state)
     left_context_frames: int | str | None = None
-    chunk_pacing: str = "adaptive"        # adaptive: chunk sizes follow each stream (pipeline/code2wav/pacing.py) | ramp
+    chunk_pacing: str = "adaptive"        # adaptive | ramp (see CHUNK_PACING)
     # Admission (stages/admission.py): requests that may wait for a start (None: max_inflight_requests), and
     # the real-time capacity that gates starts: "auto" (learned), "off" (max_inflight alone), or a fixed number of
     # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
@@ -70,10 +70,10 @@ class LaunchConfig:
     talker_kv_cache_tokens: int | None = None  # None: kv_cache_tokens
     kv_block_size: int = 16
     max_batched_tokens: int = 512         # per engine step: decode tokens + chunked-prefill tokens
-    # CUDA only: the engines' Triton kernels + GPU sampling (fast_path) and CUDA-graph decode (cuda_graphs).
-    # Off by default when served: measured in benchmarks/engine_microbench.py, not yet in a served run.
-    fast_path: bool = False
-    cuda_graphs: bool = False
+    # CUDA only: the engines' Triton kernels + GPU sampling (fast_path) and CUDA-graph decode (cuda_graphs); the
+    # CPU always runs the plain torch path
+    fast_path: bool = True
+    cuda_graphs: bool = True
     prefill_graphs: bool = True  # with both: steps with prefill rows as CUDA graphs too (engine.prefill_graphs)
     linear_launch: str = "gemv"  # with fast_path: the small linears (EngineConfig.linear_launch)
     dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
@@ -198,6 +198,11 @@ class LaunchConfig:
 
 
 DEFAULT_MAX_STARTING_CUDA = 6  # starts at once on a GPU (stages/admission.py; benchmarks/results/h200-load: 0 of 128 dry at 64)
+
+
+def on_off(value: bool) -> str:
+    """A bool setting as its flag spells it."""
+    return "on" if value else "off"
 
 
 def admission_capacity_setting(text: str) -> float | str:

@@ -20,7 +20,7 @@ from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
 from omni_triton.stages.code2wav_requests import Code2WavRequests
 from omni_triton.stages.metrics import HostHopCounter
 from omni_triton.stages.model_args import (limit_torch_threads, model_parameters, replica_labels,
-                                          report_native_crashes)
+                                           report_native_crashes)
 from omni_triton.stages.stage_io import (chunk_policy, configure_interstage_memory, from_torch, load_options,
                                          stage_device, stage_loading)
 from omni_triton.stage_profile import start_watching

@@ -7,7 +7,7 @@ from omni_triton.shared.settings import admission_capacity_setting
 from omni_triton.stages.admission import RealtimeCapacity
 from omni_triton.stages.metrics import StageMetrics
 from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, report_native_crashes,
-                                          stage_device)
+                                           stage_device)
 from omni_triton.stages.orchestrator import Orchestrator
 from omni_triton.stages.stage_io import configure_interstage_memory
 from omni_triton.stage_profile import start_watching

@@ -29,7 +29,7 @@ import torch
 from omni_triton.models.code2wav.vocoder import Code2Wav, Code2WavConfig
 from omni_triton.models.code2wav.graphs import Code2WavGraphs, GraphSettings
 from omni_triton.models.code2wav.stateful import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
-                                                   StateSpec, StreamingCode2Wav, chunk_samples)
+                                                  StateSpec, StreamingCode2Wav, chunk_samples)
 
 KINDS = ("torch", "onnxruntime", "tensorrt", "auto")
 INPUT_NAME, OUTPUT_NAME = "codes", "waveform"
