@@ -102,3 +102,47 @@ def test_input_copies_are_complete_without_waiting_for_the_default_stream():
 def test_to_device_async_matches_a_plain_copy():
     ids = torch.tensor([3, 1, 4, 1, 5])
     assert to_device_async(ids, torch.device("cuda")).cpu().tolist() == ids.tolist()
+
+
+class _FakePb:
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class InferenceResponse:
+        def __init__(self, tensors=None, error=None):
+            self.tensors, self.error = tensors, error
+
+    class TritonError:
+        def __init__(self, message):
+            self.message = message
+
+
+class _Sender:
+    def __init__(self, fail: bool = False):
+        self.sent, self.fail = [], fail
+
+    def send(self, response, flags=0):
+        if self.fail:
+            raise RuntimeError("client gone")
+        self.sent.append((response, flags))
+
+
+def test_deferred_sends_answer_every_request_once_and_finally():
+    from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
+
+    sends = DeferredSends(_FakePb, torch.device("cpu"))
+    good, broken, gone, after = _Sender(), _Sender(), _Sender(fail=True), _Sender()
+    audio = torch.arange(3.0)
+
+    def explode():
+        raise ValueError("bad rows")
+
+    sends.send_after(None, [audio], [PendingResponse(good, lambda: _FakePb.InferenceResponse([audio + 1])),
+                                     PendingResponse(broken, explode),
+                                     PendingResponse(gone, lambda: _FakePb.InferenceResponse([]))])
+    sends.send_after(None, [], [PendingResponse(after, lambda: _FakePb.InferenceResponse(["later"]))])
+    sends.close()
+    (response, flags), = good.sent
+    assert flags == 1 and response.tensors[0].tolist() == [1.0, 2.0, 3.0]
+    (response, flags), = broken.sent
+    assert flags == 1 and "ValueError: bad rows" in response.error.message
+    assert after.sent[0][0].tensors == ["later"]  # a sender that raised did not stop the thread

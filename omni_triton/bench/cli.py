@@ -51,12 +51,14 @@ from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.server_cpu import ServerCpu
+from omni_triton.bench.stage_profiles import ProfileWindows
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
 from omni_triton.launch.options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
                                         add_memory_arguments, add_model_source_arguments, flag_settings,
                                         model_source, with_kv_budget)
 from omni_triton.launch.memory_plan import SERVED_GPU_PROCESSES
 from omni_triton.shared.settings import LaunchConfig
+from omni_triton.stage_profile import PROFILE_DIR_ENV
 from omni_triton.trace import TRACE_DIR_ENV
 
 SYSTEMS = ("server", "server-sequential", "inprocess", "transformers")
@@ -107,6 +109,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "level's time to first audio goes: this process's events in DIR/<system>-c<N>, the "
                              "server's in DIR/server (set for a --start-server server; start a server of your own "
                              f"with {TRACE_DIR_ENV}=DIR/server)")
+    parser.add_argument("--profile-stages", type=Path, metavar="DIR",
+                        help="a torch.profiler window (GPU kernels, host threads' CUDA waits) in every stage process, "
+                             "--profile-delay seconds into each server level, into DIR/<system>-c<N>, summarised "
+                             "in DIR/<system>-c<N>/stage_profiles.md (set for a --start-server server; start a "
+                             f"server of your own with {PROFILE_DIR_ENV}=DIR)")
+    parser.add_argument("--profile-delay", type=float, default=3.0, metavar="S",
+                        help="seconds into a level a --profile-stages window starts (default %(default)s)")
+    parser.add_argument("--profile-seconds", type=float, default=1.0, metavar="S",
+                        help="length of each --profile-stages window (default %(default)s)")
     open_loop_cli.add_arguments(parser)
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results/<UTC time>)")
     parser.add_argument("--label", help="report title (default: the output dir's name)")
@@ -177,8 +188,9 @@ def served(args: argparse.Namespace, workload: Workload, notes: list[str]) -> It
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda")
     server = TritonServer(repository, install, options, log_path=run_dir / "tritonserver.log")
-    with _environment(TRACE_DIR_ENV, str(args.trace / "server") if args.trace else None):
-        server.start()  # its stage processes inherit the trace directory
+    with (_environment(TRACE_DIR_ENV, str(args.trace / "server") if args.trace else None),
+          _environment(PROFILE_DIR_ENV, str(args.profile_stages) if args.profile_stages else None)):
+        server.start()  # its stage processes inherit the trace and profile directories
     try:
         print(f"tritonserver ready in {server.wait_ready(models, timeout_s=600):.1f} s at {server.grpc_url}",
               file=sys.stderr)
@@ -217,7 +229,7 @@ def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workl
 
 def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None = None,
                  breakdowns: list[dict] | None = None, after_level=lambda: None,
-                 server_url: str | None = None) -> list[LevelSummary]:
+                 server_url: str | None = None, profile: "ProfileWindows | None" = None) -> list[LevelSummary]:
     """Every level of ``workload`` through ``runner``. With ``trace_dir``, each level's requests are traced
     and its TTFA breakdown row is appended to ``breakdowns``; ``after_level`` is called after each level with
     ``summaries`` (this system's so far) not yet returned: see main's ``save_partial``. With ``server_url`` (a
@@ -238,7 +250,8 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             level_dir = trace_dir / f"{runner.name}-c{concurrency}" if trace_dir is not None else None
             trace.configure(level_dir)
             try:
-                with GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu:
+                with (GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu,
+                      profile.during(f"{runner.name}-c{concurrency}") if profile else contextlib.nullcontext()):
                     timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
                                                 on_done=lambda _: progress.update())
             finally:
@@ -334,11 +347,15 @@ def main(argv: list[str] | None = None) -> int:
         reporting.write_json(out_dir / "results.json", build_report(summaries + system_so_far, complete=False))
 
     server_systems = [s for s in systems if s.startswith("server")]
+    profile = (ProfileWindows(args.profile_stages, args.profile_delay, args.profile_seconds)
+               if args.profile_stages else None)
     if server_systems:
         with served(args, workload, notes) as url:
             for system in server_systems:
                 summaries += bench_system(make_runner(system, args, url, workload, notes), workload, text,
-                                          args.trace, breakdowns, save_partial, server_url=url)
+                                          args.trace, breakdowns, save_partial, server_url=url, profile=profile)
+    if profile is not None:
+        notes.extend(profile.summaries())
     for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
         runner = make_runner(system, args, args.url, workload, notes)
         try:

@@ -12,9 +12,15 @@ and writes ``stage_profiles.json`` / ``stage_profiles.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import threading
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Iterator
+
+from omni_triton.stage_profile import request_window
 
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
                   "cudaMemcpyAsync")
@@ -71,6 +77,44 @@ def markdown(summaries: dict[str, dict]) -> str:
         lines.append(f"| {name} | {s['window_ms']:.0f} | {s['gpu_busy_pct']:.1f} | {s['kernels']} | {kernels} | "
                      f"{waits} |")
     return "\n".join(lines) + "\n"
+
+
+class ProfileWindows:
+    """The bench's ``--profile-stages``: one window ``delay_s`` into each level (by its label), then summaries."""
+
+    def __init__(self, directory: Path, delay_s: float, seconds: float, settle_s: float = 30.0):
+        self.directory, self.delay_s, self.seconds, self.settle_s = Path(directory), delay_s, seconds, settle_s
+        self.labels: list[str] = []
+
+    @contextlib.contextmanager
+    def during(self, label: str) -> Iterator[None]:
+        timer = threading.Timer(self.delay_s, request_window, (self.directory, label, self.seconds))
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()  # a level shorter than the delay gets no window
+            self.labels.append(label)
+
+    def summaries(self) -> list[str]:
+        """Each window's summary (written beside its traces), once the stages wrote their traces."""
+        notes = []
+        for label in self.labels:
+            window = self.directory / label
+            deadline = time.monotonic() + self.settle_s
+            while not any(window.glob("*.json")) and time.monotonic() < deadline:
+                time.sleep(0.5)  # a stage writes its trace when its window ends
+            time.sleep(min(2.0, self.settle_s))  # the other stages' traces, written at the same time
+            traces = [path for path in window.glob("*.json") if path.name != "stage_profiles.json"]
+            if not traces:
+                notes.append(f"stage profile {label}: no trace (level shorter than the profile delay?)")
+                continue
+            summaries = summarize_dir(window)
+            (window / "stage_profiles.json").write_text(json.dumps(summaries, indent=1))
+            (window / "stage_profiles.md").write_text(markdown(summaries))
+            busy = ", ".join(f"{name.split('-')[0]} {s['gpu_busy_pct']:.0f}%" for name, s in summaries.items())
+            notes.append(f"stage profile {label} ({window}): GPU busy {busy}")
+        return notes
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ On the CPU there are no streams: both are no-ops and the work runs in program or
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -69,12 +69,20 @@ class InputStream:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def owned_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def owned_copies(self, tensors: list[torch.Tensor],
+                     check: Callable[..., None] | None = None) -> list[torch.Tensor]:
+        """Copies of ``tensors``, complete on return; ``check(*copies)`` (a validation that reads them on the
+        host) runs on this stream too, so its read waits for the copies alone."""
         if self.stream is None:
-            return [tensor.clone() for tensor in tensors]
+            copies = [tensor.clone() for tensor in tensors]
+            if check is not None:
+                check(*copies)
+            return copies
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             copies = [tensor.clone() for tensor in tensors]
+            if check is not None:
+                check(*copies)
         self.stream.synchronize()
         for copy in copies:
             if copy.is_cuda:
