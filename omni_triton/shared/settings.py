@@ -40,8 +40,9 @@ CHUNK_PACING = ("adaptive", "ramp")
 @dataclass(frozen=True)
 class LaunchConfig:
     """Everything a deployer chooses at launch; written into every model's config.pbtxt as JSON. A field's
-    default is the flag's default; ``None`` means "chosen from other settings" (the ``resolved_*`` properties, which
-    the launcher and the stages both read, so that both resolve it the same way)."""
+    default is its flag's (the KV budget aside: planned from its flag); ``None`` means "chosen from other settings"
+    (the ``resolved_*`` properties, which the launcher and the stages both read, so that both resolve it the same
+    way)."""
 
     checkpoint_dir: Path
     device: str = "cpu"                   # cpu | cuda
@@ -159,6 +160,10 @@ class LaunchConfig:
             if values.get(name) is not None:
                 values[name] = Path(values[name])
         return cls(**values)
+
+    def threads_of(self, stage: str) -> int:
+        """torch threads of ``stage``'s process (1 for a stage ``torch_threads`` does not name)."""
+        return self.torch_threads.get(stage, 1)
 
     @property
     def resolved_left_context_frames(self) -> int | str:

@@ -78,7 +78,7 @@ def model_parameters(args: dict) -> dict[str, str]:
             "first_chunk_frames": str(settings.first_chunk_frames),
             "next_chunk_frames": str(settings.next_chunk_frames),
             "left_context_frames": str(settings.resolved_left_context_frames),
-            "torch_threads": str(settings.torch_threads.get(args["model_name"], 1))}
+            "torch_threads": str(settings.threads_of(args["model_name"]))}
 
 
 def replica_labels(args: dict) -> dict[str, str]:

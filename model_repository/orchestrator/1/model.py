@@ -18,7 +18,7 @@ class TritonPythonModel:
         report_native_crashes()
         start_watching("orchestrator")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
-        limit_torch_threads(settings.torch_threads["orchestrator"])
+        limit_torch_threads(settings.threads_of("orchestrator"))
         configure_interstage_memory(settings.interstage_memory)
         capacity = admission_capacity_setting(settings.resolved_admission_capacity)
         self.orchestrator = Orchestrator(

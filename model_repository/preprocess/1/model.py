@@ -16,7 +16,7 @@ class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
         settings = launch_settings(args)
-        limit_torch_threads(settings.torch_threads["preprocess"])
+        limit_torch_threads(settings.threads_of("preprocess"))
         limits = RequestLimits(
             max_text_chars=settings.max_text_chars, max_audio_seconds=settings.max_audio_seconds,
             max_tokens_cap=settings.max_tokens_cap, default_max_tokens=settings.default_max_tokens,

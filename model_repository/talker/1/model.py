@@ -23,7 +23,7 @@ class TritonPythonModel:
         report_native_crashes()
         start_watching("talker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
-        limit_torch_threads(settings.torch_threads["talker"])
+        limit_torch_threads(settings.threads_of("talker"))
         configure_interstage_memory(settings.interstage_memory)
         device = stage_device(settings, args)
         config, dtype = engine_config(settings, "talker", device)

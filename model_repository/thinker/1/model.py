@@ -22,7 +22,7 @@ class TritonPythonModel:
         report_native_crashes()
         start_watching("thinker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
-        limit_torch_threads(settings.torch_threads["thinker"])
+        limit_torch_threads(settings.threads_of("thinker"))
         configure_interstage_memory(settings.interstage_memory)
         config, dtype = engine_config(settings, "thinker", stage_device(settings, args))
         with stage_loading("thinker"):
