@@ -133,3 +133,129 @@ def test_text_turn_is_answered_with_audio_and_transcript(api, triton_server):
     assert usage.output_token_details.audio_tokens == -(-audio.size // 1920)
     assert usage.input_tokens > 0 and usage.total_tokens == usage.input_tokens + usage.output_tokens
     seconds_until_idle(triton_server.metrics_url, timeout_s=60.0)
+
+
+# -- turns by server VAD, and by a manual commit ----------------------------------------------------------
+
+def test_spoken_turn_by_server_vad(api, speech):
+    async def scenario():
+        async with async_client(api).realtime.connect(model="omni") as connection:
+            await until(connection, "session.created")
+            await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": VAD}},
+                                                     **SHORT})
+            await until(connection, "session.updated")
+            await send_audio(connection, utterance(speech))
+            events: list = []
+            await until(connection, "response.done", events)
+            return events
+
+    events = run(scenario())
+    kinds = [e.type for e in events]
+    started, stopped, committed = (next(e for e in events if e.type == kind) for kind in (
+        "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"))
+    assert kinds.index(started.type) < kinds.index(stopped.type) < kinds.index(committed.type) < kinds.index(
+        "response.created")
+    speech_ms = speech.size * 1000 // 16000
+    # the speech lies between 1000 ms and 1000 + speech_ms of the input: started (less the prefix padding) before
+    # its onset is heard, stopped after its last word and before the trailing silence ends
+    assert 1000 - VAD["prefix_padding_ms"] - 100 <= started.audio_start_ms <= 1000 + 300
+    assert 1000 + speech_ms // 2 <= stopped.audio_end_ms <= 2000 + speech_ms
+    assert started.item_id == stopped.item_id == committed.item_id
+    user_item = next(e.item for e in events if e.type == "conversation.item.added" and e.item.role == "user")
+    assert user_item.id == committed.item_id and user_item.content[0].type == "input_audio"
+    done = events[-1]
+    assert done.response.status == "completed" and audio_of(events).size > 0
+    # the committed audio (from the speech's start less the padding) is in the prompt: its audio pads count
+    assert done.response.usage.input_tokens > 20
+
+
+def test_manual_commit_then_response(api, speech):
+    async def scenario():
+        async with async_client(api).realtime.connect(model="omni") as connection:
+            await until(connection, "session.created")
+            await connection.session.update(session={"type": "realtime",
+                                                     "audio": {"input": {"turn_detection": None}}, **SHORT})
+            await until(connection, "session.updated")
+            await connection.input_audio_buffer.commit()  # nothing buffered yet
+            empty = await until(connection, "error")
+            await send_audio(connection, pcm16_24k(speech))
+            await connection.input_audio_buffer.commit()
+            events: list = []
+            committed = await until(connection, "input_audio_buffer.committed", events)
+            await connection.response.create(response={"output_modalities": ["text"]})
+            await until(connection, "response.done", events)
+            return empty, committed, events
+
+    empty, committed, events = run(scenario())
+    assert empty.error.code == "input_audio_buffer_commit_empty" and empty.error.param == "input_audio_buffer"
+    kinds = [e.type for e in events]
+    assert "input_audio_buffer.speech_started" not in kinds, "turn detection is off"
+    assert "response.output_audio.delta" not in kinds and "response.output_text.delta" in kinds
+    done = events[-1]
+    assert done.response.status == "completed" and done.response.output_modalities == ["text"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert done.response.output[0].content[0].text == text
+
+
+
+# -- barge-in, truncate, conversations --------------------------------------------------------------------
+
+async def wait_for_cancel(bridge, response_id: str) -> None:
+    async with asyncio.timeout(60):  # a hang guard
+        while response_id not in bridge.cancelled:
+            await asyncio.sleep(0.05)
+
+
+def test_barge_in_cancels_the_reply_and_the_next_turn_uses_the_truncated_history(api, triton_server, speech):
+    """Speech while the reply plays cancels it (Triton request cancelled, every stage idle); the client truncates
+    the reply to what it played; the next response's prompt holds the truncated reply."""
+    bridge = api.app.state.bridge
+
+    async def scenario():
+        async with async_client(api).realtime.connect(model="omni") as connection:
+            await until(connection, "session.created")
+            vad = dict(VAD, create_response=False)  # the next turn is asked for once the stages are checked
+            await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": vad}},
+                                                     **LONG_ANSWER})
+            await until(connection, "session.updated")
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]})
+            await connection.response.create()
+            reply: list = []
+            first = await until(connection, "response.output_audio.delta", reply)
+            await send_audio(connection, utterance(speech, silence_s=0.0) + bytes(24000 * 2))  # talk over it
+            await until(connection, "input_audio_buffer.speech_started", reply)
+            done = await until(connection, "response.done", reply)
+            await wait_for_cancel(bridge, done.response.id)
+            await asyncio.to_thread(seconds_until_idle, triton_server.metrics_url, 60.0)  # every stage freed it
+            spoken = await until(connection, "conversation.item.added")  # the user's speech, committed by the VAD
+            played_ms = min(400, audio_of(reply).size * 1000 // 24000)
+            await connection.conversation.item.truncate(item_id=first.item_id, content_index=0, audio_end_ms=played_ms)
+            truncated = await until(connection, "conversation.item.truncated")
+            await connection.conversation.item.retrieve(item_id=first.item_id)
+            kept = await until(connection, "conversation.item.retrieved")
+            # the next turn: text in place of the speech, so the test knows the whole prompt
+            await connection.conversation.item.delete(item_id=spoken.item.id)
+            await until(connection, "conversation.item.deleted")
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "And then?"}]})
+            await connection.response.create(response={"max_output_tokens": 6})
+            after: list = []
+            next_done = await until(connection, "response.done", after)
+            return reply, done, played_ms, truncated, kept, next_done, after
+
+    reply, done, played_ms, truncated, kept, next_done, after = run(scenario())
+    assert done.response.status == "cancelled" and done.response.status_details.reason == "turn_detected"
+    sent_transcript = done.response.output[0].content[0].transcript
+    generated = "".join(e.delta for e in reply if e.type == "response.output_audio_transcript.delta")
+    assert generated.startswith(sent_transcript), "the cancelled reply keeps the text its audio spoke"
+    assert (truncated.item_id, truncated.audio_end_ms) == (done.response.output[0].id, played_ms)
+    heard = kept.item.content[0].transcript
+    assert sent_transcript.startswith(heard) and len(heard) < len(generated)
+    assert next_done.response.status == "completed" and audio_of(after).size > 0
+    # the next prompt: the user's text, the reply as heard, the new turn
+    from omni_triton.api.usage import TokenCounter
+
+    history = [{"role": "user", "content": "Tell me a long story."}, {"role": "assistant", "content": heard}]
+    prompt = TokenCounter(triton_server.checkpoint_dir).usage("And then?", 0, "", 0, history).prompt_tokens
+    assert next_done.response.usage.input_tokens == prompt
