@@ -259,3 +259,195 @@ def test_barge_in_cancels_the_reply_and_the_next_turn_uses_the_truncated_history
     history = [{"role": "user", "content": "Tell me a long story."}, {"role": "assistant", "content": heard}]
     prompt = TokenCounter(triton_server.checkpoint_dir).usage("And then?", 0, "", 0, history).prompt_tokens
     assert next_done.response.usage.input_tokens == prompt
+
+
+def test_five_turn_conversation_renders_the_history(api, triton_server):
+    """Five text turns: each prompt is the instructions, every earlier turn and the reply as sent (the API's
+    usage counts the prompt it sent; here it is rebuilt from the events)."""
+    from omni_triton.api.usage import TokenCounter
+
+    counter = TokenCounter(triton_server.checkpoint_dir)
+    questions = ["Hi there.", "What is the weather like?", "And in Paris?", "Tell me a story.", "Thank you."]
+
+    async def scenario():
+        async with async_client(api).realtime.connect(model="omni") as connection:
+            await until(connection, "session.created")
+            await connection.session.update(session={"type": "realtime", "instructions": "Be brief.",
+                                                     "audio": {"input": {"turn_detection": None}}, **SHORT})
+            await until(connection, "session.updated")
+            turns = []
+            for question in questions:
+                await connection.conversation.item.create(item={
+                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]})
+                await connection.response.create()
+                turns.append(await until(connection, "response.done"))
+            return turns
+
+    turns = run(scenario())
+    history = [{"role": "system", "content": "Be brief."}]
+    for question, done in zip(questions, turns):
+        assert done.response.status == "completed"
+        assert done.response.usage.input_tokens == counter.usage(question, 0, "", 0, history).prompt_tokens
+        history += [{"role": "user", "content": question},
+                    {"role": "assistant", "content": done.response.output[0].content[0].transcript}]
+
+
+def test_history_longer_than_the_context_is_an_error_naming_the_conversation(api):
+    """The test server's context is 512 tokens: two long items overflow it; the model server refuses the
+    prompt (its HISTORY input) and the error names the conversation; the session goes on."""
+    long_text = " ".join(str(i) for i in range(200))[:480]  # ~300 tokens, within the 500-character item limit
+
+    async def scenario():
+        async with async_client(api).realtime.connect(model="omni") as connection:
+            await until(connection, "session.created")
+            await connection.session.update(session={"type": "realtime", **SHORT})
+            for role, kind in (("user", "input_text"), ("assistant", "output_text")):
+                await connection.conversation.item.create(item={"type": "message", "role": role,
+                                                                "content": [{"type": kind, "text": long_text}]})
+            await connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                            "content": [{"type": "input_text", "text": "hi"}]})
+            await connection.response.create()
+            events: list = []
+            async with asyncio.timeout(EVENT_TIMEOUT_S):
+                while not events or events[-1].type != "response.done":
+                    events.append(await connection.recv())
+            return events
+
+    events = run(scenario())
+    error = next(e for e in events if e.type == "error").error
+    assert error.param == "conversation" and "too long" in error.message, error
+    assert events[-1].response.status == "failed"
+
+
+# -- bad events, limits, several sessions, a client that goes away ------------------------------------------
+
+BAD_EVENTS = [
+    ({"type": "session.create"}, "type", "invalid_event"),
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold", "invalid_value"),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
+     "session.audio.input.format.type", "invalid_value"),
+    ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "session.tools",
+     "invalid_value"),
+    ({"type": "session.update", "session": {"model": "gpt-realtime"}}, "session.model", "invalid_value"),
+    ({"type": "session.update", "session": {"temperature": 0.7}}, "session.temperature", "invalid_value"),
+    ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_value"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "assistant",
+                                                   "content": [{"type": "input_text", "text": "x"}]}},
+     "item.content[0].type", "invalid_value"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}},
+     "item.content", "invalid_value"),
+    ({"type": "conversation.item.truncate", "item_id": "item_nope", "content_index": 0, "audio_end_ms": 10},
+     "item_id", "item_not_found"),
+    ({"type": "conversation.item.delete", "item_id": "item_nope"}, "item_id", "item_not_found"),
+    ({"type": "response.cancel"}, "response_id", "response_cancel_not_active"),
+    ({"type": "response.create"}, "conversation", "no_user_turn"),
+    ({"type": "response.create", "response": {"output_modalities": ["audio", "text"]}},
+     "response.output_modalities", "invalid_value"),
+]
+
+
+def test_bad_events_are_errors_naming_the_field_and_the_session_goes_on(api):
+    import websockets
+
+    async def scenario():
+        url = api.url.replace("http", "ws") + "/v1/realtime?model=omni"
+        async with websockets.connect(url) as socket:
+            assert json.loads(await socket.recv())["type"] == "session.created"
+            errors = []
+            for index, (event, _, _) in enumerate(BAD_EVENTS):
+                await socket.send(json.dumps({**event, "event_id": f"bad_{index}"}))
+                answer = json.loads(await socket.recv())
+                assert answer["type"] == "error", (event, answer)
+                errors.append(answer["error"])
+            await socket.send("{not json")
+            not_json = json.loads(await socket.recv())["error"]
+            # still usable: a turn is answered
+            await socket.send(json.dumps({"type": "session.update", "session": SHORT}))
+            await socket.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}))
+            await socket.send(json.dumps({"type": "response.create"}))
+            async with asyncio.timeout(EVENT_TIMEOUT_S):
+                while (event := json.loads(await socket.recv()))["type"] != "response.done":
+                    assert event["type"] != "error", event
+            return errors, not_json, event
+
+    errors, not_json, done = run(scenario())
+    for index, ((event, param, code), error) in enumerate(zip(BAD_EVENTS, errors)):
+        assert (error["param"], error["code"], error["event_id"]) == (param, code, f"bad_{index}"), (event, error)
+        assert error["type"] == "invalid_request_error" and error["message"], error
+    assert not_json["code"] == "invalid_json"
+    assert done["response"]["status"] == "completed"
+
+
+def test_two_sessions_at_once(api):
+    async def one_session(text: str):
+        async with async_client(api).realtime.connect(model="omni") as connection:
+            await until(connection, "session.created")
+            await connection.session.update(session={"type": "realtime", **SHORT})
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+            await connection.response.create()
+            events: list = []
+            await until(connection, "response.done", events)
+            return events
+
+    async def both():
+        return await asyncio.gather(one_session("Hello there."), one_session("What time is it?"))
+
+    first, second = run(both())
+    for events in (first, second):
+        assert events[-1].response.status == "completed" and audio_of(events).size > 0
+    ids = {e.response_id for events in (first, second) for e in events if e.type == "response.output_audio.delta"}
+    assert len(ids) == 2, "each session got its own response's audio only"
+
+
+def test_client_that_disconnects_mid_response_cancels_it(api, triton_server):
+    import websockets
+
+    bridge = api.app.state.bridge
+
+    async def scenario():
+        url = api.url.replace("http", "ws") + "/v1/realtime?model=omni"
+        async with websockets.connect(url) as socket:
+            await socket.send(json.dumps({"type": "session.update", "session": LONG_ANSWER}))
+            await socket.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "A long story."}]}}))
+            await socket.send(json.dumps({"type": "response.create"}))
+            async with asyncio.timeout(EVENT_TIMEOUT_S):
+                while (event := json.loads(await socket.recv()))["type"] != "response.output_audio.delta":
+                    assert event["type"] != "error", event
+        await wait_for_cancel(bridge, event["response_id"])  # the socket is closed: the API cancels the request
+
+    run(scenario())
+    seconds_until_idle(triton_server.metrics_url, timeout_s=60.0)
+
+
+def test_unknown_model_is_refused(api):
+    async def scenario():
+        async with async_client(api).realtime.connect(model="gpt-realtime") as connection:
+            return await connection.recv()
+
+    error = run(scenario())
+    assert error.type == "error" and error.error.code == "model_not_found" and error.error.param == "model"
+
+
+def test_session_limits(triton_server):
+    """A conversation holds at most max_items; a session without client events ends after idle_timeout_s."""
+    limits = RealtimeLimits(max_items=2, idle_timeout_s=1.0)
+    with ApiServer(triton_server.grpc_url, realtime_limits=limits) as small:
+        async def scenario():
+            async with async_client(small).realtime.connect(model="omni") as connection:
+                await until(connection, "session.created")
+                for text in ("one", "two", "three"):
+                    await connection.conversation.item.create(item={
+                        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+                full = await until(connection, "error")
+                idle = await until(connection, "error")  # nothing more sent: the session times out
+                with pytest.raises(Exception):
+                    await connection.recv()  # and is closed
+                return full, idle
+
+        full, idle = run(scenario())
+    assert full.error.code == "conversation_too_long" and full.error.param == "item"
+    assert idle.error.code == "idle_timeout"
