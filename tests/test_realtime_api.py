@@ -22,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the realtime tests use the official openai client")
 pytest.importorskip("websockets")
 
-from omni_triton.api.realtime.session import RealtimeLimits  # noqa: E402
+from omni_triton.api.realtime.limits import RealtimeLimits  # noqa: E402
 from omni_triton.client import read_wav, resample  # noqa: E402
 from reliability_helpers import seconds_until_idle  # noqa: E402
 from test_openai_api import ApiServer  # noqa: E402

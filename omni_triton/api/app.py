@@ -29,7 +29,7 @@ from omni_triton.api.errors import ApiError, TritonRequestError, from_triton, lo
 from omni_triton.api.prompt import OmniRequest, chat_request, speech_request
 from omni_triton.api.realtime.connection import RealtimeConnection
 from omni_triton.api.realtime.events import error_event
-from omni_triton.api.realtime.session import RealtimeLimits
+from omni_triton.api.realtime.limits import RealtimeLimits
 from omni_triton.api.schema import ChatCompletionRequest, SpeechRequest, validation_error
 from omni_triton.api.usage import TokenCounter, Usage
 

@@ -29,7 +29,8 @@ from omni_triton.api.prompt import UserTurn, realtime_request
 from omni_triton.api.realtime import events as ev
 from omni_triton.api.realtime.audio import InputAudioBuffer, decode_pcm16
 from omni_triton.api.realtime.conversation import Conversation, ConversationItem
-from omni_triton.api.realtime.session import RealtimeLimits, response_settings, updated_session, vad_settings
+from omni_triton.api.realtime.limits import RealtimeLimits
+from omni_triton.api.realtime.session import response_settings, updated_session, vad_settings
 from omni_triton.api.realtime.vad import SpeechDetector
 from omni_triton.api.usage import TokenCounter
 from omni_triton.client import resample

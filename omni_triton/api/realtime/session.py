@@ -1,4 +1,4 @@
-"""A realtime session's settings (``session.update`` merges into them) and the server's limits on a session."""
+"""A realtime session's settings: ``session.update`` merges into them, ``response.create`` overrides them."""
 
 from __future__ import annotations
 
@@ -7,16 +7,6 @@ from dataclasses import dataclass
 from omni_triton.api.errors import invalid
 from omni_triton.api.realtime.events import ResponseOptions, Session, checked
 from omni_triton.api.realtime.vad import VadSettings
-
-
-@dataclass(frozen=True)
-class RealtimeLimits:
-    """What one session may hold and how long it lives (``omni-triton api --realtime-*``)."""
-
-    max_items: int = 200
-    max_session_s: float = 3600.0
-    idle_timeout_s: float = 600.0  # no client event for this long: the session ends
-    max_input_audio_s: float = 120.0  # uncommitted input audio
 
 
 def merged(base: dict, changes: dict) -> dict:
