@@ -70,6 +70,13 @@ class InputAudioBuffer:
         self.clear()
         return audio
 
+    def keep_last(self, ms: int) -> None:
+        """Drop all but the last ``ms`` (silence the VAD heard: only the speech's prefix padding is kept)."""
+        audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)
+        keep = min(audio.size, ms * INPUT_SAMPLE_RATE // 1000)
+        self.start += audio.size - keep
+        self.chunks, self.size = [audio[audio.size - keep:]], keep
+
     def clear(self) -> None:
         self.start += self.size
         self.chunks, self.size = [], 0

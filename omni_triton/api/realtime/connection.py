@@ -154,6 +154,8 @@ class RealtimeConnection:
                 await self.speech_started(speech.ms)
             else:
                 await self.speech_stopped(speech.ms)
+        if not self.detector.speaking:  # silence between turns: only what a next turn's padding needs stays
+            self.buffer.keep_last(self.detector.settings.prefix_padding_ms + 100)
 
     async def speech_started(self, ms: int) -> None:
         self.speech_start_ms = ms
