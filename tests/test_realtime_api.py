@@ -64,6 +64,25 @@ async def until(connection, kind: str, seen: list | None = None):
                 return event
 
 
+def user_text(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def raw_turn(socket, session: dict, text: str, until_kind: str) -> dict:
+    """Over a raw WebSocket: set ``session``, add a user text item, ask for a reply; its first ``until_kind``."""
+    for event in ({"type": "session.update", "session": session},
+                  {"type": "conversation.item.create", "item": user_text(text)}, {"type": "response.create"}):
+        await socket.send(json.dumps(event))
+    async with asyncio.timeout(EVENT_TIMEOUT_S):
+        while (event := json.loads(await socket.recv()))["type"] != until_kind:
+            assert event["type"] != "error", event
+    return event
+
+
+def raw_url(api) -> str:
+    return api.url.replace("http", "ws") + "/v1/realtime?model=omni"
+
+
 def pcm16_24k(audio_16k: np.ndarray) -> bytes:
     audio = resample(audio_16k, 16000, 24000)
     return (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
@@ -108,8 +127,7 @@ def test_text_turn_is_answered_with_audio_and_transcript(api, triton_server):
                                                      "instructions": "Answer briefly.", **SHORT})
             updated = await until(connection, "session.updated")
             assert updated.session.audio.input.turn_detection is None and updated.session.instructions
-            await connection.conversation.item.create(item={
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello, how are you?"}]})
+            await connection.conversation.item.create(item=user_text("Hello, how are you?"))
             added = await until(connection, "conversation.item.added")
             assert added.item.role == "user" and added.item.content[0].text == "Hello, how are you?"
             await connection.response.create()
@@ -218,8 +236,7 @@ def test_barge_in_cancels_the_reply_and_the_next_turn_uses_the_truncated_history
             await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": vad}},
                                                      **LONG_ANSWER})
             await until(connection, "session.updated")
-            await connection.conversation.item.create(item={
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]})
+            await connection.conversation.item.create(item=user_text("Tell me a long story."))
             await connection.response.create()
             reply: list = []
             first = await until(connection, "response.output_audio.delta", reply)
@@ -237,8 +254,7 @@ def test_barge_in_cancels_the_reply_and_the_next_turn_uses_the_truncated_history
             # the next turn: text in place of the speech, so the test knows the whole prompt
             await connection.conversation.item.delete(item_id=spoken.item.id)
             await until(connection, "conversation.item.deleted")
-            await connection.conversation.item.create(item={
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "And then?"}]})
+            await connection.conversation.item.create(item=user_text("And then?"))
             await connection.response.create(response={"max_output_tokens": 6})
             after: list = []
             next_done = await until(connection, "response.done", after)
@@ -279,8 +295,7 @@ def test_five_turn_conversation_renders_the_history(api, triton_server):
             await until(connection, "session.updated")
             turns = []
             for question in questions:
-                await connection.conversation.item.create(item={
-                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]})
+                await connection.conversation.item.create(item=user_text(question))
                 await connection.response.create()
                 turns.append(await until(connection, "response.done"))
             return turns
@@ -306,8 +321,7 @@ def test_history_longer_than_the_context_is_an_error_naming_the_conversation(api
             for role, kind in (("user", "input_text"), ("assistant", "output_text")):
                 await connection.conversation.item.create(item={"type": "message", "role": role,
                                                                 "content": [{"type": kind, "text": long_text}]})
-            await connection.conversation.item.create(item={"type": "message", "role": "user",
-                                                            "content": [{"type": "input_text", "text": "hi"}]})
+            await connection.conversation.item.create(item=user_text("hi"))
             await connection.response.create()
             events: list = []
             async with asyncio.timeout(EVENT_TIMEOUT_S):
@@ -353,8 +367,7 @@ def test_bad_events_are_errors_naming_the_field_and_the_session_goes_on(api):
     import websockets
 
     async def scenario():
-        url = api.url.replace("http", "ws") + "/v1/realtime?model=omni"
-        async with websockets.connect(url) as socket:
+        async with websockets.connect(raw_url(api)) as socket:
             assert json.loads(await socket.recv())["type"] == "session.created"
             errors = []
             for index, (event, _, _) in enumerate(BAD_EVENTS):
@@ -365,14 +378,7 @@ def test_bad_events_are_errors_naming_the_field_and_the_session_goes_on(api):
             await socket.send("{not json")
             not_json = json.loads(await socket.recv())["error"]
             # still usable: a turn is answered
-            await socket.send(json.dumps({"type": "session.update", "session": SHORT}))
-            await socket.send(json.dumps({"type": "conversation.item.create", "item": {
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}))
-            await socket.send(json.dumps({"type": "response.create"}))
-            async with asyncio.timeout(EVENT_TIMEOUT_S):
-                while (event := json.loads(await socket.recv()))["type"] != "response.done":
-                    assert event["type"] != "error", event
-            return errors, not_json, event
+            return errors, not_json, await raw_turn(socket, SHORT, "hi", "response.done")
 
     errors, not_json, done = run(scenario())
     for index, ((event, param, code), error) in enumerate(zip(BAD_EVENTS, errors)):
@@ -387,8 +393,7 @@ def test_two_sessions_at_once(api):
         async with async_client(api).realtime.connect(model="omni") as connection:
             await until(connection, "session.created")
             await connection.session.update(session={"type": "realtime", **SHORT})
-            await connection.conversation.item.create(item={
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+            await connection.conversation.item.create(item=user_text(text))
             await connection.response.create()
             events: list = []
             await until(connection, "response.done", events)
@@ -410,15 +415,8 @@ def test_client_that_disconnects_mid_response_cancels_it(api, triton_server):
     bridge = api.app.state.bridge
 
     async def scenario():
-        url = api.url.replace("http", "ws") + "/v1/realtime?model=omni"
-        async with websockets.connect(url) as socket:
-            await socket.send(json.dumps({"type": "session.update", "session": LONG_ANSWER}))
-            await socket.send(json.dumps({"type": "conversation.item.create", "item": {
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "A long story."}]}}))
-            await socket.send(json.dumps({"type": "response.create"}))
-            async with asyncio.timeout(EVENT_TIMEOUT_S):
-                while (event := json.loads(await socket.recv()))["type"] != "response.output_audio.delta":
-                    assert event["type"] != "error", event
+        async with websockets.connect(raw_url(api)) as socket:
+            event = await raw_turn(socket, LONG_ANSWER, "A long story.", "response.output_audio.delta")
         await wait_for_cancel(bridge, event["response_id"])  # the socket is closed: the API cancels the request
 
     run(scenario())
@@ -442,8 +440,7 @@ def test_session_limits(triton_server):
             async with async_client(small).realtime.connect(model="omni") as connection:
                 await until(connection, "session.created")
                 for text in ("one", "two", "three"):
-                    await connection.conversation.item.create(item={
-                        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+                    await connection.conversation.item.create(item=user_text(text))
                 full = await until(connection, "error")
                 idle = await until(connection, "error")  # nothing more sent: the session times out
                 with pytest.raises(Exception):
@@ -453,3 +450,36 @@ def test_session_limits(triton_server):
         full, idle = run(scenario())
     assert full.error.code == "conversation_too_long" and full.error.param == "item"
     assert idle.error.code == "idle_timeout"
+
+
+def test_beta_client_dialect(api):
+    """The official client's beta path (``OpenAI-Beta: realtime=v1``): flat session fields, beta event names."""
+    async def scenario():
+        # the beta path takes wss:// unless told the WebSocket address
+        client = openai.AsyncOpenAI(base_url=api.url + "/v1", websocket_base_url=raw_url(api).split("/realtime")[0],
+                                    api_key="not-checked", max_retries=0)
+        async with client.beta.realtime.connect(model="omni") as connection:
+            created = await until(connection, "session.created")
+            await connection.session.update(session={"modalities": ["text", "audio"], "voice": "chelsie",
+                                                     "input_audio_format": "pcm16", "turn_detection": None,
+                                                     "max_response_output_tokens": 6})
+            updated = await until(connection, "session.updated")
+            await connection.conversation.item.create(item=user_text("Hello!"))
+            await until(connection, "conversation.item.created")
+            await connection.response.create()
+            events: list = []
+            await until(connection, "response.done", events)
+            return created, updated, events
+
+    created, updated, events = run(scenario())
+    assert created.session.modalities == ["text", "audio"] and created.session.output_audio_format == "pcm16"
+    assert updated.session.voice == "chelsie" and updated.session.turn_detection is None
+    kinds = {e.type for e in events}
+    assert {"response.audio.delta", "response.audio_transcript.delta", "response.audio.done",
+            "response.audio_transcript.done"} <= kinds
+    assert not any(kind.startswith("response.output_audio") or kind.startswith("conversation.item.added")
+                   for kind in kinds)
+    done = events[-1].response
+    assert done.status == "completed" and done.output[0].content[0].type == "audio"
+    audio = [e for e in events if e.type == "response.audio.delta"]
+    assert audio and base64.b64decode(audio[0].delta)

@@ -26,6 +26,7 @@ from omni_triton.api.bridge import TritonBridge
 from omni_triton.api.encoding import pcm16_bytes
 from omni_triton.api.errors import ApiError, TritonRequestError, from_triton, invalid
 from omni_triton.api.prompt import UserTurn, realtime_request
+from omni_triton.api.realtime import beta
 from omni_triton.api.realtime import events as ev
 from omni_triton.api.realtime.audio import InputAudioBuffer, decode_pcm16
 from omni_triton.api.realtime.conversation import Conversation, ConversationItem
@@ -55,6 +56,7 @@ class RealtimeConnection:
         self.websocket, self.bridge, self.counter, self.model, self.limits = websocket, bridge, counter, model, limits
         self.session = ev.Session(model=model)
         self.session_id = ev.new_id("sess")
+        self.beta = beta.wants_beta(websocket.headers)  # the beta dialect's fields and event names (beta.py)
         tokenizer = counter.chat.tokenizer if counter.chat is not None else None
         self.conversation = Conversation(limits.max_items, tokenizer)
         self.buffer = InputAudioBuffer(limits.max_input_audio_s)
@@ -102,7 +104,10 @@ class RealtimeConnection:
                 payload = json.loads(message)
             except json.JSONDecodeError as error:
                 raise ApiError(400, f"the event is not JSON: {error}", code="invalid_json") from None
-            event_id = payload.get("event_id") if isinstance(payload, dict) else None
+            if isinstance(payload, dict):
+                event_id = payload.get("event_id")
+                if self.beta:
+                    payload = beta.client_event(payload)
             event = ev.parse_client_event(payload)
             await getattr(self, "on_" + event.type.replace(".", "_"))(event)
         except ApiError as error:
@@ -111,6 +116,11 @@ class RealtimeConnection:
     async def send(self, kind: str, **fields) -> None:
         if not self.open:
             return
+        if self.beta:
+            translated = beta.server_event(kind, fields)
+            if translated is None:
+                return
+            kind, fields = translated
         async with self.send_lock:
             try:
                 await self.websocket.send_text(json.dumps(ev.server_event(kind, **fields), separators=(",", ":")))
@@ -126,8 +136,9 @@ class RealtimeConnection:
                     self.open = False
 
     def session_wire(self) -> dict:
+        settings = self.session.model_dump()
         return {"id": self.session_id, "object": "realtime.session",
-                **self.session.model_dump()}
+                **(beta.session(settings) if self.beta else settings)}
 
     async def _reset_detector(self) -> None:
         settings = vad_settings(self.session)
