@@ -433,10 +433,13 @@ def test_unknown_model_is_refused(api):
 
 
 def test_session_limits(triton_server):
-    """A conversation holds at most max_items; a session without client events ends after idle_timeout_s."""
-    limits = RealtimeLimits(max_items=2, idle_timeout_s=1.0)
+    """A conversation holds at most max_items; a session without client events ends after idle_timeout_s, a busy
+    one at max_session_s; each gets an error event and is closed."""
+    import websockets
+
+    limits = RealtimeLimits(max_items=2, idle_timeout_s=1.0, max_session_s=3.0)
     with ApiServer(triton_server.grpc_url, realtime_limits=limits) as small:
-        async def scenario():
+        async def idle():
             async with async_client(small).realtime.connect(model="omni") as connection:
                 await until(connection, "session.created")
                 for text in ("one", "two", "three"):
@@ -447,39 +450,22 @@ def test_session_limits(triton_server):
                     await connection.recv()  # and is closed
                 return full, idle
 
-        full, idle = run(scenario())
+        async def busy():
+            async with async_client(small).realtime.connect(model="omni") as connection:
+                await until(connection, "session.created")
+                for _ in range(60):  # a hang guard: the session ends after 3 s
+                    try:
+                        await connection.input_audio_buffer.clear()
+                    except websockets.ConnectionClosed:  # closed while we slept: its error came before
+                        return await until(connection, "error")
+                    event = await connection.recv()
+                    if event.type == "error":
+                        return event
+                    await asyncio.sleep(0.2)
+
+        async def both():
+            return await asyncio.gather(idle(), busy())
+
+        (full, idle), expired = run(both())
     assert full.error.code == "conversation_too_long" and full.error.param == "item"
-    assert idle.error.code == "idle_timeout"
-
-
-def test_beta_client_dialect(api):
-    """The official client's beta path (``OpenAI-Beta: realtime=v1``): flat session fields, beta event names."""
-    async def scenario():
-        # the beta path takes wss:// unless told the WebSocket address
-        client = openai.AsyncOpenAI(base_url=api.url + "/v1", websocket_base_url=raw_url(api).split("/realtime")[0],
-                                    api_key="not-checked", max_retries=0)
-        async with client.beta.realtime.connect(model="omni") as connection:
-            created = await until(connection, "session.created")
-            await connection.session.update(session={"modalities": ["text", "audio"], "voice": "chelsie",
-                                                     "input_audio_format": "pcm16", "turn_detection": None,
-                                                     "max_response_output_tokens": 6})
-            updated = await until(connection, "session.updated")
-            await connection.conversation.item.create(item=user_text("Hello!"))
-            await until(connection, "conversation.item.created")
-            await connection.response.create()
-            events: list = []
-            await until(connection, "response.done", events)
-            return created, updated, events
-
-    created, updated, events = run(scenario())
-    assert created.session.modalities == ["text", "audio"] and created.session.output_audio_format == "pcm16"
-    assert updated.session.voice == "chelsie" and updated.session.turn_detection is None
-    kinds = {e.type for e in events}
-    assert {"response.audio.delta", "response.audio_transcript.delta", "response.audio.done",
-            "response.audio_transcript.done"} <= kinds
-    assert not any(kind.startswith("response.output_audio") or kind.startswith("conversation.item.added")
-                   for kind in kinds)
-    done = events[-1].response
-    assert done.status == "completed" and done.output[0].content[0].type == "audio"
-    audio = [e for e in events if e.type == "response.audio.delta"]
-    assert audio and base64.b64decode(audio[0].delta)
+    assert idle.error.code == "idle_timeout" and expired.error.code == "session_expired"

@@ -80,15 +80,15 @@ class RealtimeConnection:
                 left = ends_at - loop.time()
                 try:
                     async with asyncio.timeout(min(self.limits.idle_timeout_s, left)):
-                        message = await self.websocket.receive_text()
+                        message = await self.websocket.receive()
                 except TimeoutError:
-                    expired = left <= self.limits.idle_timeout_s
-                    await self.fail(ApiError(
-                        408, f"session ended: {'it reached the session limit of' if expired else 'no client event for'}"
-                             f" {self.limits.max_session_s if expired else self.limits.idle_timeout_s:g} s",
-                        type="invalid_request_error", code="session_expired" if expired else "idle_timeout"))
+                    await self.fail(self.ended(expired=left <= self.limits.idle_timeout_s))
                     break
-                await self.handle(message)
+                if message["type"] == "websocket.disconnect":
+                    break
+                # events are JSON text frames; a binary frame is read as UTF-8 text (and refused if not JSON)
+                text = message.get("text")
+                await self.handle(text if text is not None else (message.get("bytes") or b"").decode(errors="replace"))
         except WebSocketDisconnect:
             pass
         finally:
@@ -96,6 +96,13 @@ class RealtimeConnection:
             await self.cancel_response(None)
             if self.websocket.client_state == WebSocketState.CONNECTED:
                 await self.websocket.close()
+
+    def ended(self, expired: bool) -> ApiError:
+        if expired:
+            return ApiError(408, f"session ended: it reached the limit of {self.limits.max_session_s:g} s",
+                            code="session_expired")
+        return ApiError(408, f"session ended: no client event for {self.limits.idle_timeout_s:g} s",
+                        code="idle_timeout")
 
     async def handle(self, message: str) -> None:
         event_id = None
