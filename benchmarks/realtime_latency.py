@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -193,7 +194,9 @@ def summary(values: list[float]) -> dict:
 
 async def main_async(args) -> dict:
     pcm = utterance_pcm(args.wav)
-    result = {"silence_ms": args.silence_ms, "max_output_tokens": args.max_output_tokens, "levels": {}}
+    # the host's load when the run began: on a shared CPU machine other jobs' work is in every number
+    result = {"silence_ms": args.silence_ms, "max_output_tokens": args.max_output_tokens,
+              "load_average_1m": os.getloadavg()[0], "levels": {}}
     for level in [int(n) for n in args.sessions.split(",")]:
         per_session = await asyncio.gather(*(spoken_turns(args, pcm) for _ in range(level)))
         turns = [turn for session in per_session for turn in session]

@@ -121,26 +121,27 @@ class RealtimeConnection:
             await self.fail(error, event_id)
 
     async def send(self, kind: str, **fields) -> None:
-        if not self.open:
-            return
         if self.beta:
             translated = beta.server_event(kind, fields)
             if translated is None:
                 return
             kind, fields = translated
-        async with self.send_lock:
-            try:
-                await self.websocket.send_text(json.dumps(ev.server_event(kind, **fields), separators=(",", ":")))
-            except (WebSocketDisconnect, RuntimeError):  # the client went away mid-send
-                self.open = False
+        await self._write(ev.server_event(kind, **fields))
 
     async def fail(self, error: ApiError, event_id: str | None = None) -> None:
+        await self._write(ev.error_event(error, event_id))
+
+    async def _write(self, event: dict) -> None:
         if self.open:
-            async with self.send_lock:
-                try:
-                    await self.websocket.send_text(json.dumps(ev.error_event(error, event_id)))
-                except (WebSocketDisconnect, RuntimeError):
-                    self.open = False
+            # shielded: a response cancelled while it sends a delta still sends that whole frame
+            await asyncio.shield(self._write_frame(json.dumps(event, separators=(",", ":"))))
+
+    async def _write_frame(self, text: str) -> None:
+        async with self.send_lock:
+            try:
+                await self.websocket.send_text(text)
+            except (WebSocketDisconnect, RuntimeError):  # the client went away mid-send
+                self.open = False
 
     def session_wire(self) -> dict:
         settings = self.session.model_dump()
@@ -263,10 +264,10 @@ class RealtimeConnection:
         conversation_turn = self.conversation.turn(settings.instructions)
         turn = UserTurn(conversation_turn.text, conversation_turn.audio, conversation_turn.history)
         item = ConversationItem(ev.new_id("item"), "assistant", output_audio=settings.audio_out, status="in_progress")
+        previous = self.conversation.add(item)  # first: a full conversation refuses the response here
         response = Response(ev.new_id("resp"), item, settings, turn)
         self.response = response
         await self.send("response.created", response=self.response_wire(response, "in_progress"))
-        previous = self.conversation.add(item)
         await self.send("response.output_item.added", response_id=response.id, output_index=0, item=item.wire())
         await self.item_added(item, previous)
         await self.send("response.content_part.added", **self.part_of(response), part=self.part_wire(response))
