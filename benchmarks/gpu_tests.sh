@@ -2,8 +2,8 @@
 # Every GPU test, on the GPU machine, in one command (issue 20): the test files with tests that skip without
 # CUDA (found by that skip condition, so new GPU tests are picked up), run in one pytest process in the order
 # that once broke a capture (kernels, fast path, code2wav graphs, completion graphs, then the rest), then the
-# capture/garbage-collector probe. The log goes to $OUT/gpu_tests.log (or /tmp) and is committed under
-# benchmarks/results/ beside the change that needed it.
+# capture/garbage-collector probe. The log goes to $OUT/gpu_tests.log (or /tmp); the latest run's logs are kept in
+# benchmarks/results/h200-gpu-tests/ (git history keeps the earlier ones).
 #   run (device): bash benchmarks/gpu_tests.sh
 # A fresh machine compiles every kernel first: the whole run took 9 min 8 s at da3d8d6, near the device's
 # 10-minute limit on one call. It can be split over calls in the same order, each with its own log

@@ -7,7 +7,11 @@ linears):
   (qkv, gate/up, lm_head) from ``CUBLAS_MIN_ROWS`` rows through the norm kernel + cuBLAS + the activation kernel;
 - ``all-cublas``: o and down too (cuBLAS, then the residual add).
 
+Or, with ``--switch NAME``, the served launch with one ``CodePredictor`` switch (``fold_norms``, ``qkv_tables``,
+``tma_linears``: docs/fused_steps.md) off and on, interleaved twice in the same process.
+
     python benchmarks/predictor_bench.py --out-dir benchmarks/results/NAME
+    python benchmarks/predictor_bench.py --switch qkv_tables --rows 1,8,32,64,128 --out-dir OUT
 
 Full size (Qwen3-Omni-30B-A3B's predictor: 5 layers, hidden 1024, 2048 codes), seeded random bf16 weights. Per row
 count and launch: ms per frame's 15 steps (the median of 5 x 20 replays) and the share of codes equal to the fused
@@ -30,12 +34,13 @@ from engine_microbench import config_dir
 from omni_triton.graph_buckets import capturing
 from omni_triton.kernels import small_linear as small_linear_module
 from omni_triton.kernels.dependent_launch import set_dependent_launch
-from omni_triton.models.code_predictor import greedy
+from omni_triton.models.code_predictor import CodePredictor, greedy
 from omni_triton.models.config import FULL_SIZE_CONFIG
 from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_linear_launch
 from omni_triton.models.weights import load_talker
 
 LAUNCHES = ("fused", "served", "all-cublas")
+SWITCHES = ("fold_norms", "qkv_tables", "tma_linears")  # CodePredictor class attributes, default on
 
 
 @contextlib.contextmanager
@@ -80,10 +85,32 @@ def frame_ms(predictor, hidden: torch.Tensor, code0_embeds: torch.Tensor) -> tup
     return statistics.median(times), codes.clone()
 
 
+def switch_row(predictor, switch: str, rows: int, hidden: torch.Tensor, code0_embeds: torch.Tensor) -> dict:
+    """The frame with ``CodePredictor.<switch>`` off and on, twice each in turn (the GPU's speed drifts); the
+    switch is left at its default (on) after."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    codes = {}
+    try:
+        for _ in range(2):
+            for on in (False, True):
+                setattr(CodePredictor, switch, on)
+                ms, codes[on] = frame_ms(predictor, hidden, code0_embeds)
+                times[on].append(ms)
+    finally:
+        setattr(CodePredictor, switch, True)
+    row = dict(rows=rows, off_ms=times[False], on_ms=times[True],
+               codes_equal=float((codes[True] == codes[False]).float().mean()))
+    print(f"rows {rows:4d}: {switch} off {min(times[False]):.3f} ms, on {min(times[True]):.3f} ms, "
+          f"greedy codes equal {row['codes_equal']:.3f}", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,16,32,64,128")
     parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--switch", choices=SWITCHES,
+                        help="instead of the three launches: this switch off / on in the served launch, interleaved")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("predictor_bench.py needs a CUDA GPU")
@@ -98,6 +125,9 @@ def main() -> None:
         gen = torch.Generator(device=device).manual_seed(rows)
         hidden, code0_embeds = torch.randn(2, rows, talker.hidden_size, device=device, dtype=torch.bfloat16,
                                            generator=gen)
+        if args.switch:
+            results.append(switch_row(talker.code_predictor, args.switch, rows, hidden, code0_embeds))
+            continue
         row, fused_codes = {"rows": rows}, None
         for name in LAUNCHES:
             with launch(name):
@@ -106,10 +136,16 @@ def main() -> None:
             row[name] = dict(ms=ms, codes_equal_to_fused=float((codes == fused_codes).float().mean()))
         results.append(row)
         print(f"rows {rows:4d}: " + "  ".join(f"{name} {row[name]['ms']:.3f} ms" for name in LAUNCHES), flush=True)
-    lines = ["| rows | " + " | ".join(f"{name} ms (codes = fused)" for name in LAUNCHES) + " |",
-             "|---:|" + "---:|" * len(LAUNCHES)]
-    lines += [f"| {row['rows']} | " + " | ".join(f"{row[n]['ms']:.3f} ({row[n]['codes_equal_to_fused']:.2f})"
-                                                 for n in LAUNCHES) + " |" for row in results]
+    if args.switch:
+        lines = [f"| rows | {args.switch} off ms | on ms | on / off | greedy codes equal |",
+                 "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['rows']} | {min(r['off_ms']):.3f} | {min(r['on_ms']):.3f} | "
+                  f"{min(r['on_ms']) / min(r['off_ms']):.3f} | {r['codes_equal']:.3f} |" for r in results]
+    else:
+        lines = ["| rows | " + " | ".join(f"{name} ms (codes = fused)" for name in LAUNCHES) + " |",
+                 "|---:|" + "---:|" * len(LAUNCHES)]
+        lines += [f"| {row['rows']} | " + " | ".join(f"{row[n]['ms']:.3f} ({row[n]['codes_equal_to_fused']:.2f})"
+                                                     for n in LAUNCHES) + " |" for row in results]
     header = (f"Code predictor, 15 steps of one frame under a CUDA graph; {torch.cuda.get_device_name()}, "
               f"torch {torch.__version__}\n\n")
     print(header + "\n".join(lines))

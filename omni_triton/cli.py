@@ -106,8 +106,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the repository load/unload API is then open to clients too; default: off)")
     server.add_argument("--mps", choices=MPS_CHOICES, default="auto",
                         help="CUDA MPS for the stages sharing a GPU (--device cuda): auto uses the host's control "
-                             "daemon or starts one of its own when nvidia-cuda-mps-control is installed, else goes "
-                             "without; on insists; off never (default: %(default)s)")
+                             "daemon when it sees this server's GPUs (CUDA_VISIBLE_DEVICES), else starts one of its "
+                             "own on them when nvidia-cuda-mps-control is installed, else goes without; on insists; "
+                             "off never (default: %(default)s)")
     server.add_argument("--ready-timeout", type=float, default=900.0,
                         help="seconds; warm start (--warmup) is part of it (default: %(default)s)")
 

@@ -1,6 +1,6 @@
 """Streaming gRPC client for the `omni` model: text (or speech) in, streamed text + 24 kHz audio out.
 
-Reports the latencies the project is judged on (DESIGN.md section 6): TTFT (request sent -> first text
+Reports the latencies the project is judged on (benchmarks/README.md, Metrics): TTFT (request sent -> first text
 delta), TTFA (request sent -> first non-empty audio chunk) and RTF (generation wall time / audio duration).
 
 A failed request raises ``StreamError``: its ``code`` names the cause as Triton's error codes do (INVALID_ARG,

@@ -39,7 +39,9 @@ def _kind(documents: dict[str, list[dict]], kind: str, component: str = "triton"
 
 
 def test_there_are_overlays():
-    assert {path.stem for path in VALUES} >= {"h200-one-gpu", "h200-split", "h200-replicas", "smoke-dummy"}
+    assert {path.stem for path in VALUES} >= {"h200-one-gpu", "h200-split", "h200-replicas", "smoke-dummy",
+                                              "h200-x4", "h200-x8", "h100-split"}
+    assert {deploy.Values.load(path).gpus for path in VALUES} >= {1, 2, 4, 8}  # GPUs per pod (docs/scaling.md)
 
 
 @pytest.mark.parametrize("values_path", VALUES, ids=lambda p: p.stem)

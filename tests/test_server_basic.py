@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,9 @@ from conftest import TEST_LIMITS
 pytestmark = pytest.mark.server
 
 
+DECOUPLED_MODELS = ("code2wav",)  # answered on a stream: one final response per request
+
+
 def infer(client, model: str, **tensors):
     inputs = []
     for name, value in tensors.items():
@@ -27,7 +31,25 @@ def infer(client, model: str, **tensors):
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
-    return client.infer(model, inputs)
+    return infer_one(client, model, inputs)
+
+
+def infer_one(client, model: str, inputs: list, timeout_s: float = 120.0):
+    """One request's one result, over a stream for a decoupled model; errors raise InferenceServerException."""
+    if model not in DECOUPLED_MODELS:
+        return client.infer(model, inputs)
+    results: queue.Queue = queue.Queue()
+    # the header makes a streamed error carry its gRPC code (else status() is None)
+    client.start_stream(callback=lambda result, error: results.put((result, error)),
+                        headers={"triton_grpc_error": "true"})
+    try:
+        client.async_stream_infer(model, inputs)
+        result, error = results.get(timeout=timeout_s)
+    finally:
+        client.stop_stream()
+    if error is not None:
+        raise error
+    return result
 
 
 def text(value: str | bytes) -> np.ndarray:

@@ -8,6 +8,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from omni_triton.server.repository import STAGES, LaunchConfig
+from test_server_basic import infer_one
 
 pytestmark = pytest.mark.server
 
@@ -47,7 +48,7 @@ def test_onnx_code2wav_over_triton_matches_torch(onnx_server, vocoder):
     for left_context in (0, 4):
         inputs[1].set_data_from_numpy(np.array([[left_context]], np.int32))
         with onnx_server.grpc_client() as client:
-            audio = client.infer("code2wav", inputs).as_numpy("AUDIO")[0]
+            audio = infer_one(client, "code2wav", inputs).as_numpy("AUDIO")[0]
         start = left_context * vocoder.samples_per_frame - vocoder.trim_samples if left_context else 0
         # the exporter accepts ONNX Runtime within 1e-3 of torch (its --tolerance default)
         np.testing.assert_allclose(audio, expected[start:], atol=1e-3)

@@ -1,1 +1,1 @@
-"""Benchmarks of the served pipeline against its baselines (DESIGN.md section 6 names the metrics)."""
+"""Benchmarks of the served pipeline against its baselines (benchmarks/README.md defines the metrics)."""

@@ -4,6 +4,7 @@
     omni-triton bench --url 127.0.0.1:8001 --checkpoint CKPT --concurrency 1,4,8,16,32,64
     omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --systems server,inprocess
     omni-triton bench --merge RUN_A RUN_B RUN_C --out benchmarks/results/h200-full [--label h200-full]
+    omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --request-rate auto --goodput-start 4
 
 Systems: `server` (streaming, the system under test), `server-sequential` (same server, SEQUENTIAL=true),
 `inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate(return_audio=True), concurrency 1, not
@@ -19,6 +20,10 @@ and writes OUT/results.json (with `merged_from`: every run's dir, command, machi
 included) and OUT/results.md (every command listed). It refuses runs that measured the same system at the same
 concurrency, runs whose workloads differ in prompt, thinker tokens or audio frames, and runs on another CPU or
 GPU model (omni_triton/bench/merge.py).
+
+--request-rate R[,R...]|auto: the open loop instead (bench/open_loop_cli.py): Poisson arrivals at each rate for
+--duration seconds, each request on its own stream, and the goodput: the highest rate with TTFA p95 <= 500 ms, no
+stream dry, none failed (bench/goodput.py); `auto` searches it.
 
 --trace DIR: every measured request is traced (omni_triton/trace.py) and the report gets, per system and level,
 where the time to first audio went: client -> orchestrator, thinker queueing and prefill, the first thinker
@@ -40,22 +45,27 @@ from pathlib import Path
 from typing import Iterator
 
 from omni_triton import trace
-from omni_triton.bench import breakdown
+from omni_triton.bench import breakdown, open_loop_cli
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.server_cpu import ServerCpu
+from omni_triton.bench.stage_profiles import ProfileWindows
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
 from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
                                                add_memory_arguments, add_model_source_arguments, model_source,
                                                with_kv_budget)
 from omni_triton.server.memory_plan import SERVED_GPU_PROCESSES
 from omni_triton.server.repository import LaunchConfig
+from omni_triton.stage_profile import PROFILE_DIR_ENV
 from omni_triton.trace import TRACE_DIR_ENV
 
 SYSTEMS = ("server", "server-sequential", "inprocess", "transformers")
 REFERENCE = "server"
+# The started server's requests in flight per stage under the open loop, whose in-flight count is not set by a
+# --concurrency: the admission limit `omni-triton serve --max-inflight 64` is measured with (benchmarks/README.md).
+OPEN_LOOP_MAX_INFLIGHT = 64
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,11 +79,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "exact prompt length")
     target.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     target.add_argument("--tritonserver", help="tritonserver binary for --start-server (default: found)")
+    target.add_argument("--max-inflight", type=int, metavar="N",
+                        help="--start-server: the server's concurrent requests per stage (default: max(16, highest "
+                             f"--concurrency); open loop: {OPEN_LOOP_MAX_INFLIGHT})")
     add_model_source_arguments(target)
     add_memory_arguments(target)
     add_engine_arguments(target)
     add_load_arguments(target)
-    load = parser.add_argument_group("workload (defaults: DESIGN.md section 6, or --quick)")
+    load = parser.add_argument_group("workload (defaults: the fixed workload of benchmarks/README.md, or --quick)")
     load.add_argument("--quick", action="store_true", help="CPU/CI preset: 16-token prompt, 16 tokens, 25 frames, "
                                                            "concurrency 1,2,4")
     load.add_argument("--concurrency", type=_int_list, help="comma-separated levels, e.g. 1,4,8")
@@ -82,8 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--audio-frames", type=int)
     load.add_argument("--requests-per-level", type=int, help="default: 2 x concurrency, at least 4")
     load.add_argument("--warmup", type=int, dest="warmup_requests", help="uncounted requests per system")
-    parser.add_argument("--systems", type=lambda text: text.split(","), default=list(SYSTEMS),
-                        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--systems", type=lambda text: text.split(","),
+                        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all; open loop: server)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads in this process for inprocess/transformers (the server's stages "
                              "use 1 each by default)")
@@ -96,9 +109,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "level's time to first audio goes: this process's events in DIR/<system>-c<N>, the "
                              "server's in DIR/server (set for a --start-server server; start a server of your own "
                              f"with {TRACE_DIR_ENV}=DIR/server)")
+    parser.add_argument("--profile-stages", type=Path, metavar="DIR",
+                        help="a torch.profiler window (GPU kernels, host threads' CUDA waits) in every stage process, "
+                             "--profile-delay seconds into each server level, into DIR/<system>-c<N>, summarised "
+                             "in DIR/<system>-c<N>/stage_profiles.md (set for a --start-server server; start a "
+                             f"server of your own with {PROFILE_DIR_ENV}=DIR)")
+    parser.add_argument("--profile-delay", type=float, default=3.0, metavar="S",
+                        help="seconds into a level a --profile-stages window starts (default %(default)s)")
+    parser.add_argument("--profile-seconds", type=float, default=1.0, metavar="S",
+                        help="length of each --profile-stages window (default %(default)s)")
+    open_loop_cli.add_arguments(parser)
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results/<UTC time>)")
     parser.add_argument("--label", help="report title (default: the output dir's name)")
     args = parser.parse_args(argv)
+    if args.request_rate is not None:
+        open_loop_cli.check_arguments(parser, args)
+        args.max_inflight = args.max_inflight or OPEN_LOOP_MAX_INFLIGHT
+    args.systems = args.systems or list(SYSTEMS)
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
@@ -127,7 +154,8 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
     the measured concurrency."""
     config = LaunchConfig(checkpoint_dir=args.source.checkpoint_dir.resolve(), device=args.device,
                           load_format=args.source.load_format, dummy_seed=args.source.seed,
-                          interstage_memory=interstage_memory, max_inflight_requests=max(16, *workload.concurrencies),
+                          interstage_memory=interstage_memory,
+                          max_inflight_requests=args.max_inflight or max(16, *workload.concurrencies),
                           fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
                           prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
                           dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
@@ -165,8 +193,9 @@ def served(args: argparse.Namespace, workload: Workload, notes: list[str]) -> It
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             gpu=args.device == "cuda")
     server = TritonServer(repository, install, options, log_path=run_dir / "tritonserver.log")
-    with _environment(TRACE_DIR_ENV, str(args.trace / "server") if args.trace else None):
-        server.start()  # its stage processes inherit the trace directory
+    with (_environment(TRACE_DIR_ENV, str(args.trace / "server") if args.trace else None),
+          _environment(PROFILE_DIR_ENV, str(args.profile_stages) if args.profile_stages else None)):
+        server.start()  # its stage processes inherit the trace and profile directories
     try:
         print(f"tritonserver ready in {server.wait_ready(models, timeout_s=600):.1f} s at {server.grpc_url}",
               file=sys.stderr)
@@ -205,7 +234,7 @@ def make_runner(system: str, args: argparse.Namespace, url: str, workload: Workl
 
 def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None = None,
                  breakdowns: list[dict] | None = None, after_level=lambda: None,
-                 server_url: str | None = None) -> list[LevelSummary]:
+                 server_url: str | None = None, profile: "ProfileWindows | None" = None) -> list[LevelSummary]:
     """Every level of ``workload`` through ``runner``. With ``trace_dir``, each level's requests are traced
     and its TTFA breakdown row is appended to ``breakdowns``; ``after_level`` is called after each level with
     ``summaries`` (this system's so far) not yet returned: see main's ``save_partial``. With ``server_url`` (a
@@ -226,7 +255,8 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             level_dir = trace_dir / f"{runner.name}-c{concurrency}" if trace_dir is not None else None
             trace.configure(level_dir)
             try:
-                with GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu:
+                with (GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu,
+                      profile.during(f"{runner.name}-c{concurrency}") if profile else contextlib.nullcontext()):
                     timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
                                                 on_done=lambda _: progress.update())
             finally:
@@ -252,7 +282,8 @@ def merge_runs(args: argparse.Namespace) -> int:
         return 2
     print(table)
     print(f"wrote {args.out}/results.json, results.md (merged {len(args.merge)} runs)", file=sys.stderr)
-    return 1 if any(row["failed"] for row in report["results"]) else 0
+    rows = report["rates"] if "open_loop" in report else report["results"]
+    return 1 if any(row["failed"] or row.get("not_started") for row in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,21 +320,28 @@ def main(argv: list[str] | None = None) -> int:
     summaries: list[LevelSummary] = []
     breakdowns: list[dict] = []
 
+    header = {
+        "label": args.label or out_dir.name,
+        "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "machine": machine,
+        "workload": {**workload.__dict__, "prompt_text": text},
+        "prompt_ids": _prompt_ids(args.checkpoint, text),
+        "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(sum(idle_gpu_mib) / 1024, 2),
+        "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
+                     "seed": args.source.seed} if args.source is not None else "unknown"),
+    }
+    if args.request_rate is not None:
+        with served(args, workload, notes) as url:
+            return open_loop_cli.run(args, workload, text, url, header, notes, out_dir)
+
     def build_report(rows: list[LevelSummary], complete: bool) -> dict:
         return {
-            "label": args.label or out_dir.name,
-            "command": "omni-triton bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "machine": machine,
-            "workload": {**workload.__dict__, "prompt_text": text},
-            "prompt_ids": _prompt_ids(args.checkpoint, text),
+            **header,
             "torch_threads": args.torch_threads,
             "results": [s.to_dict() for s in rows],
             "ratios_to": REFERENCE,
             "ratios": ratios_to(REFERENCE, rows),
             "ttfa_breakdown": breakdowns,
-            "gpu_memory_used_gib_at_start": None if idle_gpu_mib is None else round(sum(idle_gpu_mib) / 1024, 2),
-            "weights": ({"checkpoint": str(args.source.checkpoint_dir), "load_format": args.source.load_format,
-                         "seed": args.source.seed} if args.source is not None else "unknown"),
             "notes": notes + (["transformers generate() is not streaming: its TTFT and TTFA are its end-to-end time."]
                               if "transformers" in systems else [])
                      + ([] if complete else ["partial: the run stopped before its last level"]),
@@ -314,11 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         reporting.write_json(out_dir / "results.json", build_report(summaries + system_so_far, complete=False))
 
     server_systems = [s for s in systems if s.startswith("server")]
+    profile = (ProfileWindows(args.profile_stages, args.profile_delay, args.profile_seconds)
+               if args.profile_stages else None)
     if server_systems:
         with served(args, workload, notes) as url:
             for system in server_systems:
                 summaries += bench_system(make_runner(system, args, url, workload, notes), workload, text,
-                                          args.trace, breakdowns, save_partial, server_url=url)
+                                          args.trace, breakdowns, save_partial, server_url=url, profile=profile)
+    if profile is not None:
+        notes.extend(profile.summaries())
     for system in (s for s in systems if not s.startswith("server")):  # after the server stopped: free cores
         runner = make_runner(system, args, args.url, workload, notes)
         try:

@@ -1,4 +1,4 @@
-"""Per-request timings and the metrics computed from them (DESIGN.md section 6). Pure functions.
+"""Per-request timings and the metrics computed from them (benchmarks/README.md, Metrics). Pure functions.
 
 TTFA: request sent -> first non-empty audio chunk.   TTFT: request sent -> first non-empty text delta.
 RTF: generation wall time / audio duration.          Continuity: fraction of requests whose audio never
@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 import numpy as np
 
 OUTPUT_SAMPLE_RATE = 24000
-RAN_DRY_S = 0.050  # dry time above this is a gap a listener hears (DESIGN.md section 6)
+RAN_DRY_S = 0.050  # dry time above this is a gap a listener hears (benchmarks/README.md, Metrics)
 
 
 @dataclass
@@ -26,6 +26,7 @@ class RequestTiming:
     audio_chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, samples) per non-empty chunk
     total_s: float = 0.0                                               # until the stream closed
     error: str | None = None
+    error_code: str | None = None  # a failure's Triton error code (client.error_code), or its exception's type
 
     @property
     def ok(self) -> bool:

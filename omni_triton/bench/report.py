@@ -51,22 +51,30 @@ def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _ms(value: float | None) -> str:
+def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def _num(value: float | None, digits: int = 2) -> str:
+def num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _gpu_gib(summary: LevelSummary) -> str:
     """Peak GPU GiB of a level; with several GPUs, each one's after the sum ("112.3 (70.1 + 42.2)")."""
-    total, per_gpu = _num(summary.gpu_memory_peak_gib, 1), summary.gpu_memory_peak_gib_per_gpu
-    return total if not per_gpu or len(per_gpu) < 2 else f"{total} ({' + '.join(_num(g, 1) for g in per_gpu)})"
+    total, per_gpu = num(summary.gpu_memory_peak_gib, 1), summary.gpu_memory_peak_gib_per_gpu
+    return total if not per_gpu or len(per_gpu) < 2 else f"{total} ({' + '.join(num(g, 1) for g in per_gpu)})"
+
+
+def workload_line(report: dict, load: str) -> str:
+    """The workload every request of ``report`` ran, and how the load was offered (``load``)."""
+    workload = report["workload"]
+    return (f"Workload: {workload['prompt_tokens']}-token prompt ({report['prompt_ids']} ids after the chat template), "
+            f"{workload['thinker_tokens']} thinker tokens, {workload['audio_frames']} audio frames "
+            f"({workload['audio_frames'] / 12.5:.1f} s), greedy, IGNORE_EOS; {load}, "
+            f"{workload['warmup_requests']} warm-up request(s) per system not counted.")
 
 
 def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], reference: str) -> str:
-    workload = report["workload"]
     lines = [
         f"# omni-triton benchmark: {report['label']}",
         "",
@@ -79,22 +87,19 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
     lines += [
         "Machine: " + ", ".join(f"{key} {value}" for key, value in report["machine"].items()),
         "",
-        f"Workload: {workload['prompt_tokens']}-token prompt ({report['prompt_ids']} ids after the chat template), "
-        f"{workload['thinker_tokens']} thinker tokens, {workload['audio_frames']} audio frames "
-        f"({workload['audio_frames'] / 12.5:.1f} s), greedy, IGNORE_EOS; closed loop, "
-        f"{workload['warmup_requests']} warm-up request(s) per system not counted.",
+        workload_line(report, "closed loop"),
         "",
         "| system | conc | reqs | failed | TTFT p50 ms | TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | RTF mean | RTF p95 "
         "| audio s/req | req/s | audio s/s | continuity | GPU GiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
-        lines.append(f"| {s.system} | {s.concurrency} | {s.requests} | {s.failed} | {_ms(s.ttft_p50)} | "
-                     f"{_ms(s.ttfa_p50)} | {_ms(s.ttfa_p95)} | {_ms(s.ttfa_p99)} | {_num(s.rtf_mean, 3)} | "
-                     f"{_num(s.rtf_p95, 3)} | {_num(s.audio_s_per_request)} | {_num(s.requests_per_s)} | {_num(s.audio_s_per_s)} | "
-                     f"{_num(s.continuity)} | {_gpu_gib(s)} |")
+        lines.append(f"| {s.system} | {s.concurrency} | {s.requests} | {s.failed} | {ms(s.ttft_p50)} | "
+                     f"{ms(s.ttfa_p50)} | {ms(s.ttfa_p95)} | {ms(s.ttfa_p99)} | {num(s.rtf_mean, 3)} | "
+                     f"{num(s.rtf_p95, 3)} | {num(s.audio_s_per_request)} | {num(s.requests_per_s)} | {num(s.audio_s_per_s)} | "
+                     f"{num(s.continuity)} | {_gpu_gib(s)} |")
     lines += listener_table(summaries)
-    lines += server_cpu_table(summaries)
+    lines += server_cpu_table([(s.system, str(s.concurrency), s.server_cpu_pct) for s in summaries], "conc")
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
                       "audio s/s: <1 is less throughput):", "",
@@ -102,7 +107,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
                   "|---|---:|" + "---:|" * len(RATIO_METRICS)]
         for row in ratios:
             lines.append(f"| {row['system']} | {row['concurrency']} | "
-                         + " | ".join(_num(row[m]) for m in RATIO_METRICS) + " |")
+                         + " | ".join(num(row[m]) for m in RATIO_METRICS) + " |")
     errors = [(s.system, s.concurrency, e) for s in summaries for e in s.errors]
     if errors:
         lines += ["", "Errors:", ""] + [f"- {system} @ {conc}: {error}" for system, conc, error in errors]
@@ -112,7 +117,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
 
 
 def listener_table(summaries: list[LevelSummary]) -> list[str]:
-    """What a listener hears (DESIGN.md section 6): dry time after the first chunk, the start delay a player
+    """What a listener hears (benchmarks/README.md, Metrics): dry time after the first chunk, the start delay a player
     needs for gapless playback (TTFA + dry time) and the streams that ran dry (dry time > RAN_DRY_S)."""
     rows = [s for s in summaries if s.ran_dry is not None]
     if not rows:
@@ -123,25 +128,25 @@ def listener_table(summaries: list[LevelSummary]) -> list[str]:
              "| ran dry % |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in rows:
-        lines.append(f"| {s.system} | {s.concurrency} | {_ms(s.dry_p50)} | {_ms(s.dry_p95)} | "
-                     f"{_ms(s.gapless_start_p50)} | {_ms(s.gapless_start_p95)} | {s.ran_dry} | "
-                     f"{_num(100 * s.ran_dry_fraction, 0)} |")
+        lines.append(f"| {s.system} | {s.concurrency} | {ms(s.dry_p50)} | {ms(s.dry_p95)} | "
+                     f"{ms(s.gapless_start_p50)} | {ms(s.gapless_start_p95)} | {s.ran_dry} | "
+                     f"{num(100 * s.ran_dry_fraction, 0)} |")
     return lines
 
 
-def server_cpu_table(summaries: list[LevelSummary]) -> list[str]:
-    """The local server's processes' CPU per level (bench.server_cpu): a stage's stub near 100% is bound by its
-    one Python thread at a time, whatever its GPU does."""
-    rows = [s for s in summaries if s.server_cpu_pct]
+def server_cpu_table(levels: list[tuple[str, str, dict[str, float] | None]], level_name: str) -> list[str]:
+    """The local server's processes' CPU per level (bench.server_cpu), from (system, level, CPU % by process) per
+    level (``level_name``: what the level is, e.g. conc): a stage's stub near 100% is bound by its one Python
+    thread at a time, whatever its GPU does."""
+    rows = [(system, level, cpu) for system, level, cpu in levels if cpu]
     if not rows:
         return []
-    names = sorted({name for s in rows for name in s.server_cpu_pct}, key=lambda name: (name != "tritonserver", name))
+    names = sorted({name for _, _, cpu in rows for name in cpu}, key=lambda name: (name != "tritonserver", name))
     lines = ["", "Server processes' CPU during each level, % of one core (tritonserver and each stage instance's "
                  "Python stub; a stub near 100% is bound by its Python thread):", "",
-             "| system | conc | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
-    for s in rows:
-        lines.append(f"| {s.system} | {s.concurrency} | "
-                     + " | ".join(_num(s.server_cpu_pct.get(name), 0) for name in names) + " |")
+             f"| system | {level_name} | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for system, level, cpu in rows:
+        lines.append(f"| {system} | {level} | " + " | ".join(num(cpu.get(name), 0) for name in names) + " |")
     return lines
 
 

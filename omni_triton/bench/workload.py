@@ -1,4 +1,4 @@
-"""The fixed benchmark workload (DESIGN.md section 6): every request has the same prompt length, thinker
+"""The fixed benchmark workload (benchmarks/README.md, Metrics): every request has the same prompt length, thinker
 token count and audio length, forced with IGNORE_EOS + MIN/MAX, so runs on different systems compare."""
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 
 from omni_triton import trace
 from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
+from omni_triton.engine.handoff import OutputStream, ready_event
 from omni_triton.engine.host_copies import HostIds
 from omni_triton.engine.overlap import LaunchedStep, StepOverlap
 from omni_triton.engine.runner import ModelRunner
@@ -64,6 +65,14 @@ class RequestOutput:
     states_start: int = 0  # position of the first row of ``states`` in the sequence (prompt position 0 = 0)
     # Per sampled token, from the stage's post-step hook (talker: "codes" [1, G])
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # ``new_token_ids`` where the step sampled them (on a GPU: no host -> device copy to embed them again)
+    token_ids_device: torch.Tensor | None = None
+    # CUDA: events after which the device tensors above are complete (handoff.py); none on the CPU
+    ready_events: tuple = ()
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        tensors = [*self.states.values(), *self.extras.values()]
+        return tensors if self.token_ids_device is None else [*tensors, self.token_ids_device]
 
 
 @dataclass
@@ -204,14 +213,16 @@ class LLMEngine:
         result = self.runner.run(batch)
         for seq, _, end in result.chunks:
             seq.num_computed_tokens = end
+        ready = ready_event(self.runner.device)  # the step's outputs are written: what its responses wait for
         host_ids = self.overlap.host_ids(result) if self.overlap is not None else HostIds(result.sampled_token_ids)
-        return LaunchedStep(batch, result, host_ids, shape)
+        return LaunchedStep(batch, result, host_ids, shape, ready)
 
     def _finish(self, step: LaunchedStep) -> tuple[dict[str, RequestOutput], int]:
         """The launched step's host work: states and tokens out, stop checks, the stage's bookkeeping. Rows
         finished or aborted since its launch (an overlapped step's) are dropped. Returns the outputs and the
         number of rows that go on."""
         result = step.result
+        ready = step.ready
         outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in step.batch.seqs if not seq.is_finished}
         for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
             first = max(start, seq.num_emitted_positions)
@@ -231,6 +242,7 @@ class LLMEngine:
                 if seq.num_generated == 1:
                     trace.event(seq.request_id, f"{self.name}.first_token")
                 outputs[seq.request_id].new_token_ids.append(token_id)
+                outputs[seq.request_id].token_ids_device = result.sampled_token_ids[i:i + 1]
                 reason = seq.check_stop(token_id)
                 if reason is None:
                     continuing.append(i)
@@ -239,16 +251,25 @@ class LLMEngine:
             if continuing:
                 seqs = [result.sampled_seqs[i] for i in continuing]
                 hidden, ids, completed = result.sampled_hidden, result.sampled_token_ids, result.completed
-                if len(continuing) < len(ids):  # rows that finished drop out (else: no copy, no gathers)
+                gathered = len(continuing) < len(ids)
+                if gathered:  # rows that finished drop out (else: no copy, no gathers)
                     index = torch.tensor(continuing, device=hidden.device)
                     hidden, ids = hidden[index], ids[index]
                     completed = None if completed is None else {name: t[index] for name, t in completed.items()}
-                if completed is None:
+                completes_here = completed is None
+                if completes_here:
                     completed = self.runner.complete_step(seqs, hidden, ids)
                 # else: a CUDA graph completed every sampled row
                 extras = self.stage.after_sample(seqs, completed)
                 for seq, extra in zip(seqs, extras):
                     outputs[seq.request_id].extras = extra
+                if gathered or completes_here:
+                    # the extras were made here, behind the step launched after this one when there is one (rare:
+                    # a row stopped, or a step without a completion graph, which launches nothing ahead)
+                    ready = ready_event(self.runner.device)
+        if ready is not None:
+            for output in outputs.values():
+                output.ready_events = (ready,)
 
         # a row of the step launched after this one already holds its next position: its status is the next
         # finish's to refresh (now it would read no input pending)
@@ -323,6 +344,7 @@ class EngineLoop:
         self._stats = engine.stats()
         self._step_thread = threading.Thread(target=self._step_loop, name="engine-step", daemon=True)
         self._response_thread = threading.Thread(target=self._response_loop, name="engine-response", daemon=True)
+        self._output_stream = OutputStream(engine.runner.device)
 
     def start(self) -> "EngineLoop":
         self._step_thread.start()
@@ -421,6 +443,9 @@ class EngineLoop:
         self._stats = self.engine.stats()
 
     def _response_loop(self) -> None:
+        device = self.engine.runner.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         while True:
             outputs = [self._responses.get()]
             # Everything queued behind a slow consumer goes at once, a request's outputs merged into one: a
@@ -433,8 +458,12 @@ class EngineLoop:
                 except queue.Empty:
                     break
             stop = outputs[-1] is None
-            for output in merge_outputs([output for output in outputs if output is not None]):
-                self._deliver(output)
+            outputs = [output for output in outputs if output is not None]
+            # callbacks embed, cast, concatenate and export on the response thread's own stream (handoff.py)
+            with self._output_stream.handling((event for output in outputs for event in output.ready_events),
+                                              (tensor for output in outputs for tensor in output.device_tensors())):
+                for output in merge_outputs(outputs):
+                    self._deliver(output)
             if stop:
                 return
 
@@ -462,7 +491,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
         if into is None:
             into = RequestOutput(output.request_id, list(output.new_token_ids), output.finished,
                                  output.finish_reason, dict(output.states), output.states_start,
-                                 dict(output.extras))
+                                 dict(output.extras), output.token_ids_device, output.ready_events)
             merged.append(into)
         else:
             into.new_token_ids += output.new_token_ids
@@ -472,6 +501,10 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
                     into.states_start = output.states_start
                 into.states = _concat_rows(into.states, output.states)
             into.extras = _concat_rows(into.extras, output.extras)
+            into.ready_events += output.ready_events
+            if output.token_ids_device is not None:
+                into.token_ids_device = (output.token_ids_device if into.token_ids_device is None
+                                         else torch.cat([into.token_ids_device, output.token_ids_device]))
         if into.finished:
             open_outputs.pop(output.request_id, None)
         else:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_triton.engine.block_manager import BlockManager
+from omni_triton.engine.handoff import ready_event
 from omni_triton.engine.host_copies import HostIds
 from omni_triton.engine.runner import ModelRunner, StepResult
 from omni_triton.engine.scheduler import ScheduledBatch, Scheduler
@@ -38,6 +39,7 @@ class LaunchedStep:
     result: StepResult
     host_ids: HostIds
     shape: dict | None = None  # the step log's fields (tracing on at its launch)
+    ready: torch.cuda.Event | None = None  # after the work that writes its outputs (handoff.py; CUDA only)
 
     def __post_init__(self):
         self._rows = frozenset(map(id, self.batch.seqs))
@@ -90,7 +92,7 @@ class StepOverlap:
             seq.num_computed_tokens += 1
         self.launched += 1
         batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
-        return LaunchedStep(batch, result, self.host_ids(result))
+        return LaunchedStep(batch, result, self.host_ids(result), ready=ready_event(self.runner.device))
 
     def _next_inputs(self, current: LaunchedStep) -> dict | None:
         """``run_ahead``'s inputs for the rows after ``current``: its sampled ids (token-input stages), or the

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.models.code2wav_streaming import StateSpec
 
 DEFAULT_IDLE_TIMEOUT_S = 600.0  # far beyond any gap between one request's chunks
@@ -116,14 +117,16 @@ class Code2WavStreamStates:
         for chunk in chunks:
             if chunk.first:
                 self._open(chunk.stream_id)
-        slots = torch.tensor([self._slots[c.stream_id] for c in chunks], device=self.device)
+        # host ints to the device without waiting for the calls queued before (to_device_async)
+        slots = to_device_async(torch.tensor([self._slots[c.stream_id] for c in chunks]), self.device)
         lengths = [c.codes.shape[1] for c in chunks]
         longest = max(lengths)
         codes = torch.stack([torch.nn.functional.pad(c.codes.to(self.device), (0, longest - n))
                              for c, n in zip(chunks, lengths)])
         state = [tensor.index_select(0, slots) for tensor in self._tensors]
         try:
-            waveform, new_state = self._decode_stream(codes, torch.tensor(lengths, device=self.device), state)
+            waveform, new_state = self._decode_stream(codes, to_device_async(torch.tensor(lengths), self.device),
+                                                      state)
         except BaseException:
             for chunk in chunks:  # a stream whose call failed has no trustworthy state left
                 self.close(chunk.stream_id)

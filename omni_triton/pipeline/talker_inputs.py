@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.models.config import OmniConfig
 from omni_triton.pipeline.talker_prompt import ASSISTANT_PREFILL_ROWS, assistant_start, user_row_mask
 
@@ -103,8 +104,9 @@ class TalkerInputs:
         a = self._assistant
         text = torch.stack([a[0], a[1], a[2], self.tts_pad, self.tts_pad, self.tts_pad, self.tts_pad,
                             self.tts_bos, a[3]])
-        codec_ids = torch.tensor([cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id,
-                                  self.speaker_codec_id, cfg.codec_pad_id, cfg.codec_bos_id], device=text.device)
+        codec_ids = to_device_async(torch.tensor([cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id,
+                                                  self.speaker_codec_id, cfg.codec_pad_id, cfg.codec_bos_id]),
+                                    text.device)
         codec = torch.cat((text.new_zeros(3, text.shape[1]), talker.embed_codec(codec_ids)))
         embeds = torch.cat((self._user_embeds, text + codec))
         positions = torch.arange(embeds.shape[0], device=embeds.device)[None].expand(3, -1).contiguous()
@@ -135,16 +137,22 @@ class TalkerInputs:
 
     # ---- internals
     def _project_user_rows(self) -> torch.Tensor:
-        # Project every prompt row (as HF does) and keep the user ones: same matmul shapes, same numbers.
-        ids = torch.cat([r[0] for r in self._prompt_rows])
+        # Project every prompt row (as HF does) and keep the user ones: same matmul shapes, same numbers. Which
+        # rows are which comes from the prompt ids on the host (the prompt rows' ids are the prompt's): nothing
+        # here reads the device, which would wait for every talker step queued on the stream.
         embeds = torch.cat([r[1] for r in self._prompt_rows])
-        multimodal = torch.tensor([t in self._multimodal_ids for t in ids.tolist()], device=ids.device)
-        projected = embeds.new_empty(ids.shape[0], self.talker.hidden_size)
-        projected[~multimodal] = self.talker.project_text(embeds[~multimodal])
-        if bool(multimodal.any()):
+        device = embeds.device
+        multimodal = [t in self._multimodal_ids for t in self.prompt_ids]
+        text_rows = [row for row, is_multimodal in enumerate(multimodal) if not is_multimodal]
+        projected = embeds.new_empty(embeds.shape[0], self.talker.hidden_size)
+        if text_rows:
+            rows = to_device_async(torch.tensor(text_rows), device)
+            projected[rows] = self.talker.project_text(embeds[rows])
+        if len(text_rows) < len(multimodal):
             if any(r[2] is None for r in self._prompt_rows):
                 raise ValueError("prompt has audio/image/video rows: feed() needs their accept_hidden states")
             hidden = torch.cat([r[2] for r in self._prompt_rows])
-            projected[multimodal] = self.talker.project_hidden(hidden[multimodal])
-        user = torch.tensor(user_row_mask(self.prompt_ids, self.config), device=ids.device)
-        return projected[user]
+            rows = to_device_async(torch.tensor([row for row, is_mm in enumerate(multimodal) if is_mm]), device)
+            projected[rows] = self.talker.project_hidden(hidden[rows])
+        user = [row for row, is_user in enumerate(user_row_mask(self.prompt_ids, self.config)) if is_user]
+        return projected[to_device_async(torch.tensor(user, dtype=torch.long), device)]

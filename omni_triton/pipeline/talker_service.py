@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, TalkerStage
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.warmup import warm_up
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_talker, load_thinker_embedding_rows
@@ -114,7 +115,7 @@ class TalkerService:
         if pending:
             self._feed_pending(request_id, chunk)
             return
-        rows = (chunk.row_ids.to(self.device), chunk.embeds.to(self.device), None)
+        rows = (to_device_async(chunk.row_ids, self.device), chunk.embeds.to(self.device), None)
         self.loop.append(request_id, thinker_rows=rows, finished=chunk.finished)
 
     def abort(self, request_id: str) -> None:
@@ -135,9 +136,10 @@ class TalkerService:
             return
         inputs, request, on_output = entry
         p = chunk.prompt_len
-        inputs.feed(chunk.row_ids[:p].to(self.device), chunk.embeds[:p].to(self.device),
-                    chunk.hidden[:p].to(self.device) if p else None)
-        inputs.feed(chunk.row_ids[p:].to(self.device), chunk.embeds[p:].to(self.device))
+        # ids arrive on the host: copied without waiting for the talker's queued steps (to_device_async)
+        row_ids = to_device_async(chunk.row_ids, self.device)
+        inputs.feed(row_ids[:p], chunk.embeds[:p].to(self.device), chunk.hidden[:p].to(self.device) if p else None)
+        inputs.feed(row_ids[p:], chunk.embeds[p:].to(self.device))
         if chunk.finished:
             inputs.finish()
         if not (inputs.prefill_ready or inputs.nothing_to_speak):

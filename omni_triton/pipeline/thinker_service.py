@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, ThinkerStage
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.warmup import warm_up
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_thinker
@@ -81,7 +82,10 @@ class _RequestRows:
         new_ids = torch.tensor(output.new_token_ids, dtype=torch.long)
         # the finishing token is never fed back to the thinker, so the talker never sees its row
         fed_ids = new_ids[:-1] if output.finished else new_ids
-        fed_embeds = self.embed(fed_ids)
+        # embedded from the ids where the step sampled them: no host -> device copy (which would wait for every
+        # step queued on the stage's stream)
+        sampled = output.token_ids_device if output.token_ids_device is not None else new_ids
+        fed_embeds = self.embed(sampled[:len(fed_ids)])
         if self.first_sent:
             row_ids, embeds, hidden, prompt_len = fed_ids, fed_embeds, fed_embeds[:0], 0
         else:
@@ -133,7 +137,7 @@ class ThinkerService:
 
     @torch.inference_mode()
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(ids.to(self.device))
+        return self.model.embed(to_device_async(ids, self.device))
 
     @torch.inference_mode()
     def _encode_audio(self, features: torch.Tensor | None) -> torch.Tensor | None:

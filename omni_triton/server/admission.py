@@ -27,7 +27,8 @@ from typing import Any
 
 FRAME_S = 1 / 12.5           # audio per codec frame
 HEADROOM = 1.1               # each stream should get at least this x real time
-PRIOR_STEP_S = (0.0075, 6e-5)  # (a, c): the served talker's frame step on an H200 at full size (DESIGN.md 5)
+# (a, c): the served talker's frame step on an H200 at full size (docs/performance.md, the first full-size run)
+PRIOR_STEP_S = (0.0075, 6e-5)
 
 
 class RealtimeCapacity:

@@ -147,7 +147,7 @@ class BlsStageClients:
         codes = codes.to(torch.int64).unsqueeze(0)  # code2wav batches: [1, G, N]
         inputs = [from_torch(pb, "CODES", codes),
                   pb.Tensor("LEFT_CONTEXT", np.array([[left_context_frames]], dtype=np.int32))]
-        audio = self._outputs(self._request("code2wav", inputs, ["AUDIO"]).exec())["AUDIO"]
+        audio = self._code2wav_call(inputs)["AUDIO"]
         self._check_device(audio)
         return to_torch(audio).reshape(-1)
 
@@ -160,7 +160,7 @@ class BlsStageClients:
         if self._code2wav_stream_id is None:
             raise ValueError("code2wav_stream: the first chunk of a stream must come first")
         inputs = [from_torch(pb, "CODES", codes.to(torch.int64).unsqueeze(0)), *self._stream_inputs(start=first)]
-        audio = self._outputs(self._request("code2wav", inputs, ["AUDIO"]).exec())["AUDIO"]
+        audio = self._code2wav_call(inputs)["AUDIO"]
         self._check_device(audio)
         return to_torch(audio).reshape(-1)
 
@@ -168,8 +168,18 @@ class BlsStageClients:
         if self._code2wav_stream_id is None:
             return
         with contextlib.suppress(StageError):  # a stage that is down already lost the state
-            self._outputs(self._request("code2wav", self._stream_inputs(end=True), ["AUDIO"]).exec())
+            self._code2wav_call(self._stream_inputs(end=True))
         self._code2wav_stream_id = None
+
+    def _code2wav_call(self, inputs: list) -> dict[str, Any]:
+        """One code2wav request and its one response's outputs. The stage is decoupled (it answers from a thread
+        of its own once the decode is done, ``deferred_sends``), so the call is a decoupled one."""
+        outputs: dict[str, Any] = {}
+        for response in _stream(self._request("code2wav", inputs, ["AUDIO"])):
+            outputs.update(self._outputs(response) or {})
+        if "AUDIO" not in outputs:
+            raise StageError("code2wav answered without AUDIO")
+        return outputs
 
     def _stream_inputs(self, *, start: bool = False, end: bool = False) -> list:
         pb = self._pb

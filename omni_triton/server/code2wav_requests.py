@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omni_triton.engine.handoff import InputStream
 from omni_triton.models.code2wav import Code2WavConfig, check_code_range, code_embedding_rows
 from omni_triton.pipeline.code2wav_states import StreamChunk
 from omni_triton.pipeline.code2wav_stream import ChunkJob
@@ -24,9 +25,13 @@ class StreamRequest:
 
 
 class Code2WavRequests:
-    def __init__(self, pb_utils: Any, config: Code2WavConfig, host_hops: Any, stream_runtime: str | None):
-        """``stream_runtime``: None when the runtime keeps stream state, else its kind (for the error)."""
+    def __init__(self, pb_utils: Any, config: Code2WavConfig, host_hops: Any, stream_runtime: str | None,
+                 inputs: InputStream):
+        """``stream_runtime``: None when the runtime keeps stream state, else its kind (for the error).
+        ``inputs``: where CODES are copied and checked (the decode reads them after ``execute`` returned, when
+        Triton may have reused the request's memory)."""
         self._pb = pb_utils
+        self._inputs = inputs
         self._config = config
         self._embedding_rows = code_embedding_rows(config)
         self._host_hops = host_hops  # counts CODES that arrived in host memory on a GPU stage
@@ -44,7 +49,8 @@ class Code2WavRequests:
         codes = to_torch(tensor)  # on the device the talker produced it on
         if codes.shape[-1] < 1:
             raise ValueError("CODES must hold at least one frame")
-        check_code_range(codes, self._config.codebook_size, self._embedding_rows)
+        (codes,) = self._inputs.owned_copies(
+            [codes], check=lambda copy: check_code_range(copy, self._config.codebook_size, self._embedding_rows))
         return codes
 
     def _optional_host(self, request: Any, name: str):

@@ -15,6 +15,7 @@ import torch
 import torch.utils.dlpack
 
 from omni_triton.engine import EngineConfig
+from omni_triton.engine.handoff import InputStream
 from omni_triton.pipeline.code2wav_stream import ChunkPolicy
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
@@ -177,36 +178,22 @@ def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
     ]
 
 
-def owned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a request input that outlives the request, complete when this returns.
-
-    Input tensors live in memory that Triton frees, and may hand to another request, once the request is
-    done. A stage that keeps rows past ``execute`` (the talker queues thinker rows for later engine steps)
-    needs its own copy; on a GPU the copy is a kernel, so it is waited for: otherwise it could still be queued
-    when the memory is reused (the talker then read other requests' rows: served audio differed from the
-    in-process pipeline's on the GPU, never on the CPU, where nothing runs behind the caller's back)."""
-    copy = tensor.clone()
-    if copy.is_cuda:
-        torch.cuda.current_stream(copy.device).synchronize()
-    return copy
-
-
-def thinker_output_from_request(pb: Any, request: Any) -> ThinkerOutput:
+def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream) -> ThinkerOutput:
     """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped), in memory of
-    its own (``owned_copy``): the talker keeps the rows until its engine steps have used them."""
+    its own: the talker keeps the rows until its engine steps have used them, while Triton frees a request's
+    input memory, and may hand it to another request, once the request is done. On a GPU the copies are kernels
+    on ``inputs``' stream, waited for before this returns (never the talker's steps queued on its own stream:
+    otherwise the talker read other requests' rows, served audio differing from the in-process pipeline's)."""
     def get(name: str) -> Any:
         return pb.get_input_tensor_by_name(request, name)
 
-    def rows(name: str) -> torch.Tensor:
-        return owned_copy(to_torch(get(name)))
-
-    embeds = rows("EMBEDS")
+    row_ids, embeds, hidden = inputs.owned_copies([to_torch(get(name)) for name in ("ROW_IDS", "EMBEDS", "HIDDEN")])
     hidden_size = embeds.shape[-1]
     return ThinkerOutput(
         token_ids=torch.zeros(0, dtype=torch.long),
-        row_ids=rows("ROW_IDS").reshape(-1).to(torch.long),
+        row_ids=row_ids.reshape(-1).to(torch.long),
         embeds=embeds.reshape(-1, hidden_size),
-        hidden=rows("HIDDEN").reshape(-1, hidden_size),
+        hidden=hidden.reshape(-1, hidden_size),
         prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
         finished=bool(host_array(get("THINKER_FINISHED")).reshape(-1)[0]),
     )

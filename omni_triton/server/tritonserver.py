@@ -290,13 +290,19 @@ class TritonServer:
         if not self.repository.is_dir():
             raise TritonServerError(f"model repository {self.repository} does not exist")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.mps is not None:
+            self.mps.stop()  # a restart: its daemon goes before a new one starts (a no-op after stop())
         self.mps = start_mps(self.options.mps, self.options.gpu)
-        with open(self.log_path, "wb") as log:
-            # A new session makes the server and its stub processes one process group to signal.
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL,
-                                            env={**self.install.environment(), **self.mps.environment},
-                                            start_new_session=True)
+        try:
+            with open(self.log_path, "wb") as log:
+                # A new session makes the server and its stub processes one process group to signal.
+                self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL,
+                                                env=self.mps.server_environment(self.install.environment()),
+                                                start_new_session=True)
+        except BaseException:
+            self.mps.stop()  # no server, so nothing will stop its daemon later
+            raise
         if self.echo_log or self.echo_lines_with:
             threading.Thread(target=self._echo_log, daemon=True).start()
         return self

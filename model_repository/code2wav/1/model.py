@@ -1,4 +1,6 @@
-"""Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks.
+"""Triton adapter for the Code2Wav vocoder: one batched decode for all queued chunks, answered from a thread of its
+own once the GPU has decoded them (decoupled: one final response per request; ``deferred_sends``), so the next
+batch is decoded while this one's audio goes out.
 
 Two kinds of chunk, batched separately: left-context chunks (CODES + LEFT_CONTEXT: stateless, context cut off)
 and stream chunks (CODES + STREAM_ID, STREAM_START on the first: new frames only, the stream's vocoder state kept
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from omni_triton.engine.handoff import InputStream, ready_event
 from omni_triton.models.code2wav import exact_left_context_frames
 from omni_triton.models.code2wav_graphs import GraphSettings
 from omni_triton.models.code2wav_runtime import Code2WavRuntime
@@ -18,11 +21,13 @@ from omni_triton.pipeline.code2wav_states import Code2WavStreamStates
 from omni_triton.pipeline.code2wav_stream import StreamDecoder
 from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
 from omni_triton.server.code2wav_requests import Code2WavRequests
+from omni_triton.server.deferred_sends import DeferredSends, PendingResponse
 from omni_triton.server.metrics import HostHopCounter
 from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
                                           report_native_crashes)
 from omni_triton.server.stage_io import (chunk_policy, configure_interstage_memory, from_torch, load_options,
                                          stage_device, stage_loading)
+from omni_triton.stage_profile import start_watching
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -32,6 +37,7 @@ RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt
 class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
+        start_watching("code2wav")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
@@ -79,14 +85,16 @@ class TritonPythonModel:
         self.open_streams = self.metric_families[2].Metric({"stage": "code2wav", **labels})
         self.host_hops = HostHopCounter(pb_utils, "code2wav", on_gpu=self.device.type == "cuda", labels=labels)
         self.requests = Code2WavRequests(pb_utils, self.vocoder.config, self.host_hops,
-                                         None if self.streams is not None else self.vocoder.kind)
+                                         None if self.streams is not None else self.vocoder.kind,
+                                         InputStream(self.device))
+        self.sends = DeferredSends(pb_utils, self.device)
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
         return self.vocoder.decode(codes.to(self.device)).float()  # stays on the stage's device
 
     def execute(self, requests):
-        responses = [None] * len(requests)
+        responses = [None] * len(requests)  # per request: a maker of its response (called on the sending thread)
         jobs, owners = [], []  # one job per batch row; owners[i]: index of the request it came from
         chunks, chunk_owners, ending = [], [], []  # stream chunks; streams to free after this call
         if self.streams is not None:
@@ -104,29 +112,55 @@ class TritonPythonModel:
             if parsed.end:
                 ending.append(parsed.stream_id)
             if parsed.chunk is None:  # STREAM_END alone
-                responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.zeros((1, 0), np.float32))])
+                responses[index] = _no_audio
             else:
                 chunks.append(parsed.chunk)
                 chunk_owners.append(index)
-        audio = self.decoder.decode(jobs)
-        for index in sorted(set(owners)):
-            rows = [wav for wav, owner in zip(audio, owners) if owner == index]
-            responses[index] = pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", torch.stack(rows))])
-        for index, samples in zip(chunk_owners, self.streams.decode(chunks) if chunks else []):
-            responses[index] = (_invalid(samples) if isinstance(samples, ValueError)
-                                else pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", samples[None])]))
-        for stream_id in ending:
-            self.streams.close(stream_id)
+        try:
+            audio = self.decoder.decode(jobs)
+            outputs = []  # device tensors the responses export
+            for index in sorted(set(owners)):
+                outputs += (rows := [wav for wav, owner in zip(audio, owners) if owner == index])
+                responses[index] = _audio_response(lambda rows=rows: torch.stack(rows))
+            for index, samples in zip(chunk_owners, self.streams.decode(chunks) if chunks else []):
+                if isinstance(samples, ValueError):
+                    responses[index] = _invalid(samples)
+                else:
+                    outputs.append(samples)
+                    responses[index] = _audio_response(lambda samples=samples: samples[None])
+            for stream_id in ending:
+                self.streams.close(stream_id)
+        except Exception as error:  # a failed decode fails its batch, never the stage: every request is answered
+            for index in {*owners, *chunk_owners}:
+                responses[index] = _failed(error)
+            outputs = []
+        self.sends.send_after(ready_event(self.device), outputs,
+                              [PendingResponse(request.get_response_sender(), make)
+                               for request, make in zip(requests, responses)])
         self.batch_chunks.set(len(jobs) + len(chunks))
         self.decoded_frames.increment(sum(job.num_frames for job in jobs) + sum(c.codes.shape[1] for c in chunks))
         self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
-        return responses
+        return None
 
     def finalize(self):
+        self.sends.close()
         del self.batch_chunks, self.decoded_frames, self.open_streams  # metrics before their families
         self.metric_families.clear()
         self.host_hops.close()
 
 
 def _invalid(error: ValueError):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+    return lambda: pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+
+
+def _failed(error: Exception):
+    return lambda: pb_utils.InferenceResponse(error=pb_utils.TritonError(f"code2wav: {type(error).__name__}: {error}"))
+
+
+def _no_audio():
+    return pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.zeros((1, 0), np.float32))])
+
+
+def _audio_response(audio):
+    """A maker of the response holding ``audio()`` (made on the sending thread's stream, after the decode)."""
+    return lambda: pb_utils.InferenceResponse([from_torch(pb_utils, "AUDIO", audio())])

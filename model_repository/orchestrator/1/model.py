@@ -9,11 +9,13 @@ from omni_triton.server.orchestrator import Orchestrator
 from omni_triton.server.placement import parse_instances
 from omni_triton.server.repository import admission_capacity_setting
 from omni_triton.server.stage_io import chunk_policy, configure_interstage_memory, stage_device
+from omni_triton.stage_profile import start_watching
 
 
 class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
+        start_watching("orchestrator")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])

@@ -2,6 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
+from omni_triton.engine.handoff import InputStream
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
@@ -10,6 +11,7 @@ from omni_triton.server.model_args import (limit_torch_threads, model_parameters
 from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, host_array,
                                          input_arrays, load_options, send_output, stage_device, stage_loading,
                                          talker_output_tensors, thinker_output_from_request)
+from omni_triton.stage_profile import start_watching
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
                 "MIN_AUDIO_FRAMES")
@@ -19,10 +21,13 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
+        start_watching("talker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])
-        config, dtype = engine_config(params, stage_device(params, args))
+        device = stage_device(params, args)
+        config, dtype = engine_config(params, device)
+        self.inputs = InputStream(device)  # request inputs copied without waiting for the talker's steps
         with stage_loading("talker"):
             self.service = TalkerService(params["checkpoint_dir"], config, dtype, **load_options(params))
         labels = replica_labels(args)
@@ -43,7 +48,7 @@ class TritonPythonModel:
         is_start = bool(host_array(pb_utils.get_input_tensor_by_name(request, "START")).reshape(-1)[0])
         try:
             self.host_hops.check(*(pb_utils.get_input_tensor_by_name(request, name) for name in ("EMBEDS", "HIDDEN")))
-            chunk = thinker_output_from_request(pb_utils, request)
+            chunk = thinker_output_from_request(pb_utils, request, self.inputs)
             if is_start:
                 talker = talker_request({name: value.reshape(-1) for name, value in
                                          input_arrays(pb_utils, request, START_INPUTS).items()})

@@ -11,6 +11,7 @@ from omni_triton.server.stage_io import (answer_abort, configure_interstage_memo
                                          load_options, send_output, stage_device, stage_loading,
                                          thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
+from omni_triton.stage_profile import start_watching
 
 REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K",
                   "REPETITION_PENALTY", "SEED", "IGNORE_EOS")
@@ -19,6 +20,7 @@ REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "TE
 class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
+        start_watching("thinker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         params = model_parameters(args)
         limit_torch_threads(int(params["torch_threads"]))
         configure_interstage_memory(params["interstage_memory"])

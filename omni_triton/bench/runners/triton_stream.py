@@ -42,8 +42,13 @@ class TritonStreamWorker:
                 **scalars)
         except Exception as error:  # a failed request is a result to report, not a crash of the benchmark
             timing.error = f"{type(error).__name__}: {error}"
+            timing.error_code = getattr(error, "code", type(error).__name__)
         timing.total_s = time.perf_counter() - start
         return timing
+
+    def cancel(self) -> None:
+        """Cancel the request in flight from another thread: its ``request`` returns failed with CANCELLED."""
+        self.client.cancel()
 
     def close(self) -> None:
         self.client.close()

@@ -1,0 +1,148 @@
+"""Step outputs handed to the response thread (engine/handoff.py): the outputs carry their sampled ids where the
+step made them and the events their device tensors are complete after; merged outputs keep both; the response
+thread's stream waits for those events and for nothing queued after them; request inputs are copied on a stream
+of their own. CPU: the logic (no streams); GPU: the stream behaviour (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_toy_model import ToyThinker
+from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, SamplingParams, ThinkerStage
+from omni_triton.engine.engine import RequestOutput, merge_outputs
+from omni_triton.engine.handoff import InputStream, OutputStream, ready_event, to_device_async
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_outputs_carry_their_sampled_ids_on_the_step_device():
+    engine = LLMEngine(ThinkerStage(ToyThinker().eval(), accept_hidden_layer=2),
+                       EngineConfig(block_size=4, num_blocks=64))
+    engine.add_request("a", SamplingParams(temperature=0.0, max_new_tokens=5), prompt_token_ids=[1, 2, 3])
+    seen = []
+    while engine.has_work():
+        for output in engine.step():
+            if output.new_token_ids:
+                assert output.token_ids_device.tolist() == output.new_token_ids
+                seen += output.new_token_ids
+            assert output.ready_events == ()  # the CPU has no streams to wait on
+    assert len(seen) == 5
+
+
+def test_merged_outputs_keep_ids_and_events_in_order():
+    first = RequestOutput("a", [4], token_ids_device=torch.tensor([4]), ready_events=("e1",))
+    second = RequestOutput("a", [5, 6], token_ids_device=torch.tensor([5, 6]), ready_events=("e2",))
+    other = RequestOutput("b", [9], token_ids_device=torch.tensor([9]), ready_events=("e2",))
+    merged = merge_outputs([first, other, second])
+    assert [m.request_id for m in merged] == ["a", "b"]
+    assert merged[0].token_ids_device.tolist() == [4, 5, 6] == merged[0].new_token_ids
+    assert merged[0].ready_events == ("e1", "e2")
+    assert merged[1].ready_events == ("e2",)
+
+
+def test_loop_delivers_ids_through_the_output_stream_on_cpu():
+    engine = LLMEngine(ThinkerStage(ToyThinker().eval(), accept_hidden_layer=2),
+                       EngineConfig(block_size=4, num_blocks=64))
+    loop = EngineLoop(engine).start()
+    try:
+        stream = loop.add_request("a", SamplingParams(temperature=0.0, max_new_tokens=6), prompt_token_ids=[3, 1])
+        ids, device_ids = [], []
+        for output in stream:
+            ids += output.new_token_ids
+            if output.token_ids_device is not None:
+                device_ids += output.token_ids_device.tolist()
+        assert ids == device_ids and len(ids) == 6
+    finally:
+        loop.shutdown()
+
+
+def test_cpu_helpers_are_plain_copies():
+    assert ready_event(torch.device("cpu")) is None
+    x = torch.arange(4)
+    (copy,) = InputStream(torch.device("cpu")).owned_copies([x])
+    assert copy.data_ptr() != x.data_ptr() and copy.tolist() == x.tolist()
+    assert to_device_async(x, torch.device("cpu")) is x
+    with OutputStream(torch.device("cpu")).handling([None], [x]):
+        assert (x + 1).tolist() == [1, 2, 3, 4]
+
+
+@cuda
+def test_output_stream_waits_for_the_step_event_and_not_for_later_steps():
+    device = torch.device("cuda")
+    step = torch.cuda.current_stream(device)
+    out = torch.zeros(1024, device=device)
+    torch.cuda._sleep(50_000_000)  # the step's work: the output is written after a long kernel
+    out.fill_(7)
+    event = ready_event(device)
+    torch.cuda._sleep(2_000_000_000)  # a later step queued behind it (about a second)
+    handoff = OutputStream(device)
+    with handoff.handling([event, event], [out]):
+        result = out + 1
+    handoff.stream.synchronize()
+    assert not step.query()  # the later step is still running: the response did not wait for it
+    assert torch.all(result == 8).item()
+    step.synchronize()
+
+
+@cuda
+def test_input_copies_are_complete_without_waiting_for_the_default_stream():
+    device = torch.device("cuda")
+    source = torch.arange(1 << 20, device=device, dtype=torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # engine steps queued on the default stream
+    (copy,) = InputStream(device).owned_copies([source])
+    assert not torch.cuda.current_stream(device).query()
+    source.fill_(-1)  # the request's memory reused: the copy (done already) keeps the old values
+    torch.cuda.synchronize()
+    assert copy[-1].item() == (1 << 20) - 1
+
+
+@cuda
+def test_to_device_async_matches_a_plain_copy():
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    assert to_device_async(ids, torch.device("cuda")).cpu().tolist() == ids.tolist()
+
+
+class _FakePb:
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class InferenceResponse:
+        def __init__(self, tensors=None, error=None):
+            self.tensors, self.error = tensors, error
+
+    class TritonError:
+        def __init__(self, message):
+            self.message = message
+
+
+class _Sender:
+    def __init__(self, fail: bool = False):
+        self.sent, self.fail = [], fail
+
+    def send(self, response, flags=0):
+        if self.fail:
+            raise RuntimeError("client gone")
+        self.sent.append((response, flags))
+
+
+def test_deferred_sends_answer_every_request_once_and_finally():
+    from omni_triton.server.deferred_sends import DeferredSends, PendingResponse
+
+    sends = DeferredSends(_FakePb, torch.device("cpu"))
+    good, broken, gone, after = _Sender(), _Sender(), _Sender(fail=True), _Sender()
+    audio = torch.arange(3.0)
+
+    def explode():
+        raise ValueError("bad rows")
+
+    sends.send_after(None, [audio], [PendingResponse(good, lambda: _FakePb.InferenceResponse([audio + 1])),
+                                     PendingResponse(broken, explode),
+                                     PendingResponse(gone, lambda: _FakePb.InferenceResponse([]))])
+    sends.send_after(None, [], [PendingResponse(after, lambda: _FakePb.InferenceResponse(["later"]))])
+    sends.close()
+    (response, flags), = good.sent
+    assert flags == 1 and response.tensors[0].tolist() == [1.0, 2.0, 3.0]
+    (response, flags), = broken.sent
+    assert flags == 1 and "ValueError: bad rows" in response.error.message
+    assert after.sent[0][0].tensors == ["later"]  # a sender that raised did not stop the thread
