@@ -81,13 +81,15 @@ class Session:
         async for message in self.socket:
             await self.events.put((time.perf_counter(), json.loads(message)))
 
-    async def until(self, kind: str, timeout_s: float = 300) -> tuple[float, dict]:
+    async def until(self, kinds: str | tuple[str, ...], timeout_s: float = 300) -> tuple[float, dict]:
+        """(arrival time, event) of the next event of ``kinds``; the events before it are dropped."""
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
         async with asyncio.timeout(timeout_s):
             while True:
                 at, event = await self.events.get()
                 if event["type"] == "error":
                     raise RuntimeError(f"error event: {event['error']}")
-                if event["type"] == kind:
+                if event["type"] in kinds:
                     return at, event
 
     async def speak(self, pcm: bytes, stop: asyncio.Event | None = None) -> None:
@@ -133,10 +135,18 @@ async def spoken_turns(args, pcm: bytes) -> list[dict]:
             reply_done = asyncio.Event()
             speaking = asyncio.create_task(session.speak(pcm, stop=reply_done))
             stopped_at, stopped = await session.until("input_audio_buffer.speech_stopped")
-            audio_at, _ = await session.until("response.output_audio.delta")
-            await session.until("response.done")
+            audio_at, done = None, None
+            while done is None:  # a reply may end without audio (a random-weight talker can stop at once)
+                at, event = await session.until(("response.output_audio.delta", "response.done"))
+                if event["type"] == "response.done":
+                    done = event["response"]
+                elif audio_at is None:
+                    audio_at = at
             reply_done.set()
             await speaking
+            if audio_at is None or done["status"] != "completed":
+                turns.append({"no_audio": done["status"]})
+                continue
             turns.append({"speech_end_to_audio_ms": (audio_at - session.wall_of(stopped["audio_end_ms"])) * 1000,
                           "stopped_event_to_audio_ms": (audio_at - stopped_at) * 1000})
     finally:
@@ -200,8 +210,9 @@ async def main_async(args) -> dict:
     for level in [int(n) for n in args.sessions.split(",")]:
         per_session = await asyncio.gather(*(spoken_turns(args, pcm) for _ in range(level)))
         turns = [turn for session in per_session for turn in session]
-        result["levels"][level] = {key: summary([t[key] for t in turns])
+        result["levels"][level] = {key: summary([t[key] for t in turns if key in t])
                                    for key in ("speech_end_to_audio_ms", "stopped_event_to_audio_ms")}
+        result["levels"][level]["turns_without_audio"] = [t["no_audio"] for t in turns if "no_audio" in t]
         print(f"{level} sessions: {json.dumps(result['levels'][level])}", flush=True)
     if args.barge_ins:
         trials = await barge_ins(args, pcm)
