@@ -469,3 +469,36 @@ def test_session_limits(triton_server):
         (full, idle), expired = run(both())
     assert full.error.code == "conversation_too_long" and full.error.param == "item"
     assert idle.error.code == "idle_timeout" and expired.error.code == "session_expired"
+
+
+def test_beta_client_dialect(api):
+    """The official client's beta path (``OpenAI-Beta: realtime=v1``): flat session fields, beta event names."""
+    async def scenario():
+        # the beta path takes wss:// unless told the WebSocket address
+        client = openai.AsyncOpenAI(base_url=api.url + "/v1", websocket_base_url=raw_url(api).split("/realtime")[0],
+                                    api_key="not-checked", max_retries=0)
+        async with client.beta.realtime.connect(model="omni") as connection:
+            created = await until(connection, "session.created")
+            await connection.session.update(session={"modalities": ["text", "audio"], "voice": "chelsie",
+                                                     "input_audio_format": "pcm16", "turn_detection": None,
+                                                     "max_response_output_tokens": 6})
+            updated = await until(connection, "session.updated")
+            await connection.conversation.item.create(item=user_text("Hello!"))
+            await until(connection, "conversation.item.created")
+            await connection.response.create()
+            events: list = []
+            await until(connection, "response.done", events)
+            return created, updated, events
+
+    created, updated, events = run(scenario())
+    assert created.session.modalities == ["text", "audio"] and created.session.output_audio_format == "pcm16"
+    assert updated.session.voice == "chelsie" and updated.session.turn_detection is None
+    kinds = {e.type for e in events}
+    assert {"response.audio.delta", "response.audio_transcript.delta", "response.audio.done",
+            "response.audio_transcript.done"} <= kinds
+    assert not any(kind.startswith("response.output_audio") or kind.startswith("conversation.item.added")
+                   for kind in kinds)
+    done = events[-1].response
+    assert done.status == "completed" and done.output[0].content[0].type == "audio"
+    audio = [e for e in events if e.type == "response.audio.delta"]
+    assert audio and base64.b64decode(audio[0].delta)
