@@ -123,3 +123,24 @@ def test_truncate_with_the_tokenizer_keeps_one_token_per_frame(tiny_checkpoint):
     assert spoken_text(text, 3 * 1920, 100 * 1920, tokenizer) == tokenizer.decode(ids[:3])
     assert spoken_text(text, 2 * 1920 + 1, 100 * 1920, tokenizer) == tokenizer.decode(ids[:3])
     assert spoken_text(text, len(ids) * 1920, len(ids) * 1920, tokenizer) == text
+
+
+def test_client_items_become_conversation_items():
+    import base64
+
+    from omni_triton.api.realtime.connection import _conversation_item
+    from omni_triton.api.realtime.events import Item
+
+    pcm = base64.b64encode(np.zeros(2400, "<i2").tobytes()).decode()  # 100 ms at 24 kHz
+    user = _conversation_item(Item.model_validate({"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "listen:"}, {"type": "input_audio", "audio": pcm, "transcript": "silence"}]}))
+    assert (user.role, user.text, user.audio.size, user.audio_transcript) == ("user", "listen:", 1600, "silence")
+    assert user.id.startswith("item_") and user.history_text() == "listen:\nsilence"
+    reply = _conversation_item(Item.model_validate({"id": "a1", "type": "message", "role": "assistant", "content": [
+        {"type": "output_audio", "transcript": "hello"}]}))
+    assert (reply.id, reply.text, reply.output_audio) == ("a1", "hello", True)
+    assert reply.wire()["content"] == [{"type": "output_audio", "transcript": "hello"}]
+    with pytest.raises(ApiError) as wrong:
+        _conversation_item(Item.model_validate({"type": "message", "role": "system", "content": [
+            {"type": "input_audio", "audio": pcm}]}))
+    assert wrong.value.param == "item.content[0].type"
