@@ -286,3 +286,65 @@ def test_the_talker_reuses_blocks_of_equal_prompt_embeddings(talker):
         assert torch.equal(off, on)
     # the second takes the first's 3 full blocks; the third its first 5 (20 rows in common with the second)
     assert engine.stats().prefix_hit_tokens == 12 + 20
+
+
+# -- the tiny checkpoint's thinker: real layers, audio rows, the streamed states the talker reads ----------------
+@pytest.fixture(scope="module")
+def tiny_thinker(tiny_checkpoint):
+    from omni_triton.models.config import OmniConfig
+    from omni_triton.models.weights import load_thinker
+
+    config = OmniConfig.from_pretrained(tiny_checkpoint)
+    return load_thinker(tiny_checkpoint, with_audio=False).eval(), config
+
+
+def tiny_engine(tiny_thinker, caching: bool, **config) -> LLMEngine:
+    model, omni = tiny_thinker
+    stage = ThinkerStage(model, audio_token_id=omni.thinker.audio_token_id, accept_hidden_layer=omni.accept_hidden_layer)
+    return LLMEngine(stage, EngineConfig(**{"block_size": 8, "num_blocks": 48, "max_num_batched_tokens": 24,
+                                            "prefix_caching": caching, **config}))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_tiny_thinker_interleavings_give_the_tokens_and_states_of_the_cache_off(tiny_thinker, seed):
+    model, omni = tiny_thinker
+    rng = random.Random(seed)
+    audio_id = omni.thinker.audio_token_id
+    recordings = [torch.randn(6, model.hidden_size, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    system = [rng.randrange(10, 500) for _ in range(21)]
+    requests = []
+    for index in range(8):
+        prompt = system + [rng.randrange(10, 500) for _ in range(rng.randint(2, 12))]
+        inputs = {}
+        if rng.random() < 0.5:  # a spoken turn: one of two recordings, then text
+            recording = rng.randrange(2)
+            prompt = prompt + [audio_id] * 6 + [rng.randrange(10, 500) for _ in range(3)]
+            inputs = {"audio_embeds": recordings[recording], "audio_key": bytes([recording])}
+        if requests and rng.random() < 0.4:  # the next turn of an earlier conversation (a text turn)
+            earlier_prompt, inputs = requests[rng.randrange(len(requests))][1:3]
+            prompt = earlier_prompt + [rng.randrange(10, 500) for _ in range(rng.randint(3, 9))]
+        requests.append((f"r{index}", prompt, inputs, params(rng.randint(2, 8), seed=rng.choice([None, index]))))
+
+    def run(caching: bool, interleaved: bool):
+        engine = tiny_engine(tiny_thinker, caching, num_blocks=rng.choice([24, 48]) if interleaved else 48)
+        tokens, states = {}, {}
+        for request_id, prompt, inputs, sampling in requests:
+            engine.add_request(request_id, sampling, prompt_token_ids=prompt, **inputs)
+            if interleaved:
+                for _ in range(rng.randint(0, 3)):
+                    for out in engine.step():
+                        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                        for name, rows in out.states.items():
+                            states.setdefault(out.request_id, {}).setdefault(name, []).append(rows)
+            else:
+                drain(engine, tokens, states)
+        drain(engine, tokens, states)
+        return tokens, states, engine.stats()
+
+    tokens_off, states_off, _ = run(False, interleaved=False)
+    tokens_on, states_on, stats = run(True, interleaved=True)
+    assert tokens_on == tokens_off
+    for request_id, by_name in states_off.items():
+        for name, rows in by_name.items():
+            torch.testing.assert_close(torch.cat(states_on[request_id][name]), torch.cat(rows), msg=request_id)
+    assert stats.prefix_hit_tokens > 0
