@@ -151,7 +151,9 @@ class LLMEngine:
         self.stage.init_sequence(seq, **stage_inputs)
         if self.block_manager.prefix_caching:
             keys = self.stage.cache_keys(seq)
-            seq.cache_keys = (keys if prompt_positions is None else with_positions(keys, prompt_positions)).tobytes()
+            if prompt_positions is not None:  # (the sequence's host copy of them)
+                keys = with_positions(keys, seq.positions(0, num_positions))
+            seq.cache_keys = keys.tobytes()
             seq.keys_follow_tokens = getattr(self.stage, "embed_token_ids", None) is not None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -253,8 +255,9 @@ class LLMEngine:
             if emitted < end:
                 rows = slice(offset + max(start, emitted) - start, offset + end - start)
                 states = {name: t[rows] for name, t in result.captured.items()}
-                if emitted < start:  # positions taken from the prefix cache: their states first
+                if emitted < start:  # positions taken from the prefix cache: their states first, made here
                     states = _concat_rows(self._cached_states(seq, emitted, start), states)
+                    ready = ready_event(self.runner.device)  # (after the launch's event: the responses wait for it)
                 outputs[seq.request_id].states = states
                 outputs[seq.request_id].states_start = emitted
                 seq.num_emitted_positions = end

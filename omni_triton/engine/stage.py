@@ -270,8 +270,9 @@ class TalkerStage:
         return torch.stack([row for seq, start, end in chunks for row in seq.stage_state.input_embeds[start:end]])
 
     def cache_keys(self, seq):
-        """The prompt embeddings' bytes (a copy to the host): a later turn's prompt repeats the earlier turns'
-        user rows, the same values when the thinker streamed the same states for them."""
+        """Digests of the prompt embeddings' bytes: a later turn's prompt repeats the earlier turns' user rows, the
+        same values where the thinker streamed the same states for them and their projection rounded alike. (A
+        copy to the host at admission, where the sequence's rope positions were copied already.)"""
         return embedding_keys(torch.stack(seq.stage_state.input_embeds[:seq.num_prompt_positions]))
 
     def recompute_states(self, seq, start, end):
