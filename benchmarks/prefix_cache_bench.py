@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from omni_triton.client import OmniStreamClient, build_inputs
+from omni_triton.client import OmniStreamClient, build_inputs, infer_inputs
 from omni_triton.pipeline.chat import ChatTokenizer
 from omni_triton.server.orchestrator import REQUEST_INPUTS
 
@@ -63,13 +63,8 @@ class Served:
 
     def send(self, prompt_ids: list[int]):
         arrays = dict(self.arrays, INPUT_IDS=np.asarray(prompt_ids, np.int64))
-        inputs = []
-        for name, array in arrays.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), grpcclient.np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
         with OmniStreamClient(self.url, model="orchestrator") as client:
-            return client.stream_inputs(inputs, timeout_s=600)
+            return client.stream_inputs(infer_inputs(arrays), timeout_s=600)
 
     def gauges(self) -> dict[str, float]:
         """The prefix-cache gauges by "name{stage}" (empty without a metrics URL)."""

@@ -44,9 +44,10 @@ def drain(engine: LLMEngine, tokens: dict, states: dict | None = None, max_steps
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if states is not None and out.states:
-                assert out.states_start == sum(t.shape[0] for t in states.get(out.request_id, {}).get("accept_hidden", []))
+                streamed = states.setdefault(out.request_id, {})
+                assert out.states_start == sum(rows.shape[0] for rows in streamed.get("input_embeds", []))
                 for name, rows in out.states.items():
-                    states.setdefault(out.request_id, {}).setdefault(name, []).append(rows)
+                    streamed.setdefault(name, []).append(rows)
     raise AssertionError(f"engine did not finish: {engine.stats()}")
 
 
@@ -300,7 +301,8 @@ def tiny_thinker(tiny_checkpoint):
 
 def tiny_engine(tiny_thinker, caching: bool, **config) -> LLMEngine:
     model, omni = tiny_thinker
-    stage = ThinkerStage(model, audio_token_id=omni.thinker.audio_token_id, accept_hidden_layer=omni.accept_hidden_layer)
+    stage = ThinkerStage(model, audio_token_id=omni.thinker.audio_token_id,
+                         accept_hidden_layer=omni.accept_hidden_layer)
     return LLMEngine(stage, EngineConfig(**{"block_size": 8, "num_blocks": 48, "max_num_batched_tokens": 24,
                                             "prefix_caching": caching, **config}))
 

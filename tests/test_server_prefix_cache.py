@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from conftest import TEST_LIMITS
-from omni_triton.client import OmniStreamClient, build_inputs
+from omni_triton.client import OmniStreamClient, build_inputs, infer_inputs
 from omni_triton.pipeline.chat import ChatTokenizer
 from omni_triton.server.orchestrator import REQUEST_INPUTS
 from omni_triton.server.repository import STAGES, LaunchConfig
@@ -64,13 +64,8 @@ def send(server, prompt_ids: list[int], arrays: dict[str, np.ndarray], spoken_tu
     arrays = dict(arrays, INPUT_IDS=np.asarray(prompt_ids, np.int64))
     if not spoken_turns:
         arrays["AUDIO_FEATURES"] = np.zeros((128, 0), np.float32)
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), grpcclient.np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
     with OmniStreamClient(server.grpc_url, model="orchestrator") as client:
-        return client.stream_inputs(inputs, timeout_s=120)
+        return client.stream_inputs(infer_inputs(arrays), timeout_s=120)
 
 
 def user(text: str, with_audio: bool) -> dict:

@@ -239,6 +239,7 @@ class TalkerStage:
         self.tts_eos_embed = None if tts_eos_embed is None else tts_eos_embed.reshape(-1)
         self.tts_pad_embed = None if tts_pad_embed is None else tts_pad_embed.reshape(-1)
         self.sample_streams = {"predictor": lambda seq: seq.stage_state.predictor_row}
+        self.kept_states: dict[str, int] = {}  # it streams no per-position states
 
     @staticmethod
     def default_predictor_params(params: SamplingParams) -> SamplingParams:
@@ -263,8 +264,6 @@ class TalkerStage:
                                   seed=(seq.sample_row.seed + PREDICTOR_SEED_OFFSET) % (1 << 62))
         seq.stage_state = TalkerState(list(prompt_embeds.unbind(0)), predictor_row, talker_inputs)
         self.append_input(seq, trailing_text_embeds=trailing_text_embeds, finished=thinker_finished)
-
-    kept_states: dict = {}
 
     def embed_inputs(self, chunks):
         return torch.stack([row for seq, start, end in chunks for row in seq.stage_state.input_embeds[start:end]])
