@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from omni_triton.engine.block_manager import kv_slots
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.sequence import Sequence
 
 
@@ -30,7 +31,8 @@ class KeptStates:
         return sum(pool.numel() * pool.element_size() for pool in self.pools.values())
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        return torch.from_numpy(kv_slots(seq.block_table, start, end, self.block_size)).to(self.device)
+        # (a pinned copy: the host does not wait for the steps queued on the stream)
+        return to_device_async(torch.from_numpy(kv_slots(seq.block_table, start, end, self.block_size)), self.device)
 
     def store(self, seq: Sequence, start: int, rows: dict[str, torch.Tensor]) -> None:
         """``rows``: the kept states of positions start.. of seq (their blocks are seq's)."""
