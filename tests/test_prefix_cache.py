@@ -158,6 +158,29 @@ def test_a_conversation_pays_only_for_each_turns_new_tokens_with_the_same_tokens
     assert stats.prefix_hit_tokens > 0 and stats.prefix_query_tokens == sum(len(p) for p in prompts)
 
 
+def test_a_reply_computed_again_as_a_prompt_takes_over_its_blocks_with_their_states(thinker):
+    engine = engine_for(thinker, True, accept_hidden_layer=2)
+    tokens, states = {}, {}
+    engine.add_request("turn1", params(13), prompt_token_ids=SYSTEM)
+    drain(engine, tokens, states)
+    # the reply's blocks are named, but carry no kept states (decode rows keep none): the next turn computes them
+    follow_up = SYSTEM + tokens["turn1"] + [44, 45, 46]
+    engine.add_request("turn2", params(4), prompt_token_ids=follow_up)
+    drain(engine, tokens, states)
+    first_hits = engine.stats().prefix_hit_tokens
+    assert first_hits == 24
+    engine.add_request("again", params(4), prompt_token_ids=follow_up)  # now its blocks carry states
+    drain(engine, tokens, states)
+    assert engine.stats().prefix_hit_tokens - first_hits == (len(follow_up) - 1) // 4 * 4
+    reference = engine_for(thinker, False, accept_hidden_layer=2)
+    reference_tokens, reference_states = {}, {}
+    reference.add_request("again", params(4), prompt_token_ids=follow_up)
+    drain(reference, reference_tokens, reference_states)
+    assert tokens["again"] == tokens["turn2"] == reference_tokens["again"]
+    for name, rows in reference_states["again"].items():
+        torch.testing.assert_close(torch.cat(states["again"][name]), torch.cat(rows))
+
+
 def test_requests_sharing_a_system_prompt_run_together_on_shared_blocks(thinker):
     prompts = [SYSTEM + [40 + i, 41, 42 + i] for i in range(6)]
     engine = engine_for(thinker, True, max_num_batched_tokens=64)
