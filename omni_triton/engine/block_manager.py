@@ -39,7 +39,7 @@ class BlockManager:
     until a request needs a block and no unnamed one is free, then the least recently used goes (evicted).
 
     ``blocks_keep_states``: the stage streams per-position states that are kept beside the blocks (the thinker's
-    accept-layer hidden states, ``engine.CachedStates``); a block carries them when every position in it was a
+    accept-layer hidden states, ``kept_states.KeptStates``); a block carries them when every position in it was a
     prompt position whose states were stored, and a request that still has states to stream takes only such
     blocks."""
 
