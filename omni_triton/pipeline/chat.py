@@ -85,7 +85,12 @@ class ChatTokenizer:
 
     def encode_prompt(self, text: str, num_audio_tokens: int = 0) -> list[int]:
         """Token ids of the user turn + the assistant prompt; ``num_audio_tokens`` pads for spoken input."""
-        prompt = self.render(text, with_audio=num_audio_tokens > 0)
+        return self.encode_messages(self.messages(text, with_audio=num_audio_tokens > 0), num_audio_tokens)
+
+    def encode_messages(self, messages: list[dict], num_audio_tokens: int = 0) -> list[int]:
+        """Token ids of a conversation (transformers' message dicts: earlier turns, then the user's) + the
+        assistant prompt; the one audio part's pad expanded to ``num_audio_tokens`` pads."""
+        prompt = self._render(messages)
         bos = self.special_tokens.get("bos_token")
         ids = self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).ids
         if num_audio_tokens > 0:
