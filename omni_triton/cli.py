@@ -131,6 +131,7 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
         fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
         prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
         dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
+        prefix_caching=args.prefix_caching == "on",
         max_inflight_requests=args.max_inflight, max_tokens_cap=args.max_tokens_cap,
         chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
         admission_capacity=args.admission_capacity, admission_max_starting=args.admission_max_starting,

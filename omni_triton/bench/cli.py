@@ -159,6 +159,7 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
                           fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
                           prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
                           dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
+                          prefix_caching=args.prefix_caching == "on",
                           left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch,
                           chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
                           admission_capacity=args.admission_capacity,

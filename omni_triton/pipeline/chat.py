@@ -85,13 +85,18 @@ class ChatTokenizer:
                    for message in history]
         return [*earlier, {"role": "user", "content": content}]
 
-    def render(self, text: str, with_audio: bool = False, history: Sequence[dict] = ()) -> str:
-        return self._render(self.messages(text, with_audio, history))
+    def render(self, text: str, with_audio: bool = False) -> str:
+        return self._render(self.messages(text, with_audio))
 
     def encode_prompt(self, text: str, num_audio_tokens: int = 0, history: Sequence[dict] = ()) -> list[int]:
         """Token ids of the earlier turns, the user turn and the assistant prompt; ``num_audio_tokens`` pads for
         spoken input (of this turn: the thinker takes one audio clip per request)."""
-        prompt = self.render(text, with_audio=num_audio_tokens > 0, history=history)
+        return self.encode_messages(self.messages(text, num_audio_tokens > 0, history), num_audio_tokens)
+
+    def encode_messages(self, messages: list[dict], num_audio_tokens: int = 0) -> list[int]:
+        """Token ids of a conversation (transformers' message dicts: earlier turns, then the user's) + the
+        assistant prompt; the one audio part's pad expanded to ``num_audio_tokens`` pads."""
+        prompt = self._render(messages)
         bos = self.special_tokens.get("bos_token")
         ids = self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).ids
         if num_audio_tokens > 0:

@@ -77,6 +77,7 @@ class LaunchConfig:
     linear_launch: str = "gemv"  # with fast_path: the small linears (EngineConfig.linear_launch)
     dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
     overlap_steps: bool = True  # decode steps overlap their host work (EngineConfig.overlap_steps)
+    prefix_caching: bool = True  # the engines reuse computed prompt prefixes (EngineConfig.prefix_caching)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
@@ -201,6 +202,7 @@ class LaunchConfig:
             linear_launch=self.linear_launch,
             dependent_launch="on" if self.dependent_launch else "off",
             overlap_steps="on" if self.overlap_steps else "off",
+            prefix_caching="on" if self.prefix_caching else "off",
             warmup="on" if self.resolved_warmup else "off",
         )
         return {k: str(v) for k, v in values.items()}
