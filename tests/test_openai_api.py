@@ -43,8 +43,8 @@ def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
 class ApiServer:
     """The API app on uvicorn in a thread of this process, on a free port."""
 
-    def __init__(self, triton_grpc: str, checkpoint_dir=None):
-        self.app = create_app(triton_grpc, checkpoint_dir=checkpoint_dir)
+    def __init__(self, triton_grpc: str, checkpoint_dir=None, **app_options):
+        self.app = create_app(triton_grpc, checkpoint_dir=checkpoint_dir, **app_options)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

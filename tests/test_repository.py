@@ -36,6 +36,14 @@ def test_prefill_graphs_switch_reaches_both_engines(tiny_checkpoint, tmp_path, p
         assert config.prefill_graph_tokens == (None if prefill_graphs else 0), model  # None: the step budget
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_caching_switch_reaches_both_engines(tiny_checkpoint, tmp_path, caching):
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, prefix_caching=caching), tmp_path / "repo")
+    for model in ("thinker", "talker"):
+        config, _ = engine_config(rendered_settings(out, model), model, torch.device("cpu"))
+        assert config.prefix_caching == caching, model
+
+
 @pytest.mark.parametrize("launch", ["one-pass", "split-k", "gemv"])
 def test_linear_launch_reaches_the_talker_engine(tiny_checkpoint, tmp_path, launch):
     from omni_triton.models.layers.fast_kernels import LINEAR_LAUNCHES

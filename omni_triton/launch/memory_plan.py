@@ -69,6 +69,9 @@ class Footprint:
     talker_layers: int
     thinker_kv_token_bytes: int
     talker_kv_token_bytes: int
+    # the accept-layer hidden state the prefix cache keeps beside each thinker KV slot (engine.kept_states);
+    # planned with the KV whether the cache is on or not (4% of the full-size thinker's KV)
+    thinker_kept_state_token_bytes: int
     code2wav_frame_bytes: int    # activations per decoded frame and batch row
     code2wav_stream_bytes: int   # one audio stream's vocoder state (--left-context-frames stateful)
     thinker_context: int         # max_position_embeddings
@@ -100,6 +103,7 @@ class Footprint:
             thinker_layers=thinker_text.num_layers, talker_layers=talker_text.num_layers,
             thinker_kv_token_bytes=_kv_token_bytes(thinker_text, dtype),
             talker_kv_token_bytes=_kv_token_bytes(talker_text, dtype),
+            thinker_kept_state_token_bytes=thinker_text.hidden_size * element,
             code2wav_frame_bytes=_code2wav_widest_per_frame(config.code2wav) * element * CODE2WAV_LIVE_TENSORS,
             code2wav_stream_bytes=sum(math.prod(spec.shape) for spec in StreamingCode2Wav(code2wav).state_specs())
             * element,
@@ -187,7 +191,8 @@ class MemoryPlan:
 
     @property
     def thinker_kv_bytes(self) -> int:
-        return self.thinker_tokens * self.footprint.thinker_kv_token_bytes
+        return self.thinker_tokens * (self.footprint.thinker_kv_token_bytes
+                                      + self.footprint.thinker_kept_state_token_bytes)
 
     @property
     def talker_kv_bytes(self) -> int:
@@ -297,7 +302,8 @@ def _plan_gpu(footprint: Footprint, gpu: int, free_bytes: int, device_name: str,
     tokens = {}
     for stage, budget in (("thinker", thinker_bytes), ("talker", left - thinker_bytes if "thinker" in held else left)):
         if stage in held:
-            token_bytes = getattr(footprint, f"{stage}_kv_token_bytes")
+            token_bytes = getattr(footprint, f"{stage}_kv_token_bytes") + (
+                footprint.thinker_kept_state_token_bytes if stage == "thinker" else 0)
             context = getattr(footprint, f"{stage}_context")
             fitted = min(budget // held[stage] // token_bytes, max_inflight * context)
             tokens[stage] = fitted // block_size * block_size

@@ -104,6 +104,10 @@ def add_engine_arguments(group) -> None:
                        help="the thinker and the talker (under its CUDA graphs) launch each decode step before the "
                             "last one's tokens reach the host, whose host work then runs while the GPU computes (the "
                             "same tokens; engine/overlap.py) (default: %(default)s)")
+    group.add_argument("--prefix-caching", choices=["on", "off"], default=on_off(LaunchConfig.prefix_caching),
+                       help="the thinker and the talker reuse the KV blocks (and streamed states) of prompt prefixes "
+                            "computed before: a conversation's later turns and a shared system prompt cost only "
+                            "their new tokens (docs/prefix_caching.md) (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

@@ -79,6 +79,7 @@ class LaunchConfig:
     linear_launch: str = "gemv"  # with fast_path: the small linears (EngineConfig.linear_launch)
     dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
     overlap_steps: bool = True  # decode steps overlap their host work (EngineConfig.overlap_steps)
+    prefix_caching: bool = True  # the engines reuse computed prompt prefixes (EngineConfig.prefix_caching)
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None

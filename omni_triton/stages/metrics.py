@@ -7,7 +7,13 @@ Each stage reports a snapshot of its own state (engine stats, sessions in flight
     omni_waiting_requests{stage}     requests queued for admission (engine waiting queue)
     omni_waiting_for_input{stage}    talker requests waiting for thinker text
     omni_kv_blocks_used{stage}       paged-KV blocks held
-    omni_kv_blocks_free{stage}       paged-KV blocks free
+    omni_kv_blocks_free{stage}       paged-KV blocks free (named blocks of the prefix cache nobody holds count as free)
+  prefix caching (--prefix-caching; docs/prefix_caching.md; cumulative but the blocks):
+    omni_prefix_cache_query_tokens{stage}  inputs of the requests the engine admitted
+    omni_prefix_cache_hit_tokens{stage}    of those, taken from the prefix cache instead of computed
+    omni_prefix_cache_hit_rate{stage}      hit tokens / query tokens (0 before any)
+    omni_prefix_cache_blocks{stage}        KV blocks named in the prefix cache now (held or not)
+    omni_prefix_cache_evictions{stage}     named blocks evicted for new ones
     omni_pending_audio_frames{stage} codec frames received but not yet decoded (orchestrator)
   admission (orchestrator; docs/load.md):
     omni_admission_queue_length{stage}          requests waiting for admission now
@@ -31,6 +37,11 @@ GAUGES = {
     "omni_waiting_for_input": "Talker requests waiting for thinker text",
     "omni_kv_blocks_used": "Paged KV-cache blocks in use",
     "omni_kv_blocks_free": "Paged KV-cache blocks free",
+    "omni_prefix_cache_query_tokens": "Inputs of the requests the engine admitted (cumulative)",
+    "omni_prefix_cache_hit_tokens": "Admitted inputs taken from the prefix cache (cumulative)",
+    "omni_prefix_cache_hit_rate": "Prefix-cache hit tokens / query tokens",
+    "omni_prefix_cache_blocks": "KV blocks named in the prefix cache",
+    "omni_prefix_cache_evictions": "Prefix-cache blocks evicted for new ones (cumulative)",
     "omni_pending_audio_frames": "Codec frames received but not yet decoded to audio",
     "omni_admission_queue_length": "Requests waiting for admission",
     "omni_admission_waited_requests": "Requests started after waiting for admission (cumulative)",
@@ -42,12 +53,18 @@ GAUGES = {
 
 def engine_snapshot(stats: Any, extra_active: int = 0) -> dict[str, float]:
     """An EngineStats as gauge values (``extra_active``: requests held outside the engine)."""
+    queried = stats.prefix_query_tokens
     return {
         "omni_active_requests": stats.num_running + stats.num_waiting + stats.num_waiting_for_input + extra_active,
         "omni_waiting_requests": stats.num_waiting,
         "omni_waiting_for_input": stats.num_waiting_for_input,
         "omni_kv_blocks_used": stats.kv_blocks_used,
         "omni_kv_blocks_free": stats.kv_blocks_free,
+        "omni_prefix_cache_query_tokens": stats.prefix_query_tokens,
+        "omni_prefix_cache_hit_tokens": stats.prefix_hit_tokens,
+        "omni_prefix_cache_hit_rate": stats.prefix_hit_tokens / queried if queried else 0.0,
+        "omni_prefix_cache_blocks": stats.prefix_cached_blocks,
+        "omni_prefix_cache_evictions": stats.prefix_evictions,
     }
 
 

@@ -48,7 +48,8 @@ def engine_config(settings: LaunchConfig, stage: str, device: torch.device) -> t
                           fast_path=settings.fast_path, cuda_graphs=settings.cuda_graphs,
                           prefill_graph_tokens=None if settings.prefill_graphs else 0,
                           linear_launch=settings.linear_launch, dependent_launch=settings.dependent_launch,
-                          overlap_steps=settings.overlap_steps, warmup=settings.resolved_warmup)
+                          overlap_steps=settings.overlap_steps, prefix_caching=settings.prefix_caching,
+                          warmup=settings.resolved_warmup)
     return config, dtype
 
 

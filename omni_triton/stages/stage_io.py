@@ -66,6 +66,7 @@ def engine_config(params: Mapping[str, str], device: torch.device | None = None)
                           linear_launch=params.get("linear_launch", EngineConfig.linear_launch),
                           dependent_launch=params.get("dependent_launch", "on") == "on",
                           overlap_steps=params.get("overlap_steps", "on") == "on",
+                          prefix_caching=params.get("prefix_caching", "off") == "on",
                           warmup=params.get("warmup") == "on")
     return config, dtype
 

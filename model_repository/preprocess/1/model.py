@@ -9,7 +9,7 @@ from omni_triton.stages.model_args import launch_settings, limit_torch_threads, 
 
 CLIENT_INPUTS = ("TEXT", "AUDIO_IN", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER", "TEMPERATURE", "TOP_P", "TOP_K",
                  "REPETITION_PENALTY", "TALKER_REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS",
-                 "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL")
+                 "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL", "HISTORY")
 
 
 class TritonPythonModel:
