@@ -134,12 +134,13 @@ class TritonPythonModel:
             for index in {*owners, *chunk_owners}:
                 responses[index] = _failed(error)
             outputs = []
-        self.sends.send_after(ready_event(self.device), outputs,
-                              [PendingResponse(request.get_response_sender(), make)
-                               for request, make in zip(requests, responses)])
+        # the gauges first: a client that reads them once its response arrived sees this call's streams
         self.batch_chunks.set(len(jobs) + len(chunks))
         self.decoded_frames.increment(sum(job.num_frames for job in jobs) + sum(c.codes.shape[1] for c in chunks))
         self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
+        self.sends.send_after(ready_event(self.device), outputs,
+                              [PendingResponse(request.get_response_sender(), make)
+                               for request, make in zip(requests, responses)])
         return None
 
     def finalize(self):
