@@ -23,8 +23,7 @@ from omni_triton.models.code2wav.graphs import (DEFAULT_MAX_FRAMES, Code2WavGrap
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.launch.repository import render_repository
 from omni_triton.shared.settings import LaunchConfig
-from omni_triton.stages.model_args import model_parameters
-from server_fixture import stage_args
+from server_fixture import rendered_settings, stage_args
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -110,9 +109,9 @@ def test_graphs_refuse_a_cpu_device():
 def test_code2wav_config_renders_the_switch_and_first_chunk(tiny_checkpoint, tmp_path, cuda_graphs):
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=cuda_graphs, first_chunk_frames=6)
     out = render_repository(config, tmp_path / "repository", ["code2wav"])
-    parameters = model_parameters(stage_args((out / "code2wav" / "config.pbtxt").read_text(), "code2wav"))
-    assert parameters["cuda_graphs"] == ("on" if cuda_graphs else "off")
-    assert parameters["first_chunk_frames"] == "6"
+    settings = rendered_settings(out, "code2wav")
+    assert settings.cuda_graphs is cuda_graphs
+    assert settings.first_chunk_frames == 6
 
 
 class _Metric:

@@ -13,7 +13,7 @@ import torch
 from omni_triton.launch.repository import render_repository
 from omni_triton.shared.placement import Placement
 from omni_triton.shared.settings import LaunchConfig
-from omni_triton.stages.model_args import engine_config, launch_settings, model_parameters
+from omni_triton.stages.model_args import engine_config, launch_settings
 from server_fixture import rendered_settings, stage_args
 
 TENSOR_STAGES = ("thinker", "talker", "code2wav", "orchestrator")
@@ -99,15 +99,14 @@ def test_every_stage_reads_back_the_settings_it_was_launched_with(tiny_checkpoin
     assert config.num_blocks == 2048 // 16 and config.overlap_steps is False and config.kv_dtype == torch.float16
 
 
-def test_the_code2wav_adapter_reads_its_settings_by_name(tiny_checkpoint, tmp_path):
+def test_the_code2wav_adapter_reads_what_it_was_launched_with(tiny_checkpoint, tmp_path):
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=True, first_chunk_frames=6,
                           left_context_frames=7, torch_threads={"code2wav": 3}, load_format="dummy", dummy_seed=5)
     out = render_repository(config, tmp_path / "repository", ["code2wav"])
-    parameters = model_parameters(stage_args((out / "code2wav" / "config.pbtxt").read_text(), "code2wav"))
-    assert {key: parameters[key] for key in ("cuda_graphs", "first_chunk_frames", "left_context_frames",
-                                             "torch_threads", "load_format", "dummy_seed", "warmup", "dtype")} == {
-        "cuda_graphs": "on", "first_chunk_frames": "6", "left_context_frames": "7", "torch_threads": "3",
-        "load_format": "dummy", "dummy_seed": "5", "warmup": "off", "dtype": "float32"}
+    settings = rendered_settings(out, "code2wav")
+    assert (settings.cuda_graphs, settings.first_chunk_frames, settings.resolved_left_context_frames,
+            settings.threads_of("code2wav"), settings.load_format, settings.dummy_seed, settings.resolved_warmup,
+            settings.resolved_dtype) == (True, 6, 7, 3, "dummy", 5, False, "float32")
 
 
 def test_a_repository_without_settings_or_with_an_unknown_one_is_refused_by_name(tiny_checkpoint, tmp_path):

@@ -17,8 +17,7 @@ from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.pipeline.code2wav.warmup import stream_call_frames, warm_up_vocoder, warmup_calls
 from omni_triton.launch.repository import render_repository
 from omni_triton.shared.settings import LaunchConfig
-from omni_triton.stages.model_args import model_parameters
-from server_fixture import rendered_settings, stage_args
+from server_fixture import rendered_settings
 
 PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11]
 PARAMS = [SamplingParams(temperature=0.0, max_new_tokens=12),
@@ -145,8 +144,8 @@ def test_warmup_defaults_on_for_cuda_only(tiny_checkpoint, tmp_path, device, war
     out = render_repository(config, tmp_path / "repository", ["thinker", "talker", "code2wav"])
     for model in ("thinker", "talker", "code2wav"):
         assert rendered_settings(out, model).resolved_warmup is (rendered == "on")
-    code2wav = model_parameters(stage_args((out / "code2wav" / "config.pbtxt").read_text(), "code2wav"))
-    assert (code2wav["warmup"], code2wav["next_chunk_frames"], code2wav["left_context_frames"]) == (rendered, "25", "7")
+    code2wav = rendered_settings(out, "code2wav")
+    assert (code2wav.next_chunk_frames, code2wav.resolved_left_context_frames) == (25, 7)
 
 
 def test_inprocess_pipeline_says_the_same_with_and_without_warm_up(tiny_checkpoint):

@@ -65,23 +65,6 @@ def load_options(settings: LaunchConfig) -> dict[str, Any]:
     return {"load_format": settings.load_format, "seed": settings.dummy_seed}
 
 
-def model_parameters(args: dict) -> dict[str, str]:
-    """The settings as the strings the code2wav adapter still reads by name (with ``stage_io``'s helpers of the
-    same names), until it reads ``launch_settings`` as the other stages do."""
-    settings = launch_settings(args)
-    return {"checkpoint_dir": str(settings.checkpoint_dir), "device": settings.device,
-            "interstage_memory": settings.interstage_memory, "dtype": settings.resolved_dtype,
-            "load_format": settings.load_format, "dummy_seed": str(settings.dummy_seed),
-            "runtime": settings.code2wav_runtime,
-            "engine_path": str(settings.code2wav_engine_path) if settings.code2wav_engine_path else "",
-            "cuda_graphs": "on" if settings.cuda_graphs else "off",
-            "warmup": "on" if settings.resolved_warmup else "off",
-            "first_chunk_frames": str(settings.first_chunk_frames),
-            "next_chunk_frames": str(settings.next_chunk_frames),
-            "left_context_frames": str(settings.resolved_left_context_frames),
-            "torch_threads": str(settings.threads_of(args["model_name"]))}
-
-
 def replica_labels(args: dict) -> dict[str, str]:
     """Metric labels that tell this instance from its replicas (``serve --instances``): its instance name
     (talker_0_1) under ``model_instance`` when the model has several instances, else none. Without it the

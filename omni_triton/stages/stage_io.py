@@ -8,15 +8,13 @@ built against); numpy is used only for what Triton itself hands out as numpy (CP
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 import torch.utils.dlpack
 
-from omni_triton.engine import EngineConfig
 from omni_triton.engine.handoff import InputStream
-from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 
@@ -37,50 +35,6 @@ def configure_interstage_memory(memory: str) -> None:
 
 def device_tensors_between_stages() -> bool:
     return not _host_only
-
-
-def stage_device(params: Mapping[str, str], args: Mapping[str, str]) -> torch.device:
-    """This model instance's device: the GPU Triton placed it on (``model_instance_device_id``, from the
-    instance_group's ``gpus``), made current for the calling thread (the stub's, which runs initialize and
-    execute), so that what uses the current device (kernel launches, syncs, memory queries) uses this one and
-    not cuda:0; or the CPU."""
-    if params["device"] == "cpu":
-        return torch.device("cpu")
-    device = torch.device("cuda", int(args["model_instance_device_id"]))
-    torch.cuda.set_device(device)
-    return device
-
-
-def engine_config(params: Mapping[str, str], device: torch.device | None = None) -> tuple[EngineConfig, torch.dtype]:
-    """The engine settings every AR stage reads from its config.pbtxt parameters, on ``device`` (default: the
-    parameters' device kind, i.e. the current GPU)."""
-    device = str(device) if device is not None else "cpu" if params["device"] == "cpu" else "cuda"
-    dtype = getattr(torch, params["dtype"])
-    block_size = int(params["kv_block_size"])
-    config = EngineConfig(block_size=block_size, num_blocks=max(1, int(params["kv_cache_tokens"]) // block_size),
-                          max_num_batched_tokens=int(params["max_batched_tokens"]),
-                          max_num_seqs=int(params["max_inflight_requests"]),
-                          device=device, kv_dtype=dtype,
-                          fast_path=params.get("fast_path") == "on", cuda_graphs=params.get("cuda_graphs") == "on",
-                          prefill_graph_tokens=None if params.get("prefill_graphs", "on") == "on" else 0,
-                          linear_launch=params.get("linear_launch", EngineConfig.linear_launch),
-                          dependent_launch=params.get("dependent_launch", "on") == "on",
-                          overlap_steps=params.get("overlap_steps", "on") == "on",
-                          prefix_caching=params.get("prefix_caching", "off") == "on",
-                          warmup=params.get("warmup") == "on")
-    return config, dtype
-
-
-def chunk_policy(params: Mapping[str, str]) -> ChunkPolicy:
-    """The audio chunking a stage's config.pbtxt parameters name (``--left-context-frames``: stateful, exact --
-    resolved later -- or a frame count)."""
-    return ChunkPolicy.from_setting(int(params["first_chunk_frames"]), int(params["next_chunk_frames"]),
-                                    params["left_context_frames"])
-
-
-def load_options(params: Mapping[str, str]) -> dict[str, Any]:
-    """How a stage gets its weights: ``load_format`` (safetensors | dummy) and the dummy weights' ``seed``."""
-    return {"load_format": params.get("load_format", "safetensors"), "seed": int(params.get("dummy_seed", "0"))}
 
 
 # What a deployer can change when a stage does not fit the GPU (omni-triton serve options).

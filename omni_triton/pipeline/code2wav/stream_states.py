@@ -1,7 +1,7 @@
 """The code2wav stage's open audio streams: each one's streaming-vocoder state, kept on the vocoder's device.
 
 A stream's chunks carry new frames only (``ChunkPolicy(stateful=True)``); the state that makes their samples
-equal a one-pass decode (``omni_triton/models/code2wav_streaming.py``) stays here between calls, keyed by the
+equal a one-pass decode (``omni_triton/models/code2wav/stateful.py``) stays here between calls, keyed by the
 stream's id. The state lives in slots of preallocated tensors, one slot per open stream; a call gathers its
 streams' slots (``index_select``), decodes every chunk in one batched call and writes the new state back
 (``index_copy_``): on a GPU nothing crosses to the host but the slot indices and lengths (a few ints).
