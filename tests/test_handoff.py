@@ -127,7 +127,7 @@ class _Sender:
 
 
 def test_deferred_sends_answer_every_request_once_and_finally():
-    from omni_triton.server.deferred_sends import DeferredSends, PendingResponse
+    from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 
     sends = DeferredSends(_FakePb, torch.device("cpu"))
     good, broken, gone, after = _Sender(), _Sender(), _Sender(fail=True), _Sender()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Session, SessionParams, StageFailed, ThinkerChunk
 

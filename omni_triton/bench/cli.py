@@ -58,11 +58,11 @@ from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.stage_profiles import ProfileWindows
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
-from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
-                                               add_memory_arguments, add_model_source_arguments, model_source,
-                                               with_kv_budget)
-from omni_triton.server.memory_plan import SERVED_GPU_PROCESSES
-from omni_triton.server.repository import LaunchConfig
+from omni_triton.launch.options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
+                                        add_memory_arguments, add_model_source_arguments, flag_settings,
+                                        model_source, with_kv_budget)
+from omni_triton.launch.memory_plan import SERVED_GPU_PROCESSES
+from omni_triton.shared.settings import LaunchConfig
 from omni_triton.stage_profile import PROFILE_DIR_ENV
 from omni_triton.trace import TRACE_DIR_ENV
 
@@ -161,17 +161,12 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
     """What the started server (and, with ``gpu_processes`` 1, the in-process pipeline) runs, with its KV
     budget and the note saying it. Enough engine slots for the highest level, so the launch config never caps
     the measured concurrency."""
-    config = LaunchConfig(checkpoint_dir=args.source.checkpoint_dir.resolve(), device=args.device,
-                          load_format=args.source.load_format, dummy_seed=args.source.seed,
-                          interstage_memory=interstage_memory,
-                          max_inflight_requests=args.max_inflight or max(16, *workload.concurrencies),
-                          fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
-                          prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
-                          dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
-                          left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch,
-                          chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
-                          admission_capacity=args.admission_capacity,
-                          admission_max_starting=args.admission_max_starting)
+    config = LaunchConfig(**{
+        # serve's settings by their shared flags; --torch-threads is this process's here, not the stages'
+        **flag_settings(args, ignored=("torch_threads",)),
+        "checkpoint_dir": args.source.checkpoint_dir.resolve(), "load_format": args.source.load_format,
+        "dummy_seed": args.source.seed, "interstage_memory": interstage_memory,
+        "max_inflight_requests": args.max_inflight or max(16, *workload.concurrencies)})
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization, gpu_processes)
 
 
@@ -200,8 +195,8 @@ def start_server(args: argparse.Namespace, workload: Workload, notes: list[str],
                  run_dir: Path = Path("build/bench-run"), **options):
     """A tritonserver for ``args`` launched here and ready (the caller stops it); ``options``: more
     ServerOptions (e.g. stage_reload). Its rendered repository and log go to ``run_dir``, not the results."""
-    from omni_triton.server.repository import available_models, render_repository
-    from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+    from omni_triton.launch.repository import available_models, render_repository
+    from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
     install = find_tritonserver(args.tritonserver, device=args.device)
     config, kv_note = launch_config(args, workload, install.interstage_memory(args.device))
@@ -354,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         with served(args, workload, notes) as url:
             return open_loop_cli.run(args, workload, text, url, header, notes, out_dir)
     if args.soak is not None:
-        return soak_cli.run(args, workload, header, notes, out_dir)
+        return soak_cli.run(args, workload, header, notes, out_dir, start_server)
 
     def build_report(rows: list[LevelSummary], complete: bool) -> dict:
         return {

@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from omni_triton.server.procfs import PARENT, SYSTEM_TICKS, USER_TICKS, stat_fields
-from omni_triton.server.stage_supervisor import stub_instance
+from omni_triton.shared.procfs import PARENT, SYSTEM_TICKS, USER_TICKS, stat_fields
+from omni_triton.shared.stub_processes import stub_instance
 
 SERVER_BINARY = "tritonserver"
 STUB_BINARY = "triton_python_backend_stub"

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable
 
 from omni_triton.bench import report as reporting
 from omni_triton.bench import soak, soak_report
@@ -131,10 +132,10 @@ def mix_of(args: argparse.Namespace) -> RequestMix:
                       deadline_s=args.deadline_s, seed=args.arrival_seed)
 
 
-def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_dir: Path) -> int:
-    """Every scenario of ``args.soak``; the report goes into ``out_dir``. Exit status 1 when an invariant failed."""
-    from omni_triton.bench.cli import start_server
-
+def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_dir: Path,
+        start_server: Callable[..., Any]) -> int:
+    """Every scenario of ``args.soak``; the report goes into ``out_dir``. Exit status 1 when an invariant failed.
+    ``start_server(args, workload, notes, run_dir, **server_options)``: a ready TritonServer (bench.cli's)."""
     mix = mix_of(args)
     rates = {"soak": args.goodput * args.soak_load, "burst": args.goodput * args.burst_load,
              "kill": args.goodput * args.kill_load}
@@ -181,8 +182,8 @@ def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_
         report["scenarios"]["kill"] = []
         for stage in args.kill_stages:
             print(f"kill {stage} at {rates['kill']:g} requests/s", file=sys.stderr)
-            report["scenarios"]["kill"].append(_kill_on_fresh_server(args, workload, notes, load_for, mix, stage,
-                                                                     rates["kill"], idle_timeout_s))
+            report["scenarios"]["kill"].append(_kill_on_fresh_server(start_server, args, workload, notes, load_for,
+                                                                     mix, stage, rates["kill"], idle_timeout_s))
             save()
     report["partial"] = False
     table, plot = soak_report.write(report, out_dir)
@@ -192,11 +193,10 @@ def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_
     return 1 if soak_report.failed_invariants(report) else 0
 
 
-def _kill_on_fresh_server(args, workload, notes, load_for, mix: RequestMix, stage: str, rate: float,
+def _kill_on_fresh_server(start_server, args, workload, notes, load_for, mix: RequestMix, stage: str, rate: float,
                           idle_timeout_s: float) -> dict:
-    from omni_triton.bench.cli import start_server
-    from omni_triton.cli import STAGE_RELOADED
-    from omni_triton.server.stage_supervisor import find_stubs
+    from omni_triton.launch.serve import STAGE_RELOADED
+    from omni_triton.shared.stub_processes import find_stubs
 
     # exit_timeout_s: a killed stage's old model never unloads (its requests never end): don't wait for it at stop
     server = start_server(args, workload, notes, Path(f"build/bench-run/kill-{stage}"), stage_reload=True,
@@ -204,8 +204,8 @@ def _kill_on_fresh_server(args, workload, notes, load_for, mix: RequestMix, stag
     stopping = threading.Event()
     restarts: list[tuple[float, str]] = []  # (time.perf_counter(), what serve's watch said)
     watcher = threading.Thread(target=server.supervise, name="serve-watch", daemon=True, kwargs=dict(
-        ready_timeout_s=600, max_restarts=1, log=lambda line: restarts.append((time.perf_counter(), line)), reloaded_by_orchestrator=STAGE_RELOADED,
-        stopped=stopping.is_set))
+        ready_timeout_s=600, max_restarts=1, log=lambda line: restarts.append((time.perf_counter(), line)),
+        reloaded_by_orchestrator=STAGE_RELOADED, stopped=stopping.is_set))
     watcher.start()
     try:
         _warm_up(server.grpc_url, mix, workload.warmup_requests)

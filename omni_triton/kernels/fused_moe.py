@@ -17,7 +17,7 @@ its product with up and the router weighting are each rounded to the activation 
 accumulation order of the dot products and of the top-k sum differ.
 
 Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate), per
-token-count bucket; written by ``python -m omni_triton.kernels.tune_fused_moe``), else from a size rule.
+token-count bucket; written by ``python -m omni_triton.bench.tune_fused_moe``), else from a size rule.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 import torch
 
 from omni_triton import trace
-from omni_triton.pipeline.code2wav_stream import Code2WavStream
+from omni_triton.pipeline.code2wav.chunking import Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 
 
