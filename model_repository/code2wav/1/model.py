@@ -138,9 +138,14 @@ class TritonPythonModel:
         self.batch_chunks.set(len(jobs) + len(chunks))
         self.decoded_frames.increment(sum(job.num_frames for job in jobs) + sum(c.codes.shape[1] for c in chunks))
         self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
-        self.sends.send_after(ready_event(self.device), outputs,
-                              [PendingResponse(request.get_response_sender(), make)
-                               for request, make in zip(requests, responses)])
+        decoded = ready_event(self.device)
+        self.sends.send_after(decoded, outputs, [PendingResponse(request.get_response_sender(), make)
+                                                 for request, make in zip(requests, responses)])
+        # back to Triton once this batch's decode is done, not before: the chunks that arrive meanwhile make the
+        # next batch (returning at once left the batcher a chunk or two a call: 2x the first chunk's time at 64
+        # streams); the export and send still overlap the next batch (deferred_sends)
+        if decoded is not None:
+            decoded.synchronize()
         return None
 
     def finalize(self):
