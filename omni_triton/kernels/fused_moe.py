@@ -236,8 +236,7 @@ GEMV_MIN_PROGRAMS = 512  # ~4 per SM of a 132-SM GPU, as small_linear.GEMV_MIN_P
 
 
 # (kernel, K, N) -> (BLOCK_N, BLOCK_K, num_warps) where another launch shape than ``pair_gemv_blocks``' rule with
-# 4 warps measured faster on the H200 (benchmarks/gemv_sweep.py, the thinker's 8 pairs of one token,
-# benchmarks/results/h200-gemv-sweep/: gate/up 1.25x, down 1.18x)
+# 4 warps measured faster (benchmarks/gemv_sweep.py, the thinker's 8 pairs of one token; docs/performance.md)
 PAIR_GEMV_TUNED = {("gate_up", 2048, 768): (2, 2048, 8), ("down", 768, 2048): (16, 256, 8)}
 
 

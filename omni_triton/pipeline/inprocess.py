@@ -67,7 +67,7 @@ class InProcessPipeline:
         self.streams = Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
                                             self.vocoder.streaming_samples, self.device)
         # One vocoder thread, as the served code2wav stage has one instance: with every request's thread decoding
-        # at once, 64 streams ran the H200 out of memory (each thread its own library handles and workspaces).
+        # at once, 64 streams ran a GPU out of memory (each thread its own library handles and workspaces).
         self._vocoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
         self.chunk_pacing = chunk_pacing

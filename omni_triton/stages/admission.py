@@ -1,8 +1,8 @@
 """Admission by real-time capacity: start a stream only when the server can keep every playing stream fed.
 
 A listener needs 1 audio-second per second. ``RealtimeCapacity`` estimates what the server generates at a
-number of concurrent streams: the talker's time per frame step grows about linearly with its batch (H200,
-full size: 7.4 ms at 1 stream, 9.5 at 32, 11.3 at 64), so it keeps ``step_s(b) = a + c * b`` fitted online to
+number of concurrent streams: the talker's time per frame step grows about linearly with its batch (the
+measured steps: docs/performance.md), so it keeps ``step_s(b) = a + c * b`` fitted online to
 what the orchestrator sees (frames received per second over the streams producing them), starting from a
 prior. Audio-seconds per second at ``b`` streams = ``b / step_s(b) * FRAME_S``. A new stream is admitted when
 ``b + 1`` streams would each still get ``headroom`` x real time; a forced capacity (a launch option) replaces
@@ -10,7 +10,7 @@ the estimate with a fixed number of audio-seconds per second (tests; a deploymen
 
 Starts are staggered too (``max_starting``): a stream's start (thinker and talker prefills, its first frames and
 vocoder call) is the costliest part of its life, and a burst of starts stalls every playing stream's frames at
-once (measured on an H200: 84% of 64 streams that started together ran dry right after their first chunk), so at
+once (most of 64 streams started together ran dry right after their first chunk: docs/performance.md), so at
 most ``max_starting`` streams may be admitted and not yet playing; the rest wait in the queue.
 ``Admission`` holds the running count and a FIFO of waiting requests: a request starts at once when nothing
 waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
@@ -27,7 +27,7 @@ from typing import Any
 
 FRAME_S = 1 / 12.5           # audio per codec frame
 HEADROOM = 1.1               # each stream should get at least this x real time
-# (a, c): the served talker's frame step on an H200 at full size (docs/performance.md, the first full-size run)
+# (a, c): the served talker's frame step at full size, as first measured (docs/performance.md): a prior only
 PRIOR_STEP_S = (0.0075, 6e-5)
 
 

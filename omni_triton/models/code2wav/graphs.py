@@ -1,6 +1,6 @@
 """CUDA-graph replay of the Code2Wav vocoder's short calls (the torch backend's ``cuda_graphs`` option).
 
-Why: a short call is launch-bound, not compute-bound. At full size on an H100 the first audio chunk (4 frames,
+Why: a short call is launch-bound, not compute-bound. At full size on a GPU the first audio chunk (4 frames,
 batch 1) takes ~31 ms eager -- hundreds of small conv / norm / elementwise launches, each paying Python and
 launch latency -- and 2.8 ms replayed from a graph (benchmarks/results/h100-engine-fast). That chunk is on the
 time-to-first-audio path of every request.

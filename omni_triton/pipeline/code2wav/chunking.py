@@ -50,7 +50,7 @@ class ChunkPolicy:
     first_chunk_frames: int = 4  # small first chunk: time-to-first-audio (4 frames = 320 ms of audio)
     # Later chunks: up to 2 s of audio per Code2Wav call. They ramp up to it (``chunk_size``): a 25-frame
     # second chunk had to be generated and decoded while the first one's 320 ms played, and at full size on
-    # an H200 it missed that by a few ms at concurrency 1 (every stream underran once).
+    # a GPU it missed that by a few ms at concurrency 1 (every stream underran once).
     chunk_frames: int = 25
     left_context_frames: int | None = None  # None: exact_left_context_frames of the model
     stateful: bool = False  # new frames only; the vocoder carries its state (left_context_frames unused)
