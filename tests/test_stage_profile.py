@@ -4,6 +4,7 @@ trigger files, the watcher's bookkeeping, a real torch.profiler window on the CP
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -67,13 +68,15 @@ def test_busy_time_is_the_union_of_intervals():
 
 def test_bench_windows_summarise_what_the_stages_wrote(tmp_path):
     windows = ProfileWindows(tmp_path, delay_s=0.0, seconds=0.1, settle_s=0.0)
-    with windows.during("server-c8"):
-        pass
     trigger = tmp_path / "server-c8.trigger"
+    with windows.during("server-c8"):
+        deadline = time.monotonic() + 10
+        while not trigger.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the level runs past the window's delay: its trigger is written
     (tmp_path / "server-c8").mkdir()
     (tmp_path / "server-c8" / "code2wav-3.json").write_text(json.dumps({"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 10}]}))
     notes = windows.summaries()
-    assert trigger.exists() or windows.labels == ["server-c8"]
+    assert trigger.read_text() == "0.1" and windows.labels == ["server-c8"]
     assert "code2wav 100%" in notes[0]
     assert (tmp_path / "server-c8" / "stage_profiles.md").exists()
