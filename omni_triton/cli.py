@@ -124,7 +124,7 @@ def launch_config(args: argparse.Namespace, install: TritonInstall) -> tuple[Lau
     source = model_source(args, _tiny_checkpoint)
     config = LaunchConfig(
         checkpoint_dir=source.checkpoint_dir, device=args.device, dtype=args.dtype,
-        load_format=source.load_format, dummy_seed=source.seed,
+        load_format=source.load_format, dummy_seed=source.seed, quantization=source.quantization,
         interstage_memory=args.interstage_memory or install.interstage_memory(args.device),
         first_chunk_frames=args.first_chunk_frames, next_chunk_frames=args.next_chunk_frames,
         left_context_frames=args.left_context_frames, max_batched_tokens=args.max_batched_tokens,

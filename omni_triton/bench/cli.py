@@ -154,7 +154,7 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
     the measured concurrency."""
     config = LaunchConfig(checkpoint_dir=args.source.checkpoint_dir.resolve(), device=args.device,
                           load_format=args.source.load_format, dummy_seed=args.source.seed,
-                          interstage_memory=interstage_memory,
+                          quantization=args.source.quantization, interstage_memory=interstage_memory,
                           max_inflight_requests=args.max_inflight or max(16, *workload.concurrencies),
                           fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
                           prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,

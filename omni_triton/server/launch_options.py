@@ -19,7 +19,7 @@ from omni_triton.server.memory_plan import (CPU_KV_CACHE_TOKENS, DEFAULT_UTILIZA
                                             kv_tokens_setting, word_or_count)
 from omni_triton.server.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
-from omni_triton.server.repository import (CHUNK_PACING, LINEAR_LAUNCHES, LOAD_FORMATS, LaunchConfig,
+from omni_triton.server.repository import (CHUNK_PACING, LINEAR_LAUNCHES, LOAD_FORMATS, QUANTIZATIONS, LaunchConfig,
                                            admission_capacity_setting)
 
 
@@ -32,6 +32,7 @@ class ModelSource:
     checkpoint_dir: Path
     load_format: str = "safetensors"
     seed: int = 0
+    quantization: str = "none"
 
     @property
     def random_weights(self) -> bool:
@@ -39,7 +40,8 @@ class ModelSource:
 
 
 def add_model_source_arguments(group) -> None:
-    """--config, --load-format, --dummy-seed, --dummy-layers (the caller adds its own --checkpoint)."""
+    """--config, --load-format, --dummy-seed, --dummy-layers, --quantization (the caller adds its own
+    --checkpoint)."""
     group.add_argument("--config", metavar="NAME_OR_DIR",
                        help="serve seeded random weights of this model config, no checkpoint needed: a shipped "
                             "config (qwen3_omni_30b_a3b = Qwen3-Omni-30B-A3B's dimensions) or a dir with "
@@ -52,6 +54,11 @@ def add_model_source_arguments(group) -> None:
     group.add_argument("--dummy-layers", type=int, metavar="N",
                        help="with --config: cut thinker and talker to at most N layers (full width), e.g. to fit "
                             "a smaller GPU (default: the config's)")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                       help="fp8: the thinker's and talker's decoder linears and experts quantized at load to "
+                            "block-FP8 (128 x 128 blocks, docs/fp8.md), the checkpoint's or the random weights; a "
+                            "checkpoint with an FP8 quantization_config is served as FP8 either way "
+                            "(default: %(default)s)")
 
 
 def add_memory_arguments(group) -> None:
@@ -189,7 +196,7 @@ def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path
         checkpoint = default_checkpoint()
     else:
         raise LaunchOptionError("give --checkpoint DIR or --config NAME_OR_DIR")
-    return ModelSource(checkpoint, load_format, args.dummy_seed)
+    return ModelSource(checkpoint, load_format, args.dummy_seed, args.quantization)
 
 
 def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
@@ -202,7 +209,8 @@ def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
                        max_inflight=config.max_inflight_requests, code2wav_batch=config.code2wav_max_batch,
                        first_chunk_frames=config.first_chunk_frames, chunk_frames=config.next_chunk_frames,
                        left_context_frames=config.resolved_left_context_frames, block_size=config.kv_block_size,
-                       gpu_processes=gpu_processes, placement=config.placement)
+                       gpu_processes=gpu_processes, placement=config.placement,
+                       quantization=None if config.quantization == "none" else config.quantization)
     return replace(config, kv_cache_tokens=budget.thinker_tokens,
                    talker_kv_cache_tokens=budget.talker_tokens), budget.note
 

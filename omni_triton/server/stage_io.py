@@ -82,6 +82,12 @@ def load_options(params: Mapping[str, str]) -> dict[str, Any]:
     return {"load_format": params.get("load_format", "safetensors"), "seed": int(params.get("dummy_seed", "0"))}
 
 
+def quantization(params: Mapping[str, str]) -> str | None:
+    """The thinker's and talker's weights quantized at load (``--quantization``): "fp8", or None."""
+    value = params.get("quantization", "none")
+    return None if value == "none" else value
+
+
 # What a deployer can change when a stage does not fit the GPU (omni-triton serve options).
 MEMORY_OPTIONS = ("--kv-cache-tokens (or --gpu-memory-utilization with --kv-cache-tokens auto), "
                   "--dummy-layers N (fewer thinker/talker layers, with --load-format dummy), "

@@ -9,8 +9,8 @@ from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snap
 from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
                                           report_native_crashes)
 from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, host_array,
-                                         input_arrays, load_options, send_output, stage_device, stage_loading,
-                                         talker_output_tensors, thinker_output_from_request)
+                                         input_arrays, load_options, quantization, send_output, stage_device,
+                                         stage_loading, talker_output_tensors, thinker_output_from_request)
 from omni_triton.stage_profile import start_watching
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
@@ -29,7 +29,8 @@ class TritonPythonModel:
         config, dtype = engine_config(params, device)
         self.inputs = InputStream(device)  # request inputs copied without waiting for the talker's steps
         with stage_loading("talker"):
-            self.service = TalkerService(params["checkpoint_dir"], config, dtype, **load_options(params))
+            self.service = TalkerService(params["checkpoint_dir"], config, dtype, **load_options(params),
+                                         quantization=quantization(params))
         labels = replica_labels(args)
         self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=params["device"] != "cpu", labels=labels)
         self.metrics = StageMetrics(pb_utils, "talker", lambda: engine_snapshot(

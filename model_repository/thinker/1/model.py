@@ -8,8 +8,8 @@ from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.server.metrics import StageMetrics, engine_snapshot
 from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
 from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, input_arrays,
-                                         load_options, send_output, stage_device, stage_loading,
-                                         thinker_output_tensors)
+                                         load_options, quantization, send_output, stage_device,
+                                         stage_loading, thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
 from omni_triton.stage_profile import start_watching
 
@@ -26,7 +26,8 @@ class TritonPythonModel:
         configure_interstage_memory(params["interstage_memory"])
         config, dtype = engine_config(params, stage_device(params, args))
         with stage_loading("thinker"):
-            self.service = ThinkerService(params["checkpoint_dir"], config, dtype, **load_options(params))
+            self.service = ThinkerService(params["checkpoint_dir"], config, dtype, **load_options(params),
+                                          quantization=quantization(params))
         self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()))
         self._anonymous = itertools.count()
 

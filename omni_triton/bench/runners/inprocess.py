@@ -28,7 +28,8 @@ class InProcessRunner:
             talker_engine_config=talker, load_format=config.load_format, seed=config.dummy_seed,
             policy=ChunkPolicy.from_setting(config.first_chunk_frames, config.next_chunk_frames,
                                             config.resolved_left_context_frames),
-            chunk_pacing=config.chunk_pacing)
+            chunk_pacing=config.chunk_pacing,
+            quantization=None if config.quantization == "none" else config.quantization)
 
     def open_worker(self) -> SharedWorker:
         return SharedWorker(self.request)

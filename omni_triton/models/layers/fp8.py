@@ -28,6 +28,10 @@ def _frozen(*shape, dtype) -> nn.Parameter:
 
 
 class Fp8Linear(KernelSwitch, nn.Module):
+    # the kernels' scheme: False w8a16 (bf16 activations, the torch path's product), True w8a8 (activations
+    # quantized per row and block of columns, FP8 tensor cores; ``set_fp8_activations``)
+    act_quant: bool = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int],
                  bias_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -38,9 +42,11 @@ class Fp8Linear(KernelSwitch, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels_for(x):
-            from omni_triton.kernels.fp8_linear import fp8_linear
+            from omni_triton.kernels.fp8_linear import fp8_linear, supports
 
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+            if supports(self.block):
+                return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias,
+                                  act_quant=self.act_quant)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -71,6 +77,18 @@ class Fp8Experts(Experts):
 
     def fp8_scales(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         return self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block
+
+
+FP8_ACTIVATIONS = ("bf16", "fp8")  # w8a16, w8a8
+
+
+def set_fp8_activations(model: nn.Module, activations: str) -> None:
+    """Which scheme the FP8 linears' kernels run: "bf16" (w8a16, the default) or "fp8" (w8a8, dynamic scales)."""
+    if activations not in FP8_ACTIVATIONS:
+        raise ValueError(f"FP8 activations must be one of {', '.join(FP8_ACTIVATIONS)}; got {activations!r}")
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.act_quant = activations == "fp8"
 
 
 def is_fp8(module: nn.Module) -> bool:
