@@ -157,3 +157,33 @@ def test_unsupported_quantization_config_is_named(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="weight_block_size"):
         load_thinker(tmp_path, with_audio=False)
+
+
+def test_quantized_copy_is_the_model_quantized_at_load(checkpoints):
+    from omni_triton.models.layers.fp8 import quantized_copy
+
+    source, _ = checkpoints
+    copy = quantized_copy(load_talker(source))
+    loaded = load_talker(source, quantization="fp8")
+    for name, tensor in loaded.state_dict().items():
+        got = copy.state_dict()[name]
+        assert got.dtype == tensor.dtype, name
+        assert torch.equal(got.view(torch.uint8) if got.dtype == FP8_DTYPE else got,
+                           tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor), name
+
+
+def test_accuracy_measures_agree_fully_with_the_model_itself_and_not_with_fp8(checkpoints):
+    from omni_triton.bench.fp8_accuracy import PROMPTS, thinker_agreement
+    from omni_triton.models.config import OmniConfig
+    from omni_triton.models.layers.fp8 import quantized_copy
+    from omni_triton.pipeline.chat import ChatTokenizer
+
+    source, _ = checkpoints
+    config, chat = OmniConfig.from_pretrained(source), ChatTokenizer.from_checkpoint(source)
+    prompts = [chat.encode_prompt(text) for text in PROMPTS[:2]]
+    thinker = load_thinker(source, with_audio=False)
+    itself = thinker_agreement(thinker, thinker, config, prompts, 6)
+    assert itself["teacher_forced_agreement"] == itself["free_running_agreement"] == 1.0
+    assert abs(itself["mean_kl"]) < 1e-6 and itself["identical_continuations"] == 1.0
+    fp8 = thinker_agreement(thinker, quantized_copy(thinker), config, prompts, 6)
+    assert 0 < fp8["mean_kl"] and 0 <= fp8["teacher_forced_agreement"] <= 1

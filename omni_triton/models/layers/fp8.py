@@ -116,6 +116,33 @@ def quantize_modules_(root: nn.Module, scheme: Fp8Scheme, selected) -> list[str]
     return replaced
 
 
+def quantized_copy(model: nn.Module, scheme: Fp8Scheme | None = None) -> nn.Module:
+    """A copy of ``model`` whose modules ``--quantization fp8`` converts (``quantization.quantized_at_load``) are FP8
+    twins holding its weights quantized; every other tensor copied as it is (the same model, FP8 where served so:
+    what accuracy measurements compare against ``model``)."""
+    import copy
+
+    from omni_triton.models.quantization import quantized_at_load
+
+    scheme = scheme or Fp8Scheme()
+    twin = copy.deepcopy(model)
+    device = next(model.parameters()).device
+    with torch.device(device):
+        replaced = quantize_modules_(twin, scheme, quantized_at_load)
+    with torch.no_grad():
+        for name in replaced:
+            source, target = model.get_submodule(name), twin.get_submodule(name)
+            if isinstance(target, Fp8Linear):
+                store_quantized_(target.weight, target.weight_scale_inv, source.weight, scheme.block)
+                if source.bias is not None:
+                    target.bias.copy_(source.bias)
+            else:
+                store_quantized_(target.gate_up_proj, target.gate_up_proj_scale_inv, source.gate_up_proj,
+                                 scheme.block, halves=2)
+                store_quantized_(target.down_proj, target.down_proj_scale_inv, source.down_proj, scheme.block)
+    return twin
+
+
 def store_quantized_(weight: torch.Tensor, scale_inv: torch.Tensor, full: torch.Tensor, block: tuple[int, int],
                      halves: int = 1) -> None:
     """Quantize ``full`` (the weight's shape, any float dtype) into ``weight`` and ``scale_inv`` in place;
