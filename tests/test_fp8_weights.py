@@ -163,8 +163,13 @@ def test_quantized_copy_is_the_model_quantized_at_load(checkpoints):
     from omni_triton.models.layers.fp8 import quantized_copy
 
     source, _ = checkpoints
-    copy = quantized_copy(load_talker(source))
+    plain = load_talker(source)
+    before = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
+    copy = quantized_copy(plain)
     loaded = load_talker(source, quantization="fp8")
+    # the model copied is left as it was
+    assert type(plain.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert all(torch.equal(before[name], tensor) for name, tensor in plain.state_dict().items())
     for name, tensor in loaded.state_dict().items():
         got = copy.state_dict()[name]
         assert got.dtype == tensor.dtype, name

@@ -11,8 +11,8 @@ runs the same path, its weights dequantized per call. Over a fixed prompt set (`
   prompt + that continuation in one prefill: teacher-forced greedy agreement (the FP8 argmax equals the bf16
   token) and the mean KL(bf16 || FP8) of the next-token distributions over those positions; and the FP8 model's
   own greedy continuation: tokens equal position by position, and the first position where it leaves the bf16 one.
-- the same thinker measures of the reference against the fp32 model (with ``--dtype bfloat16``): the floor that
-  the reference's own rounding sets.
+- the same thinker measures of the reference against the fp32 model (with ``--dtype bfloat16``, ``--fp32-floor on``):
+  the floor that the reference's own rounding sets.
 - talker (``--talker-prompts`` of them, the bf16 thinker's text in both runs): greedy codes of the bf16 talker and
   of the FP8 talker: codes equal over the common frames (all code groups), frames each, and the relative L2
   difference of the two waveforms Code2Wav (bf16, not quantized) decodes from them.
@@ -130,7 +130,7 @@ def talker_agreement(thinker, reference, quantized, code2wav, config: OmniConfig
 
 def run(checkpoint: str | Path, *, load_format: str = "safetensors", device: str = "cpu",
         dtype: torch.dtype = torch.bfloat16, weights: str = "as-loaded", prompts: int = 64, tokens: int = 100,
-        talker_prompts: int = 8, talker_frames: int = 32, seed: int = 0) -> dict:
+        talker_prompts: int = 8, talker_frames: int = 32, seed: int = 0, fp32_floor: bool = True) -> dict:
     config = OmniConfig.from_pretrained(checkpoint)
     chat = ChatTokenizer.from_checkpoint(checkpoint)
     prompt_ids = [chat.encode_prompt(text) for text in PROMPTS[:prompts]]
@@ -143,7 +143,7 @@ def run(checkpoint: str | Path, *, load_format: str = "safetensors", device: str
     result = {"checkpoint": str(checkpoint), "load_format": load_format, "weights": weights, "dtype": str(dtype),
               "device": device, "seed": seed,
               "thinker": thinker_agreement(thinker, quantized_copy(thinker), config, prompt_ids, tokens)}
-    if dtype != torch.float32:  # the same measure of the reference itself against fp32: the floor FP8 sits on
+    if fp32_floor and dtype != torch.float32:  # the same measure of the reference itself against fp32: the floor FP8 sits on
         full = load_thinker(checkpoint, device, torch.float32, with_audio=False, **loaded)
         if weights == "heavy-tailed":
             heavy_tailed_(full, seed)
@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--talker-frames", type=int, default=32, help="talker frames at most (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="dummy and heavy-tailed weights' seed (default: "
                                                             "%(default)s)")
+    parser.add_argument("--fp32-floor", choices=["on", "off"], default="on",
+                        help="also measure the reference against the fp32 model (off where the model in fp32 does "
+                             "not fit beside it, e.g. full size on one GPU) (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="write the result as JSON here too (default: print only)")
     args = parser.parse_args(argv)
     if args.config:
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     result = run(checkpoint, load_format=load_format, device=args.device, dtype=getattr(torch, args.dtype),
                  weights=args.weights, prompts=min(args.prompts, len(PROMPTS)), tokens=args.tokens,
-                 talker_prompts=args.talker_prompts, talker_frames=args.talker_frames, seed=args.seed)
+                 talker_prompts=args.talker_prompts, talker_frames=args.talker_frames, seed=args.seed,
+                 fp32_floor=args.fp32_floor == "on")
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -110,10 +110,14 @@ def quantize_modules_(root: nn.Module, scheme: Fp8Scheme, selected) -> list[str]
             twin = Fp8Experts(num_experts, hidden, inter, scheme.block)
         else:
             raise ValueError(f"module {name!r} ({type(module).__name__}) has no FP8 form")
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(root.get_submodule(parent_name), leaf, twin)
+        _replace(root, name, twin)
         replaced.append(name)
     return replaced
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent_name), leaf, module)
 
 
 def quantized_copy(model: nn.Module, scheme: Fp8Scheme | None = None) -> nn.Module:
@@ -125,10 +129,20 @@ def quantized_copy(model: nn.Module, scheme: Fp8Scheme | None = None) -> nn.Modu
     from omni_triton.models.quantization import quantized_at_load
 
     scheme = scheme or Fp8Scheme()
-    twin = copy.deepcopy(model)
+    # the modules to convert leave the model while it is copied: the copy never holds their full-precision weights
+    converted = {name: module for name, module in model.named_modules() if name and quantized_at_load(name, module)}
+    for name in converted:
+        _replace(model, name, nn.Identity())
+    try:
+        twin = copy.deepcopy(model)
+    finally:
+        for name, module in converted.items():
+            _replace(model, name, module)
+    for name, module in converted.items():
+        _replace(twin, name, module)  # shared for a moment: replaced below by its FP8 twin
     device = next(model.parameters()).device
     with torch.device(device):
-        replaced = quantize_modules_(twin, scheme, quantized_at_load)
+        replaced = quantize_modules_(twin, scheme, lambda name, module: name in converted)
     with torch.no_grad():
         for name in replaced:
             source, target = model.get_submodule(name), twin.get_submodule(name)
