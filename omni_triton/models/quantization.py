@@ -58,6 +58,10 @@ class Fp8Scheme:
         fmt = cfg.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"{where}: quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+        activations = cfg.get("activation_scheme", "dynamic")
+        if activations != "dynamic":
+            raise ValueError(f"{where}: quantization_config.activation_scheme {activations!r} is not supported (only "
+                             "'dynamic': static activation scales are not read)")
         block = cfg.get("weight_block_size")
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
             raise ValueError(f"{where}: quantization_config.weight_block_size {block!r} is not [rows, columns] "

@@ -126,7 +126,7 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
                     if tensor.shape != view.shape:
                         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(view.shape)}")
-                    if (tensor.dtype == FP8_DTYPE) != (view.dtype == FP8_DTYPE) and tensor.dtype == FP8_DTYPE:
+                    if tensor.dtype == FP8_DTYPE and view.dtype != FP8_DTYPE:
                         raise ValueError(f"tensor {name!r} is {tensor.dtype} but the model's is {view.dtype}: "
                                          "an FP8 weight needs its weight_scale_inv and a quantization_config")
                     if view.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # quantized at load
