@@ -81,11 +81,22 @@ def _greedy(thinker, config: OmniConfig, prompt: list[int], tokens: int) -> list
 
 
 @torch.no_grad()
-def thinker_agreement(reference, quantized, config: OmniConfig, prompts: list[list[int]], tokens: int) -> dict:
+def thinker_agreement(reference, quantized, config: OmniConfig, prompts: list[list[int]], tokens: int,
+                      continuations: dict | None = None) -> dict:
+    """``continuations``: greedy continuations already made, by (model id, prompt), reused and added to (the floor's
+    bf16 model is the FP8 comparison's reference)."""
+    continuations = {} if continuations is None else continuations
+
+    def greedy(model, prompt):
+        key = (id(model), tuple(prompt))
+        if key not in continuations:
+            continuations[key] = _greedy(model, config, prompt, tokens)
+        return continuations[key]
+
     agree = total = free_agree = 0
     kl_sum, top1_sum, first_divergence = 0.0, 0.0, []
     for prompt in prompts:
-        continuation = _greedy(reference, config, prompt, tokens)
+        continuation = greedy(reference, prompt)
         sequence = prompt + continuation
         scored = slice(len(prompt) - 1, len(sequence) - 1)  # the positions that predicted the continuation
         log_ref = torch.log_softmax(_logits(reference, sequence)[scored].float(), dim=-1)
@@ -94,7 +105,7 @@ def thinker_agreement(reference, quantized, config: OmniConfig, prompts: list[li
         top1_sum += float(log_ref.max(dim=-1).values.exp().sum())
         agree += int((log_fp8.argmax(dim=-1) == torch.tensor(continuation, device=log_fp8.device)).sum())
         total += len(continuation)
-        own = _greedy(quantized, config, prompt, tokens)
+        own = greedy(quantized, prompt)
         matches = [a == b for a, b in zip(own, continuation)]
         free_agree += sum(matches)
         first_divergence.append(matches.index(False) if False in matches else len(matches))
@@ -140,14 +151,15 @@ def run(checkpoint: str | Path, *, load_format: str = "safetensors", device: str
     if weights == "heavy-tailed":
         heavy_tailed_(thinker, seed)
         heavy_tailed_(talker, seed + 1)
+    made: dict = {}  # greedy continuations, shared by the two comparisons
     result = {"checkpoint": str(checkpoint), "load_format": load_format, "weights": weights, "dtype": str(dtype),
               "device": device, "seed": seed,
-              "thinker": thinker_agreement(thinker, quantized_copy(thinker), config, prompt_ids, tokens)}
+              "thinker": thinker_agreement(thinker, quantized_copy(thinker), config, prompt_ids, tokens, made)}
     if fp32_floor and dtype != torch.float32:  # the same measure of the reference itself against fp32: the floor FP8 sits on
         full = load_thinker(checkpoint, device, torch.float32, with_audio=False, **loaded)
         if weights == "heavy-tailed":
             heavy_tailed_(full, seed)
-        result["thinker_fp32_vs_reference"] = thinker_agreement(full, thinker, config, prompt_ids, tokens)
+        result["thinker_fp32_vs_reference"] = thinker_agreement(full, thinker, config, prompt_ids, tokens, made)
     code2wav = load_code2wav(checkpoint, device, dtype, **loaded)
     result["talker"] = talker_agreement(thinker, talker, quantized_copy(talker), code2wav, config,
                                         prompt_ids[:talker_prompts], min(tokens, 24), talker_frames)
