@@ -185,10 +185,10 @@ def test_accuracy_measures_agree_fully_with_the_model_itself_and_not_with_fp8(ch
 
     source, _ = checkpoints
     config, chat = OmniConfig.from_pretrained(source), ChatTokenizer.from_checkpoint(source)
-    prompts = [chat.encode_prompt(text) for text in PROMPTS[:2]]
+    prompts = [chat.encode_prompt(text) for text in PROMPTS[:1]]
     thinker = load_thinker(source, with_audio=False)
-    itself = thinker_agreement(thinker, thinker, config, prompts, 6)
+    itself = thinker_agreement(thinker, thinker, config, prompts, 4)
     assert itself["teacher_forced_agreement"] == itself["free_running_agreement"] == 1.0
     assert abs(itself["mean_kl"]) < 1e-6 and itself["identical_continuations"] == 1.0
-    fp8 = thinker_agreement(thinker, quantized_copy(thinker), config, prompts, 6)
+    fp8 = thinker_agreement(thinker, quantized_copy(thinker), config, prompts, 4)
     assert 0 < fp8["mean_kl"] and 0 <= fp8["teacher_forced_agreement"] <= 1
