@@ -35,7 +35,7 @@ from omni_triton.bench.metrics import percentile, summarize, ttfa, ttft  # noqa:
 from omni_triton.bench.runners.openai_api import OpenAIApiRunner  # noqa: E402
 from omni_triton.bench.runners.triton_stream import TritonStreamRunner  # noqa: E402
 from omni_triton.bench.workload import QUICK, client_tensors, prompt_text, with_overrides  # noqa: E402
-from omni_triton.server.tritonserver import free_port  # noqa: E402
+from omni_triton.launch.tritonserver import free_port  # noqa: E402
 
 DEFAULT_TINY = Path("checkpoints/tiny")
 API_LOG = Path("build/api_overhead_api.log")  # the API process's log: not a result
@@ -75,7 +75,7 @@ def server_options(args: argparse.Namespace, server_args: list[str]) -> argparse
         return None
     given = "--config" in server_args or args.checkpoint is not None
     if not given:
-        from build_engines.tiny_checkpoint import build
+        from omni_triton.checkpoints.tiny import build
 
         args.checkpoint = DEFAULT_TINY if (DEFAULT_TINY / "config.json").is_file() else build(DEFAULT_TINY)
     checkpoint = [] if "--config" in server_args else ["--checkpoint", str(args.checkpoint)]

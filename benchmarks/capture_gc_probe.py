@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_engines.tiny_checkpoint import build  # noqa: E402
+from omni_triton.checkpoints.tiny import build  # noqa: E402
 from omni_triton.engine import EngineConfig, LLMEngine, TalkerStage  # noqa: E402
 from omni_triton.engine import runner as runner_module  # noqa: E402
 from omni_triton.graph_buckets import capturing  # noqa: E402

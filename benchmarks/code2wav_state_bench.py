@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from engine_microbench import config_dir, timed
-from omni_triton.models.code2wav import exact_left_context_frames
-from omni_triton.models.code2wav_graphs import GraphSettings
-from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
+from omni_triton.models.code2wav.vocoder import exact_left_context_frames
+from omni_triton.models.code2wav.graphs import GraphSettings
+from omni_triton.models.code2wav.runtime import Code2WavRuntime
+from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
 
 RAMP = [4, 8, 24, 25]
 CONTEXT_25 = 25

@@ -47,11 +47,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
 from omni_triton.graph_buckets import capturing
-from omni_triton.models.code2wav import exact_left_context_frames
-from omni_triton.models.code2wav_graphs import GraphSettings
-from omni_triton.models.code2wav_runtime import Code2WavRuntime
+from omni_triton.models.code2wav.vocoder import exact_left_context_frames
+from omni_triton.models.code2wav.graphs import GraphSettings
+from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
-                                      write_config_with_layers)
+                                       write_config_with_layers)
 from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_linear_launch
 from omni_triton.models.weights import load_talker, load_thinker
 from omni_triton.pipeline.request_params import TALKER_REPETITION_PENALTY, SamplingDefaults
@@ -655,7 +655,7 @@ def config_dir(config: str, layers: int) -> Path:
     """The config dir to build from: a shipped config or checkpoint dir, the tiny preset (written on the fly),
     with thinker/talker layers cut to ``layers`` when asked (a copy in a temp dir)."""
     if config == "tiny":
-        from build_engines.tiny_checkpoint import build
+        from omni_triton.checkpoints.tiny import build
 
         source = build(Path(tempfile.gettempdir()) / "engine_microbench_tiny", "tiny")
     else:

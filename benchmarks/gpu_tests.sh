@@ -28,7 +28,7 @@ rest=$(grep -l "torch.cuda.is_available()" tests/test_*.py | grep -v -F -x -f <(
 pytest_files() {  # the GPU test files given, in one pytest process
   # server tests (a tritonserver on the CPU-side path) run in CI, not here
   echo "# python3 -m pytest -q -rfEs -p no:cacheprovider -m 'not server' $*"
-  PYTHONPATH=$PWD python3 -m pytest -q -rfEs -p no:cacheprovider -m "not server" "$@"
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -rfEs -p no:cacheprovider -m "not server" "$@"
 }
 header() {
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) torch $(python3 -c 'import torch; print(torch.__version__)') commit ${OMNI_TRITON_GIT_COMMIT:-unknown (set OMNI_TRITON_GIT_COMMIT)} part $1"

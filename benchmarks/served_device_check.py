@@ -42,9 +42,10 @@ from pathlib import Path
 
 from omni_triton.bench.gpu_memory import gpu_memory_used_mib
 from omni_triton.client import OmniStreamClient
-from omni_triton.server.launch_options import add_placement_arguments, placement
-from omni_triton.server.repository import LaunchConfig, render_repository
-from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
+from omni_triton.launch.options import add_placement_arguments, placement
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import LaunchConfig
+from omni_triton.launch.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
                                              process_tree_rss_bytes)
 
 
@@ -371,7 +372,7 @@ def check_own_server(args, workload: dict) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="omni-served-"))
     checkpoint = args.checkpoint
     if checkpoint is None:
-        from build_engines.tiny_checkpoint import build
+        from omni_triton.checkpoints.tiny import build
 
         checkpoint = build(workdir / "tiny")
     install = find_tritonserver(python_backend=args.python_backend, device=args.device)

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from omni_triton.server.repository import LaunchConfig, render_repository
-from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import LaunchConfig
+from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
 PROMPT_IDS = [513, 264, 198, 339, 78, 11, 505, 441, 325, 511, 30, 514, 198, 513, 270, 198]  # tiny tokenizer
 

@@ -25,9 +25,10 @@ from pathlib import Path
 from unittest import mock
 
 from omni_triton.client import OmniStreamClient
-from omni_triton.server.repository import STAGES, LaunchConfig, render_repository
-from omni_triton.server.stage_supervisor import find_stubs
-from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import STAGES, LaunchConfig
+from omni_triton.shared.stub_processes import find_stubs
+from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
 VARIANTS = {
     "fixed": {},

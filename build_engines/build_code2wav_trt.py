@@ -3,7 +3,7 @@
     python -m build_engines.build_code2wav_trt --onnx engines/code2wav.onnx --out engines/code2wav.plan \
         --checkpoint checkpoints/tiny --precision fp16
 
-The optimization profile covers what the streaming decoder sends (omni_triton.pipeline.code2wav_stream):
+The optimization profile covers what the streaming decoder sends (omni_triton.pipeline.code2wav.chunking):
 frames from 1 (a stream's last, short chunk) to ``left_context + chunk_frames``, optimised for a full
 chunk; batch from 1 to ``--max-batch`` streams per call. Needs the ``tensorrt`` Python package (the NGC
 TensorRT / Triton images have it); the equivalent ``trtexec`` command is printed either way.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from omni_triton.models.code2wav import Code2Wav, Code2WavConfig, exact_left_context_frames
-from omni_triton.models.code2wav_streaming import CODES_NAME, LENGTHS_NAME, StreamingCode2Wav
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.models.code2wav.vocoder import Code2Wav, Code2WavConfig, exact_left_context_frames
+from omni_triton.models.code2wav.stateful import CODES_NAME, LENGTHS_NAME, StreamingCode2Wav
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 
 INPUT_NAME = CODES_NAME
 Profile = dict[str, dict[str, tuple]]  # input name -> {"min" | "opt" | "max": shape}

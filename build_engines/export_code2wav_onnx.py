@@ -8,7 +8,7 @@ output ``waveform`` float32 [B, N * samples_per_frame - trim]. Weights go to an 
 file when the model is too big for one protobuf (2 GB). The check runs frame counts below, at and above
 the sliding window and prints the max abs error per count.
 
-``--stateful`` exports the streaming decoder instead (``omni_triton/models/code2wav_streaming.py``): inputs
+``--stateful`` exports the streaming decoder instead (``omni_triton/models/code2wav/stateful.py``): inputs
 ``codes`` int64 [B, G, T] (new frames only, rows right-padded), ``lengths`` int64 [B] and the state tensors
 (``positions``, each layer's keys/values, each conv's past inputs: ``StreamingCode2Wav.state_specs``); outputs
 ``waveform`` float32 [B, T * samples_per_frame] and ``new_<name>`` for each state tensor. Its check streams
@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omni_triton.models.audio_weights import load_code2wav
-from omni_triton.models.code2wav import Code2Wav
-from omni_triton.models.code2wav_streaming import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
-                                                   StreamingCode2Wav)
+from omni_triton.models.weights import load_code2wav
+from omni_triton.models.code2wav.vocoder import Code2Wav
+from omni_triton.models.code2wav.stateful import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
+                                                  StreamingCode2Wav)
 
 INPUT_NAME, OUTPUT_NAME = "codes", "waveform"
 PROTOBUF_LIMIT_BYTES = 2 * 1024**3

@@ -15,7 +15,7 @@ rapidjson-dev libarchive-dev zlib1g-dev``), this Python's headers, and nvcc for 
 first, and a missing one is named with where it comes from.
 
 The result is a backend directory (default: inside this interpreter's environment, see
-``omni_triton.server.python_backend``) that ``omni-triton serve`` picks up by itself. A build that matches
+``omni_triton.launch.python_backend``) that ``omni-triton serve`` picks up by itself. A build that matches
 the wanted sources, patches, interpreter and GPU flag is not repeated.
 """
 
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_triton.server.python_backend import BACKEND_FILES, BUILD_INFO, default_built_dir, interpreter_key
+from omni_triton.launch.python_backend import BACKEND_FILES, BUILD_INFO, default_built_dir, interpreter_key
 
 PATCH_DIR = Path(__file__).with_name("python_backend_patches")
 MIN_CMAKE = (3, 31, 8)

@@ -102,13 +102,12 @@ class StreamError(InferenceServerException):
 
 def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> list:
     """Client tensors for `omni`: TEXT, optional AUDIO_IN, and any of the optional scalar inputs
-    (max_tokens=..., speaker=..., temperature=..., seed=..., return_audio=..., ...); None values are omitted."""
-    import tritonclient.grpc as grpcclient
-
+    (max_tokens=..., speaker=..., temperature=..., seed=..., return_audio=..., history=JSON text of the earlier
+    turns, ...); None values are omitted."""
     dtypes = {"MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "TOP_K": np.int32, "MAX_AUDIO_FRAMES": np.int32,
               "MIN_AUDIO_FRAMES": np.int32, "SEED": np.int64, "TEMPERATURE": np.float32, "TOP_P": np.float32,
               "REPETITION_PENALTY": np.float32, "TALKER_REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_,
-              "IGNORE_EOS": np.bool_, "SEQUENTIAL": np.bool_, "SPEAKER": np.object_}
+              "IGNORE_EOS": np.bool_, "SEQUENTIAL": np.bool_, "SPEAKER": np.object_, "HISTORY": np.object_}
     tensors = {"TEXT": np.array([text.encode("utf-8")], dtype=np.object_)}
     if audio_in is not None:
         tensors["AUDIO_IN"] = np.asarray(audio_in, dtype=np.float32).reshape(-1)
@@ -119,8 +118,15 @@ def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> li
         if value is not None:
             value = value.encode("utf-8") if isinstance(value, str) else value
             tensors[name] = np.array([value], dtype=dtypes[name])
+    return infer_inputs(tensors)
+
+
+def infer_inputs(arrays: dict[str, np.ndarray]) -> list:
+    """gRPC InferInputs of named arrays (object arrays as BYTES): any model's inputs, e.g. the orchestrator's."""
+    import tritonclient.grpc as grpcclient
+
     inputs = []
-    for name, array in tensors.items():
+    for name, array in arrays.items():
         datatype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)

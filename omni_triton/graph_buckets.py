@@ -1,7 +1,7 @@
 """Batch buckets of CUDA graphs (the engines' decode, completion and prefill graphs, the vocoder's): a call of
 ``rows`` rows replays the graph of the smallest bucket that holds it, its rows copied into the graph's static
 input and the padding rows zeroed; and the one way every graph here is captured. Shared by ``engine.runner``,
-``engine.prefill_graphs`` and ``models.code2wav_graphs``."""
+``engine.prefill_graphs`` and ``models.code2wav.graphs``."""
 
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ apt_install() {  # apt_install "why" package...
 }
 
 apt_install "perf_analyzer from tritonclient[all] links libb64" libb64-0d
+apt_install "the realtime tests: speech for the VAD (espeak-ng), the voice demo page in a browser (chromium)" \
+  espeak-ng chromium
 
 stamp="$VENV/.omni-triton-installed"
 wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)

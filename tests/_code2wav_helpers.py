@@ -9,7 +9,7 @@ absolute tolerances meaningful whatever the checkpoint's random scale.
 import pytest
 import torch
 
-from omni_triton.models.code2wav import Code2Wav
+from omni_triton.models.code2wav.vocoder import Code2Wav
 
 
 @torch.no_grad()

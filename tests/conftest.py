@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tests run from a checkout, installed or not
     sys.path.insert(0, str(ROOT))
 
-from omni_triton.server.repository import STAGES, LaunchConfig  # noqa: E402
+from omni_triton.shared.settings import STAGES, LaunchConfig  # noqa: E402
 
 # Launch limits the server tests probe: small, so "too long" inputs stay cheap to send.
 TEST_LIMITS = dict(max_text_chars=500, max_audio_seconds=3.0, max_tokens_cap=64, default_max_tokens=16,
@@ -24,7 +24,7 @@ TEST_LIMITS = dict(max_text_chars=500, max_audio_seconds=3.0, max_tokens_cap=64,
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    from build_engines.tiny_checkpoint import build
+    from omni_triton.checkpoints.tiny import build
 
     return build(tmp_path_factory.mktemp("checkpoint") / "tiny")
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from omni_triton.server.repository import STAGES, TEMPLATE_DIR, LaunchConfig, available_models, render_repository
-from omni_triton.server.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
+from omni_triton.launch.repository import TEMPLATE_DIR, available_models, render_repository
+from omni_triton.shared.settings import STAGES, LaunchConfig
+from omni_triton.launch.tritonserver import (ServerOptions, TritonServer, find_tritonserver, free_port,
                                              process_tree_rss_bytes)
 
 
@@ -43,9 +44,23 @@ class ServerHandle:
         return process_tree_rss_bytes(self.server.process.pid)
 
 
-def rendered_parameters(config_text: str) -> dict[str, str]:
-    """A rendered config.pbtxt's string parameters, as the stage reads them."""
-    return dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', config_text))
+def stage_args(config_text: str, model: str) -> dict[str, str]:
+    """What tritonserver hands a stage's ``initialize`` for a rendered config.pbtxt: ``model_config`` as JSON,
+    parsed from the text format as the server does, so that a test reads the settings back with the stub's own
+    code (``omni_triton.stages.model_args``)."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(config_text, model_config_pb2.ModelConfig())
+    return {"model_config": json_format.MessageToJson(config, preserving_proto_field_name=True),
+            "model_name": model, "model_instance_name": f"{model}_0_0", "model_instance_device_id": "0"}
+
+
+def rendered_settings(out: Path, model: str) -> LaunchConfig:
+    """The launch settings the stage ``model`` of the rendered repository ``out`` reads back."""
+    from omni_triton.stages.model_args import launch_settings
+
+    return launch_settings(stage_args((out / model / "config.pbtxt").read_text(), model))
 
 
 def servable_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:

@@ -1,11 +1,11 @@
-"""Admission by real-time capacity (omni_triton/server/admission.py): the capacity estimate and the queue."""
+"""Admission by real-time capacity (omni_triton/stages/admission.py): the capacity estimate and the queue."""
 
 from __future__ import annotations
 
 import pytest
 
-from omni_triton.server.admission import FRAME_S, Admission, RealtimeCapacity
-from omni_triton.server.repository import admission_capacity_setting
+from omni_triton.stages.admission import FRAME_S, Admission, RealtimeCapacity
+from omni_triton.shared.settings import admission_capacity_setting
 
 
 def talker(step_s, streams: int, seconds: float = 1.0) -> tuple[int, int, float]:

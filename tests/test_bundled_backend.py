@@ -1,7 +1,7 @@
 """The Python backend bundled with nvidia-pytriton (Triton 2.51), kept honest while it is supported.
 
 The default suite runs on the Python backend built from source (test_python_backend.py). This module serves
-the pipeline on the bundled backend, with its workarounds (omni_triton/server/bundled_backend/), and checks
+the pipeline on the bundled backend, with its workarounds (omni_triton/shared/bundled_backend/), and checks
 what those workarounds set up. That they are needed was measured by benchmarks/stub_workaround_soak.py:
 without either one the orchestrator stub crashed or wedged within a few dozen to a few hundred requests at
 4 streams.
@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from omni_triton.client import OmniStreamClient
-from omni_triton.server import bundled_backend
-from omni_triton.server.bundled_backend import iterator_retirement
-from omni_triton.server.bundled_backend.lock_fix import NEXT_SYMBOL, lock_fix_environment
-from omni_triton.server.repository import STAGES, LaunchConfig
-from omni_triton.server.tritonserver import STUB_NAME, find_tritonserver
+from omni_triton.shared import bundled_backend
+from omni_triton.shared.bundled_backend import iterator_retirement
+from omni_triton.shared.bundled_backend.lock_fix import NEXT_SYMBOL, lock_fix_environment
+from omni_triton.shared.settings import STAGES, LaunchConfig
+from omni_triton.launch.tritonserver import STUB_NAME, find_tritonserver
 
 pytestmark = pytest.mark.server
 

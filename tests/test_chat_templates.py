@@ -103,3 +103,42 @@ def test_spoken_prompt_ids_equal_the_processor(checkpoint):
     assert preprocess(checkpoint_dir, TEXT=text_tensor("what is this?"), AUDIO_IN=waveform) == expected
     # spoken input alone: no TEXT tensor at all
     assert preprocess(checkpoint_dir, AUDIO_IN=waveform) == processor_ids(processor, content[:1])
+
+
+HISTORY = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hello, how are you today?"},
+           {"role": "assistant", "content": "I am fine, thank you."}]
+
+
+def test_conversation_ids_equal_the_processor(checkpoint):
+    """Earlier turns (HISTORY) and a spoken last turn render as the processor renders the whole conversation."""
+    import json
+
+    checkpoint_dir, processor = checkpoint
+    history = text_tensor(json.dumps(HISTORY))
+    as_parts = processor.chat_template != STRING_CONTENT
+    earlier = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}] if as_parts else m["content"]}
+               for m in HISTORY]
+    last = [{"type": "text", "text": "And the weather?"}] if as_parts else "And the weather?"
+    expected = processor.apply_chat_template([*earlier, {"role": "user", "content": last}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=True)
+    expected = list(np.asarray(expected["input_ids"]).reshape(-1))
+    assert preprocess(checkpoint_dir, TEXT=text_tensor("And the weather?"), HISTORY=history) == expected
+    if as_parts:
+        waveform = (0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
+        spoken = [*earlier, {"role": "user", "content": [{"type": "audio", "audio": waveform}]}]
+        expected = processor.apply_chat_template(spoken, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert preprocess(checkpoint_dir, AUDIO_IN=waveform, HISTORY=history) == list(
+            np.asarray(expected["input_ids"]).reshape(-1))
+
+
+@pytest.mark.parametrize("history, message", [
+    ("not json", "HISTORY is not JSON"),
+    ('{"role": "user"}', "HISTORY must be a JSON list"),
+    ('[{"role": "tool", "content": "x"}]', "HISTORY [0].role must be one of"),
+    ('[{"role": "user", "content": 3}]', "HISTORY [0].content must be a string"),
+    ('[{"role": "user", "content": "x", "name": "n"}]', "HISTORY [0] must be an object"),
+])
+def test_bad_history_is_refused_naming_it(tiny_checkpoint, history, message):
+    with pytest.raises(InvalidRequest, match=message.replace("[", r"\[")) as refused:
+        preprocess(tiny_checkpoint, TEXT=text_tensor("hi"), HISTORY=text_tensor(history))
+    assert refused.value.field == "HISTORY"

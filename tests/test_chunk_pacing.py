@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_triton.bench.metrics import dry_time
-from omni_triton.pipeline.chunk_pacing import FRAME_S, ChunkPacer
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
+from omni_triton.pipeline.code2wav.pacing import FRAME_S, ChunkPacer
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.session import Session, SessionParams, ThinkerChunk
 
 POLICY = ChunkPolicy(first_chunk_frames=4, chunk_frames=25, left_context_frames=25)

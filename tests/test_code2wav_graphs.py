@@ -9,7 +9,6 @@ one, for batch 1 and batch 3 (padded to 4), also from several threads at once.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import threading
 import types
@@ -19,11 +18,12 @@ import torch
 
 from _code2wav_helpers import calibrate_output_gain_
 from omni_triton.graph_buckets import bucket_for, fill_padded
-from omni_triton.models.code2wav_graphs import (DEFAULT_MAX_FRAMES, Code2WavGraphs, GraphSettings, batch_buckets,
+from omni_triton.models.code2wav.graphs import (DEFAULT_MAX_FRAMES, Code2WavGraphs, GraphSettings, batch_buckets,
                                                 graph_key, output_rows)
-from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.server.repository import LaunchConfig, render_repository
-from server_fixture import rendered_parameters
+from omni_triton.models.code2wav.runtime import Code2WavRuntime
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import LaunchConfig
+from server_fixture import rendered_settings, stage_args
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -109,9 +109,9 @@ def test_graphs_refuse_a_cpu_device():
 def test_code2wav_config_renders_the_switch_and_first_chunk(tiny_checkpoint, tmp_path, cuda_graphs):
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=cuda_graphs, first_chunk_frames=6)
     out = render_repository(config, tmp_path / "repository", ["code2wav"])
-    parameters = rendered_parameters((out / "code2wav" / "config.pbtxt").read_text())
-    assert parameters["cuda_graphs"] == ("on" if cuda_graphs else "off")
-    assert parameters["first_chunk_frames"] == "6"
+    settings = rendered_settings(out, "code2wav")
+    assert settings.cuda_graphs is cuda_graphs
+    assert settings.first_chunk_frames == 6
 
 
 class _Metric:
@@ -137,9 +137,7 @@ def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_pa
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, cuda_graphs=True, first_chunk_frames=6,
                           code2wav_max_batch=5)
     out = render_repository(config, tmp_path / "repository", ["code2wav"])
-    parameters = rendered_parameters((out / "code2wav" / "config.pbtxt").read_text())
-    model_config = {"max_batch_size": config.code2wav_max_batch,  # as Triton hands it to the model
-                    "parameters": {key: {"string_value": value} for key, value in parameters.items()}}
+    args = stage_args((out / "code2wav" / "config.pbtxt").read_text(), "code2wav")  # as Triton hands it over
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
                         types.SimpleNamespace(MetricFamily=_MetricFamily))
     calls, create = [], Code2WavRuntime.create
@@ -155,7 +153,7 @@ def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_pa
     threads = torch.get_num_threads()
     try:
         model = module.TritonPythonModel()
-        model.initialize({"model_config": json.dumps(model_config), "model_instance_device_id": "0"})
+        model.initialize(args)
     finally:
         torch.set_num_threads(threads)  # the stage caps torch's threads for its process
     (kwargs,) = calls
@@ -249,7 +247,7 @@ def test_replays_from_several_threads_return_each_callers_rows(gpu_runtime):
 def test_stream_chunks_replay_and_equal_the_one_pass(gpu_runtime):
     """Stateful stream chunks (state in and out of the graph) replay graphs of their short shapes, first chunks
     captured at start; two streams, batched in bucket 4 (padding rows: lengths 0), equal the one-pass decode."""
-    from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
+    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
 
     assert {(b, FIRST_CHUNK) for b in (1, 2, 4)} <= gpu_runtime.stream_graphs.captured_shapes
     states = Code2WavStreamStates(gpu_runtime.decode_stream, gpu_runtime.state_specs(),

@@ -10,10 +10,10 @@ from build_engines.build_code2wav_trt import build_engine, profile_shapes
 from build_engines.build_code2wav_trt import main as build_trt_main
 from build_engines.export_code2wav_onnx import (check_onnx, compare_streaming_with_torch, compare_with_torch,
                                                 default_splits, export_code2wav_onnx, export_streaming_onnx)
-from build_engines.tiny_checkpoint import build
-from omni_triton.models.audio_weights import load_code2wav
-from omni_triton.models.code2wav_runtime import Code2WavRuntime, tensorrt_available
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.checkpoints.tiny import build
+from omni_triton.models.weights import load_code2wav
+from omni_triton.models.code2wav.runtime import Code2WavRuntime, tensorrt_available
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""The code2wav stage's per-stream state store (omni_triton/pipeline/code2wav_states.py) and the stateful
+"""The code2wav stage's per-stream state store (omni_triton/pipeline/code2wav/stream_states.py) and the stateful
 chunk policy, on the CPU: streams interleaved in batched calls equal their one-pass decodes; slots grow and
 are reused; bad streams are errors that leave the others decoding; idle streams are evicted."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from _code2wav_helpers import one_torch_thread  # noqa: F401 (fixture)
-from build_engines.tiny_checkpoint import build
-from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream
-from omni_triton.server.launch_options import left_context_setting
+from omni_triton.checkpoints.tiny import build
+from omni_triton.models.code2wav.runtime import Code2WavRuntime
+from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
+from omni_triton.launch.options import left_context_setting
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,7 +1,7 @@
 """Streaming Code2Wav (left context only) against a one-pass decode of all frames.
 
 Exactness is checked in float64, where rounding is ~1e-12 and any receptive-field shortfall shows;
-the fp32 test pins the tolerance documented in omni_triton/pipeline/code2wav_stream.py.
+the fp32 test pins the tolerance documented in omni_triton/pipeline/code2wav/chunking.py.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from _code2wav_helpers import calibrate_output_gain_, one_torch_thread  # noqa: F401 (fixture)
-from build_engines.tiny_checkpoint import build
-from omni_triton.models.audio_weights import load_code2wav
-from omni_triton.models.code2wav import exact_left_context_frames
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy, Code2WavStream, StreamDecoder
+from omni_triton.checkpoints.tiny import build
+from omni_triton.models.weights import load_code2wav
+from omni_triton.models.code2wav.vocoder import exact_left_context_frames
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream, StreamDecoder
 
 pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -64,7 +64,7 @@ def one_pass(model, frames: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("first, chunk", [(4, 25), (1, 9), (12, 40)])
 def test_streaming_equals_one_pass(checkpoint, model, first, chunk):
-    """Exact context (the default): every chunk within the fp32 tolerance documented in code2wav_stream."""
+    """Exact context (the default): every chunk within the fp32 tolerance documented in pipeline/code2wav/chunking.py."""
     if chunk == 9 and model.config.num_hidden_layers > 1:
         pytest.skip("1-frame-first / 9-frame policy runs on tiny-8g only (fewer context frames, faster)")
     frames = random_codes(model, exact_left_context_frames(model.config) + chunk + 7, seed=chunk)

@@ -1,4 +1,4 @@
-"""Stateful streaming Code2Wav (omni_triton/models/code2wav_streaming.py) against the one-pass decode.
+"""Stateful streaming Code2Wav (omni_triton/models/code2wav/stateful.py) against the one-pass decode.
 
 Every split of a code sequence into chunks (1 frame at a time, ragged, 25, the 4/8/24/25 ramp, random), decoded
 with the per-layer state carried across chunks, must give the one-pass waveform: to ~1e-12 in float64 (any
@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _code2wav_helpers import calibrate_output_gain_, one_torch_thread, stateful_decode  # noqa: F401 (fixture)
-from build_engines.tiny_checkpoint import build
-from omni_triton.models.audio_weights import load_code2wav
-from omni_triton.models.code2wav import Code2Wav, Code2WavConfig
-from omni_triton.models.code2wav_streaming import StreamingCode2Wav
+from omni_triton.checkpoints.tiny import build
+from omni_triton.models.weights import load_code2wav
+from omni_triton.models.code2wav.vocoder import Code2Wav, Code2WavConfig
+from omni_triton.models.code2wav.stateful import StreamingCode2Wav
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -56,7 +56,7 @@ def test_fill_padded_writes_the_rows_and_zeroes_the_padding_up_to_the_bucket_onl
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
-    from build_engines.tiny_checkpoint import build
+    from omni_triton.checkpoints.tiny import build
 
     return build(tmp_path_factory.mktemp("tiny"), "tiny")
 

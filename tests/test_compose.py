@@ -185,7 +185,7 @@ def test_image_files_exist_and_are_kept_by_dockerignore(services):
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
     for needed in ("pyproject.toml", "omni_triton/cli.py", "model_repository/omni/config.pbtxt",
-                   "build_engines/tiny_checkpoint.py", "docker/serve.sh"):
+                   "omni_triton/checkpoints/tiny.py", "docker/serve.sh"):
         hit = [p for p in patterns if fnmatch.fnmatch(needed, p) or needed.startswith(p.rstrip("/") + "/")]
         assert not hit, f".dockerignore pattern {hit} drops {needed}, which the image needs"
     for dropped in (".git", "checkpoints", "build"):
@@ -401,9 +401,9 @@ def test_script_commands_parse_with_the_cli(fake_cli, tmp_path, monkeypatch, cap
 def test_serve_passes_allow_client_shm_when_the_binary_knows_it(tmp_path):
     """NGC 26.04+ (Triton >= 2.69) refuses client shared memory without --allow-client-shm=true; the
     image's tag is past that, and serve.sh relies on `omni-triton serve` adding the flag itself."""
-    if importlib.util.find_spec("omni_triton.server.tritonserver") is None:
-        pytest.skip("omni_triton/server/tritonserver.py is not written yet")
-    from omni_triton.server.tritonserver import ServerOptions, TritonInstall, TritonServer
+    if importlib.util.find_spec("omni_triton.launch.tritonserver") is None:
+        pytest.skip("omni_triton/launch/tritonserver.py is not written yet")
+    from omni_triton.launch.tritonserver import ServerOptions, TritonInstall, TritonServer
 
     def server_with_help(help_text: str) -> TritonServer:
         binary = tmp_path / help_text.split()[0].strip("-") / "tritonserver"

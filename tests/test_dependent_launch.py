@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from omni_triton.kernels import dependent_launch
 from omni_triton.kernels.dependent_launch import enabled_for, set_dependent_launch
-from omni_triton.server.repository import LaunchConfig, render_repository
-from server_fixture import rendered_parameters
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import LaunchConfig
+from server_fixture import rendered_settings
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 hopper = pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs an sm_90+ GPU")
@@ -31,14 +32,12 @@ def test_off_for_cpu_tensors_whatever_the_switch(restore_switch):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_the_switch_reaches_both_engines_configs(tiny_checkpoint, tmp_path, on):
-    from omni_triton.server.stage_io import engine_config
+    from omni_triton.stages.model_args import engine_config
 
     out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", fast_path=True,
                                          dependent_launch=on), tmp_path / "repository")
     for stage in ("thinker", "talker"):
-        text = (out / stage / "config.pbtxt").read_text()
-        params = rendered_parameters(text)
-        config, _ = engine_config(params, device="cpu")
+        config, _ = engine_config(rendered_settings(out, stage), stage, torch.device("cpu"))
         assert config.dependent_launch is on, stage
 
 

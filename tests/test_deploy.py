@@ -15,10 +15,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from omni_triton import cli, deploy
-from omni_triton.server.launch_options import placement
-from omni_triton.server.repository import LaunchConfig, render_repository
-from omni_triton.server.tritonserver import TritonInstall, TritonServer
+from omni_triton import cli
+from omni_triton.launch import deploy, serve
+from omni_triton.launch.options import placement
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import LaunchConfig
+from omni_triton.launch.tritonserver import TritonInstall, TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 VALUES = sorted((ROOT / "deploy" / "values").glob("*.yaml"))
@@ -83,7 +85,7 @@ def test_rendered_server_arguments_are_what_serve_runs(values_path, tiny_checkpo
     assert args.handler is cli.cmd_serve and args.device == "cuda" and args.max_restarts == 0
     # the tritonserver command serve builds from them (the same two functions start_server calls)
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=placement(args))
-    options = cli.server_options(args, config)
+    options = serve.server_options(args, config)
     install = TritonInstall(binary=tmp_path / "tritonserver", backend_dir=tmp_path, lib_dirs=(), origin="explicit")
     install.__dict__["help_text"] = ""
     command = TritonServer(tmp_path, install, options).command()

@@ -12,17 +12,20 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from build_engines.dummy_checkpoint import CONFIG_TOKEN_KEYS, build, config_token_ids
-from build_engines.tiny_tokenizer import build_tokenizer, with_token_ids
+from omni_triton.checkpoints.dummy import CONFIG_TOKEN_KEYS, build, config_token_ids
+from omni_triton.checkpoints.tokenizer import build_tokenizer, with_token_ids
 from omni_triton import cli
+from omni_triton.launch import serve
 from omni_triton.models.config import FULL_SIZE_CONFIG, OmniConfig, write_config_with_layers
 from omni_triton.pipeline.chat import ChatTokenizer
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import RequestLimits
 from omni_triton.pipeline.talker_prompt import ASSISTANT_PREFILL_ROWS, talker_prefill_length
-from omni_triton.server.launch_options import LaunchOptionError, model_source
-from omni_triton.server.memory_plan import GIB, MIN_KV_TOKENS, DoesNotFit, Footprint, plan
-from omni_triton.server.stage_io import stage_loading
+from omni_triton.launch.options import LaunchOptionError, model_source
+from omni_triton.launch.memory_plan import GIB, MIN_KV_TOKENS, DoesNotFit, Footprint, plan
+from omni_triton.shared.settings import LaunchConfig
+from omni_triton.stages.model_args import engine_config, load_options
+from omni_triton.stages.stage_io import stage_loading
 
 H200_FREE, H100_FREE = int(139.3 * GIB), int(78.6 * GIB)  # what torch reports free on an idle one
 
@@ -104,26 +107,27 @@ def test_kv_plan_fills_an_h200_and_names_the_layers_that_fit_an_h100(full_footpr
 
 
 def test_auto_kv_budget_reaches_each_stage_of_a_cuda_launch(full_size_dir, monkeypatch):
-    from omni_triton.server import memory_plan
-    from omni_triton.server.launch_options import with_kv_budget
-    from omni_triton.server.repository import LaunchConfig
+    from omni_triton.launch import memory_plan
+    from omni_triton.launch.options import with_kv_budget
 
     monkeypatch.setattr(memory_plan, "gpu_memory", lambda: {0: (H200_FREE, "H200, 140 GiB")})
     launch = LaunchConfig(checkpoint_dir=full_size_dir, device="cuda", load_format="dummy", left_context_frames=72)
     config, note = with_kv_budget(launch, "auto", 0.95)
     assert 300_000 < config.kv_cache_tokens < config.resolved_talker_kv_cache_tokens
     assert "--kv-cache-tokens auto" in note and f"thinker {config.kv_cache_tokens} tokens" in note
-    assert config.template_values("thinker")["kv_cache_tokens"] == str(config.kv_cache_tokens)
-    assert config.template_values("talker")["kv_cache_tokens"] == str(config.talker_kv_cache_tokens)
-    assert config.template_values("preprocess")["talker_kv_cache_tokens"] == str(config.talker_kv_cache_tokens)
+    # as each engine stage reads it back from its config.pbtxt
+    stage_settings = LaunchConfig.from_json(config.to_json())
+    for stage, tokens in (("thinker", config.kv_cache_tokens), ("talker", config.talker_kv_cache_tokens)):
+        engine, _ = engine_config(stage_settings, stage, torch.device("cpu"))
+        assert engine.num_blocks == tokens // config.kv_block_size, stage
     _, note = with_kv_budget(launch, 5_000_000, 0.95)  # a number is taken as it is, with a warning
     assert "more than fits" in note
 
 
 def test_a_model_larger_than_host_memory_is_refused_on_the_cpu(full_size_dir, monkeypatch):
-    from omni_triton.server import memory_plan
-    from omni_triton.server.launch_options import with_kv_budget
-    from omni_triton.server.repository import LaunchConfig
+    from omni_triton.launch import memory_plan
+    from omni_triton.launch.options import with_kv_budget
+    from omni_triton.shared.settings import LaunchConfig
 
     monkeypatch.setattr(memory_plan, "host_memory_available", lambda: 32 * GIB)
     with pytest.raises(DoesNotFit, match="more than the 32.0 GiB of host memory available: serve this model with "
@@ -149,12 +153,11 @@ def serve_args(*argv: str):
 def test_config_serves_dummy_weights_with_the_cpu_kv_default(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the dummy dir goes to checkpoints/dummy/<name> under the working dir
     install = type("Install", (), {"interstage_memory": staticmethod(lambda device: "device")})()
-    config, note = cli.launch_config(serve_args("--config", str(tiny_checkpoint), "--dummy-seed", "3"), install)
+    config, note = serve.launch_config(serve_args("--config", str(tiny_checkpoint), "--dummy-seed", "3"), install)
     assert (config.load_format, config.dummy_seed) == ("dummy", 3)
     assert (tmp_path / config.checkpoint_dir).resolve() == (tmp_path / "checkpoints/dummy/tiny").resolve()
     assert config.kv_cache_tokens == config.resolved_talker_kv_cache_tokens == 16384 and "16384" in note
-    values = config.template_values("talker")
-    assert (values["load_format"], values["dummy_seed"]) == ("dummy", "3")
+    assert load_options(LaunchConfig.from_json(config.to_json())) == {"load_format": "dummy", "seed": 3}
 
 
 @pytest.mark.parametrize("argv, message", [

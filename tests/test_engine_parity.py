@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from build_engines.tiny_checkpoint import build
+from omni_triton.checkpoints.tiny import build
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_talker, load_thinker

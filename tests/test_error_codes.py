@@ -11,8 +11,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from conftest import TEST_LIMITS
-from omni_triton.client import OmniStreamClient, StreamError, build_inputs, main
-from omni_triton.server.orchestrator import REQUEST_INPUTS
+from omni_triton.client import OmniStreamClient, StreamError, build_inputs, infer_inputs, main
+from omni_triton.stages.orchestrator import REQUEST_INPUTS
 from reliability_helpers import seconds_until_idle
 from server_fixture import serving
 
@@ -125,14 +125,9 @@ def test_server_fault_is_INTERNAL(server):
         prepared = client.infer("preprocess", build_inputs("hi", **SHORT_REQUEST))
     arrays = {name: prepared.as_numpy(name) for name in REQUEST_INPUTS}
     arrays["INPUT_IDS"] = np.array([1, 10**6, 2], np.int64)
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), grpcclient.np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
     with OmniStreamClient(server.grpc_url, model="orchestrator") as client:
         with pytest.raises(StreamError) as raised:
-            client.stream_inputs(inputs, timeout_s=30)
+            client.stream_inputs(infer_inputs(arrays), timeout_s=30)
     assert raised.value.code == "INTERNAL" and "INPUT_IDS must be in [0, " in raised.value.message(), raised.value
     assert_serves(server)
 

@@ -35,7 +35,7 @@ PROMPT_LENS = (5, 37, 16)
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
-    from build_engines.tiny_checkpoint import build
+    from omni_triton.checkpoints.tiny import build
 
     return build(tmp_path_factory.mktemp("tiny"), "tiny")
 

@@ -212,7 +212,7 @@ def test_fp8_fused_experts_full_size_bf16(num_tokens, shape):
 def test_fp8_thinker_and_talker_kernels_match_their_torch_path(tmp_path, activations):
     """The tiny FP8 model (random weights quantized at load, 128 x 128 blocks: partial blocks everywhere) on the GPU
     in bf16: a prefill of 24 tokens through the kernels against the same modules' torch path."""
-    from build_engines.tiny_checkpoint import build
+    from omni_triton.checkpoints.tiny import build
     from omni_triton.models.layers.attention import contiguous_batch
     from omni_triton.models.layers.fast_kernels import set_fast_kernels
     from omni_triton.models.layers.fp8 import set_fp8_activations
@@ -238,7 +238,7 @@ def test_fp8_thinker_and_talker_kernels_match_their_torch_path(tmp_path, activat
 def test_fp8_thinker_engine_under_cuda_graphs_matches_its_torch_path(tmp_path):
     """The engine's fast path (FP8 kernels inside the decode and prefill CUDA graphs) and its plain torch path
     give the tiny FP8 thinker's greedy tokens alike (fp32 activations: the two paths differ by rounding only)."""
-    from build_engines.tiny_checkpoint import build
+    from omni_triton.checkpoints.tiny import build
     from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, ThinkerStage
     from omni_triton.models.weights import load_thinker
 

@@ -1,7 +1,7 @@
 """``--quantization fp8`` from the command line to the stages, and FP8 weights behind a real tritonserver.
 
-Unit: the flag's values (an unknown one is refused naming it), the launch config rendering it into the thinker's
-and talker's config.pbtxt and the stages reading it back, the memory plan counting FP8 bytes. Served: the tiny
+Unit: the flag's values (an unknown one is refused naming it), the launch settings rendered into the thinker's and
+talker's config.pbtxt and the stages reading them back, the memory plan counting FP8 bytes. Served: the tiny
 checkpoint with ``quantization="fp8"`` streams text and audio equal to the in-process pipeline quantized the
 same way, and not the unquantized pipeline's audio (the flag reached the stages).
 """
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from conftest import TEST_LIMITS
+from omni_triton.launch.repository import render_repository
 from omni_triton.models.quantization import QUANTIZATIONS
-from omni_triton.server.repository import QUANTIZATIONS as LAUNCH_QUANTIZATIONS, LaunchConfig, render_repository
-from omni_triton.server.stage_io import quantization
+from omni_triton.shared.settings import QUANTIZATIONS as LAUNCH_QUANTIZATIONS, LaunchConfig
+from omni_triton.stages.model_args import quantization
+from server_fixture import rendered_settings
 
 PROMPT = "Tell me a story."
 GREEDY = dict(temperature=0.0, repetition_penalty=1.0, max_tokens=10, max_audio_frames=16)
@@ -36,17 +38,16 @@ def test_unknown_quantization_is_refused_naming_it(tiny_checkpoint, capsys):
     assert "--quantization: invalid choice: 'int4'" in capsys.readouterr().err
 
 
-def test_quantization_reaches_the_thinker_and_talker_parameters(tiny_checkpoint, tmp_path):
-    render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, quantization="fp8"), tmp_path)
+def test_quantization_reaches_the_thinker_and_talker_settings(tiny_checkpoint, tmp_path):
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, quantization="fp8"), tmp_path)
     for stage in ("thinker", "talker"):
-        text = (tmp_path / stage / "config.pbtxt").read_text()
-        assert 'key: "quantization" value: { string_value: "fp8" }' in text
-    assert quantization({"quantization": "fp8"}) == "fp8" and quantization({"quantization": "none"}) is None
+        assert quantization(rendered_settings(out, stage)) == "fp8", stage
+    assert quantization(LaunchConfig(checkpoint_dir=tiny_checkpoint)) is None
 
 
 def test_memory_plan_counts_fp8_weights_at_one_byte():
     from omni_triton.models.config import FULL_SIZE_CONFIG, resolve_config_dir
-    from omni_triton.server.memory_plan import Footprint
+    from omni_triton.launch.memory_plan import Footprint
 
     config_dir = resolve_config_dir(FULL_SIZE_CONFIG)
     plain = Footprint.from_checkpoint(config_dir, torch.bfloat16)

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from build_engines.fp8_checkpoint import write_fp8_checkpoint
-from build_engines.tiny_checkpoint import build
+from omni_triton.checkpoints.tiny import build
 from omni_triton.models.layers.attention import contiguous_batch
 from omni_triton.models.layers.fp8 import Fp8Experts, Fp8Linear
 from omni_triton.models.quantization import FP8_DTYPE, Fp8Scheme, dequantize_fp8, quantize_fp8

@@ -71,14 +71,17 @@ def test_cpu_helpers_are_plain_copies():
 def test_output_stream_waits_for_the_step_event_and_not_for_later_steps():
     device = torch.device("cuda")
     step = torch.cuda.current_stream(device)
-    out = torch.zeros(1024, device=device)
+    handoff = OutputStream(device)
+    out, result = torch.zeros(1024, device=device), torch.zeros(1024, device=device)
+    with torch.cuda.stream(handoff.stream):
+        torch.add(out, 1, out=result)  # the kernel loaded now: CUDA's lazy loading waits for the whole device
+    torch.cuda.synchronize()  # (memory made, streams created and kernels loaded before the timed part)
     torch.cuda._sleep(50_000_000)  # the step's work: the output is written after a long kernel
     out.fill_(7)
     event = ready_event(device)
     torch.cuda._sleep(2_000_000_000)  # a later step queued behind it (about a second)
-    handoff = OutputStream(device)
     with handoff.handling([event, event], [out]):
-        result = out + 1
+        torch.add(out, 1, out=result)
     handoff.stream.synchronize()
     assert not step.query()  # the later step is still running: the response did not wait for it
     assert torch.all(result == 8).item()
@@ -127,7 +130,7 @@ class _Sender:
 
 
 def test_deferred_sends_answer_every_request_once_and_finally():
-    from omni_triton.server.deferred_sends import DeferredSends, PendingResponse
+    from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 
     sends = DeferredSends(_FakePb, torch.device("cpu"))
     good, broken, gone, after = _Sender(), _Sender(), _Sender(fail=True), _Sender()

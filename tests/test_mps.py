@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_triton.server.mps import MpsError, reap_orphans, start_mps
-from omni_triton.server.tritonserver import ServerOptions, TritonInstall, TritonServer
+from omni_triton.launch.mps import MpsError, reap_orphans, start_mps
+from omni_triton.launch.tritonserver import ServerOptions, TritonInstall, TritonServer
 
 FAKE_CONTROL = """#!/bin/sh
 echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY stdin=$(cat /dev/stdin 2>/dev/null | head -c 20)" >> "{log}"

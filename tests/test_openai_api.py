@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from omni_triton.api.app import create_app  # noqa: E402
 from omni_triton.client import OmniStreamClient, to_pcm16, write_wav  # noqa: E402
-from omni_triton.server.tritonserver import free_port  # noqa: E402
+from omni_triton.launch.tritonserver import free_port  # noqa: E402
 from reliability_helpers import VICTIM_REQUEST, held_state, read_gauges, seconds_until_idle  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -43,8 +43,8 @@ def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
 class ApiServer:
     """The API app on uvicorn in a thread of this process, on a free port."""
 
-    def __init__(self, triton_grpc: str, checkpoint_dir=None):
-        self.app = create_app(triton_grpc, checkpoint_dir=checkpoint_dir)
+    def __init__(self, triton_grpc: str, checkpoint_dir=None, **app_options):
+        self.app = create_app(triton_grpc, checkpoint_dir=checkpoint_dir, **app_options)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

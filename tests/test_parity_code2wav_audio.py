@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from _code2wav_helpers import one_torch_thread, stateful_decode  # noqa: F401 (fixture)
-from build_engines.tiny_checkpoint import build
+from omni_triton.checkpoints.tiny import build
 from omni_triton.models.audio_encoder import num_audio_tokens, num_audio_tokens_for_samples, scatter_audio_embeddings
 from omni_triton.models.audio_features import LogMelExtractor
-from omni_triton.models.audio_weights import CODE2WAV_PREFIX, load_audio_encoder, load_code2wav
+from omni_triton.models.weights import CODE2WAV_PREFIX, load_audio_encoder, load_code2wav
 from omni_triton.models.weights import load_component_
-from omni_triton.models.code2wav import Code2Wav
-from omni_triton.models.code2wav_streaming import StreamingCode2Wav
+from omni_triton.models.code2wav.vocoder import Code2Wav
+from omni_triton.models.code2wav.stateful import StreamingCode2Wav
 
 pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_torch_thread")]
 transformers = pytest.importorskip("transformers")

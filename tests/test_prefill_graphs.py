@@ -88,7 +88,7 @@ def test_fill_step_refuses_more_tiles_than_the_graph_has():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
-    from build_engines.tiny_checkpoint import build
+    from omni_triton.checkpoints.tiny import build
 
     return build(tmp_path_factory.mktemp("tiny"), "tiny")
 

@@ -1,4 +1,4 @@
-"""omni_triton.server.procfs: /proc/<pid>/stat fields as the supervisor, the bench and the server read them."""
+"""omni_triton.shared.procfs: /proc/<pid>/stat fields as the supervisor, the bench and the server read them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_triton.server.procfs import PARENT, STATE, SYSTEM_TICKS, USER_TICKS, stat_fields
+from omni_triton.shared.procfs import PARENT, STATE, SYSTEM_TICKS, USER_TICKS, stat_fields
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

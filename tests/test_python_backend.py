@@ -16,10 +16,10 @@ import pytest
 
 from build_engines import python_backend as builder
 from omni_triton.client import OmniStreamClient
-from omni_triton.server import bundled_backend
-from omni_triton.server.python_backend import BACKEND_FILES, BUILD_INFO, load_built_backend
-from omni_triton.server.repository import STAGES, LaunchConfig
-from omni_triton.server.tritonserver import TritonServerError, find_tritonserver
+from omni_triton.shared import bundled_backend
+from omni_triton.launch.python_backend import BACKEND_FILES, BUILD_INFO, load_built_backend
+from omni_triton.shared.settings import STAGES, LaunchConfig
+from omni_triton.launch.tritonserver import TritonServerError, find_tritonserver
 
 THIRD_PARTY = Path(__file__).resolve().parents[2] / "shared" / "third_party"
 SHUTDOWN_ALARMS = ("Fatal Python error", "Segmentation fault", "Exit timeout expired", "Aborted")

@@ -27,8 +27,8 @@ from reliability_helpers import VICTIM_REQUEST, raw_stream, read_gauges, seconds
 from tritonclient.utils import InferenceServerException
 
 from omni_triton.client import OmniStreamClient, build_inputs
-from omni_triton.server.repository import STAGES, LaunchConfig
-from omni_triton.server.stage_supervisor import find_stubs
+from omni_triton.shared.settings import STAGES, LaunchConfig
+from omni_triton.shared.stub_processes import find_stubs
 
 pytestmark = pytest.mark.reliability
 
@@ -404,8 +404,8 @@ def fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
     TEST_LIMITS, so that the thinker is still generating when it is killed."""
     from server_fixture import ServerHandle, servable_models
 
-    from omni_triton.server.repository import render_repository
-    from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+    from omni_triton.launch.repository import render_repository
+    from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
                           max_inflight_requests=MAX_INFLIGHT, admission_queue=0,

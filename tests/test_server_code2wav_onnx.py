@@ -7,7 +7,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 
-from omni_triton.server.repository import STAGES, LaunchConfig
+from omni_triton.shared.settings import STAGES, LaunchConfig
 from test_server_basic import infer_one
 
 pytestmark = pytest.mark.server

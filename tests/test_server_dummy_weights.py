@@ -3,7 +3,7 @@
 built from the same seed, and `omni-triton bench` drives that server and the in-process baseline.
 
 The config is the tiny checkpoint's (a full-size one needs a GPU), written to a config-only dir by
-build_engines.dummy_checkpoint as `serve --config` writes it."""
+omni_triton.checkpoints.dummy as `serve --config` writes it."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ GREEDY = dict(temperature=0.0, repetition_penalty=1.0, max_tokens=10, max_audio_
 
 @pytest.fixture(scope="module")
 def dummy_dir(tiny_checkpoint, tmp_path_factory):
-    from build_engines.dummy_checkpoint import build
+    from omni_triton.checkpoints.dummy import build
 
     return build(tiny_checkpoint, tmp_path_factory.mktemp("dummy") / "tiny")
 

@@ -99,7 +99,7 @@ def test_greedy_over_triton_equals_inprocess_and_transformers(triton_server, inp
     text, audio = inprocess_run(inprocess, PROMPTS[0], **GREEDY)
     assert served.text == text
     # both pace their chunks by the clock (adaptive): other cuts round differently, up to ~4e-5 on the tiny
-    # checkpoint (pipeline/code2wav_stream.py), so the tests' 1e-4
+    # checkpoint (pipeline/code2wav/chunking.py), so the tests' 1e-4
     np.testing.assert_allclose(served.audio, audio, atol=1e-4)
 
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -220,7 +220,7 @@ def test_client_deadline_ends_a_long_request(triton_server):
 def test_inprocess_stateful_audio_equals_exact_context(inprocess, tiny_checkpoint):
     """The in-process pipeline with stateful chunks (the bench's in-process runner uses the launch default) gives
     the audio of exact left context, and frees each request's vocoder state."""
-    from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+    from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
     from omni_triton.pipeline.inprocess import InProcessPipeline
 
     stateful = InProcessPipeline(tiny_checkpoint, policy=ChunkPolicy(stateful=True))

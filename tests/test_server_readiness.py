@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from omni_triton.server.tritonserver import ServerOptions, TritonInstall, TritonServer, TritonServerError, free_port
+from omni_triton.launch.tritonserver import ServerOptions, TritonInstall, TritonServer, TritonServerError, free_port
 
 
 class _Ok(http.server.BaseHTTPRequestHandler):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from omni_triton.client import OmniStreamClient
-from omni_triton.server.placement import Placement
+from omni_triton.shared.placement import Placement
 from server_fixture import serving
 from test_server_pipeline import (PROMPTS, check_concurrent_streams, inprocess, stream,  # noqa: F401 (fixture)
                                   wait_idle)
@@ -77,7 +77,7 @@ def test_both_talker_replicas_serve_streams(replicated):
 
 
 def _stub_cpu_seconds(server, model: str) -> dict[str, float]:
-    from omni_triton.server.stage_supervisor import find_stub_instances
+    from omni_triton.shared.stub_processes import find_stub_instances
 
     ticks = __import__("os").sysconf("SC_CLK_TCK")
     found = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from omni_triton.client import OmniStreamClient
-from omni_triton.server.tritonserver import free_port
+from omni_triton.launch.tritonserver import free_port
 
 pytestmark = pytest.mark.reliability
 

@@ -23,7 +23,7 @@ GREEDY = dict(temperature=0.0, repetition_penalty=1.0, max_tokens=12, max_audio_
 
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory):
-    from build_engines.tiny_checkpoint import build
+    from omni_triton.checkpoints.tiny import build
 
     return build(tmp_path_factory.mktemp("wide") / "tiny-wide-talker", "tiny-wide-talker")
 

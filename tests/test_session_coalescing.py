@@ -9,7 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Session, SessionParams, ThinkerChunk
 from omni_triton.pipeline.thinker_service import ThinkerOutput, merge_appends
@@ -108,7 +108,7 @@ def test_concat_rows_keeps_the_device_of_the_non_empty_rows():
     """A finishing chunk's rows are empty and arrive from host memory beside GPU rows (stage_io.from_torch):
     the merge keeps the rows where they are. 'meta' stands in for the GPU here: like CUDA, torch.cat refuses to
     mix it with host tensors."""
-    from omni_triton.server.stage_io import concat_rows
+    from omni_triton.stages.stage_io import concat_rows
 
     gpu_rows = [torch.empty(2, 4, device="meta"), torch.empty(1, 4, device="meta")]
     merged = concat_rows([gpu_rows[0], torch.zeros(0, 4), gpu_rows[1]])

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from omni_triton.server import stage_supervisor
-from omni_triton.server.stage_supervisor import StageSupervisor
+from omni_triton.stages import stage_supervisor
+from omni_triton.stages.stage_supervisor import StageSupervisor
 
 
 @pytest.fixture

@@ -89,7 +89,7 @@ def test_served_request_records_every_milestone_from_client_to_client(tiny_check
     from server_fixture import start_server
 
     from omni_triton.client import OmniStreamClient
-    from omni_triton.server.repository import LaunchConfig
+    from omni_triton.shared.settings import LaunchConfig
 
     monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path / "server-trace"))  # the stubs inherit it
     handle = start_server(LaunchConfig(checkpoint_dir=tiny_checkpoint), tmp_path / "run")

@@ -12,10 +12,10 @@ import torch
 from omni_triton.bench.cli import make_runner
 from omni_triton.bench.runners.transformers_generate import build_random_model, served_name
 from omni_triton.bench.workload import QUICK, client_tensors, prompt_text, with_overrides
-from omni_triton.models.code2wav import Code2Wav
+from omni_triton.models.code2wav.vocoder import Code2Wav
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_code2wav, load_talker, load_thinker
-from omni_triton.server.launch_options import ModelSource
+from omni_triton.launch.options import ModelSource
 
 SEED = 3
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from build_engines.transformers_rope_keys import quiet_mrope_key_warning
+from omni_triton.checkpoints.transformers_rope_keys import quiet_mrope_key_warning
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +41,7 @@ MROPE = dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 3, 3], inter
 
 
 def test_transformers_warns_about_the_talker_mrope_keys_without_the_filter():
-    # if this fails, transformers declares the keys itself: delete build_engines/transformers_rope_keys.py
+    # if this fails, transformers declares the keys itself: delete omni_triton/checkpoints/transformers_rope_keys.py
     assert _talker_text_config_warnings(dict(MROPE), quiet=False)
 
 

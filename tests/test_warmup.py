@@ -1,4 +1,4 @@
-"""Warm start (omni_triton/engine/warmup.py, omni_triton/pipeline/code2wav_warmup.py): what a warm-up runs, that
+"""Warm start (omni_triton/engine/warmup.py, omni_triton/pipeline/code2wav/warmup.py): what a warm-up runs, that
 it leaves every engine idle and changes no output, and that a served warm start reports its progress."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from engine_toy_model import ToyTalker, ToyThinker
 from omni_triton import trace
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
 from omni_triton.engine.warmup import WarmupPlan, warm_up
-from omni_triton.pipeline.code2wav_stream import ChunkPolicy
-from omni_triton.pipeline.code2wav_warmup import stream_call_frames, warm_up_vocoder, warmup_calls
-from omni_triton.server.repository import LaunchConfig, render_repository
-from server_fixture import rendered_parameters
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
+from omni_triton.pipeline.code2wav.warmup import stream_call_frames, warm_up_vocoder, warmup_calls
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import LaunchConfig
+from server_fixture import rendered_settings
 
 PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11]
 PARAMS = [SamplingParams(temperature=0.0, max_new_tokens=12),
@@ -124,7 +125,7 @@ def test_vocoder_calls_cover_every_length_of_a_short_context_and_the_ramp_of_a_l
 
 
 def test_vocoder_warm_up_runs_on_the_cpu_runtime(tiny_checkpoint):
-    from omni_triton.models.code2wav_runtime import Code2WavRuntime
+    from omni_triton.models.code2wav.runtime import Code2WavRuntime
 
     vocoder = Code2WavRuntime.create("torch", tiny_checkpoint)
     lines = []
@@ -142,9 +143,9 @@ def test_warmup_defaults_on_for_cuda_only(tiny_checkpoint, tmp_path, device, war
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, device=device, warmup=warmup, left_context_frames=7)
     out = render_repository(config, tmp_path / "repository", ["thinker", "talker", "code2wav"])
     for model in ("thinker", "talker", "code2wav"):
-        assert rendered_parameters((out / model / "config.pbtxt").read_text())["warmup"] == rendered
-    code2wav = rendered_parameters((out / "code2wav" / "config.pbtxt").read_text())
-    assert (code2wav["next_chunk_frames"], code2wav["left_context_frames"]) == ("25", "7")
+        assert rendered_settings(out, model).resolved_warmup is (rendered == "on")
+    code2wav = rendered_settings(out, "code2wav")
+    assert (code2wav.next_chunk_frames, code2wav.resolved_left_context_frames) == (25, 7)
 
 
 def test_inprocess_pipeline_says_the_same_with_and_without_warm_up(tiny_checkpoint):
@@ -177,7 +178,7 @@ def test_inprocess_pipeline_says_the_same_with_and_without_warm_up(tiny_checkpoi
 def test_served_warm_start_reports_progress_and_serves(tiny_checkpoint, tmp_path, capsys):
     from omni_triton import cli
     from omni_triton.client import OmniStreamClient
-    from omni_triton.server.tritonserver import free_port
+    from omni_triton.launch.tritonserver import free_port
 
     args = cli.build_parser().parse_args([
         "serve", "--checkpoint", str(tiny_checkpoint), "--warmup", "on", "--max-inflight", "4",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from build_engines.tiny_checkpoint import build
+from omni_triton.checkpoints.tiny import build
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_talker, load_thinker, load_thinker_embedding_rows
 

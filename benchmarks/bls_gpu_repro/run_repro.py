@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
 
-from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
 HERE = Path(__file__).parent
 OUT = Path(os.environ.get("OUT", "/tmp"))

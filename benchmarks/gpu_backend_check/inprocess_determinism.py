@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from build_engines.tiny_checkpoint import build
+from omni_triton.checkpoints.tiny import build
 from omni_triton.client import build_inputs
 from omni_triton.pipeline.inprocess import InProcessPipeline
 

@@ -1,5 +1,6 @@
-"""The HTTP routes: OpenAI's chat completions (text + audio out, streamed or not) and speech, over one
-``TritonBridge`` (many concurrent gRPC streams on one event loop).
+"""The HTTP routes: OpenAI's chat completions (text + audio out, streamed or not), speech, and the Realtime
+WebSocket (``omni_triton.api.realtime``) with its voice demo page, over one ``TritonBridge`` (many concurrent
+gRPC streams on one event loop).
 
 A request's first Triton response is awaited before the HTTP answer starts, so a request the model refuses
 (INVALID_ARG from its preprocess stage) gets a 400 naming the field, not a 200 stream that fails. After that,
@@ -18,14 +19,17 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from omni_triton.api.bridge import Piece, TritonBridge
 from omni_triton.api.encoding import pcm16_bytes, sse, streamed_wav_header, wav_bytes
 from omni_triton.api.errors import ApiError, TritonRequestError, from_triton, logger
 from omni_triton.api.prompt import OmniRequest, chat_request, speech_request
+from omni_triton.api.realtime.connection import RealtimeConnection
+from omni_triton.api.realtime.events import error_event
+from omni_triton.api.realtime.limits import RealtimeLimits
 from omni_triton.api.schema import ChatCompletionRequest, SpeechRequest, validation_error
 from omni_triton.api.usage import TokenCounter, Usage
 
@@ -36,7 +40,11 @@ class ClientGone(Exception):
     """The HTTP client disconnected before a non-streamed answer was ready."""
 
 
-def create_app(triton_grpc: str, model: str = "omni", checkpoint_dir: str | Path | None = None) -> FastAPI:
+DEMO_PAGE = Path(__file__).parent / "realtime" / "demo.html"
+
+
+def create_app(triton_grpc: str, model: str = "omni", checkpoint_dir: str | Path | None = None,
+               realtime_limits: RealtimeLimits = RealtimeLimits()) -> FastAPI:
     """``model``: the Triton model served, and the name clients pass as ``model``. ``checkpoint_dir``: where the
     tokenizer for ``usage``'s token counts is (absent: those counts are null)."""
     counter = TokenCounter(checkpoint_dir)
@@ -93,6 +101,22 @@ def create_app(triton_grpc: str, model: str = "omni", checkpoint_dir: str | Path
         if body.stream_format == "sse":
             return StreamingResponse(answer.events(omni, counter), media_type="text/event-stream")
         return StreamingResponse(answer.audio(), media_type=SPEECH_MEDIA_TYPES[body.response_format])
+
+    @app.websocket("/v1/realtime")
+    async def realtime(websocket: WebSocket):
+        requested = websocket.query_params.get("model", model)
+        if requested != model:
+            await websocket.accept()
+            error = ApiError(404, f"model {requested!r} does not exist; this server serves {model!r}",
+                             param="model", code="model_not_found")
+            await websocket.send_json(error_event(error))
+            await websocket.close(code=1008)
+            return
+        await RealtimeConnection(websocket, websocket.app.state.bridge, counter, model, realtime_limits).run()
+
+    @app.get("/demo")
+    async def demo() -> HTMLResponse:
+        return HTMLResponse(DEMO_PAGE.read_text())
 
     return app
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,12 +26,17 @@ CHAT_PARAMS = {**EXTENSION_PARAMS, "TEXT": "messages", "AUDIO_IN": "messages", "
                "TEMPERATURE": "temperature", "TOP_P": "top_p", "SEED": "seed", "RETURN_AUDIO": "modalities"}
 SPEECH_PARAMS = {**EXTENSION_PARAMS, "TEXT": "input", "SPEAKER": "voice", "SEED": "seed",
                  "RETURN_AUDIO": "response_format"}
+# a realtime response: the session setting or the conversation part behind each input
+REALTIME_PARAMS = {"TEXT": "item", "AUDIO_IN": "input_audio_buffer", "HISTORY": "conversation",
+                   "SPEAKER": "session.audio.output.voice", "MAX_TOKENS": "session.max_output_tokens",
+                   "RETURN_AUDIO": "session.output_modalities"}
 
 
 @dataclass
 class UserTurn:
     text: str
     audio: np.ndarray | None  # float32 at 16 kHz
+    history: list[dict] | None = None  # earlier messages ({"role", "content": text}), oldest first
 
 
 @dataclass
@@ -42,7 +48,8 @@ class OmniRequest:
     params_of_inputs: dict[str, str]
 
     def inputs(self) -> list:
-        return build_inputs(self.turn.text, self.turn.audio, **self.scalars)
+        history = json.dumps(self.turn.history) if self.turn.history else None
+        return build_inputs(self.turn.text, self.turn.audio, history=history, **self.scalars)
 
 
 def user_turn(request: ChatCompletionRequest) -> UserTurn:
@@ -96,3 +103,11 @@ def speech_request(request: SpeechRequest) -> OmniRequest:
         raise invalid("instructions", "are not supported by this model")
     scalars = dict(request.extension_inputs(), speaker=request.voice, seed=request.seed, return_audio=True)
     return OmniRequest(UserTurn(request.input, None), scalars, SPEECH_PARAMS)
+
+
+def realtime_request(turn: UserTurn, voice: str | None, max_output_tokens: int | str, audio_out: bool) -> OmniRequest:
+    """One realtime response: the conversation's last user turn with its history; ``max_output_tokens`` "inf"
+    leaves the server's default cap."""
+    max_tokens = None if max_output_tokens == "inf" else max_output_tokens
+    scalars = dict(speaker=voice, max_tokens=max_tokens, return_audio=audio_out)
+    return OmniRequest(turn, scalars, REALTIME_PARAMS)

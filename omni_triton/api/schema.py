@@ -109,7 +109,7 @@ def validation_error(error: ValidationError) -> ApiError:
     return ApiError(400, f"{param or 'body'} {message}", param=param or None, code="invalid_value")
 
 
-_CONTENT_TAGS = {"text", "input_audio"}
+_CONTENT_TAGS = {"text", "input_audio", "input_text", "output_text", "output_audio", "audio"}
 
 
 def field_path(location: tuple) -> str:

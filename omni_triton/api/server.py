@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from omni_triton.api.realtime.limits import RealtimeLimits
+
 
 def add_api_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--triton-grpc", default="127.0.0.1:8001",
@@ -18,6 +20,16 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: none; usage then has audio tokens only)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="uvicorn's log level (default: %(default)s)")
+    defaults = RealtimeLimits()
+    realtime = parser.add_argument_group("realtime sessions (/v1/realtime)")
+    realtime.add_argument("--realtime-max-items", type=int, default=defaults.max_items,
+                          help="conversation items a session holds at most (default: %(default)s)")
+    realtime.add_argument("--realtime-max-session-s", type=float, default=defaults.max_session_s,
+                          help="seconds a session lives at most (default: %(default)s)")
+    realtime.add_argument("--realtime-idle-timeout-s", type=float, default=defaults.idle_timeout_s,
+                          help="a session without a client event for this long ends (default: %(default)s)")
+    realtime.add_argument("--realtime-max-input-audio-s", type=float, default=defaults.max_input_audio_s,
+                          help="uncommitted input audio a session buffers at most, seconds (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
 
     from omni_triton.api.app import create_app
 
-    app = create_app(args.triton_grpc, args.model, args.checkpoint)
+    limits = RealtimeLimits(max_items=args.realtime_max_items, max_session_s=args.realtime_max_session_s,
+                            idle_timeout_s=args.realtime_idle_timeout_s,
+                            max_input_audio_s=args.realtime_max_input_audio_s)
+    app = create_app(args.triton_grpc, args.model, args.checkpoint, limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

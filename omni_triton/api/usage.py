@@ -34,6 +34,11 @@ class Usage:
                 "total_tokens": self.total_tokens,
                 "completion_tokens_details": {"text_tokens": self.text_tokens, "audio_tokens": self.audio_tokens}}
 
+    def realtime(self) -> dict:
+        return {"input_tokens": self.prompt_tokens, "output_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "output_token_details": {"text_tokens": self.text_tokens, "audio_tokens": self.audio_tokens}}
+
     def speech(self) -> dict:
         return {"input_tokens": self.prompt_tokens, "output_tokens": self.completion_tokens,
                 "total_tokens": self.total_tokens}
@@ -49,7 +54,8 @@ class TokenCounter:
             self.audio_window = int(config["thinker_config"]["audio_config"].get("n_window", 50))
             self.chat = ChatTokenizer.from_checkpoint(checkpoint_dir)
 
-    def usage(self, prompt_text: str, prompt_audio_samples: int, reply_text: str, reply_samples: int) -> Usage:
+    def usage(self, prompt_text: str, prompt_audio_samples: int, reply_text: str, reply_samples: int,
+              history: list[dict] | None = None) -> Usage:
         frames = audio_frames(reply_samples)
         if self.chat is None:
             return Usage(None, None, frames)
@@ -58,6 +64,6 @@ class TokenCounter:
             from omni_triton.models.audio_encoder import num_audio_tokens_for_samples
 
             audio_tokens = int(num_audio_tokens_for_samples(prompt_audio_samples, self.audio_window))
-        prompt = len(self.chat.encode_prompt(prompt_text, audio_tokens))
+        prompt = len(self.chat.encode_prompt(prompt_text, audio_tokens, history or ()))
         reply = len(self.chat.tokenizer.encode(reply_text, add_special_tokens=False).ids) if reply_text else 0
         return Usage(prompt, reply, frames)

@@ -5,6 +5,7 @@
     omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --systems server,inprocess
     omni-triton bench --merge RUN_A RUN_B RUN_C --out benchmarks/results/h200-full [--label h200-full]
     omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --request-rate auto --goodput-start 4
+    omni-triton bench --start-server --device cuda --config qwen3_omni_30b_a3b --soak soak,burst,kill --goodput 8
 
 Systems: `server` (streaming, the system under test), `server-sequential` (same server, SEQUENTIAL=true),
 `inprocess` (InProcessPipeline, no Triton), `transformers` (HF generate(return_audio=True), concurrency 1, not
@@ -24,6 +25,10 @@ GPU model (omni_triton/bench/merge.py).
 --request-rate R[,R...]|auto: the open loop instead (bench/open_loop_cli.py): Poisson arrivals at each rate for
 --duration seconds, each request on its own stream, and the goodput: the highest rate with TTFA p95 <= 500 ms, no
 stream dry, none failed (bench/goodput.py); `auto` searches it.
+
+--soak soak,burst,kill --goodput R: issue 48's soak (open loop at 0.8 R with a mixed, partly cancelled and expiring
+load; errors by code, dry streams, TTFA drift, memory per process, nothing left behind), burst (4 R for 5 s) and
+killed stages (each stage's stub killed at 0.5 R on a fresh server) (bench/soak_cli.py).
 
 --trace DIR: every measured request is traced (omni_triton/trace.py) and the report gets, per system and level,
 where the time to first audio went: client -> orchestrator, thinker queueing and prefill, the first thinker
@@ -45,7 +50,7 @@ from pathlib import Path
 from typing import Iterator
 
 from omni_triton import trace
-from omni_triton.bench import breakdown, open_loop_cli
+from omni_triton.bench import breakdown, open_loop_cli, soak_cli
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
@@ -53,11 +58,11 @@ from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
 from omni_triton.bench.server_cpu import ServerCpu
 from omni_triton.bench.stage_profiles import ProfileWindows
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
-from omni_triton.server.launch_options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
-                                               add_memory_arguments, add_model_source_arguments, model_source,
-                                               with_kv_budget)
-from omni_triton.server.memory_plan import SERVED_GPU_PROCESSES
-from omni_triton.server.repository import LaunchConfig
+from omni_triton.launch.options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
+                                        add_memory_arguments, add_model_source_arguments, flag_settings,
+                                        model_source, with_kv_budget)
+from omni_triton.launch.memory_plan import SERVED_GPU_PROCESSES
+from omni_triton.shared.settings import LaunchConfig
 from omni_triton.stage_profile import PROFILE_DIR_ENV
 from omni_triton.trace import TRACE_DIR_ENV
 
@@ -119,11 +124,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-seconds", type=float, default=1.0, metavar="S",
                         help="length of each --profile-stages window (default %(default)s)")
     open_loop_cli.add_arguments(parser)
+    soak_cli.add_arguments(parser)
     parser.add_argument("--out", type=Path, help="output dir (default benchmarks/results/<UTC time>)")
     parser.add_argument("--label", help="report title (default: the output dir's name)")
     args = parser.parse_args(argv)
     if args.request_rate is not None:
         open_loop_cli.check_arguments(parser, args)
+        args.max_inflight = args.max_inflight or OPEN_LOOP_MAX_INFLIGHT
+    if args.soak is not None:
+        soak_cli.check_arguments(parser, args)
         args.max_inflight = args.max_inflight or OPEN_LOOP_MAX_INFLIGHT
     args.systems = args.systems or list(SYSTEMS)
     unknown = sorted(set(args.systems) - set(SYSTEMS))
@@ -152,17 +161,12 @@ def launch_config(args: argparse.Namespace, workload: Workload, interstage_memor
     """What the started server (and, with ``gpu_processes`` 1, the in-process pipeline) runs, with its KV
     budget and the note saying it. Enough engine slots for the highest level, so the launch config never caps
     the measured concurrency."""
-    config = LaunchConfig(checkpoint_dir=args.source.checkpoint_dir.resolve(), device=args.device,
-                          load_format=args.source.load_format, dummy_seed=args.source.seed,
-                          quantization=args.source.quantization, interstage_memory=interstage_memory,
-                          max_inflight_requests=args.max_inflight or max(16, *workload.concurrencies),
-                          fast_path=args.fast_path == "on", cuda_graphs=args.cuda_graphs == "on",
-                          prefill_graphs=args.prefill_graphs == "on", linear_launch=args.linear_launch,
-                          dependent_launch=args.dependent_launch == "on", overlap_steps=args.overlap_steps == "on",
-                          left_context_frames=args.left_context_frames, code2wav_max_batch=args.code2wav_max_batch,
-                          chunk_pacing=args.chunk_pacing, admission_queue=args.admission_queue,
-                          admission_capacity=args.admission_capacity,
-                          admission_max_starting=args.admission_max_starting)
+    config = LaunchConfig(**{
+        # serve's settings by their shared flags; --torch-threads is this process's here, not the stages'
+        **flag_settings(args, ignored=("torch_threads",)),
+        "checkpoint_dir": args.source.checkpoint_dir.resolve(), "load_format": args.source.load_format,
+        "dummy_seed": args.source.seed, "interstage_memory": interstage_memory,
+        "max_inflight_requests": args.max_inflight or max(16, *workload.concurrencies)})
     return with_kv_budget(config, args.kv_cache_tokens, args.gpu_memory_utilization, gpu_processes)
 
 
@@ -180,28 +184,39 @@ def served(args: argparse.Namespace, workload: Workload, notes: list[str]) -> It
     if not args.start_server:
         yield args.url
         return
-    from omni_triton.server.repository import available_models, render_repository
-    from omni_triton.server.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
+    server = start_server(args, workload, notes)
+    try:
+        yield server.grpc_url
+    finally:
+        server.stop()
+
+
+def start_server(args: argparse.Namespace, workload: Workload, notes: list[str],
+                 run_dir: Path = Path("build/bench-run"), **options):
+    """A tritonserver for ``args`` launched here and ready (the caller stops it); ``options``: more
+    ServerOptions (e.g. stage_reload). Its rendered repository and log go to ``run_dir``, not the results."""
+    from omni_triton.launch.repository import available_models, render_repository
+    from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
     install = find_tritonserver(args.tritonserver, device=args.device)
     config, kv_note = launch_config(args, workload, install.interstage_memory(args.device))
     notes.append(f"server: {kv_note}")
     print(kv_note, file=sys.stderr)
     models = available_models()
-    run_dir = Path("build/bench-run")  # the rendered repository and the server log: not results
     repository = render_repository(config, run_dir / "repository", models)
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            gpu=args.device == "cuda")
-    server = TritonServer(repository, install, options, log_path=run_dir / "tritonserver.log")
+    server_options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                   gpu=args.device == "cuda", **options)
+    server = TritonServer(repository, install, server_options, log_path=run_dir / "tritonserver.log")
     with (_environment(TRACE_DIR_ENV, str(args.trace / "server") if args.trace else None),
           _environment(PROFILE_DIR_ENV, str(args.profile_stages) if args.profile_stages else None)):
         server.start()  # its stage processes inherit the trace and profile directories
     try:
         print(f"tritonserver ready in {server.wait_ready(models, timeout_s=600):.1f} s at {server.grpc_url}",
               file=sys.stderr)
-        yield server.grpc_url
-    finally:
+    except BaseException:
         server.stop()
+        raise
+    return server
 
 
 @contextlib.contextmanager
@@ -333,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.request_rate is not None:
         with served(args, workload, notes) as url:
             return open_loop_cli.run(args, workload, text, url, header, notes, out_dir)
+    if args.soak is not None:
+        return soak_cli.run(args, workload, header, notes, out_dir, start_server)
 
     def build_report(rows: list[LevelSummary], complete: bool) -> dict:
         return {

@@ -190,11 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the result as JSON here too (default: print only)")
     args = parser.parse_args(argv)
     if args.config:
-        from build_engines.dummy_checkpoint import build as dummy_dir
+        from omni_triton.checkpoints.dummy import build as dummy_dir
 
         checkpoint, load_format = dummy_dir(args.config), "dummy"
     else:
-        from build_engines.tiny_checkpoint import build as tiny
+        from omni_triton.checkpoints.tiny import build as tiny
 
         checkpoint, load_format = args.checkpoint or tiny(Path("checkpoints/tiny")), "safetensors"
     torch.set_grad_enabled(False)

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -86,12 +86,13 @@ class StreamPool:
             self._opened.clear()
 
 
-def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndarray, *, max_in_flight: int,
-             drain_timeout_s: float, on_done: Callable[[RequestTiming], None] | None = None,
+def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray] | Callable[[int], Any], arrivals: np.ndarray, *,
+             max_in_flight: int, drain_timeout_s: float, on_done: Callable[[RequestTiming], None] | None = None,
              clock: Callable[[], float] = time.perf_counter) -> RateRun:
     """Send one request at each of ``arrivals`` (seconds from now), each on its own thread and stream, then wait
     for all of them; one still running ``drain_timeout_s`` after the last arrival is cancelled (its worker must
-    have ``cancel()``). An arrival finding ``max_in_flight`` requests running is not sent (``not_started``)."""
+    have ``cancel()``). An arrival finding ``max_in_flight`` requests running is not sent (``not_started``).
+    ``tensors``: every request's, or a function of the arrival's index giving what its worker sends (a mix)."""
     if max_in_flight < 1 or drain_timeout_s <= 0:
         raise ValueError(f"max_in_flight must be >= 1 and drain_timeout_s > 0, got {max_in_flight}, "
                          f"{drain_timeout_s}")
@@ -120,7 +121,7 @@ def run_rate(pool: StreamPool, tensors: dict[str, np.ndarray], arrivals: np.ndar
             running[index] = worker
             peak[0] = max(peak[0], len(running))
         sent = clock()
-        timing = worker.request(tensors)
+        timing = worker.request(tensors(index) if callable(tensors) else tensors)
         ended = clock()
         with lock:
             if closed.is_set():  # given up on below: its row is already there

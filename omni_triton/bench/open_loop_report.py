@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_triton.bench.metrics import RAN_DRY_S
-from omni_triton.bench.report import merged_commands, ms, num, server_cpu_table, workload_line, write_json
+from omni_triton.bench.report import merged_commands, ms, num, server_cpu_table, workload_line, write_report
 
 
 def goodput_line(goodput: dict) -> str:
@@ -81,14 +81,7 @@ def markdown(report: dict) -> str:
 def write(report: dict, out_dir: Path) -> tuple[str, Path | str]:
     """results.json (with a note when the plot could not be drawn), results.md and open_loop.png into
     ``out_dir``; the markdown and the plot's path (or why there is none)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    drawn = plot(report, out_dir)
-    if isinstance(drawn, str):
-        report["notes"].append(drawn)
-    write_json(out_dir / "results.json", report)
-    table = markdown(report)
-    (out_dir / "results.md").write_text(table)
-    return table, drawn
+    return write_report(report, out_dir, markdown, plot)
 
 
 def plot(report: dict, out_dir: Path) -> Path | str:

@@ -51,6 +51,19 @@ def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def write_report(report: dict, out_dir: Path, markdown, plot) -> tuple[str, Path | str]:
+    """A report into ``out_dir``: ``plot(report, out_dir)`` (a path, or why there is none: then a note), results.json
+    (the report dict), results.md (``markdown(report)``); the markdown and what the plot returned."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn = plot(report, out_dir)
+    if isinstance(drawn, str):
+        report["notes"].append(drawn)
+    write_json(out_dir / "results.json", report)
+    table = markdown(report)
+    (out_dir / "results.md").write_text(table)
+    return table, drawn
+
+
 def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 

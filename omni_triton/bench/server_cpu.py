@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from omni_triton.server.procfs import PARENT, SYSTEM_TICKS, USER_TICKS, stat_fields
-from omni_triton.server.stage_supervisor import stub_instance
+from omni_triton.shared.procfs import PARENT, SYSTEM_TICKS, USER_TICKS, stat_fields
+from omni_triton.shared.stub_processes import stub_instance
 
 SERVER_BINARY = "tritonserver"
 STUB_BINARY = "triton_python_backend_stub"
@@ -28,12 +28,10 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _parent_and_cpu_ticks(pid: int) -> tuple[int, int] | None:
-    """(parent pid, user + system clock ticks) from /proc/<pid>/stat; None when the process is gone."""
+def _cpu_ticks(pid: int) -> int | None:
+    """User + system clock ticks from /proc/<pid>/stat; None when the process is gone."""
     fields = stat_fields(pid)
-    if fields is None:
-        return None
-    return int(fields[PARENT]), int(fields[USER_TICKS]) + int(fields[SYSTEM_TICKS])
+    return None if fields is None else int(fields[USER_TICKS]) + int(fields[SYSTEM_TICKS])
 
 
 def serves_port(argv: list[str], grpc_port: int) -> bool:
@@ -53,23 +51,37 @@ def process_name(argv: list[str]) -> str | None:
     return None if instance is None else instance[1]
 
 
-def server_cpu_ticks(grpc_port: int) -> dict[str, int] | None:
-    """Clock ticks used so far by the tritonserver serving ``grpc_port`` and by each of its stub processes."""
+def server_processes(grpc_port: int) -> dict[str, int] | None:
+    """name (``process_name``) -> pid of the tritonserver serving ``grpc_port`` and of each of its stub processes;
+    None when no single tritonserver on this machine serves that port."""
     parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _parent_and_cpu_ticks(int(entry.name))) is not None:
-            parents[int(entry.name)], ticks[int(entry.name)] = stat
-    servers = [pid for pid in ticks if (argv := _cmdline(pid)) and process_name(argv) == SERVER_BINARY
+        if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None:
+            parents[int(entry.name)] = int(fields[PARENT])
+    servers = [pid for pid in parents if (argv := _cmdline(pid)) and process_name(argv) == SERVER_BINARY
                and serves_port(argv, grpc_port)]
     if len(servers) != 1:
         return None
-    found = {SERVER_BINARY: ticks[servers[0]]}
+    found = {SERVER_BINARY: servers[0]}
     for pid, parent in parents.items():
         name = process_name(_cmdline(pid)) if parent == servers[0] else None
         if name is not None and name != SERVER_BINARY:
-            found[name] = ticks[pid]
+            found[name] = pid
     return found
+
+
+def server_cpu_ticks(grpc_port: int) -> dict[str, int] | None:
+    """Clock ticks used so far by the tritonserver serving ``grpc_port`` and by each of its stub processes."""
+    processes = server_processes(grpc_port)
+    if processes is None:
+        return None
+    return {name: ticks for name, pid in processes.items() if (ticks := _cpu_ticks(pid)) is not None}
+
+
+def local_grpc_port(url: str | None) -> int | None:
+    """The port of a gRPC address on this machine (host:port), else None: /proc only sees local servers."""
+    host, _, port = (url or "").rpartition(":")
+    return int(port) if port.isdigit() and host in ("127.0.0.1", "localhost", "0.0.0.0", "[::1]") else None
 
 
 class ServerCpu:
@@ -78,8 +90,7 @@ class ServerCpu:
     measurable."""
 
     def __init__(self, url: str | None):
-        host, _, port = (url or "").rpartition(":")
-        self._port = int(port) if port.isdigit() and host in ("127.0.0.1", "localhost", "0.0.0.0", "[::1]") else None
+        self._port = local_grpc_port(url)
         self.percent: dict[str, float] | None = None
 
     def __enter__(self) -> "ServerCpu":

@@ -1,4 +1,5 @@
-"""One vLLM-style AR engine for the thinker and the talker (paged KV, chunked prefill, preemption)."""
+"""One vLLM-style AR engine for the thinker and the talker (paged KV, chunked prefill, preemption, prefix
+caching)."""
 
 from omni_triton.engine.engine import EngineConfig, EngineLoop, EngineStats, LLMEngine, RequestOutput, RequestStream
 from omni_triton.engine.sampling import SamplingParams

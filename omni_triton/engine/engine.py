@@ -15,7 +15,9 @@ from omni_triton import trace
 from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
 from omni_triton.engine.handoff import OutputStream, ready_event
 from omni_triton.engine.host_copies import HostIds
+from omni_triton.engine.kept_states import KeptStates
 from omni_triton.engine.overlap import LaunchedStep, StepOverlap
+from omni_triton.engine.prefix_cache import with_positions
 from omni_triton.engine.runner import ModelRunner
 from omni_triton.engine.sampling import SamplingParams
 from omni_triton.engine.scheduler import Scheduler
@@ -52,6 +54,9 @@ class EngineConfig:
     # launch the next decode step before this one's tokens reach the host where the stage's next input can be
     # made on the device (the thinker; the talker under its decode graphs: overlap.py); the same tokens either way
     overlap_steps: bool = True
+    # computed KV blocks named by their content and reused by later requests whose inputs begin the same way
+    # (block_manager, prefix_cache); the streamed states of cached positions are kept or recomputed (kept_states)
+    prefix_caching: bool = False
 
 
 @dataclass
@@ -83,6 +88,12 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_free: int
     num_preemptions: int
+    # prefix caching: inputs of admitted requests (per admission: a recompute's again), those taken from the
+    # cache, blocks named in the cache now, and named blocks evicted for new ones
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_cached_blocks: int = 0
+    prefix_evictions: int = 0
 
 
 class LLMEngine:
@@ -96,7 +107,9 @@ class LLMEngine:
                                                stage.num_kv_heads, stage.head_dim, config.kv_dtype)
         self.config = config
         self.stage = stage
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        kept = stage.kept_states if config.prefix_caching else {}
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching,
+                                          blocks_keep_states=bool(kept))
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(stage, num_blocks, config.block_size, device=config.device,
                                   kv_dtype=config.kv_dtype, fast_path=config.fast_path,
@@ -105,6 +118,8 @@ class LLMEngine:
                                                         if config.prefill_graph_tokens is None
                                                         else config.prefill_graph_tokens),
                                   linear_launch=config.linear_launch, dependent_launch=config.dependent_launch)
+        self.kept_states = (KeptStates(kept, num_blocks, config.block_size, self.runner.model_dtype, self.runner.device)
+                            if kept else None)
         self.requests: dict[str, Sequence] = {}
         self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
@@ -134,6 +149,12 @@ class LLMEngine:
         if prompt_embeds is not None:
             stage_inputs["prompt_embeds"] = prompt_embeds
         self.stage.init_sequence(seq, **stage_inputs)
+        if self.block_manager.prefix_caching:
+            keys = self.stage.cache_keys(seq)
+            if prompt_positions is not None:  # (the sequence's host copy of them)
+                keys = with_positions(keys, seq.positions(0, num_positions))
+            seq.cache_keys = keys.tobytes()
+            seq.keys_follow_tokens = getattr(self.stage, "embed_token_ids", None) is not None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         trace.event(request_id, f"{self.name}.added")
@@ -164,9 +185,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        bm = self.block_manager
         return EngineStats(s.count(SequenceStatus.RUNNING), s.count(SequenceStatus.WAITING),
-                           s.count(SequenceStatus.WAITING_FOR_INPUT), self.block_manager.num_used,
-                           self.block_manager.num_free, s.num_preemptions)
+                           s.count(SequenceStatus.WAITING_FOR_INPUT), bm.num_used, bm.num_free, s.num_preemptions,
+                           bm.num_query_tokens, bm.num_hit_tokens, bm.num_cached, bm.num_evictions)
 
     # -- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,7 +229,7 @@ class LLMEngine:
         shape = None
         if traced:
             for seq in batch.seqs:
-                if seq.num_computed_tokens == 0:
+                if seq.num_computed_tokens == seq.num_cached_tokens:
                     trace.event(seq.request_id, f"{self.name}.prefill_start")
             shape = self._step_shape(batch)
         result = self.runner.run(batch)
@@ -225,11 +247,19 @@ class LLMEngine:
         ready = step.ready
         outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in step.batch.seqs if not seq.is_finished}
         for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
-            first = max(start, seq.num_emitted_positions)
-            if result.captured and first < end and not seq.is_finished:
-                rows = slice(offset + first - start, offset + end - start)
-                outputs[seq.request_id].states = {name: t[rows] for name, t in result.captured.items()}
-                outputs[seq.request_id].states_start = first
+            if not result.captured or seq.is_finished:
+                continue
+            if self.kept_states is not None and start < seq.num_prompt_positions:
+                self._keep_states(seq, start, min(end, seq.num_prompt_positions), result.captured, offset)
+            emitted = seq.num_emitted_positions
+            if emitted < end:
+                rows = slice(offset + max(start, emitted) - start, offset + end - start)
+                states = {name: t[rows] for name, t in result.captured.items()}
+                if emitted < start:  # positions taken from the prefix cache: their states first, made here
+                    states = _concat_rows(self._cached_states(seq, emitted, start), states)
+                    ready = ready_event(self.runner.device)  # (after the launch's event: the responses wait for it)
+                outputs[seq.request_id].states = states
+                outputs[seq.request_id].states_start = emitted
                 seq.num_emitted_positions = end
 
         continuing = []
@@ -274,9 +304,26 @@ class LLMEngine:
         # a row of the step launched after this one already holds its next position: its status is the next
         # finish's to refresh (now it would read no input pending)
         for seq in step.batch.seqs:
-            if not seq.is_finished and not self._in_flight(seq):
-                self.scheduler.refresh_status(seq)
+            if not seq.is_finished:
+                self.block_manager.name_computed_blocks(seq)  # (prefix caching: its computed blocks, named)
+                if not self._in_flight(seq):
+                    self.scheduler.refresh_status(seq)
         return outputs, len(continuing)
+
+    def _keep_states(self, seq: Sequence, start: int, end: int, captured: dict[str, torch.Tensor],
+                     offset: int) -> None:
+        """Prompt positions start..end-1 computed this step: their kept states beside their KV (prefix caching)."""
+        rows = slice(offset, offset + end - start)
+        self.kept_states.store(seq, start, {name: captured[name][rows] for name in self.kept_states.pools})
+        if start <= seq.states_through:
+            seq.states_through = max(seq.states_through, end)
+
+    def _cached_states(self, seq: Sequence, start: int, end: int) -> dict[str, torch.Tensor]:
+        """The streamed states of positions start..end-1, taken from the prefix cache: kept ones and recomputed."""
+        states = self.stage.recompute_states(seq, start, end)
+        if self.kept_states is not None:
+            states.update(self.kept_states.load(seq, start, end))
+        return states
 
     def _in_flight(self, seq: Sequence) -> bool:
         """Whether an overlapped step launched for seq is not finished yet."""

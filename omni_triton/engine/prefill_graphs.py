@@ -1,8 +1,8 @@
 """CUDA graphs of the steps with prefill rows: fresh prompts, chunks over cached context, and mixed steps
 (prefill chunks + decode rows), one graph per token bucket.
 
-Why: such a step ran eagerly, ~900 launches for the thinker's 48 layers, and on the H200 a 108-token prefill took
-~55 ms of host time for ~8 ms of GPU work (issue 20's profile); the same holds for the talker's prefill. Under a
+Why: such a step ran eagerly, ~900 launches for the thinker's 48 layers, and a short prefill's host time was several
+times its GPU work (docs/performance.md); the same holds for the talker's prefill. Under a
 graph the host cost is one replay, whatever the layer count.
 
 What varies from step to step lives in static device buffers refilled before each replay, so one graph per

@@ -1,7 +1,9 @@
 """Who runs this step: decode rows first, then prefill chunks, then FCFS admission, under a token budget.
 
 When a running sequence needs a block and none is free, the newest running sequence is preempted by
-recompute (blocks freed, computed prefix forgotten, re-queued at the front of the waiting queue).
+recompute (blocks freed, computed prefix forgotten, re-queued at the front of the waiting queue). With prefix
+caching, admission starts a sequence after the longest cached run of blocks its inputs begin with
+(``BlockManager.cached_prefix``): those positions cost neither budget nor new blocks.
 """
 
 from __future__ import annotations
@@ -120,10 +122,14 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget, self._tokens_that_fit(seq))
-            if n == 0:
+            cached = self.block_manager.cached_prefix(seq)  # prefix caching: computed by earlier requests
+            cached_tokens = len(cached) * self.block_manager.block_size
+            fit = (len(cached) + self.block_manager.num_free_after_taking(cached)) * self.block_manager.block_size
+            n = min(seq.num_pending - cached_tokens, budget, fit - cached_tokens)
+            if n <= 0:
                 break  # FCFS: later requests do not overtake the head of the queue
             self.waiting.popleft()
+            self.block_manager.take_cached(seq, cached)
             self.block_manager.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)

@@ -48,6 +48,16 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_emitted_positions = 0  # captured states already streamed out (recompute must not repeat them)
         self.block_table: list[int] = []
+        # prefix caching (``prefix_cache``): 16-byte keys of the prompt positions' inputs (None: not cached),
+        # whether generated positions are keyed by their token ids, the hashes of the leading full blocks,
+        # the leading blocks offered to the cache, the positions taken from it at the last admission, and the
+        # prompt positions whose kept states are stored beside the blocks
+        self.cache_keys: bytes | None = None
+        self.keys_follow_tokens = False
+        self.block_hashes: list[bytes] = []
+        self.num_named_blocks = 0
+        self.num_cached_tokens = 0
+        self.states_through = 0
         self.finish_reason: str | None = None
         self.stage_state: Any = None  # owned by the stage adapter
         self.sample_row = SampleRow(sampling_params, make_generator(sampling_params.seed, device),
@@ -88,7 +98,7 @@ class Sequence:
         return None
 
     def reset_for_recompute(self) -> None:
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = self.num_cached_tokens = self.states_through = self.num_named_blocks = 0
         self.block_table = []
 
     def positions(self, start: int, end: int) -> torch.Tensor:

@@ -16,8 +16,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
+from omni_triton.engine.prefix_cache import audio_position_keys, embedding_keys, tensor_digest, token_keys
 from omni_triton.engine.sampling import SampleRow, SamplingParams
 from omni_triton.engine.sequence import Sequence
 
@@ -64,6 +66,15 @@ class StageModel(Protocol):
         """``add_request`` inputs of a dummy request with ``num_positions`` prompt positions that runs to its
         max_new_tokens without waiting for input (``engine.warmup``)."""
 
+    # Prefix caching (``prefix_cache``, ``kept_states``):
+    def cache_keys(self, seq: Sequence) -> np.ndarray:
+        """[P, 16] uint8: a key per prompt position naming its input (two inputs share a key only if equal)."""
+
+    kept_states: dict[str, int]  # streamed states kept beside the KV blocks for cached positions: name -> width
+
+    def recompute_states(self, seq: Sequence, start: int, end: int) -> dict[str, torch.Tensor]:
+        """The other streamed states of cached positions start..end-1, made from their inputs."""
+
     # Optional, as a pair (the thinker): ``decode_token_ids(chunks) -> list[int] | None``, the token ids of
     # one-position decode chunks (None when some position needs more than its token's embedding), and
     # ``embed_token_ids(ids [B]) -> [B, H]``, which a decode CUDA graph runs itself (no eager embedding step).
@@ -84,8 +95,14 @@ class ThinkerStage:
         self.audio_token_id = audio_token_id
         self.accept_hidden_layer = accept_hidden_layer
 
-    def init_sequence(self, seq: Sequence, audio_embeds: torch.Tensor | None = None) -> None:
-        """``audio_embeds`` [K, H]: encoder outputs for the K audio placeholder tokens of the prompt, in order."""
+    @property
+    def kept_states(self) -> dict[str, int]:
+        return {} if self.accept_hidden_layer is None else {"accept_hidden": self.hidden_size}
+
+    def init_sequence(self, seq: Sequence, audio_embeds: torch.Tensor | None = None,
+                      audio_key: bytes | None = None) -> None:
+        """``audio_embeds`` [K, H]: encoder outputs for the K audio placeholder tokens of the prompt, in order;
+        ``audio_key``: a digest of the recording they were encoded from (prefix caching; default: of the embeds)."""
         if len(seq.prompt_token_ids) != seq.num_prompt_positions:
             raise ValueError(f"request {seq.request_id!r}: thinker needs one token id per prompt position")
         if audio_embeds is None:
@@ -97,7 +114,17 @@ class ThinkerStage:
         if len(where) != audio_embeds.shape[0]:
             raise ValueError(f"request {seq.request_id!r}: {audio_embeds.shape[0]} audio embeds for "
                              f"{len(where)} audio tokens (id {self.audio_token_id}) in the prompt")
-        seq.stage_state = (torch.tensor(where, dtype=torch.long), audio_embeds)
+        seq.stage_state = (torch.tensor(where, dtype=torch.long), audio_embeds, audio_key)
+
+    def cache_keys(self, seq: Sequence) -> np.ndarray:
+        keys = token_keys(seq.prompt_token_ids)
+        if seq.stage_state is not None:
+            where, audio, audio_key = seq.stage_state
+            keys[where.numpy()] = audio_position_keys(audio_key or tensor_digest(audio), len(where))
+        return keys
+
+    def recompute_states(self, seq: Sequence, start: int, end: int) -> dict[str, torch.Tensor]:
+        return {"input_embeds": self.embed_inputs([(seq, start, end)])}
 
     def embed_inputs(self, chunks: list[Chunk]) -> torch.Tensor:
         device = next(self.model.parameters()).device
@@ -106,7 +133,7 @@ class ThinkerStage:
         row = 0
         for seq, start, end in chunks:
             if seq.stage_state is not None:
-                where, audio = seq.stage_state
+                where, audio, _ = seq.stage_state
                 inside = (where >= start) & (where < end)
                 if inside.any():
                     rows = (where[inside] - start + row).to(device)
@@ -212,6 +239,7 @@ class TalkerStage:
         self.tts_eos_embed = None if tts_eos_embed is None else tts_eos_embed.reshape(-1)
         self.tts_pad_embed = None if tts_pad_embed is None else tts_pad_embed.reshape(-1)
         self.sample_streams = {"predictor": lambda seq: seq.stage_state.predictor_row}
+        self.kept_states: dict[str, int] = {}  # it streams no per-position states
 
     @staticmethod
     def default_predictor_params(params: SamplingParams) -> SamplingParams:
@@ -239,6 +267,15 @@ class TalkerStage:
 
     def embed_inputs(self, chunks):
         return torch.stack([row for seq, start, end in chunks for row in seq.stage_state.input_embeds[start:end]])
+
+    def cache_keys(self, seq):
+        """Digests of the prompt embeddings' bytes: a later turn's prompt repeats the earlier turns' user rows, the
+        same values where the thinker streamed the same states for them and their projection rounded alike. (A
+        copy to the host at admission, where the sequence's rope positions were copied already.)"""
+        return embedding_keys(torch.stack(seq.stage_state.input_embeds[:seq.num_prompt_positions]))
+
+    def recompute_states(self, seq, start, end):
+        return {}
 
     def forward(self, inputs_embeds, positions, batch):
         return self.model(inputs_embeds, positions, batch), {}

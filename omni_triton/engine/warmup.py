@@ -81,17 +81,22 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan | None = None,
         done += 1
         log(f"{engine.name}: {PROGRESS_MARK} {done}/{len(plan)}: {what} ({time.monotonic() - start:.1f} s)")
 
-    for tokens in plan.prefill_tokens:
-        _add(engine, f"prefill-{tokens}", tokens, index=tokens, max_new_tokens=DECODE_STEPS)
+    # prefix caching off meanwhile: the dummy prompts share prefixes, and each prefill must run at its full size
+    caching, engine.block_manager.prefix_caching = engine.block_manager.prefix_caching, False
+    try:
+        for tokens in plan.prefill_tokens:
+            _add(engine, f"prefill-{tokens}", tokens, index=tokens, max_new_tokens=DECODE_STEPS)
+            _run(engine)
+            progress(f"prefill of {tokens} tokens")
+        for k in range(plan.max_batch):
+            _add(engine, f"batch-{k}", 2, index=k, max_new_tokens=plan.max_batch + 1)
+            engine.step()
+            if k + 1 in plan.buckets:
+                progress(f"mixed steps of up to {k} decode rows + a prefill")
         _run(engine)
-        progress(f"prefill of {tokens} tokens")
-    for k in range(plan.max_batch):
-        _add(engine, f"batch-{k}", 2, index=k, max_new_tokens=plan.max_batch + 1)
-        engine.step()
-        if k + 1 in plan.buckets:
-            progress(f"mixed steps of up to {k} decode rows + a prefill")
-    _run(engine)
-    progress(f"decode batches {plan.max_batch} down to 1")
+        progress(f"decode batches {plan.max_batch} down to 1")
+    finally:
+        engine.block_manager.prefix_caching = caching
     _check_idle(engine)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()

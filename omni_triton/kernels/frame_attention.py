@@ -12,8 +12,8 @@ positions, stored by earlier steps). With L <= 16 the score row ``[L]`` and the 
 one warp's registers: no online softmax, no tensor cores, one pass.
 
 Why a program per query head and one warp, rather than one four-warp program per KV head sharing its K/V tiles
-over the group: after the qkv GEMV it leans on, the narrow program costs 7.0 us against 13.1 us on an H200 at
-one row (the pair under a CUDA graph with dependent launch; 14.0 against 18.6 at 64 rows), 75 times a frame.
+over the group: after the qkv GEMV it leans on, the narrow program costs about half as much
+at one row and less at 64 (docs/performance.md), and it runs 75 times a frame.
 
 Roundings: q and k as ``kernels.norm.head_norm_rope`` (the torch module order); scores, softmax and the
 weighted sum in fp32, the output rounded once to the activation dtype, as a fused SDPA does.

@@ -21,7 +21,7 @@ weights and dequantize each tile in the kernel with its block's scale, rounded t
 weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``): w8a16, half the weight bytes.
 
 Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate), per
-token-count bucket; written by ``python -m omni_triton.kernels.tune_fused_moe``), else from a size rule.
+token-count bucket; written by ``python -m omni_triton.bench.tune_fused_moe``), else from a size rule.
 """
 
 from __future__ import annotations
@@ -304,8 +304,7 @@ GEMV_MIN_PROGRAMS = 512  # ~4 per SM of a 132-SM GPU, as small_linear.GEMV_MIN_P
 
 
 # (kernel, K, N) -> (BLOCK_N, BLOCK_K, num_warps) where another launch shape than ``pair_gemv_blocks``' rule with
-# 4 warps measured faster on the H200 (benchmarks/gemv_sweep.py, the thinker's 8 pairs of one token,
-# benchmarks/results/h200-gemv-sweep/: gate/up 1.25x, down 1.18x)
+# 4 warps measured faster (benchmarks/gemv_sweep.py, the thinker's 8 pairs of one token; docs/performance.md)
 PAIR_GEMV_TUNED = {("gate_up", 2048, 768): (2, 2048, 8), ("down", 768, 2048): (16, 256, 8)}
 
 

@@ -248,7 +248,7 @@ def paged_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: 
 
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
     """Context splits per (sequence, KV head): enough programs for two to four per SM when the batch alone
-    gives too few (one sequence, four KV heads: 4 programs would each walk the whole context). On the H200
+    gives too few (one sequence, four KV heads: 4 programs would each walk the whole context). Measured
     (benchmarks/decode_attention_bench.py, benchmarks/results/h200-sorted-layout/) the best split counts gave
     256-512 programs; the earlier target of one to two per SM left the talker at 32-64 rows and the thinker at
     32 with half that (talker at 64 rows and 640 positions: 25.3 us a call unsplit, 19.6 with 2 splits)."""

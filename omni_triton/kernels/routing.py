@@ -5,8 +5,8 @@ multiple of ``block_m``, so every ``block_m`` rows of the GEMM belong to one exp
 launch with no host sync and shapes that depend only on the number of tokens, so it is captured in CUDA
 graphs as is. Up to ``SORT_MAX_PAIRS`` pairs (decode steps and short prefills: the talker's 64 rows are 384
 pairs) the program sorts the (expert, pair) keys in registers and finds each run's first and last position by
-two scans: no global round trip between reading the ids and writing the layout (7.5 -> 4.9 us a talker layer
-at 64 rows on the H200). Past that, the pair count per expert comes from atomic adds (which also give each pair
+two scans: no global round trip between reading the ids and writing the layout (a third less a talker layer
+at 64 rows: docs/performance.md). Past that, the pair count per expert comes from atomic adds (which also give each pair
 its rank inside its expert), the padded offsets from a cumulative sum. Either way padding rows hold
 ``num_pairs`` (no pair); the order inside a run changes nothing, since every GEMM row is computed on its own.
 """

@@ -9,7 +9,7 @@ argmax and skip the rest. Each candidate is one 64-bit key: the value's bits map
 integer, shifted up, with the inverted id in the low bits: keys are distinct, and their descending order is
 the candidates' order.
 
-A whole-row sort is what a launch cost (~30 us for 2048 ids, ~78 us for 4096 on an H200: a bitonic sort is
+A whole-row sort is what a launch cost (tens of microseconds for a few thousand ids: a bitonic sort is
 ~70 dependent stages through shared memory), so a row with 0 < top_k <= ``FAST_TOP_K`` (the talker's and the
 predictor's 50) sorts nothing: it bisects the values for a threshold that at least k and at most
 ``SHORTLIST`` candidates reach (one count a round, ~15 rounds), gathers those to a scratch row, and ranks them

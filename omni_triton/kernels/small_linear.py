@@ -15,7 +15,7 @@ of W once, pipelined over K in ``BLOCK_K`` steps; the rows are padded to ``BLOCK
 recomputed by each program (x is a few KB), which costs nothing next to its W slice.
 
 Split-K (``split_k``, default: as ``split_plan`` picks): column blocks alone are only 64-128 programs on a
-132-SM GPU, too few weight bytes in flight (~20% of HBM bandwidth measured on an H200), so K is cut into
+132-SM GPU, too few weight bytes in flight (a fraction of HBM bandwidth), so K is cut into
 slices as well, one program per (column block, row block, K slice), all in ONE launch. Each program writes
 its fp32 partial sums to a scratch buffer, then takes a ticket from its tile's counter; the one that arrives
 last adds the partials up in split order (so the result does not depend on who arrives last: the same inputs
@@ -27,8 +27,8 @@ capturable once a shape has run eagerly; one stream at a time may use them (call
 cuBLAS for many rows of a wide output (``cublas=True``: the served launch): from ``CUBLAS_MIN_ROWS`` rows on, an
 output of ``CUBLAS_MIN_COLS`` columns or more without a residual (the predictor's qkv, gate/up and lm_head) runs as
 the norm kernel, cuBLAS's GEMM and the activation kernel: three launches that beat the one fused launch there (the
-fused MMA tile reaches ~20-30% of HBM bandwidth at 32-128 rows; measured on an H200, the 15 predictor steps at 64
-rows 3.35 -> 2.77 ms, at 128 rows 5.19 -> 3.24; at 1 row it lost, 1.75 -> 2.01, at 8-16 rows even). Outputs with
+fused MMA tile reaches a fraction of HBM bandwidth at 32-128 rows; from 32 rows cuBLAS won, at 1 row it lost, at
+8-16 rows even: docs/performance.md). Outputs with
 a residual (o, down) keep the fused kernel: moving them to cuBLAS as well was slower at every row count.
 
 Roundings follow the torch modules (``models.layers.norm.RMSNorm``, ``GatedMLP``, the residual adds of
@@ -49,13 +49,13 @@ from omni_triton.kernels.dependent_launch import enabled_for, prefetch_l2, prefe
 from omni_triton.kernels.norm import rms_norm
 from omni_triton.kernels.scratch import persistent_zeros
 
-# Programs one launch should have for the weight reads to fill HBM: ~4 per SM of a 132-SM H200, which fit on
+# Programs one launch should have for the weight reads to fill HBM: ~4 per SM of a 132-SM Hopper GPU, which fit on
 # an SM at once (compiled for sm_90, the split programs of the predictor's layers take 48-128 registers a
 # thread and 28-45 KB of shared memory), so one wave keeps ~8-32 KB of W per program, several MB in all, in
 # flight.
 TARGET_PROGRAMS = 512
-# More rows than this keep the one-pass kernel: on the H200 (benchmarks/small_linear_bench.py) splitting the
-# predictor's o/down projections at 64-128 rows made them 1-30% slower (their tiles are enough programs already)
+# More rows than this keep the one-pass kernel: splitting the predictor's o/down projections at 64-128 rows made
+# them slower (their tiles are enough programs already; benchmarks/small_linear_bench.py)
 SPLIT_MAX_ROWS = 32
 WIDE_SPLIT_MAX_ROWS = 2  # outputs wider than NARROW_COLS split up to here only (launch_plan)
 NARROW_COLS = 1024  # the predictor's o/down projections: thin column blocks (block_sizes)
@@ -252,9 +252,9 @@ def split_plan(rows: int, cols: int, depth: int, block_sizes_: tuple[int, int, i
 
 
 def one_pass_blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of a call that does not split: K steps of 256, which the H200 tile sweep
-    (``small_linear_bench.py --sweep-tiles``, 16-128 rows) found fastest for every predictor layer (qkv at 64
-    rows: 10.5 against 14.2 us with steps of 128); columns as ``block_sizes``."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of a call that does not split: K steps of 256, which the tile sweep
+    (``small_linear_bench.py --sweep-tiles``, 16-128 rows) found fastest for every predictor layer: fewer K steps
+    hide more of each load; columns as ``block_sizes``."""
     block_m, block_n, _ = block_sizes(rows, cols, depth)
     return block_m, block_n, min(256, max(16, triton.next_power_of_2(depth)))
 
@@ -264,7 +264,7 @@ def launch_plan(rows: int, cols: int, depth: int, norm: bool, gated: bool, split
     """(blocks, splits, K per split, num_stages) of the MMA kernels for one call.
 
     Wide outputs (qkv, gate/up, lm_head) split only at 1-2 rows: from there on their one-pass tile with K steps
-    of 256 was faster than split-K on the H200 (16 rows: qkv 6.7 against 9.2 us, gate/up 7.9 against 10.4);
+    of 256 was faster than split-K (enough programs from the rows and columns alone);
     narrow ones (o, down: 64 column blocks) keep the split plan up to ``SPLIT_MAX_ROWS``."""
     blocks = block_sizes(rows, cols, depth)
     if split_k is None and cols > NARROW_COLS and rows > WIDE_SPLIT_MAX_ROWS:
@@ -277,7 +277,7 @@ def launch_plan(rows: int, cols: int, depth: int, norm: bool, gated: bool, split
 
 
 def num_stages(element_size: int, block_m: int, splits: int, cols: int) -> int:
-    """Pipeline stages of the MMA kernels. fp32 tiles: 2 (twice the shared memory). One pass: the H200 tile
+    """Pipeline stages of the MMA kernels. fp32 tiles: 2 (twice the shared memory). One pass: the tile
     sweep's best, 4 for the narrow layers' thin tiles, 3 for the wide ones. Split: 3 (two K steps' loads in
     flight from the start: a split's whole slice at 1-2 steps), unless that costs occupancy: a split program of
     64 rows at 3 stages (a 64 x 256 x tile: 120 KB) would be alone on its SM, where split-K wants several."""
@@ -288,8 +288,8 @@ def num_stages(element_size: int, block_m: int, splits: int, cols: int) -> int:
     return 2 if block_m > 32 else 3
 
 
-# Up to here ``gemv=True`` runs the multiply-add kernel: on the H200 it beat split-K at 1-2 rows (qkv 4.8 against
-# 8.4 us at one row) and lost from 8 (each row's products are reduced across the threads again)
+# Up to here ``gemv=True`` runs the multiply-add kernel: it beat split-K at 1-2 rows (no scratch round trip) and
+# lost from 8 (each row's products are reduced across the threads again)
 GEMV_MAX_ROWS = 2
 GEMV_MIN_PROGRAMS = 512  # column blocks thin enough for about this many programs (~4 per SM: measured best)
 
@@ -303,9 +303,8 @@ def gemv_blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int]:
 
 
 # (K, N, gated) -> (BLOCK_N, BLOCK_K, num_warps) of the GEMV at 1-2 rows where another launch shape than
-# ``gemv_blocks``' rule with 4 warps measured faster on the H200 (benchmarks/gemv_sweep.py at one row,
-# benchmarks/results/h200-gemv-sweep/: 1.06-1.43x): the thinker's qkv and o_proj, the predictor's qkv and
-# gate/up. Every other shape keeps the rule.
+# ``gemv_blocks``' rule with 4 warps measured faster (benchmarks/gemv_sweep.py at one row; docs/performance.md):
+# the thinker's qkv and o_proj, the predictor's qkv and gate/up. Every other shape keeps the rule.
 GEMV_TUNED = {(2048, 5120, False): (8, 1024, 8), (4096, 2048, False): (2, 4096, 8),
               (1024, 4096, False): (8, 1024, 4), (1024, 3072, True): (8, 1024, 4)}
 

@@ -7,9 +7,8 @@ waited for the previous kernel to drain, then the next kernel for the GEMM), and
 its own. This kernel keeps the chain: it pulls its slice of W into L2 before waiting for the previous kernel,
 loads x and W tiles by TMA (tensor descriptors: one instruction a tile, where the pointer loads of
 ``kernels.small_linear`` keep its load units ~87% busy re-reading 64 rows of x per program), and applies the folded
-pre-norm's row scale and the SiLU-and-mul in its epilogue. On an H200 (benchmarks/results/h200-qkv-tables/), 75
-layers of the predictor's GEMMs at 64 rows: 2.02 ms with cuBLAS, 1.61 ms with these two products on this kernel;
-the 15 predictor steps of 64 rows 2.54 -> 2.31 ms.
+pre-norm's row scale and the SiLU-and-mul in its epilogue; cuBLAS does not launch with PDL, so the chain stalled
+around each of its GEMMs (the A/B: benchmarks/results/h200-qkv-tables/, docs/performance.md).
 
     wide_linear(x, W)                                   x @ W.T
     wide_linear(x, W, gated=True)                       silu(x @ Wg.T) * (x @ Wu.T), W = [Wg; Wu] packed
@@ -38,7 +37,7 @@ from omni_triton.kernels.dependent_launch import (INTERPRETED, enabled_for, hopp
 from omni_triton.kernels.small_linear import prefetch_weight_slice
 
 WIDE_MAX_ROWS = 128  # what the tiles cover (``wide_blocks``); past it cuBLAS
-# Where the served frame takes the kernel (``takes_tma``), from the talker frame's graph on the H200 (a batch of B
+# Where the served frame takes the kernel (``takes_tma``), from an A/B of the talker frame's graph (a batch of B
 # rows runs its first predictor step at 2B, the other 14 at B; step_exposure.py, h200-qkv-tables/tma-rows/): from
 # 16 rows it won (B = 16: 4.268 -> 4.250 ms, B = 32: 4.569 -> 4.478, B = 64: 5.19 -> 4.84 with the tables), at
 # B = 8 it lost (3.825 -> 3.953): the 64-row MMA tile costs as much at 8 rows as at 64, where cuBLAS picks smaller
@@ -96,7 +95,7 @@ def takes_tma(rows: int) -> bool:
 
 
 def wide_blocks(rows: int, element_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, stages): the H200 probe's best for the predictor's qkv and gate/up at 64 rows
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages): the tile probe's best for the predictor's qkv and gate/up at 64 rows
     (tma_probe.py): one 64-row block of thin column blocks (128 programs for qkv) with five K steps of 128 in
     flight; 128-row blocks with three past 64 rows; fp32 operands (tests) two stages (shared memory)."""
     block_m, stages = (64, 5) if rows <= 64 else (128, 3)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_triton.models.audio_encoder import AudioEncoderConfig
-from omni_triton.models.code2wav import Code2WavConfig
+from omni_triton.models.code2wav.vocoder import Code2WavConfig
 
 
 SHIPPED_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"

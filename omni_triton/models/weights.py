@@ -1,4 +1,4 @@
-"""Streaming, strict loaders for the thinker and talker from an HF-format Qwen3-Omni checkpoint.
+"""Streaming, strict loaders for the thinker, talker, vocoder and audio encoder from an HF-format Qwen3-Omni checkpoint.
 
 The module is built on the meta device, materialised empty on the target device/dtype, then filled tensor
 by tensor from ``safe_open`` (single ``model.safetensors`` or shards listed in
@@ -41,6 +41,8 @@ from omni_triton.models.thinker import Thinker
 
 THINKER_PREFIX = "thinker."
 TALKER_PREFIX = "talker."
+CODE2WAV_PREFIX = "code2wav."
+AUDIO_ENCODER_PREFIX = "thinker.audio_tower."
 # Thinker sub-trees this package does not load (vision is not served; audio has its own loader).
 THINKER_SKIPPED = ("thinker.visual.", "thinker.audio_tower.")
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -246,8 +248,6 @@ def load_thinker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
             with torch.device(device):
                 thinker.audio_encoder = init_dummy_(AudioEncoder(config.thinker.audio).to(dtype), seed).eval()
         else:
-            from omni_triton.models.audio_weights import load_audio_encoder  # the audio helper's module
-
             thinker.audio_encoder = load_audio_encoder(checkpoint_dir, device, dtype)
     return thinker
 
@@ -269,15 +269,26 @@ def load_talker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
 def load_code2wav(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, *, load_format: str = "safetensors", seed: int = 0):
     _check_load_format(load_format)
+    from omni_triton.models.code2wav.vocoder import Code2Wav, Code2WavConfig
+
+    # built on the device (not on "meta"): its non-persistent buffers are computed in __init__
     if load_format == "dummy":
-        from omni_triton.models.code2wav import Code2Wav
-
         config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir))
-        with torch.device(device):  # built on the device: its non-persistent buffers are computed in __init__
+        with torch.device(device):
             return init_dummy_(Code2Wav(config.code2wav).to(dtype), seed).eval()
-    from omni_triton.models.audio_weights import load_code2wav as load  # the audio helper's module
+    with torch.device(device):
+        model = Code2Wav(Code2WavConfig.from_pretrained(checkpoint_dir)).to(dtype)
+    return load_component_(model, checkpoint_dir, CODE2WAV_PREFIX).eval()
 
-    return load(checkpoint_dir, device, dtype)
+
+def load_audio_encoder(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32):
+    """The thinker's audio encoder from an HF-format checkpoint (built on the device, as the vocoder)."""
+    from omni_triton.models.audio_encoder import AudioEncoder, AudioEncoderConfig
+
+    with torch.device(device):
+        model = AudioEncoder(AudioEncoderConfig.from_pretrained(checkpoint_dir)).to(dtype)
+    return load_component_(model, checkpoint_dir, AUDIO_ENCODER_PREFIX).eval()
 
 
 def load_thinker_embedding_rows(checkpoint_dir: str | Path, token_ids: list[int],

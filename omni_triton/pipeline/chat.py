@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Sequence
 
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -67,25 +68,35 @@ class ChatTokenizer:
         return cls(tokenizer, chat_template(checkpoint_dir), special_tokens(checkpoint_dir),
                    int(config["thinker_config"]["audio_token_id"]))
 
-    def messages(self, text: str, with_audio: bool) -> list[dict]:
-        """The user turn as transformers' processor takes it for this template (see the module doc)."""
+    def messages(self, text: str, with_audio: bool, history: Sequence[dict] = ()) -> list[dict]:
+        """The earlier turns (``{"role", "content": text}``, oldest first) and the user turn, as transformers'
+        processor takes a conversation for this template (see the module doc)."""
         if self.content_is_string:
             if with_audio:
                 raise InvalidRequest("AUDIO_IN", "cannot be used with this checkpoint: its chat template prints a "
                                                  "message's content as one string, so it has no place for spoken "
                                                  "input (transformers' processor refuses audio with it too)")
-            return [{"role": "user", "content": text}]
+            return [*(dict(message) for message in history), {"role": "user", "content": text}]
         content = [dict(AUDIO_PART)] if with_audio else []
         if text:
             content.append({"type": "text", "text": text})
-        return [{"role": "user", "content": content}]
+        earlier = [{"role": message["role"],
+                    "content": [{"type": "text", "text": message["content"]}] if message["content"] else []}
+                   for message in history]
+        return [*earlier, {"role": "user", "content": content}]
 
     def render(self, text: str, with_audio: bool = False) -> str:
         return self._render(self.messages(text, with_audio))
 
-    def encode_prompt(self, text: str, num_audio_tokens: int = 0) -> list[int]:
-        """Token ids of the user turn + the assistant prompt; ``num_audio_tokens`` pads for spoken input."""
-        prompt = self.render(text, with_audio=num_audio_tokens > 0)
+    def encode_prompt(self, text: str, num_audio_tokens: int = 0, history: Sequence[dict] = ()) -> list[int]:
+        """Token ids of the earlier turns, the user turn and the assistant prompt; ``num_audio_tokens`` pads for
+        spoken input (of this turn: the thinker takes one audio clip per request)."""
+        return self.encode_messages(self.messages(text, num_audio_tokens > 0, history), num_audio_tokens)
+
+    def encode_messages(self, messages: list[dict], num_audio_tokens: int = 0) -> list[int]:
+        """Token ids of a conversation (transformers' message dicts: earlier turns, then the user's) + the
+        assistant prompt; the one audio part's pad expanded to ``num_audio_tokens`` pads."""
+        prompt = self._render(messages)
         bos = self.special_tokens.get("bos_token")
         ids = self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))).ids
         if num_audio_tokens > 0:

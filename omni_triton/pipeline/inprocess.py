@@ -19,13 +19,13 @@ import torch
 from tokenizers import Tokenizer
 
 from omni_triton.engine import EngineConfig
-from omni_triton.models.code2wav import exact_left_context_frames
-from omni_triton.models.code2wav_graphs import GraphSettings
-from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.pipeline.chunk_pacing import ChunkPacer
-from omni_triton.pipeline.code2wav_states import Code2WavStreamStates, StreamChunk
-from omni_triton.pipeline.code2wav_stream import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
-from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
+from omni_triton.models.code2wav.vocoder import exact_left_context_frames
+from omni_triton.models.code2wav.graphs import GraphSettings
+from omni_triton.models.code2wav.runtime import Code2WavRuntime
+from omni_triton.pipeline.code2wav.pacing import ChunkPacer
+from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
+from omni_triton.pipeline.code2wav.chunking import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
+from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import RequestLimits
@@ -69,7 +69,7 @@ class InProcessPipeline:
         self.streams = Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
                                             self.vocoder.streaming_samples, self.device)
         # One vocoder thread, as the served code2wav stage has one instance: with every request's thread decoding
-        # at once, 64 streams ran the H200 out of memory (each thread its own library handles and workspaces).
+        # at once, 64 streams ran a GPU out of memory (each thread its own library handles and workspaces).
         self._vocoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
         self.chunk_pacing = chunk_pacing

@@ -40,8 +40,9 @@ class Preprocessor:
         """Client tensors -> the preprocess outputs of the Triton contract (raises InvalidRequest)."""
         params = parse_request(inputs, self.limits, self.speakers, self.defaults)
         features, num_audio_tokens = self.audio_features(params.audio)
-        input_ids = self.chat.encode_prompt(params.text, num_audio_tokens)
-        check_context(len(input_ids), params.max_tokens, self.context_tokens)
+        input_ids = self.chat.encode_prompt(params.text, num_audio_tokens, params.history)
+        check_context(len(input_ids), params.max_tokens, self.context_tokens,
+                      "HISTORY" if params.history else "TEXT")
         if params.return_audio:
             self.check_talker_fits(input_ids, params.max_audio_frames)
         return {"INPUT_IDS": np.asarray(input_ids, dtype=np.int64), "AUDIO_FEATURES": features,

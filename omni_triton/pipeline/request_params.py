@@ -6,6 +6,7 @@ into an INVALID_ARG error the client can act on.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -14,6 +15,7 @@ import numpy as np
 
 AUDIO_IN_SAMPLE_RATE = 16000
 MIN_AUDIO_SAMPLES = 1600  # 0.1 s: shorter input has too few mel frames to encode
+HISTORY_ROLES = ("system", "user", "assistant")
 
 
 class InvalidRequest(ValueError):
@@ -72,6 +74,8 @@ class RequestParams:
     max_audio_frames: int     # 0: until the talker stops
     min_audio_frames: int
     sequential: bool
+    # the turns before this one, oldest first: ({"role": system/user/assistant, "content": text}, ...)
+    history: tuple[dict, ...] = ()
 
 
 def parse_request(inputs: Mapping[str, np.ndarray | None], limits: RequestLimits,
@@ -103,14 +107,15 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], limits: RequestLimits
         repetition_penalty=repetition_penalty, talker_repetition_penalty=talker_repetition_penalty, seed=seed,
         return_audio=_bool(inputs, "RETURN_AUDIO", True), ignore_eos=_bool(inputs, "IGNORE_EOS", False),
         max_audio_frames=max_audio_frames, min_audio_frames=min_audio_frames,
-        sequential=_bool(inputs, "SEQUENTIAL", False),
+        sequential=_bool(inputs, "SEQUENTIAL", False), history=_history(inputs.get("HISTORY"), limits),
     )
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int, context_tokens: int) -> None:
-    """The prompt plus the tokens to generate must fit the model's context / KV budget."""
+def check_context(num_prompt_tokens: int, max_tokens: int, context_tokens: int, field: str = "TEXT") -> None:
+    """The prompt plus the tokens to generate must fit the model's context / KV budget (``field``: the input
+    blamed, HISTORY when earlier turns are part of the prompt)."""
     if num_prompt_tokens + max_tokens > context_tokens:
-        raise InvalidRequest("TEXT", f"is too long: the prompt is {num_prompt_tokens} tokens and MAX_TOKENS is "
+        raise InvalidRequest(field, f"is too long: the prompt is {num_prompt_tokens} tokens and MAX_TOKENS is "
                                      f"{max_tokens}, more than the context of {context_tokens} tokens")
 
 
@@ -172,6 +177,34 @@ def _text(value: np.ndarray | None, limits: RequestLimits) -> str:
     if len(text) > limits.max_text_chars:
         raise InvalidRequest("TEXT", f"is {len(text)} characters, more than the limit of {limits.max_text_chars}")
     return text
+
+
+def _history(value: np.ndarray | None, limits: RequestLimits) -> tuple[dict, ...]:
+    """HISTORY: a JSON list of earlier messages, ``[{"role": "system"|"user"|"assistant", "content": "text"}]``,
+    each content within the text limit (the whole prompt is bounded by the context, check_context)."""
+    if value is None:
+        return ()
+    raw = _utf8("HISTORY", _scalar({"HISTORY": value}, "HISTORY", "OSU"))
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise InvalidRequest("HISTORY", f"is not JSON: {error}") from None
+    if not isinstance(messages, list):
+        raise InvalidRequest("HISTORY", f"must be a JSON list of messages, got {type(messages).__name__}")
+    history = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise InvalidRequest("HISTORY", f"[{index}] must be an object with exactly 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if role not in HISTORY_ROLES:
+            raise InvalidRequest("HISTORY", f"[{index}].role must be one of {list(HISTORY_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise InvalidRequest("HISTORY", f"[{index}].content must be a string, got {type(content).__name__}")
+        if len(content) > limits.max_text_chars:
+            raise InvalidRequest("HISTORY", f"[{index}].content is {len(content)} characters, more than the limit "
+                                            f"of {limits.max_text_chars}")
+        history.append({"role": role, "content": content})
+    return tuple(history)
 
 
 def _speaker(value: np.ndarray | None, speakers: Mapping[str, int]) -> tuple[str, int]:

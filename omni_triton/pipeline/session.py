@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 import torch
 
 from omni_triton import trace
-from omni_triton.pipeline.code2wav_stream import Code2WavStream
+from omni_triton.pipeline.code2wav.chunking import Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 
 
@@ -103,6 +103,8 @@ class Session:
             self._check("thinker")
             if audio_worker is not None:
                 audio_worker.raise_error()  # a failed audio path ends the request now, not when text ends
+                # its code2wav call to a stage that died returns only with Triton's own verdict, 1-3 s later
+                self._check("code2wav")
 
         trace.event(self.request_id, "session.start")
         first_chunk = True
@@ -137,7 +139,7 @@ class Session:
                 audio_worker.join(lambda: self._check("code2wav"))
         finally:
             if audio_worker is not None:
-                audio_worker.stop()
+                audio_worker.stop(leave_call=self.stage_failure("code2wav") is not None)
                 if self.audio_stream_stateful:
                     self.clients.code2wav_close()  # after stop: no chunk of this stream is sent after it
             trace.event(self.request_id, "session.finished")  # ends the level's window in trace breakdowns
@@ -266,6 +268,7 @@ class _AudioWorker:
         self._error: BaseException | None = None
         self._stopped = stopped  # ``frames`` ends once it is set
         self._done = threading.Event()
+        self._in_call = threading.Event()  # inside a code2wav call
         self._request_id = request_id  # for trace events only
         self._traced: set[str] = set()  # trace events cover the way to the first audio, once each
         self._thread = threading.Thread(target=self._run, name="talker-frames", daemon=True)
@@ -290,10 +293,14 @@ class _AudioWorker:
         while (job := self._stream.next_job(final=final)) is not None:
             self._trace_once("session.code2wav_first_call")
             started = time.monotonic()
-            if self._stream.policy.stateful:
-                audio = self._clients.code2wav_stream(job.codes, first=job.start_frame == 0)
-            else:
-                audio = self._clients.code2wav(job.codes, job.context_frames)
+            self._in_call.set()
+            try:
+                if self._stream.policy.stateful:
+                    audio = self._clients.code2wav_stream(job.codes, first=job.start_frame == 0)
+                else:
+                    audio = self._clients.code2wav(job.codes, job.context_frames)
+            finally:
+                self._in_call.clear()
             if self._stopped.is_set():
                 return  # the session ended while this call was blocked (a code2wav that died): say nothing
             if audio.numel():
@@ -324,10 +331,15 @@ class _AudioWorker:
             check()
         self.raise_error()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0, leave_call: bool = False) -> None:
         """End the worker before the session ends: past that, its checks would ask Triton whether a request is
         cancelled after its response sender is gone, which crashes the server (TRITONBACKEND_ResponseFactory-
         IsCancelled on a freed factory), and it could still emit. A worker blocked in a call to a dead stage
-        is left behind: when that call returns it sees ``stopped`` and ends without a word."""
+        is left behind: when that call returns it sees ``stopped`` and ends without a word. With ``leave_call``
+        (code2wav died) one inside a code2wav call is left at once: that call ends only with Triton's verdict,
+        1-3 s later, and after it the worker makes no check (an error ends it; a return sees ``stopped``, and
+        the frame stream then ends on ``stopped`` before any check)."""
         self._stopped.set()
+        if leave_call and self._in_call.is_set():
+            return
         self._thread.join(timeout_s)

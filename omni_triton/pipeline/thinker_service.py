@@ -19,6 +19,7 @@ import torch
 
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, ThinkerStage
 from omni_triton.engine.handoff import to_device_async
+from omni_triton.engine.prefix_cache import tensor_digest
 from omni_triton.engine.warmup import warm_up
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_thinker
@@ -128,6 +129,8 @@ class ThinkerService:
         inputs = {"prompt_token_ids": list(request.input_ids)}
         if audio_embeds is not None:
             inputs["audio_embeds"] = audio_embeds
+            if self.engine.block_manager.prefix_caching:  # names the audio rows' blocks by the recording's features
+                inputs["audio_key"] = tensor_digest(request.audio_features)
         self.loop.add_request(request_id, request.sampling, callback=rows, **inputs)
 
     def abort(self, request_id: str) -> None:

@@ -14,19 +14,18 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.engine.handoff import InputStream, ready_event
-from omni_triton.models.code2wav import exact_left_context_frames
-from omni_triton.models.code2wav_graphs import GraphSettings
-from omni_triton.models.code2wav_runtime import Code2WavRuntime
-from omni_triton.pipeline.code2wav_states import Code2WavStreamStates
-from omni_triton.pipeline.code2wav_stream import StreamDecoder
-from omni_triton.pipeline.code2wav_warmup import warm_up_vocoder
-from omni_triton.server.code2wav_requests import Code2WavRequests
-from omni_triton.server.deferred_sends import DeferredSends, PendingResponse
-from omni_triton.server.metrics import HostHopCounter
-from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
-                                          report_native_crashes)
-from omni_triton.server.stage_io import (chunk_policy, configure_interstage_memory, from_torch, load_options,
-                                         stage_device, stage_loading)
+from omni_triton.models.code2wav.vocoder import exact_left_context_frames
+from omni_triton.models.code2wav.graphs import GraphSettings
+from omni_triton.models.code2wav.runtime import Code2WavRuntime
+from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates
+from omni_triton.pipeline.code2wav.chunking import StreamDecoder
+from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
+from omni_triton.stages.code2wav_requests import Code2WavRequests
+from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
+from omni_triton.stages.metrics import HostHopCounter
+from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, load_options,
+                                           replica_labels, report_native_crashes, stage_device)
+from omni_triton.stages.stage_io import configure_interstage_memory, from_torch, stage_loading
 from omni_triton.stage_profile import start_watching
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
@@ -38,26 +37,27 @@ class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
         start_watching("code2wav")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
-        params = model_parameters(args)
-        limit_torch_threads(int(params["torch_threads"]))
-        configure_interstage_memory(params["interstage_memory"])
-        self.device = stage_device(params, args)
-        kind, engine_argument = RUNTIMES[params["runtime"]]
-        if kind == "auto" and params["engine_path"]:  # the engine file's kind says which runtime it is for
-            engine_argument = "plan_path" if params["engine_path"].endswith(".plan") else "onnx_path"
-        engine = {engine_argument: params["engine_path"]} if engine_argument else {}
+        settings = launch_settings(args)
+        limit_torch_threads(settings.threads_of("code2wav"))
+        configure_interstage_memory(settings.interstage_memory)
+        self.device = stage_device(settings, args)
+        kind, engine_argument = RUNTIMES[settings.code2wav_runtime]
+        engine_path = settings.code2wav_engine_path
+        if kind == "auto" and engine_path:  # the engine file's kind says which runtime it is for
+            engine_argument = "plan_path" if engine_path.suffix == ".plan" else "onnx_path"
+        engine = {engine_argument: str(engine_path or "")} if engine_argument else {}
         # torch on a GPU: short calls replay CUDA graphs, batches padded up to buckets of this stage's max batch;
         # the first-chunk shapes (warm start: every short call's) are captured here, before the first request
         max_batch = int(json.loads(args["model_config"])["max_batch_size"])
-        warmup = params["warmup"] == "on"
-        graphs = dict(cuda_graphs=params["cuda_graphs"] == "on",
-                      graph_settings=GraphSettings.for_stage(max_batch, int(params["first_chunk_frames"]),
+        warmup = settings.resolved_warmup
+        graphs = dict(cuda_graphs=settings.cuda_graphs,
+                      graph_settings=GraphSettings.for_stage(max_batch, settings.first_chunk_frames,
                                                              every_short_call=warmup))
         with stage_loading("code2wav"):
-            self.vocoder = Code2WavRuntime.create(kind, params["checkpoint_dir"], device=self.device,
-                                                  dtype=getattr(torch, params["dtype"]), **engine,
-                                                  **load_options(params), **graphs)
-            policy = chunk_policy(params)
+            self.vocoder = Code2WavRuntime.create(kind, str(settings.checkpoint_dir), device=self.device,
+                                                  dtype=getattr(torch, settings.resolved_dtype), **engine,
+                                                  **load_options(settings), **graphs)
+            policy = chunk_policy(settings)
             if warmup and not policy.stateful:  # stateful short calls: their graphs are captured at start
                 warm_up_vocoder(self.vocoder, policy.resolved(exact_left_context_frames(self.vocoder.config)),
                                 max_batch)
@@ -66,7 +66,7 @@ class TritonPythonModel:
         self.streams = (Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
                                              self.vocoder.streaming_samples, self.device, initial_slots=2 * max_batch)
                         if self.vocoder.streams else None)
-        stateful = params["left_context_frames"] == "stateful"
+        stateful = policy.stateful
         if self.streams is None and stateful:
             raise ValueError(f"--left-context-frames stateful needs a code2wav runtime that streams with state "
                              f"(torch, or onnx with an export_code2wav_onnx --stateful file), not {self.vocoder.kind}")
@@ -134,12 +134,18 @@ class TritonPythonModel:
             for index in {*owners, *chunk_owners}:
                 responses[index] = _failed(error)
             outputs = []
-        self.sends.send_after(ready_event(self.device), outputs,
-                              [PendingResponse(request.get_response_sender(), make)
-                               for request, make in zip(requests, responses)])
+        # the gauges first: a client that reads them once its response arrived sees this call's streams
         self.batch_chunks.set(len(jobs) + len(chunks))
         self.decoded_frames.increment(sum(job.num_frames for job in jobs) + sum(c.codes.shape[1] for c in chunks))
         self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
+        decoded = ready_event(self.device)
+        self.sends.send_after(decoded, outputs, [PendingResponse(request.get_response_sender(), make)
+                                                 for request, make in zip(requests, responses)])
+        # back to Triton once this batch's decode is done, not before: the chunks that arrive meanwhile make the
+        # next batch (returning at once left the batcher a chunk or two a call: 2x the first chunk's time at 64
+        # streams); the export and send still overlap the next batch (deferred_sends)
+        if decoded is not None:
+            decoded.synchronize()
         return None
 
     def finalize(self):

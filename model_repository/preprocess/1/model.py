@@ -5,27 +5,27 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.error_tags import triton_error
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
-from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
+from omni_triton.stages.model_args import launch_settings, limit_torch_threads, report_native_crashes
 
 CLIENT_INPUTS = ("TEXT", "AUDIO_IN", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER", "TEMPERATURE", "TOP_P", "TOP_K",
                  "REPETITION_PENALTY", "TALKER_REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS",
-                 "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL")
+                 "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL", "HISTORY")
 
 
 class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
-        params = model_parameters(args)
-        limit_torch_threads(int(params["torch_threads"]))
+        settings = launch_settings(args)
+        limit_torch_threads(settings.threads_of("preprocess"))
         limits = RequestLimits(
-            max_text_chars=int(params["max_text_chars"]), max_audio_seconds=float(params["max_audio_seconds"]),
-            max_tokens_cap=int(params["max_tokens_cap"]), default_max_tokens=int(params["default_max_tokens"]),
-            max_audio_frames_cap=int(params["max_audio_frames_cap"]))
+            max_text_chars=settings.max_text_chars, max_audio_seconds=settings.max_audio_seconds,
+            max_tokens_cap=settings.max_tokens_cap, default_max_tokens=settings.default_max_tokens,
+            max_audio_frames_cap=settings.max_audio_frames_cap)
         # what each engine's cache holds: whole blocks, at least one (as the engines size it)
-        block = int(params["kv_block_size"])
-        thinker_tokens, talker_tokens = (max(1, int(params[key]) // block) * block
-                                         for key in ("kv_cache_tokens", "talker_kv_cache_tokens"))
-        self.preprocessor = Preprocessor(params["checkpoint_dir"], limits, thinker_tokens, talker_tokens)
+        block = settings.kv_block_size
+        thinker_tokens, talker_tokens = (max(1, tokens // block) * block for tokens in
+                                         (settings.kv_cache_tokens, settings.resolved_talker_kv_cache_tokens))
+        self.preprocessor = Preprocessor(settings.checkpoint_dir, limits, thinker_tokens, talker_tokens)
         self.rejected = pb_utils.MetricFamily(
             "omni_preprocess_rejected_requests_total", "requests refused with INVALID_ARG, by input",
             pb_utils.MetricFamily.COUNTER)

@@ -5,12 +5,12 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.engine.handoff import InputStream
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
-from omni_triton.server.metrics import HostHopCounter, StageMetrics, engine_snapshot
-from omni_triton.server.model_args import (limit_torch_threads, model_parameters, replica_labels,
-                                          report_native_crashes)
-from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, host_array,
-                                         input_arrays, load_options, quantization, send_output, stage_device,
-                                         stage_loading, talker_output_tensors, thinker_output_from_request)
+from omni_triton.stages.metrics import HostHopCounter, StageMetrics, engine_snapshot
+from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
+                                           quantization, replica_labels, report_native_crashes, stage_device)
+from omni_triton.stages.stage_io import (answer_abort, configure_interstage_memory, host_array, input_arrays,
+                                         send_output, stage_loading, talker_output_tensors,
+                                         thinker_output_from_request)
 from omni_triton.stage_profile import start_watching
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
@@ -22,17 +22,17 @@ class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
         start_watching("talker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
-        params = model_parameters(args)
-        limit_torch_threads(int(params["torch_threads"]))
-        configure_interstage_memory(params["interstage_memory"])
-        device = stage_device(params, args)
-        config, dtype = engine_config(params, device)
+        settings = launch_settings(args)
+        limit_torch_threads(settings.threads_of("talker"))
+        configure_interstage_memory(settings.interstage_memory)
+        device = stage_device(settings, args)
+        config, dtype = engine_config(settings, "talker", device)
         self.inputs = InputStream(device)  # request inputs copied without waiting for the talker's steps
         with stage_loading("talker"):
-            self.service = TalkerService(params["checkpoint_dir"], config, dtype, **load_options(params),
-                                         quantization=quantization(params))
+            self.service = TalkerService(settings.checkpoint_dir, config, dtype, **load_options(settings),
+                                         quantization=quantization(settings))
         labels = replica_labels(args)
-        self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=params["device"] != "cpu", labels=labels)
+        self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=settings.device != "cpu", labels=labels)
         self.metrics = StageMetrics(pb_utils, "talker", lambda: engine_snapshot(
             self.service.loop.stats(), extra_active=self.service.num_pending), labels=labels)
 

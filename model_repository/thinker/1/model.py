@@ -5,10 +5,10 @@ import itertools
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.stage_requests import thinker_request
-from omni_triton.server.metrics import StageMetrics, engine_snapshot
-from omni_triton.server.model_args import limit_torch_threads, model_parameters, report_native_crashes
-from omni_triton.server.stage_io import (answer_abort, configure_interstage_memory, engine_config, input_arrays,
-                                         load_options, quantization, send_output, stage_device,
+from omni_triton.stages.metrics import StageMetrics, engine_snapshot
+from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
+                                           quantization, report_native_crashes, stage_device)
+from omni_triton.stages.stage_io import (answer_abort, configure_interstage_memory, input_arrays, send_output,
                                          stage_loading, thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
 from omni_triton.stage_profile import start_watching
@@ -21,13 +21,13 @@ class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
         start_watching("thinker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
-        params = model_parameters(args)
-        limit_torch_threads(int(params["torch_threads"]))
-        configure_interstage_memory(params["interstage_memory"])
-        config, dtype = engine_config(params, stage_device(params, args))
+        settings = launch_settings(args)
+        limit_torch_threads(settings.threads_of("thinker"))
+        configure_interstage_memory(settings.interstage_memory)
+        config, dtype = engine_config(settings, "thinker", stage_device(settings, args))
         with stage_loading("thinker"):
-            self.service = ThinkerService(params["checkpoint_dir"], config, dtype, **load_options(params),
-                                          quantization=quantization(params))
+            self.service = ThinkerService(settings.checkpoint_dir, config, dtype, **load_options(settings),
+                                          quantization=quantization(settings))
         self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()))
         self._anonymous = itertools.count()
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from omni_triton.bench.metrics import RequestTiming
 from omni_triton.bench.runners import SharedWorker, time_request
-from omni_triton.server.repository import LaunchConfig
+from omni_triton.shared.settings import LaunchConfig
 
 
 class InProcessRunner:
@@ -16,20 +16,18 @@ class InProcessRunner:
     max_concurrency = None
 
     def __init__(self, config: LaunchConfig):
-        from omni_triton.pipeline.code2wav_stream import ChunkPolicy
-        from omni_triton.pipeline.inprocess import InProcessPipeline
-        from omni_triton.server.stage_io import engine_config
+        import torch
 
-        # each engine as its served stage reads it from its config.pbtxt parameters
-        (thinker, dtype), (talker, _) = (engine_config(config.template_values(stage))
-                                         for stage in ("thinker", "talker"))
+        from omni_triton.pipeline.inprocess import InProcessPipeline
+        from omni_triton.stages.model_args import chunk_policy, engine_config, quantization
+
+        # each engine and the chunking as the served stages build them from the same settings
+        device = torch.device(config.device)
+        (thinker, dtype), (talker, _) = (engine_config(config, stage, device) for stage in ("thinker", "talker"))
         self.pipeline = InProcessPipeline(
             config.checkpoint_dir, device=config.device, dtype=dtype, engine_config=thinker,
             talker_engine_config=talker, load_format=config.load_format, seed=config.dummy_seed,
-            policy=ChunkPolicy.from_setting(config.first_chunk_frames, config.next_chunk_frames,
-                                            config.resolved_left_context_frames),
-            chunk_pacing=config.chunk_pacing,
-            quantization=None if config.quantization == "none" else config.quantization)
+            policy=chunk_policy(config), chunk_pacing=config.chunk_pacing, quantization=quantization(config))
 
     def open_worker(self) -> SharedWorker:
         return SharedWorker(self.request)

@@ -57,7 +57,7 @@ def bench_dtype(device: str):
 def load_config(checkpoint_dir: str | Path):
     from transformers import Qwen3OmniMoeConfig
 
-    from build_engines.transformers_rope_keys import quiet_mrope_key_warning
+    from omni_triton.checkpoints.transformers_rope_keys import quiet_mrope_key_warning
 
     with quiet_mrope_key_warning():
         return Qwen3OmniMoeConfig.from_pretrained(checkpoint_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -32,14 +33,24 @@ class TritonStreamWorker:
     def request(self, tensors: dict[str, np.ndarray]) -> RequestTiming:
         text = tensors["TEXT"].reshape(-1)[0].decode("utf-8")
         scalars = {name.lower(): value.reshape(-1)[0].item() for name, value in tensors.items() if name != "TEXT"}
-        timing = RequestTiming()
+        return self.stream_timed(RequestTiming(), text, **scalars)
+
+    def stream_timed(self, timing: RequestTiming, text: str, audio_in: np.ndarray | None = None,
+                     after_chunk: Callable[[], None] | None = None, **options) -> RequestTiming:
+        """Stream one request, recording what its client saw into ``timing``; ``after_chunk()`` runs after each
+        audio chunk is recorded (e.g. a cancel mid-stream); ``options``: OmniStreamClient.stream's."""
         start = time.perf_counter()
+
+        def on_audio(chunk: np.ndarray) -> None:
+            timing.audio_chunks.append((time.perf_counter() - start, chunk.size))
+            if after_chunk is not None:
+                after_chunk()
+
         try:
             self.client.stream(
-                text, timeout_s=self.timeout_s,
-                on_text=lambda delta: timing.text_times.append(time.perf_counter() - start),
-                on_audio=lambda chunk: timing.audio_chunks.append((time.perf_counter() - start, chunk.size)),
-                **scalars)
+                text, audio_in, timeout_s=self.timeout_s,
+                on_text=lambda delta: timing.text_times.append(time.perf_counter() - start), on_audio=on_audio,
+                **options)
         except Exception as error:  # a failed request is a result to report, not a crash of the benchmark
             timing.error = f"{type(error).__name__}: {error}"
             timing.error_code = getattr(error, "code", type(error).__name__)

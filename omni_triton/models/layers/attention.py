@@ -181,7 +181,7 @@ def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: t
     """Prefill rows through SDPA, one call per sequence (the torch path; the prefill kernel replaces it on CUDA)."""
     gqa = q.shape[1] != k.shape[1]
     # The fast path asks for flash attention (GQA without K/V copies), which takes only 4-D inputs: with the
-    # 3-D ones of the CPU path, torch fell back to its fp32 math attention on the H100 (measured in the prefill
+    # 3-D ones of the CPU path, torch fell back to its fp32 math attention on the GPU (measured in the prefill
     # profile: fp32 GEMMs + softmax + elementwise, a third of a 2048-token step's GPU time).
     with sdpa_kernel(PREFILL_BACKENDS) if use_kernels else contextlib.nullcontext():
         for row, n in plan.fresh_prefills:

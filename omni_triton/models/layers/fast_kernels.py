@@ -14,7 +14,7 @@ programs, partials summed by the last; up to ``SPLIT_MAX_ROWS`` rows) or "gemv" 
 ``GEMV_MAX_ROWS`` rows multiply-adds, a few columns per program over the whole K; split-K above). It also
 covers the decode step's linears of the decoder layers (``step_linear``: attention qkv and o_proj, the MoE's
 router and shared expert): "gemv" runs them as the same multiply-add kernel at up to ``GEMV_MAX_ROWS`` rows
-(cuBLAS took ~twice as long for these few-row products on the H200), the other two keep cuBLAS, so the
+(cuBLAS is slower for these few-row products: docs/performance.md), the other two keep cuBLAS, so the
 microbenchmark's variants ("graphs", "splitk", "gemv") compare both side by side.
 
 Switching on also packs the projections that read one input (q/k/v, gate/up; the talker MoE's shared-expert

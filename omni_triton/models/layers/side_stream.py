@@ -1,7 +1,7 @@
 """Work that can run beside the main stream's: forked onto a second CUDA stream, joined before its result is read.
 
 The talker's MoE block has two independent halves after its packed input projection: the shared expert's
-SiLU-and-mul and down projection (~6 us at 64 rows on the H200) and the routed experts (routing, the sorted
+SiLU-and-mul and down projection (microseconds at 64 rows) and the routed experts (routing, the sorted
 layout, two grouped GEMMs: ~90 us, reading HBM at ~3.5 TB/s). On one stream the shared half sits on the
 critical path of each of the 20 layers; on a side stream it runs under the routed GEMMs. Under CUDA-graph
 capture the fork and join become the graph's edges (a stream forked from the capturing one is captured with

@@ -1,0 +1,243 @@
+"""Launch options that ``omni-triton serve`` and ``omni-triton bench`` share: which weights (a checkpoint dir,
+or seeded random weights of a model config with no checkpoint on disk: ``--config NAME --load-format dummy``),
+the KV budget, and the engines' fast path.
+
+``--config`` takes a shipped config name (``qwen3_omni_30b_a3b``: Qwen3-Omni-30B-A3B's dimensions) or a dir
+with config.json; the stages then read a dummy checkpoint dir built from it once
+(``omni_triton.checkpoints.dummy``: the config, a tokenizer with the config's token ids, a generation
+config; ``checkpoints/dummy/<name>``), and build their weights on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from omni_triton.launch.memory_plan import (DEFAULT_UTILIZATION, THINKER_KV_SHARE, kv_budget, kv_tokens_setting,
+                                            word_or_count)
+from omni_triton.shared.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
+                                          parse_stage_gpus)
+from omni_triton.shared.settings import (CHUNK_PACING, CPU_KV_CACHE_TOKENS, LINEAR_LAUNCHES, LOAD_FORMATS,
+                                         QUANTIZATIONS, LaunchConfig, admission_capacity_setting, on_off)
+
+
+class LaunchOptionError(ValueError):
+    """Launch options that do not go together; the message names them."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    checkpoint_dir: Path
+    load_format: str = "safetensors"
+    seed: int = 0
+
+    @property
+    def random_weights(self) -> bool:
+        return self.load_format == "dummy"
+
+
+def add_model_source_arguments(group) -> None:
+    """--config, --load-format, --dummy-seed, --dummy-layers, --quantization (the caller adds its own
+    --checkpoint)."""
+    group.add_argument("--config", metavar="NAME_OR_DIR",
+                       help="serve seeded random weights of this model config, no checkpoint needed: a shipped "
+                            "config (qwen3_omni_30b_a3b = Qwen3-Omni-30B-A3B's dimensions) or a dir with "
+                            "config.json; implies --load-format dummy (default: none, serve --checkpoint)")
+    group.add_argument("--load-format", choices=LOAD_FORMATS,
+                       help="safetensors: the checkpoint's weights; dummy: seeded random weights built on the "
+                            "device from config.json (default: safetensors, dummy with --config)")
+    group.add_argument("--dummy-seed", type=int, default=LaunchConfig.dummy_seed,
+                       help="seed of the dummy weights (default: %(default)s)")
+    group.add_argument("--dummy-layers", type=int, metavar="N",
+                       help="with --config: cut thinker and talker to at most N layers (full width), e.g. to fit "
+                            "a smaller GPU (default: the config's)")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=LaunchConfig.quantization,
+                       help="fp8: the thinker's and talker's decoder linears and experts quantized at load to "
+                            "block-FP8 (128 x 128 blocks, docs/fp8.md), the checkpoint's or the random weights; a "
+                            "checkpoint with an FP8 quantization_config is served as FP8 either way "
+                            "(default: %(default)s)")
+
+
+def add_memory_arguments(group) -> None:
+    """What sizes GPU memory beyond the weights: the KV budget, and the vocoder's activations (frames and chunks
+    per call)."""
+    thinker, talker = round(100 * THINKER_KV_SHARE), 100 - round(100 * THINKER_KV_SHARE)
+    group.add_argument("--kv-cache-tokens", type=kv_tokens_setting, default="auto",
+                       help="KV budget per engine in tokens, or auto: on cuda what fits the GPU memory free at "
+                            f"launch after weights and activations ({thinker}%% of the KV bytes to the thinker, "
+                            f"{talker}%% to the talker; printed at start), on cpu {CPU_KV_CACHE_TOKENS} "
+                            "(default: %(default)s)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION,
+                       help="with --kv-cache-tokens auto on cuda: the fraction of the GPU memory free at launch "
+                            "that weights, activations and KV caches may fill (default: %(default)s)")
+    group.add_argument("--left-context-frames", type=left_context_setting,
+                       help="how a code2wav chunk gets its past: stateful (new frames only, the vocoder keeps each "
+                            "stream's state: one-pass audio at the cost of the new frames), exact (re-decode the "
+                            "vocoder's whole receptive field per chunk), or a frame count (less compute than exact, "
+                            "audio no longer equal to a one-pass decode) (default: stateful with --code2wav-runtime "
+                            "torch, exact with the others)")
+    group.add_argument("--code2wav-max-batch", type=int, default=LaunchConfig.code2wav_max_batch,
+                       help="audio chunks decoded together in one vocoder call; its activations grow with it "
+                            "(default: %(default)s)")
+
+
+def add_engine_arguments(group) -> None:
+    group.add_argument("--fast-path", choices=["on", "off"], default=on_off(LaunchConfig.fast_path),
+                       help="cuda: the engines' Triton kernels and GPU sampling (off: the plain torch path, the "
+                            "reference; the CPU always runs it) (default: %(default)s)")
+    group.add_argument("--cuda-graphs", choices=["on", "off"], default=on_off(LaunchConfig.cuda_graphs),
+                       help="cuda: with --fast-path on, the engines' decode steps as CUDA graphs; with or without "
+                            "it, the code2wav torch runtime's short chunks (first-chunk shapes captured at start) "
+                            "(default: %(default)s)")
+    group.add_argument("--prefill-graphs", choices=["on", "off"], default=on_off(LaunchConfig.prefill_graphs),
+                       help="cuda: with --fast-path and --cuda-graphs on, the engines' steps with prefill rows "
+                            "(prompts, chunks, mixed steps of up to --max-batched-tokens) as CUDA graphs too, one "
+                            "per token bucket, captured at start (default: %(default)s)")
+    group.add_argument("--linear-launch", choices=LINEAR_LAUNCHES, default=LaunchConfig.linear_launch,
+                       help="cuda: with --fast-path on, how the talker's code predictor launches its small linears: "
+                            "gemv (multiply-adds for 1-2 rows, split-K up to 32, one pass above, cuBLAS for the wide "
+                            "outputs from 8 rows; the decode steps' layer linears at 1-2 rows too), split-k (no GEMV, the "
+                            "predictor's wide outputs fused at every row count too), or one-pass (one MMA tile a "
+                            "program, never split); the two last keep cuBLAS for the layers (default: %(default)s)")
+    group.add_argument("--dependent-launch", choices=["on", "off"], default=on_off(LaunchConfig.dependent_launch),
+                       help="cuda sm_90+: with --fast-path on, the engines' Triton kernels start while the previous "
+                            "kernel ends (programmatic dependent launch; the linears prefetch their weights "
+                            "meanwhile) (default: %(default)s)")
+    group.add_argument("--overlap-steps", choices=["on", "off"], default=on_off(LaunchConfig.overlap_steps),
+                       help="the thinker and the talker (under its CUDA graphs) launch each decode step before the "
+                            "last one's tokens reach the host, whose host work then runs while the GPU computes (the "
+                            "same tokens; engine/overlap.py) (default: %(default)s)")
+    group.add_argument("--prefix-caching", choices=["on", "off"], default=on_off(LaunchConfig.prefix_caching),
+                       help="the thinker and the talker reuse the KV blocks (and streamed states) of prompt prefixes "
+                            "computed before: a conversation's later turns and a shared system prompt cost only "
+                            "their new tokens (docs/prefix_caching.md) (default: %(default)s)")
+
+
+def add_load_arguments(group) -> None:
+    """How streams are paced and admitted under load (docs/load.md)."""
+    group.add_argument("--chunk-pacing", choices=CHUNK_PACING, default=LaunchConfig.chunk_pacing,
+                       help="adaptive: each stream's audio chunks follow its frame rate and its listener's buffer "
+                            "(decoded early when waiting would let the listener run dry, else growing to "
+                            "--next-chunk-frames); ramp: the fixed ramp alone (default: %(default)s)")
+    group.add_argument("--admission-queue", type=int, metavar="N",
+                       help="requests that may wait for admission (FIFO; the wait counts in their TTFA); past it "
+                            "a request is refused with UNAVAILABLE (default: --max-inflight)")
+    group.add_argument("--admission-capacity", type=_admission_capacity, metavar="auto|off|AUDIO_S_PER_S",
+                       help="admit a stream only while every running one keeps real time: auto (estimated from "
+                            "the frame rate streams get, learned online), off (--max-inflight alone), or a fixed "
+                            "capacity in audio-seconds per second (default: auto on cuda, off on cpu)")
+    group.add_argument("--admission-max-starting", type=int, metavar="N",
+                       help="streams admitted and not yet playing at once: a burst's starts are staggered so that "
+                            "their prefills do not starve the streams already playing (0: no limit; default: 6 on "
+                            "cuda, 0 on cpu)")
+
+
+def _admission_capacity(text: str) -> str:
+    try:
+        admission_capacity_setting(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def add_placement_arguments(group) -> None:
+    """--stage-gpus and --instances: where each stage runs (omni_triton.shared.placement)."""
+    group.add_argument("--stage-gpus", type=_option_type(parse_stage_gpus), default={}, metavar="STAGE=GPUS,...",
+                       help=f"cuda: the GPU(s) of each stage ({', '.join(GPU_STAGES)}), e.g. "
+                            "thinker=0,talker=1,code2wav=1; several GPUs with ':' (talker=1:2); stages not named run "
+                            "on GPU 0, the orchestrator on the thinker's (default: all on GPU 0)")
+    group.add_argument("--instances", type=_option_type(parse_instances), default={}, metavar="STAGE=N,...",
+                       help=f"instances of {' and '.join(REPLICABLE_STAGES)} per GPU of the stage (Triton "
+                            "instance_group count; the memory plan gives each its KV cache), e.g. "
+                            "talker=2,code2wav=2 (default: 1 each)")
+
+
+def _option_type(parse: Callable[[str], dict]) -> Callable[[str], dict]:
+    def parse_argument(text: str) -> dict:
+        try:
+            return parse(text)
+        except PlacementError as error:  # argparse shows an ArgumentTypeError's own message
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parse_argument
+
+
+def placement(args: argparse.Namespace) -> Placement:
+    """The placement ``args`` give (raises LaunchOptionError naming the option and value)."""
+    if args.stage_gpus and args.device != "cuda":
+        raise LaunchOptionError(f"--stage-gpus places stages on GPUs: it needs --device cuda (got --device "
+                                f"{args.device})")
+    try:
+        return Placement(gpus=args.stage_gpus, instances=args.instances)
+    except PlacementError as error:
+        raise LaunchOptionError(str(error)) from None
+
+
+def model_source(args: argparse.Namespace, default_checkpoint: Callable[[], Path] | None = None) -> ModelSource:
+    """The weights ``args`` name (raises LaunchOptionError for options that do not go together); without
+    --checkpoint or --config, ``default_checkpoint()``."""
+    if args.config and args.checkpoint:
+        raise LaunchOptionError("give --checkpoint DIR or --config NAME_OR_DIR, not both")
+    load_format = args.load_format or ("dummy" if args.config else "safetensors")
+    if args.config and load_format != "dummy":
+        raise LaunchOptionError(f"--config serves random weights: --load-format {load_format} needs --checkpoint")
+    if args.dummy_layers is not None and not args.config:
+        raise LaunchOptionError("--dummy-layers cuts a --config (a shipped name or a dir with config.json)")
+    if args.dummy_layers is not None and args.dummy_layers < 1:
+        raise LaunchOptionError(f"--dummy-layers must be >= 1, got {args.dummy_layers}")
+    if args.config:
+        from omni_triton.checkpoints.dummy import build
+
+        try:
+            checkpoint = build(args.config, layers=args.dummy_layers)
+        except FileNotFoundError as error:
+            raise LaunchOptionError(f"--config: {error}") from None
+    elif args.checkpoint is not None:
+        checkpoint = Path(args.checkpoint)
+    elif default_checkpoint is not None:
+        checkpoint = default_checkpoint()
+    else:
+        raise LaunchOptionError("give --checkpoint DIR or --config NAME_OR_DIR")
+    return ModelSource(checkpoint, load_format, args.dummy_seed)
+
+
+# planned from its flag and the GPU by the memory plan (with_kv_budget), not taken as given
+PLANNED_SETTINGS = ("kv_cache_tokens", "talker_kv_cache_tokens")
+
+
+def flag_settings(args: argparse.Namespace, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The LaunchConfig fields whose flag has the field's name (``--first-chunk-frames`` -> first_chunk_frames),
+    an on/off flag as a bool: a new setting with such a flag reaches the config with no line here. ``ignored``: a
+    command's flags of a field's name that mean something else there."""
+    values = {}
+    for setting in dataclasses.fields(LaunchConfig):
+        if setting.name in PLANNED_SETTINGS + ignored or not hasattr(args, setting.name):
+            continue
+        value = getattr(args, setting.name)
+        if setting.type in ("bool", "bool | None") and value in ("on", "off"):
+            value = value == "on"
+        values[setting.name] = value
+    return values
+
+
+def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
+                   gpu_processes: int | None = None) -> tuple[LaunchConfig, str]:
+    """``config`` with the engines' KV tokens of ``--kv-cache-tokens`` ``setting`` (``memory_plan.kv_budget``,
+    per GPU of the config's placement: raises DoesNotFit), and the note saying the budget. ``gpu_processes``:
+    1 for the in-process pipeline (default: as served)."""
+    budget = kv_budget(setting, device=config.device, checkpoint_dir=config.checkpoint_dir,
+                       dtype=config.resolved_dtype, utilization=utilization,
+                       max_inflight=config.max_inflight_requests, code2wav_batch=config.code2wav_max_batch,
+                       first_chunk_frames=config.first_chunk_frames, chunk_frames=config.next_chunk_frames,
+                       left_context_frames=config.resolved_left_context_frames, block_size=config.kv_block_size,
+                       gpu_processes=gpu_processes, placement=config.placement,
+                       quantization=None if config.quantization == "none" else config.quantization)
+    return replace(config, kv_cache_tokens=budget.thinker_tokens,
+                   talker_kv_cache_tokens=budget.talker_tokens), budget.note
+
+
+def left_context_setting(value: str) -> int | str:
+    """``--left-context-frames``: stateful, exact or a frame count >= 1."""
+    return word_or_count(value, ("stateful", "exact"), "a frame count")

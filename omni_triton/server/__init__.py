@@ -1,1 +1,0 @@
-"""Launching tritonserver on a rendered model repository (see tritonserver.py and repository.py)."""

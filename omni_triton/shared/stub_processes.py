@@ -1,0 +1,54 @@
+"""The Python-backend stub processes of a running tritonserver, found through /proc: which model instance each
+one runs, whether it is still alive. The launcher watches them to restart the server, the orchestrator's stage
+supervisor to reload a stage, the bench to read their CPU time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omni_triton.shared.procfs import PARENT, STATE, stat_fields
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, or None if it is gone."""
+    fields = stat_fields(pid)
+    return None if fields is None else (fields[STATE], int(fields[PARENT]))
+
+
+def stub_alive(pid: int, parent: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX" and stat[1] == parent  # a killed stub stays a zombie
+
+
+def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
+    """stage -> the pid of its first live instance stub (for stages of one instance)."""
+    return {stage: stubs[min(stubs)] for stage, stubs in find_stub_instances(parent, stages).items()}
+
+
+def stub_instance(argv: list[str]) -> tuple[str, str] | None:
+    """(model, instance name) of a model-instance stub's command line, or None for any other process. A stub's
+    argv is [stub, <repository>/<model>/<version>/model.py, shm region, 2 sizes, parent pid, backend dir, ipc
+    handle, name, ...]; the name is the instance's (talker_0_0, talker_0_1) except in the short-lived stub that
+    auto-completes the model's config while it loads, where it is the model's own: that one is no instance."""
+    parts = Path(argv[1]).parts if len(argv) > 8 else ()
+    if len(parts) >= 3 and parts[-1] == "model.py" and argv[8] != parts[-3]:
+        return parts[-3], argv[8]
+    return None
+
+
+def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, int]]:
+    """stage -> {instance name: pid} of the live model-instance stubs (``stub_instance``) of ``stages`` among
+    ``parent``'s children (the config stub exiting is no death)."""
+    found: dict[str, dict[str, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
+            continue
+        try:
+            argv = [os.fsdecode(arg) for arg in (entry / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        instance = stub_instance(argv)
+        if instance is not None and instance[0] in stages:
+            found.setdefault(instance[0], {})[instance[1]] = int(entry.name)
+    return found

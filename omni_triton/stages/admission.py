@@ -1,0 +1,177 @@
+"""Admission by real-time capacity: start a stream only when the server can keep every playing stream fed.
+
+A listener needs 1 audio-second per second. ``RealtimeCapacity`` estimates what the server generates at a
+number of concurrent streams: the talker's time per frame step grows about linearly with its batch (the
+measured steps: docs/performance.md), so it keeps ``step_s(b) = a + c * b`` fitted online to
+what the orchestrator sees (frames received per second over the streams producing them), starting from a
+prior. Audio-seconds per second at ``b`` streams = ``b / step_s(b) * FRAME_S``. A new stream is admitted when
+``b + 1`` streams would each still get ``headroom`` x real time; a forced capacity (a launch option) replaces
+the estimate with a fixed number of audio-seconds per second (tests; a deployment that measured its own).
+
+Starts are staggered too (``max_starting``): a stream's start (thinker and talker prefills, its first frames and
+vocoder call) is the costliest part of its life, and a burst of starts stalls every playing stream's frames at
+once (most of 64 streams started together ran dry right after their first chunk: docs/performance.md), so at
+most ``max_starting`` streams may be admitted and not yet playing; the rest wait in the queue.
+``Admission`` holds the running count and a FIFO of waiting requests: a request starts at once when nothing
+waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
+frees up), else -- past ``queue_limit`` waiting -- is refused. It counts what waited, for how long, and what
+was refused (the orchestrator's gauges). Pure logic: times come in as arguments.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+FRAME_S = 1 / 12.5           # audio per codec frame
+HEADROOM = 1.1               # each stream should get at least this x real time
+# (a, c): the served talker's frame step at full size, as first measured (docs/performance.md): a prior only
+PRIOR_STEP_S = (0.0075, 6e-5)
+
+
+class RealtimeCapacity:
+    def __init__(self, forced_audio_s_per_s: float | None = None, prior: tuple[float, float] = PRIOR_STEP_S,
+                 smoothing: float = 0.3, headroom: float = HEADROOM):
+        """``forced_audio_s_per_s``: a fixed capacity instead of the learned one. ``prior``: (a, c) of
+        ``step_s`` before observations; ``smoothing``: weight of a new observation in its batch size's running
+        mean."""
+        if forced_audio_s_per_s is not None and not forced_audio_s_per_s > 0:
+            raise ValueError(f"admission capacity must be > 0 audio-seconds per second, got {forced_audio_s_per_s}")
+        self.forced = forced_audio_s_per_s
+        self.prior, self.smoothing, self.headroom = prior, smoothing, headroom
+        self._step_s: dict[int, float] = {}  # streams -> running mean of seconds per frame step
+
+    def observe(self, streams: int, frames: int, seconds: float, batch: int | None = None) -> None:
+        """``frames`` received in ``seconds`` over ``streams`` streams that were producing them throughout, while
+        ``batch`` streams (default ``streams``) shared the server."""
+        batch = streams if batch is None else batch
+        if streams < 1 or frames < 1 or seconds <= 0 or batch < streams:
+            return
+        step = streams * seconds / frames  # each stream got frames / streams of them
+        old = self._step_s.get(batch)
+        self._step_s[batch] = step if old is None else old + self.smoothing * (step - old)
+
+    def step_s(self, streams: int) -> float:
+        """Seconds per frame step at ``streams`` streams: the prior until a batch size is observed, the prior's
+        slope through the one observed, then a least-squares line through the observed (slope >= 0: more
+        streams are never cheaper)."""
+        a0, c0 = self.prior
+        if not self._step_s:
+            return a0 + c0 * streams
+        if len(self._step_s) == 1:
+            ((b, s),) = self._step_s.items()
+            return max(1e-6, s + c0 * (streams - b))
+        points = list(self._step_s.items())
+        mean_b = sum(b for b, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        spread = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = max(0.0, sum((b - mean_b) * (s - mean_s) for b, s in points) / spread)
+        return max(1e-6, mean_s + slope * (streams - mean_b))
+
+    def audio_s_per_s(self, streams: int) -> float:
+        """What the server generates with ``streams`` streams running (all of them together)."""
+        if self.forced is not None:
+            return self.forced
+        return streams / self.step_s(streams) * FRAME_S if streams else 0.0
+
+    def admits(self, running: int) -> bool:
+        """Whether ``running + 1`` streams would each still get ``headroom`` x real time."""
+        return self.audio_s_per_s(running + 1) >= (running + 1) * self.headroom
+
+
+@dataclass
+class Waiting:
+    item: Any
+    since: float
+
+
+class Admission:
+    """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
+
+    def __init__(self, max_running: int, queue_limit: int, capacity: RealtimeCapacity | None,
+                 max_starting: int = 0):
+        """``max_starting``: streams that may be admitted and not yet playing at once (0: no limit)."""
+        if max_running < 1 or queue_limit < 0 or max_starting < 0:
+            raise ValueError(f"max_running must be >= 1, queue_limit and max_starting >= 0, got {max_running}, "
+                             f"{queue_limit}, {max_starting}")
+        self.max_running, self.queue_limit, self.capacity = max_running, queue_limit, capacity
+        self.max_starting = max_starting
+        self._lock = threading.Lock()
+        self._queue: deque[Waiting] = deque()
+        self.running = 0
+        self.starting = 0        # admitted, not playing yet
+        self.waited = 0          # requests that started after waiting in the queue
+        self.wait_s = 0.0        # their waits, summed
+        self.refused = 0
+
+    def _can_start(self) -> bool:
+        if self.running >= self.max_running or (self.max_starting and self.starting >= self.max_starting):
+            return False
+        return self.running == 0 or self.capacity is None or self.capacity.admits(self.running)
+
+    def arrive(self, item: Any, now: float) -> str:
+        """'start' (counted as running now), 'queued' or 'refused'."""
+        with self._lock:
+            if not self._queue and self._can_start():
+                self.running += 1
+                self.starting += 1
+                return "start"
+            if len(self._queue) < self.queue_limit:
+                self._queue.append(Waiting(item, now))
+                return "queued"
+            self.refused += 1
+            return "refused"
+
+    def refusal(self) -> str:
+        """Why ``arrive`` refused, naming the limit."""
+        with self._lock:
+            if self.queue_limit:
+                return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
+                        f"behind {self.running} streaming; retry later")
+            if self.running >= self.max_running:
+                return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
+            if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
+                return (f"server busy: {self.starting} streams starting (admission_max_starting "
+                        f"{self.max_starting}; admission_queue 0); retry later")
+            return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
+                    f"{self.capacity.audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); retry later")
+
+    def playing(self) -> None:
+        """A started stream sent its first audio: its start is over."""
+        with self._lock:
+            self.starting -= 1
+
+    def finished(self, played: bool = True) -> None:
+        """A started stream ended; ``played``: ``playing`` was called for it."""
+        with self._lock:
+            self.running -= 1
+            if not played:
+                self.starting -= 1
+
+    def due(self, now: float) -> list[tuple[Any, float]]:
+        """Waiting requests that may start now, in arrival order, with their waits (counted as running)."""
+        started = []
+        with self._lock:
+            while self._queue and self._can_start():
+                waiting = self._queue.popleft()
+                self.running += 1
+                self.starting += 1
+                self.waited += 1
+                self.wait_s += now - waiting.since
+                started.append((waiting.item, now - waiting.since))
+        return started
+
+    def drop(self, predicate) -> list[Any]:
+        """Remove the waiting requests for which ``predicate(item)`` is true (cancelled, past their deadline)."""
+        with self._lock:
+            kept, gone = deque(), []
+            for waiting in self._queue:
+                (gone.append(waiting.item) if predicate(waiting.item) else kept.append(waiting))
+            self._queue = kept
+        return gone
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)

@@ -1,0 +1,99 @@
+"""What every model_repository/*/1/model.py reads at initialize: its launch settings, and the stage objects built
+from them (device, engine config, chunking, weights), so that each setting is read in one place."""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+from typing import Any
+
+import torch
+
+from omni_triton.engine import EngineConfig
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
+from omni_triton.shared.settings import LaunchConfig
+
+
+def launch_settings(args: dict) -> LaunchConfig:
+    """The launch settings the launcher wrote into this model's config.pbtxt (its ``settings`` parameter), as the
+    same typed object (``LaunchConfig.from_json``)."""
+    parameters = json.loads(args["model_config"]).get("parameters", {})
+    if "settings" not in parameters:
+        raise ValueError(f"model {args.get('model_name')!r}: its config.pbtxt has no 'settings' parameter (render "
+                         "the repository with omni-triton serve, or omni_triton.launch.repository.render_repository)")
+    return LaunchConfig.from_json(parameters["settings"]["string_value"])
+
+
+def stage_device(settings: LaunchConfig, args: dict) -> torch.device:
+    """This model instance's device: the GPU Triton placed it on (``model_instance_device_id``, from the
+    instance_group's ``gpus``), made current for the calling thread (the stub's, which runs initialize and
+    execute), so that what uses the current device (kernel launches, syncs, memory queries) uses this one and
+    not cuda:0; or the CPU."""
+    if settings.device == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(args["model_instance_device_id"]))
+    torch.cuda.set_device(device)
+    return device
+
+
+def engine_config(settings: LaunchConfig, stage: str, device: torch.device) -> tuple[EngineConfig, torch.dtype]:
+    """The AR engine's config and dtype of ``stage`` (thinker | talker: each has its own KV budget)."""
+    dtype = getattr(torch, settings.resolved_dtype)
+    tokens = settings.resolved_talker_kv_cache_tokens if stage == "talker" else settings.kv_cache_tokens
+    block_size = settings.kv_block_size
+    config = EngineConfig(block_size=block_size, num_blocks=max(1, tokens // block_size),
+                          max_num_batched_tokens=settings.max_batched_tokens,
+                          max_num_seqs=settings.max_inflight_requests, device=str(device), kv_dtype=dtype,
+                          fast_path=settings.fast_path, cuda_graphs=settings.cuda_graphs,
+                          prefill_graph_tokens=None if settings.prefill_graphs else 0,
+                          linear_launch=settings.linear_launch, dependent_launch=settings.dependent_launch,
+                          overlap_steps=settings.overlap_steps, prefix_caching=settings.prefix_caching,
+                          warmup=settings.resolved_warmup)
+    return config, dtype
+
+
+def chunk_policy(settings: LaunchConfig) -> ChunkPolicy:
+    """The audio chunking the settings name (``--left-context-frames``: stateful, exact -- resolved later against
+    the vocoder -- or a frame count)."""
+    return ChunkPolicy.from_setting(settings.first_chunk_frames, settings.next_chunk_frames,
+                                    settings.resolved_left_context_frames)
+
+
+def load_options(settings: LaunchConfig) -> dict[str, Any]:
+    """How a stage gets its weights: ``load_format`` (safetensors | dummy) and the dummy weights' ``seed``."""
+    return {"load_format": settings.load_format, "seed": settings.dummy_seed}
+
+
+def quantization(settings: LaunchConfig) -> str | None:
+    """The thinker's and talker's weights quantized at load (``--quantization``): "fp8", or None (the
+    checkpoint's own)."""
+    return None if settings.quantization == "none" else settings.quantization
+
+
+def replica_labels(args: dict) -> dict[str, str]:
+    """Metric labels that tell this instance from its replicas (``serve --instances``): its instance name
+    (talker_0_1) under ``model_instance`` when the model has several instances, else none. Without it the
+    replicas would write one series, each overwriting the others' gauges. (Not ``instance``: Prometheus sets
+    that label to the scraped target.)"""
+    groups = json.loads(args["model_config"]).get("instance_group", [])
+    instances = sum(int(group.get("count", 1)) * max(1, len(group.get("gpus", []))) for group in groups)
+    return {"model_instance": args["model_instance_name"]} if instances > 1 else {}
+
+
+def limit_torch_threads(threads: int) -> None:
+    """Each stage is its own stub process: without a cap, every one of them spawns a thread per core."""
+    torch.set_num_threads(max(1, threads))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set: only allowed once per process, before any parallel work
+        pass
+
+
+def report_native_crashes() -> None:
+    """A stub that dies of a signal (a native crash) prints every thread's Python stack to the server's log
+    first: Triton itself only notices later that the stub is gone, and says nothing about why. Not while the
+    interpreter shuts down: the stubs of this Triton build crash in their final garbage collection after
+    every model is unloaded, which is harmless and would fill the log with alarms at every shutdown."""
+    faulthandler.enable(all_threads=True)
+    atexit.register(faulthandler.disable)

@@ -1,0 +1,355 @@
+"""The orchestrator stage: admits requests and runs each one's Session on a worker thread.
+
+The Triton model file only parses its config and hands requests here. Each request gets its own
+thread because BLS decoupled calls in this Triton version return blocking iterators: one slow stage
+must not stall the other streams. Admission (``admission``): a request starts while fewer than
+``max_inflight`` stream and, with a capacity, while one more stream would leave every playing one real time;
+otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
+``waited_s``), and past ``admission_queue`` waiting it is refused at once with UNAVAILABLE naming the limit.
+
+Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
+request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
+orchestrator is scheduled at once. So a request with ``CONTROL="cancel"`` and the client's request id
+cancels that request here; ``omni_triton.client`` sends it along with the stream cancel.
+
+A client that vanishes without cancelling (killed, network gone) is not seen by the running
+orchestrator step for the same reason: its request runs to its natural end. The optional request
+parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes to every step)
+bounds that: past it the request is cancelled (the session looks up from every stage wait every
+``POLL_S``) and every stage frees its state.
+
+A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
+UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
+with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from omni_triton import trace
+from omni_triton.error_tags import triton_error
+from omni_triton.models.code2wav.vocoder import Code2WavConfig, exact_left_context_frames
+from omni_triton.pipeline.code2wav.pacing import ChunkPacer
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
+from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
+from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
+from omni_triton.stages.admission import Admission, RealtimeCapacity
+from omni_triton.stages.bls_clients import BlsStageClients
+from omni_triton.stages.metrics import HostHopCounter
+from omni_triton.shared.settings import CHUNK_PACING
+from omni_triton.stages.stage_io import from_torch
+from omni_triton.stages.stage_supervisor import StageSupervisor
+
+logger = logging.getLogger(__name__)
+
+REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER_ID", "TEMPERATURE", "TOP_P",
+                  "TOP_K", "REPETITION_PENALTY", "TALKER_REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS",
+                  "MAX_AUDIO_FRAMES", "MIN_AUDIO_FRAMES", "SEQUENTIAL")
+BLS_STAGES = ("thinker", "talker", "code2wav")
+DISPATCH_S = 0.05  # how often waiting requests are looked at (cancelled? capacity freed?) without an event
+CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observation this often
+# A session asks whether its stage died at every response and every poll (session.POLL_S); a stage seen alive
+# this recently counts as alive, so a death is noticed this much later at most (the final error is mapped fresh)
+STAGE_ALIVE_MAX_AGE_S = 0.05
+
+
+class Orchestrator:
+    def __init__(self, pb_utils: Any, checkpoint_dir: str | Path, device: torch.device, policy: ChunkPolicy,
+                 max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
+                 capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
+                 max_starting: int = 0):
+        """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone); ``max_starting``:
+        streams admitted and not yet playing at once (0: no limit)."""
+        if chunk_pacing not in CHUNK_PACING:
+            raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
+        self._pb = pb_utils
+        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device.type == "cuda")
+        self._tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
+        code2wav_config = Code2WavConfig.from_pretrained(checkpoint_dir)
+        self._num_quantizers = code2wav_config.num_quantizers
+        self._policy = policy.resolved(exact_left_context_frames(code2wav_config))
+        self._gpu = device.index if device.type == "cuda" else None  # where stage outputs are asked to land
+        self._chunk_pacing = chunk_pacing
+        self._admission = Admission(max_inflight, admission_queue, capacity, max_starting)
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
+        self._request_counter = 0
+        self._lock = threading.Lock()
+        self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
+        self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
+        self._stages = StageSupervisor({stage: (stage_instances or {}).get(stage, 1) for stage in BLS_STAGES})
+        # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
+        # received frames in the window before it
+        self._seen_frames: dict[str, int] = {}
+        self._producing: set[str] = set()
+        self._stopping = threading.Event()
+        self._wake = threading.Event()  # a stream ended: a waiting request may start
+        self._dispatcher = threading.Thread(target=self._dispatch, name="omni-admission", daemon=True)
+        self._dispatcher.start()
+
+    def snapshot(self) -> dict[str, float]:
+        """Gauge values: requests in flight, codec frames they hold that are not decoded yet, admission."""
+        with self._lock:
+            streams = [stream for stream in self._active.values() if stream is not None]
+            active = len(self._active)
+        admission = self._admission
+        capacity = admission.capacity.audio_s_per_s(max(1, admission.running)) if admission.capacity else 0.0
+        return {"omni_active_requests": active,
+                "omni_pending_audio_frames": sum(stream.pending_frames for stream in streams),
+                "omni_admission_queue_length": admission.queued,
+                "omni_admission_waited_requests": admission.waited,
+                "omni_admission_wait_seconds": admission.wait_s,
+                "omni_admission_refused_requests": admission.refused,
+                "omni_realtime_capacity_audio_s_per_s": capacity}
+
+    def submit(self, request: Any) -> None:
+        """Start streaming ``request``; every response goes out through its response sender."""
+        sender = request.get_response_sender()
+        control = self._pb.get_input_tensor_by_name(request, "CONTROL")
+        if control is not None:
+            self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
+            return
+        down = self._stages.unavailable()
+        if down is not None:
+            self._refuse(sender, down)
+            return
+        inputs = {name: self._pb.get_input_tensor_by_name(request, name) for name in REQUEST_INPUTS}
+        missing = [name for name, tensor in inputs.items() if tensor is None]
+        try:
+            if missing:
+                raise ValueError(f"missing inputs {missing}")
+            deadline = _deadline(request)
+        except ValueError as exc:
+            error = triton_error(self._pb, "INVALID_ARG", str(exc))
+            sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        cancelled = threading.Event()
+        client_id = request.request_id()
+        request_id = self._request_id(request)
+        trace.event(request_id, "orchestrator.received")
+        ticket = _Ticket(request, sender, inputs, request_id, client_id, cancelled, deadline,
+                         _CancelCheck(request, cancelled, deadline))
+        with self._lock:  # before it may start: a cancel sent while it waits must find it
+            self._cancel_events.setdefault(client_id, set()).add(cancelled)
+        decision = self._admission.arrive(ticket, time.monotonic())
+        if decision == "start":
+            self._start(ticket, waited_s=0.0)
+        elif decision == "refused":
+            self._forget(ticket)
+            self._refuse(sender, self._admission.refusal())
+
+    def _refuse(self, sender: Any, message: str) -> None:
+        error = triton_error(self._pb, "UNAVAILABLE", message)
+        sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _start(self, ticket: "_Ticket", waited_s: float) -> None:
+        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s)
+        self._pool.submit(self._run, ticket)
+
+    def _forget(self, ticket: "_Ticket") -> None:
+        with self._lock:
+            events = self._cancel_events[ticket.client_id]
+            events.discard(ticket.cancelled)
+            if not events:
+                del self._cancel_events[ticket.client_id]
+
+    def _dispatch(self) -> None:
+        """Starts waiting requests in arrival order when a stream ends or capacity frees up, ends those
+        cancelled or past their deadline while waiting, and feeds the capacity estimate."""
+        last_sample = time.monotonic()
+        while not self._stopping.is_set():
+            self._wake.wait(DISPATCH_S)
+            self._wake.clear()
+            try:
+                last_sample = self._dispatch_once(last_sample)
+            except Exception:  # a dead dispatcher would leave every waiting request waiting forever
+                logger.exception("admission dispatcher")
+
+    def _dispatch_once(self, last_sample: float) -> float:
+        """One look at the queue; returns when capacity was last sampled."""
+        now = time.monotonic()
+        for ticket in self._admission.drop(lambda ticket: ticket.is_cancelled()):
+            self._forget(ticket)
+            reason = "deadline_s exceeded" if now > ticket.deadline else "request cancelled"
+            error = triton_error(self._pb, "CANCELLED", f"{reason} while waiting for admission")
+            ticket.sender.send(self._pb.InferenceResponse(error=error),
+                               flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if self._admission.capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
+            self._observe_capacity(now - last_sample)
+            last_sample = now
+        for ticket, waited_s in self._admission.due(now):
+            self._start(ticket, waited_s)
+        return last_sample
+
+    def _observe_capacity(self, seconds: float) -> None:
+        """Frames received since the last sample -> the capacity estimate. Only streams that received frames in
+        the sample before too and still run count: one that started or ended inside the window, or waited for
+        thinker text, got frames for part of it only and would make the server look slower than it is."""
+        with self._lock:
+            totals = {rid: stream.total_frames for rid, stream in self._active.items() if stream is not None}
+        deltas = {rid: total - self._seen_frames.get(rid, 0) for rid, total in totals.items()}
+        steady = [delta for rid, delta in deltas.items() if delta > 0 and rid in self._producing]
+        self._producing = {rid for rid, delta in deltas.items() if delta > 0}
+        self._seen_frames = totals
+        self._admission.capacity.observe(len(steady), sum(steady), seconds, batch=len(self._producing))
+
+    def _control(self, client_id: str, word: bytes, sender: Any) -> None:
+        pb = self._pb
+        if word != b"cancel":
+            error = triton_error(pb, "INVALID_ARG", f"CONTROL must be 'cancel', got {word!r}")
+            sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        with self._lock:
+            for event in self._cancel_events.get(client_id, ()):
+                event.set()
+        sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._dispatcher.join()
+        for ticket in self._admission.drop(lambda ticket: True):  # nothing will start them now
+            self._refuse(ticket.sender, "server shutting down")
+        self._stages.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._host_hops.close()
+
+    def _request_id(self, request: Any) -> str:
+        # Triton's own id may be empty or reused by clients; stages key their state on this one.
+        with self._lock:
+            self._request_counter += 1
+            return f"{request.request_id() or 'req'}#{self._request_counter}"
+
+    def _run(self, ticket: "_Ticket") -> None:
+        pb = self._pb
+        sender, inputs, request_id, deadline = ticket.sender, ticket.inputs, ticket.request_id, ticket.deadline
+        send_lock = threading.Lock()
+        with self._lock:
+            self._active[request_id] = None
+
+        played = []  # its first audio went out: its start is over (admission)
+
+        def emit(text: str, audio: torch.Tensor | None) -> None:
+            outputs = [pb.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], dtype=np.object_))]
+            if audio is None:
+                outputs.append(pb.Tensor("AUDIO", np.zeros(0, dtype=np.float32)))
+            else:
+                # the client-facing hop: gRPC sends from host memory, so copy here, once, off the GPU
+                outputs.append(from_torch(pb, "AUDIO", audio.to(device="cpu", dtype=torch.float32)))
+            with send_lock:
+                sender.send(pb.InferenceResponse(outputs))
+                if audio is not None and not played:
+                    played.append(True)
+                    self._admission.playing()
+                    self._wake.set()  # a waiting stream may start now
+
+        generations = self._stages.generations()
+        clients = BlsStageClients(pb, inputs, self._gpu, self._host_hops.check, stage_down=self._stages.is_down)
+        try:
+            session = Session(
+                request_id,
+                SessionParams(return_audio=_flag(inputs["RETURN_AUDIO"]), sequential=_flag(inputs["SEQUENTIAL"])),
+                clients,
+                IncrementalDetokenizer(self._tokenizer),
+                lambda: self._open_audio_stream(request_id),
+                is_cancelled=ticket.is_cancelled,
+                stage_failure=lambda stage: self._stages.failure(generations, stage, max_age_s=STAGE_ALIVE_MAX_AGE_S),
+            )
+            session.run(emit)
+            error = None
+        except Cancelled:
+            reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
+            error = triton_error(pb, "CANCELLED", reason)
+        except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
+            # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
+            failure = str(exc) if isinstance(exc, StageFailed) else self._stages.failure(generations)
+            if failure is not None:
+                logger.warning("request %s: %s", request_id, failure)
+                error = triton_error(pb, "UNAVAILABLE", failure)
+            else:
+                logger.exception("request %s failed", request_id)
+                error = triton_error(pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
+        finally:
+            # the slot first: once the gauges say this request is gone, a new one is admitted
+            self._forget(ticket)
+            with send_lock:  # not while emit counts its first audio
+                self._admission.finished(played=bool(played))
+            with self._lock:
+                del self._active[request_id]
+            self._wake.set()
+        with send_lock:
+            try:
+                if error is None:
+                    sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                else:
+                    sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:  # the client is gone: nothing left to tell it
+                logger.info("request %s: final response not delivered", request_id)
+
+    def _open_audio_stream(self, request_id: str) -> Code2WavStream:
+        pacer = ChunkPacer(self._policy) if self._chunk_pacing == "adaptive" else None
+        stream = Code2WavStream(self._policy, self._num_quantizers, pacer)
+        with self._lock:
+            self._active[request_id] = stream
+        return stream
+
+
+def _deadline(request: Any) -> float:
+    """The monotonic time by which ``request`` must end: now + its ``deadline_s`` parameter, else never."""
+    value = json.loads(request.parameters() or "{}").get("deadline_s")
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
+    return time.monotonic() + value
+
+
+@dataclass
+class _Ticket:
+    """A request from its arrival on: what its session needs, whether it waits in the admission queue or runs."""
+    request: Any
+    sender: Any
+    inputs: dict[str, Any]
+    request_id: str
+    client_id: str
+    cancelled: threading.Event
+    deadline: float
+    is_cancelled: Callable[[], bool]
+
+
+class _CancelCheck:
+    """Whether a request should stop: cancelled by a control request, past its deadline, or cancelled in
+    Triton. The session asks from two threads (thinker loop, audio worker); ``request.is_cancelled()`` is
+    an IPC round trip on the request's own shared-memory slot and is not safe to call concurrently, so it
+    is serialized here and asked at most every ``poll_s``."""
+
+    def __init__(self, request: Any, cancelled: threading.Event, deadline: float, poll_s: float = 0.05):
+        self._request, self._cancelled, self._deadline, self._poll_s = request, cancelled, deadline, poll_s
+        self._lock = threading.Lock()
+        self._asked_at = float("-inf")
+
+    def __call__(self) -> bool:
+        if self._cancelled.is_set() or time.monotonic() > self._deadline:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            if now - self._asked_at >= self._poll_s:
+                self._asked_at = now
+                if self._request.is_cancelled():
+                    self._cancelled.set()
+        return self._cancelled.is_set()
+
+
+def _flag(tensor: Any) -> bool:
+    return bool(tensor.as_numpy().reshape(-1)[0])

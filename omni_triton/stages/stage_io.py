@@ -1,0 +1,167 @@
+"""Triton tensors <-> the stage services' types, shared by the thinker and talker model files.
+
+Tensors cross between Triton and torch as DLPack views only, so on the GPU they stay on the GPU and
+nothing depends on torch's numpy bridge (which breaks when the stub's numpy is not the one torch was
+built against); numpy is used only for what Triton itself hands out as numpy (CPU inputs).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.utils.dlpack
+
+from omni_triton.engine.handoff import InputStream
+from omni_triton.pipeline.talker_service import TalkerOutput
+from omni_triton.pipeline.thinker_service import ThinkerOutput
+
+THINKER_ROW_TENSORS = ("ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN")
+
+# Where this stub's outputs to other stages live: each stage is its own process, so this is per stage.
+_host_only = False
+
+
+def configure_interstage_memory(memory: str) -> None:
+    """``device`` (default): tensors leave a stage where they are; ``host``: they are copied to host
+    memory first (for Triton builds that cannot pass GPU tensors through decoupled BLS)."""
+    global _host_only
+    if memory not in ("device", "host"):
+        raise ValueError(f"interstage_memory must be device or host, got {memory!r}")
+    _host_only = memory == "host"
+
+
+def device_tensors_between_stages() -> bool:
+    return not _host_only
+
+
+# What a deployer can change when a stage does not fit the GPU (omni-triton serve options).
+MEMORY_OPTIONS = ("--kv-cache-tokens (or --gpu-memory-utilization with --kv-cache-tokens auto), "
+                  "--dummy-layers N (fewer thinker/talker layers, with --load-format dummy), "
+                  "--left-context-frames / --code2wav-max-batch (the vocoder's activations), or a larger GPU")
+
+
+@contextmanager
+def stage_loading(stage: str) -> Iterator[None]:
+    """Around a stage's loading: a CUDA out-of-memory error becomes one that says which options make it fit. On
+    a GPU, what loading freed goes back to the device (modules built in fp32 before their cast, the dummy
+    embedding table the talker's rows come from: other stages' KV caches are planned on that memory), and the
+    stage logs what it holds (the server log: to set against the launch's memory plan)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as error:
+        detail = str(error).split("\n")[0]
+        raise RuntimeError(f"the {stage} stage ran out of GPU memory while loading ({detail}); "
+                           f"make the pipeline fit with {MEMORY_OPTIONS}") from None
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        print(f"{stage}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated after loading (weights, KV "
+              f"cache), GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
+
+
+def to_torch(tensor: Any) -> torch.Tensor:
+    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+
+
+def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
+    if _host_only:
+        tensor = tensor.cpu()
+    if tensor.numel() == 0:
+        tensor = tensor.cpu()  # an empty GPU tensor has no device buffer to hand over
+    elif tensor.storage_offset() or not tensor.is_contiguous():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)  # DLPack consumers may ignore offsets
+    if tensor.is_cuda:
+        # The tensor itself, not a capsule: the backend then asks for it through __dlpack__(stream) and waits
+        # for the kernels that write it. A capsule is taken as is, so the next stage could read the buffer
+        # before the producing kernels finished (served audio differed from the in-process pipeline's).
+        return pb.Tensor.from_dlpack(name, tensor)
+    return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor))
+
+
+def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of several stage outputs as one tensor, on the device of the non-empty ones: ``from_torch`` sends an
+    empty tensor from host memory (a GPU tensor of no elements has no buffer to hand over), so a stage's empty
+    rows (a finishing chunk's, the prompt-only hidden states) arrive on the host beside GPU rows."""
+    rows = [tensor for tensor in tensors if tensor.numel()]
+    return torch.cat(rows) if rows else tensors[-1]
+
+
+def host_array(tensor: Any) -> np.ndarray:
+    """A small tensor (ids, flags, scalars) on the host."""
+    return tensor.as_numpy() if tensor.is_cpu() else np.asarray(to_torch(tensor).cpu().tolist())
+
+
+def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Small scalar inputs of a request, on the host; absent optional inputs are left out."""
+    arrays = {}
+    for name in names:
+        tensor = pb.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = host_array(tensor)
+    return arrays
+
+
+def answer_abort(pb: Any, request: Any, sender: Any, abort: Callable[[str], None], request_id: str) -> bool:
+    """If ``request`` is an abort control request (CONTROL="abort"), drop ``request_id`` through ``abort`` and
+    close the control request; whether it was one. Thinker and talker take aborts the same way."""
+    if control_word(pb, request) != "abort":
+        return False
+    abort(request_id)
+    sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    return True
+
+
+def control_word(pb: Any, request: Any) -> str | None:
+    tensor = pb.get_input_tensor_by_name(request, "CONTROL")
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)
+    return value[0].decode() if len(value) and isinstance(value[0], bytes) else str(value[0]) if len(value) else None
+
+
+def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
+    return [
+        from_torch(pb, "TOKEN_IDS", out.token_ids.to(torch.int64)),
+        from_torch(pb, "ROW_IDS", out.row_ids.to(torch.int64)),
+        from_torch(pb, "EMBEDS", out.embeds),
+        from_torch(pb, "HIDDEN", out.hidden),
+        pb.Tensor("PROMPT_LEN", np.array([out.prompt_len], dtype=np.int32)),
+        pb.Tensor("FINISHED", np.array([out.finished], dtype=bool)),
+    ]
+
+
+def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream) -> ThinkerOutput:
+    """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped), in memory of
+    its own: the talker keeps the rows until its engine steps have used them, while Triton frees a request's
+    input memory, and may hand it to another request, once the request is done. On a GPU the copies are kernels
+    on ``inputs``' stream, waited for before this returns (never the talker's steps queued on its own stream:
+    otherwise the talker read other requests' rows, served audio differing from the in-process pipeline's)."""
+    def get(name: str) -> Any:
+        return pb.get_input_tensor_by_name(request, name)
+
+    row_ids, embeds, hidden = inputs.owned_copies([to_torch(get(name)) for name in ("ROW_IDS", "EMBEDS", "HIDDEN")])
+    hidden_size = embeds.shape[-1]
+    return ThinkerOutput(
+        token_ids=torch.zeros(0, dtype=torch.long),
+        row_ids=row_ids.reshape(-1).to(torch.long),
+        embeds=embeds.reshape(-1, hidden_size),
+        hidden=hidden.reshape(-1, hidden_size),
+        prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
+        finished=bool(host_array(get("THINKER_FINISHED")).reshape(-1)[0]),
+    )
+
+
+def talker_output_tensors(pb: Any, out: TalkerOutput) -> list[Any]:
+    return [from_torch(pb, "CODES", out.codes.to(torch.int64).unsqueeze(0))]  # [1, n, G]: batch dim
+
+
+def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors: Any) -> None:
+    """Stream one stage output: its tensors (``tensors(pb, out)``) or its error; FINAL once it is finished."""
+    flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+    if out.error is not None:
+        sender.send(pb.InferenceResponse(error=pb.TritonError(out.error, pb.TritonError.INTERNAL)), flags=flags)
+    else:
+        sender.send(pb.InferenceResponse(tensors(pb, out)), flags=flags)

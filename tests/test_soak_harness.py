@@ -1,0 +1,117 @@
+"""`omni-triton bench --soak` (issue 48's harness) run for real at a tiny scale: a soak with cancels and expiring
+deadlines, a burst past the admission limit, and the code2wav stub killed under load, against real tritonservers
+(tiny checkpoint); the report's invariants checked. No timing thresholds: only what must hold however slow the
+machine. The pure parts (the request mix, the recovery point, the leak comparison) are checked on their own first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from omni_triton.bench.soak import _recovered_after
+from omni_triton.bench.soak_probes import leaks
+from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakTiming
+
+
+def test_request_mix_is_seeded_and_spans_its_ranges():
+    mix = RequestMix(thinker_tokens=(10, 400), audio_frames=(25, 500), cancel_fraction=0.1, deadline_fraction=0.05,
+                     seed=7)
+    requests = mix.draw(400)
+    again = mix.draw(400)
+    assert [(r.text, r.thinker_tokens, r.audio_frames, r.fate, r.speaker) for r in requests] == \
+        [(r.text, r.thinker_tokens, r.audio_frames, r.fate, r.speaker) for r in again]
+    assert all(np.array_equal(a.audio_in, b.audio_in) for a, b in zip(requests, again) if a.audio_in is not None)
+    assert mix.draw(5, first_index=3)[0].text == requests[3].text, "a request depends on its index only"
+    fates = [r.fate for r in requests]
+    assert 20 <= fates.count(CANCEL) <= 60 and 5 <= fates.count(DEADLINE) <= 40, (fates.count(CANCEL),
+                                                                                   fates.count(DEADLINE))
+    assert all(r.deadline_s == mix.deadline_s and r.thinker_tokens == 400 and r.audio_frames == 500
+               for r in requests if r.fate == DEADLINE), "an expiring request asks for the longest output"
+    assert all(r.deadline_s is None for r in requests if r.fate != DEADLINE)
+    complete = [r for r in requests if r.fate == COMPLETE]
+    assert min(r.thinker_tokens for r in complete) < 60 and max(r.thinker_tokens for r in complete) > 350
+    assert {r.speaker for r in requests} == set(mix.speakers)
+    spoken = [r.audio_in for r in requests if r.audio_in is not None]
+    assert 150 < len(spoken) < 250 and all(16000 <= a.size <= 48000 and a.dtype == np.float32 for a in spoken)
+    with pytest.raises(ValueError, match="cancel_fraction"):
+        replace(mix, cancel_fraction=0.9, deadline_fraction=0.2)
+
+
+def _timing(sent_at: float, ttfa_s: float | None, error: str | None = None) -> SoakTiming:
+    timing = SoakTiming(sent_at=sent_at, error=error, error_code=error)
+    if ttfa_s is not None:
+        timing.audio_chunks.append((ttfa_s, 1920))
+    return timing
+
+
+def test_recovery_is_the_first_request_from_which_every_ttfa_is_normal():
+    after = [_timing(10.5, 3.0), _timing(11.0, 0.2), _timing(12.0, 2.0), _timing(13.0, 0.3), _timing(14.0, 0.2)]
+    assert _recovered_after(after, burst_end=10.0, normal_s=0.5) == 3.0
+    assert _recovered_after(after + [_timing(15.0, 0.9)], burst_end=10.0, normal_s=0.5) is None
+    assert _recovered_after([_timing(10.5, None, "UNAVAILABLE"), _timing(11.0, 0.1)], 10.0, 0.5) == 1.0
+
+
+def test_leaks_compare_an_idle_server_with_its_start():
+    start = {"gauges": {"omni_kv_blocks_free{stage=thinker}": 64.0, "omni_active_requests{stage=talker}": 0.0},
+             "processes": {"talker_0_0": {"pid": 5, "threads": 8}, "thinker_0_0": {"pid": 6, "threads": 8}},
+             "shm_regions": ["omni1_2_a"]}
+    assert leaks(start, start) == []
+    end = {"gauges": {"omni_kv_blocks_free{stage=thinker}": 60.0, "omni_active_requests{stage=talker}": 1.0},
+           "processes": {"talker_0_0": {"pid": 5, "threads": 9}, "thinker_0_0": {"pid": 7, "threads": 30}},
+           "shm_regions": ["omni1_2_a", "omni1_2_b"]}
+    found = leaks(start, end)
+    assert len(found) == 4 and "omni_active_requests{stage=talker} = 1" in found[0]
+    assert any("kv_blocks_free" in line for line in found) and any("omni1_2_b" in line for line in found)
+    assert any(line.startswith("talker_0_0: 9 threads") for line in found), "a restarted thinker is not compared"
+    assert not any("threads" in line for line in leaks(start, end, thread_reference={"talker_0_0": 9}))
+
+
+@pytest.mark.server
+def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, tmp_path, monkeypatch):
+    from omni_triton.bench.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the servers' rendered repositories and logs go under build/
+    out = tmp_path / "report"
+    status = main(["--start-server", "--checkpoint", str(tiny_checkpoint), "--kv-cache-tokens", "2048",
+                   "--max-inflight", "4", "--warmup", "1",
+                   "--soak", "soak,burst,kill", "--kill-stages", "code2wav", "--goodput", "1",
+                   # the soak: 8 requests (seed 0: 2 to cancel, 2 to expire) over 10 s, never 8 at once
+                   "--soak-load", "0.6", "--soak-duration", "10", "--ttfa-window", "5", "--sample-every", "1",
+                   # the burst: some 20 arrivals within a second against 4 slots and 4 places in the queue
+                   "--burst-load", "20", "--burst-seconds", "1", "--burst-around", "2", "4",
+                   "--kill-load", "1", "--kill-after", "3", "--kill-duration", "8",
+                   "--mix-thinker-tokens", "4-16", "--mix-audio-frames", "40-60", "--cancel-fraction", "0.3",
+                   "--deadline-fraction", "0.3", "--deadline-s", "0.3", "--arrival-seed", "0", "--out", str(out)])
+    report = json.loads((out / "results.json").read_text())
+    failed = [(name, row) for name, result in report["scenarios"].items() if name != "kill"
+              for row in result["checks"] if row["kind"] == "invariant" and not row["ok"]]
+    failed += [(row["stage"], check) for row in report["scenarios"]["kill"] for check in row["checks"]
+               if check["kind"] == "invariant" and not check["ok"]]
+    assert status == 0 and not failed and not report["partial"], failed
+    assert (out / "results.md").read_text().startswith("# omni-triton soak") and (out / "soak.png").is_file()
+
+    soak = report["scenarios"]["soak"]
+    codes = soak["errors_by_fate_and_code"]
+    assert set(codes.get(COMPLETE, {})) <= {"ok"}, codes
+    assert set(codes[CANCEL]) <= {"ok", "CANCELLED"} and codes[CANCEL].get("CANCELLED"), codes
+    assert set(codes[DEADLINE]) == {"DEADLINE_EXCEEDED"}, codes
+    assert soak["leaks"] == [] and soak["idle_after_s"] is not None
+    assert soak["ttfa_windows"] and len(soak["samples"]) >= 3
+    for name in ("tritonserver", "thinker_0_0", "talker_0_0", "code2wav_0_0", "orchestrator_0_0"):
+        assert soak["start"]["processes"][name]["rss_mib"] > 0 and name in soak["memory"], name
+    assert soak["start"]["shm_regions"], "the server's shared-memory regions are found"
+    assert any(key.startswith("omni_code2wav_streams") for key in soak["end"]["gauges"])
+
+    burst = report["scenarios"]["burst"]
+    assert burst["refused"] >= 1, burst
+    assert all("admission_queue" in message for message in burst["refusal_messages"]), burst
+    assert burst["admitted"] + burst["refused"] == sum(burst["requests"].values())
+
+    [kill] = report["scenarios"]["kill"]
+    assert kill["stage"] == "code2wav" and kill["back_s"] is not None and kill["served_s"] >= kill["back_s"]
+    assert set(kill["errors_by_fate_and_code"][COMPLETE]) <= {"ok", "UNAVAILABLE"}, kill
+    assert any("code2wav stage reloaded" in line for line in kill["reload_log"]), kill["reload_log"]
