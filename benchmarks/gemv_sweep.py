@@ -78,7 +78,7 @@ def expert_launcher(kind: str, depth: int, cols: int, experts: int, top_k: int):
         def launch(i: int, block_n: int, block_k: int, warps: int) -> None:
             _gate_up_silu_gemv_kernel[(triton.cdiv(cols, block_n), top_k)](
                 x, weight, ids[i], out, cols, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-                K=depth, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, num_warps=warps, launch_pdl=True)
+                x, 0, 0, 0, K=depth, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, num_warps=warps, launch_pdl=True)
 
         return launch, top_k * 2 * cols * depth * 2, pair_gemv_launch("gate_up", top_k, cols, depth)
     weight = torch.randn(experts, cols, depth, device=device, dtype=dtype) / depth ** 0.5
@@ -89,7 +89,7 @@ def expert_launcher(kind: str, depth: int, cols: int, experts: int, top_k: int):
     def launch(i: int, block_n: int, block_k: int, warps: int) -> None:
         _down_weighted_gemv_kernel[(triton.cdiv(cols, block_n), top_k)](
             h, weight, ids[i], pair_weights, out, cols, h.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-            K=depth, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, num_warps=warps, launch_pdl=True)
+            h, 0, 0, K=depth, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, num_warps=warps, launch_pdl=True)
 
     return launch, top_k * cols * depth * 2, pair_gemv_launch("down", top_k, cols, depth)
 

@@ -65,8 +65,10 @@ class ModelRunner:
                                       dtype=kv_dtype, device=self.device) for _ in range(stage.num_layers)]
         self.fast = fast_path and self.device.type == "cuda"
         model = getattr(stage, "model", None)
-        # what the graphs' static hidden-state inputs hold (a stage without a torch model: its KV dtype)
-        self.model_dtype = next(model.parameters()).dtype if isinstance(model, torch.nn.Module) else kv_dtype
+        # what the graphs' static hidden-state inputs hold (a stage without a torch model: its KV dtype); FP8
+        # weights (layers.fp8) are not the activations' dtype
+        self.model_dtype = (next(p.dtype for p in model.parameters() if p.dtype != torch.float8_e4m3fn)
+                            if isinstance(model, torch.nn.Module) else kv_dtype)
         if isinstance(model, torch.nn.Module):
             set_fast_kernels(model, self.fast)
             set_linear_launch(model, linear_launch)  # before the graphs capture it

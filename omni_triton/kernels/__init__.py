@@ -9,7 +9,8 @@ On a machine without a GPU the kernels run through Triton's interpreter (``TRITO
 the first kernel module is imported): that is how ``tests/test_kernels.py`` checks them in CI.
 
 Modules: ``norm`` (RMSNorm, residual add + RMSNorm, per-head q/k norm + rotary), ``routing`` (softmax top-k
-router, expert-sorted token layout), ``fused_moe`` (the two grouped GEMMs of a MoE block),
+router, expert-sorted token layout), ``fused_moe`` (the two grouped GEMMs of a MoE block, FP8 experts too),
+``fp8_linear`` (linears with block-FP8 weights: w8a16, w8a8),
 ``paged_attention`` (KV store by slot mapping, single-token decode over the paged cache), ``random``
 (counter-based uniforms for seeded sampling), ``sampling`` (the row sampler), ``activation`` (SiLU-and-mul),
 ``small_linear`` (linears for few rows with their neighbours fused in), ``wide_linear`` (the code predictor's

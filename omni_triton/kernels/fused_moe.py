@@ -16,6 +16,10 @@ weight-read floor. Roundings follow ``models.layers.moe.run_experts`` (the linea
 its product with up and the router weighting are each rounded to the activation dtype); only the
 accumulation order of the dot products and of the top-k sum differ.
 
+FP8 experts (``fp8_scales``: ``layers.fp8.Fp8Experts``' block scales): the same launches read the float8_e4m3fn
+weights and dequantize each tile in the kernel with its block's scale, rounded to the activations' dtype (the
+weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``): w8a16, half the weight bytes.
+
 Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate), per
 token-count bucket; written by ``python -m omni_triton.bench.tune_fused_moe``), else from a size rule.
 """
@@ -47,10 +51,21 @@ def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
+def _dequantized_tile(w, scale_rows, k0, col_mask, dtype, BLOCK_COLS: tl.constexpr, FP8: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile in ``dtype``: FP8 times its block's scale (``scale_rows``: [BLOCK_N]
+    pointers to each column's row of block scales; the tile lies in one block of K), else as loaded."""
+    if FP8:
+        scale = tl.load(scale_rows + k0 // BLOCK_COLS, mask=col_mask, other=0.0)
+        return (w.to(tl.float32) * scale[None, :]).to(dtype)
+    return w
+
+
+@triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, inter, hidden,
-                         stride_xt, stride_we, stride_wn, stride_wk, stride_ot,
-                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         stride_xt, stride_we, stride_wn, stride_wk, stride_ot, w_scale_ptr, stride_wse, stride_wsn,
+                         gate_blocks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = False,
+                         BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1):
     wait_for_previous(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -60,14 +75,21 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_p
     a_ptrs = x_ptr + (pairs // TOP_K)[:, None] * stride_xt + ks[None, :]
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
     up_ptrs = gate_ptrs + inter * stride_wn
+    # FP8: the gate rows' block scales, then the up rows' (gate_blocks rows further)
+    gate_scales = w_scale_ptr + expert.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
+    up_scales = gate_scales + gate_blocks * stride_wsn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_mask = ks < hidden - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
-        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+        gate = _dequantized_tile(tl.load(gate_ptrs, mask=w_mask, other=0.0), gate_scales, k0, col_mask, a.dtype,
+                                 BLOCK_COLS, FP8)
+        up = _dequantized_tile(tl.load(up_ptrs, mask=w_mask, other=0.0), up_scales, k0, col_mask, a.dtype,
+                               BLOCK_COLS, FP8)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
@@ -78,9 +100,10 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_p
 
 @triton.jit
 def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weights_ptr, num_pairs,
-                          hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+                          hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_ot, w_scale_ptr,
+                          stride_wse, stride_wsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = False,
+                          BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1):
     wait_for_previous(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -89,12 +112,14 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + pairs[:, None] * stride_ht + ks[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    scales = w_scale_ptr + expert.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = ks < inter - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0), acc,
-                     input_precision=PRECISION)
+        w = _dequantized_tile(tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0), scales, k0,
+                              col_mask, a.dtype, BLOCK_COLS, FP8)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     dtype = out_ptr.dtype.element_ty
@@ -104,16 +129,22 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
 
 
 @triton.jit
-def _pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               scale_rows, FP8: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """fp32 dot products of one activation row with BLOCK_N weight rows over the whole K (K a compile-time
-    constant: the loop unrolls, every weight load issues at once)."""
+    constant: the loop unrolls, every weight load issues at once). FP8: each weight times its block's scale
+    (``scale_rows``: [BLOCK_N] pointers to each row's block scales), rounded to the activations' dtype."""
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
-        a = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
+        a = tl.load(x_row + kk, mask=k_mask, other=0.0)
+        mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            scale = tl.load(scale_rows[:, None] + (kk // BLOCK_COLS)[None, :], mask=mask, other=0.0)
+            w = (w * scale).to(a.dtype).to(tl.float32)
+        acc += tl.sum(w * a.to(tl.float32)[None, :], axis=1)
     return acc
 
 
@@ -127,14 +158,25 @@ def _pair_tile(ids_ptr, w_ptr, n_cols, stride_we, stride_wn, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _pair_scale_rows(ids_ptr, w_scale_ptr, stride_wse, stride_wsn, cols, BLOCK_ROWS: tl.constexpr):
+    """FP8: [BLOCK_N] pointers to the block-scale rows of this pair's expert's output rows ``cols``."""
+    expert = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
+    return w_scale_ptr + expert * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
+
+
+@triton.jit
 def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, stride_we, stride_wn, stride_ot,
+                              w_scale_ptr, stride_wse, stride_wsn, gate_blocks,
                               K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PDL: tl.constexpr):
+                              PDL: tl.constexpr, FP8: tl.constexpr = False, BLOCK_ROWS: tl.constexpr = 1,
+                              BLOCK_COLS: tl.constexpr = 1):
     wait_for_previous(PDL)
     pair, cols, col_mask, gate_rows = _pair_tile(ids_ptr, w_ptr, inter, stride_we, stride_wn, BLOCK_N)
     x_row = x_ptr + (pair // TOP_K) * stride_xt
-    acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K)
-    acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K)
+    gate_scales = _pair_scale_rows(ids_ptr, w_scale_ptr, stride_wse, stride_wsn, cols, BLOCK_ROWS)
+    acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K, gate_scales, FP8, BLOCK_COLS)
+    acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K,
+                        gate_scales + gate_blocks * stride_wsn, FP8, BLOCK_COLS)
     dtype = out_ptr.dtype.element_ty
     activated = silu_times(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
     tl.store(out_ptr + pair * stride_ot + cols, activated, mask=col_mask)
@@ -142,11 +184,13 @@ def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, 
 
 @triton.jit
 def _down_weighted_gemv_kernel(h_ptr, w_ptr, ids_ptr, pair_weights_ptr, out_ptr, hidden, stride_ht, stride_we,
-                               stride_wn, stride_ot, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               PDL: tl.constexpr):
+                               stride_wn, stride_ot, w_scale_ptr, stride_wse, stride_wsn, K: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                               FP8: tl.constexpr = False, BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1):
     wait_for_previous(PDL)
     pair, cols, col_mask, rows = _pair_tile(ids_ptr, w_ptr, hidden, stride_we, stride_wn, BLOCK_N)
-    acc = _pair_gemv(h_ptr + pair * stride_ht, rows, col_mask, K, BLOCK_N, BLOCK_K)
+    scales = _pair_scale_rows(ids_ptr, w_scale_ptr, stride_wse, stride_wsn, cols, BLOCK_ROWS)
+    acc = _pair_gemv(h_ptr + pair * stride_ht, rows, col_mask, K, BLOCK_N, BLOCK_K, scales, FP8, BLOCK_COLS)
     dtype = out_ptr.dtype.element_ty
     router_weight = tl.load(pair_weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * stride_ot + cols, (acc.to(dtype).to(tl.float32) * router_weight).to(dtype),
@@ -178,7 +222,8 @@ def _sum_top_k_kernel(per_pair_ptr, out_ptr, shared_ptr, shared_gate_ptr, hidden
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
                   expert_weights: torch.Tensor, config: dict | None = None, *, shared: torch.Tensor | None = None,
-                  shared_gate: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
+                  shared_gate: torch.Tensor | None = None, gemv: bool = False,
+                  fp8_scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
     """Same contract as ``models.layers.moe.run_experts`` with SiLU: x [T, H]; gate_up [E, 2I, H];
     down [E, H, I]; expert_ids/weights [T, k] -> [T, H]: ``expert_pairs`` then ``sum_top_k``.
 
@@ -186,9 +231,9 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
     strides) the top-k sum's launch also adds ``sigmoid(shared_gate) * shared``: the talker's combine.
     ``gemv``: up to ``GEMV_MAX_TOKENS`` tokens, each (token, slot) pair runs as multiply-add GEMVs over its own
     expert's weights (no expert-sorted layout: one launch fewer), as ``kernels.small_linear``'s GEMV does for
-    the dense linears."""
+    the dense linears. ``fp8_scales``: FP8 experts' block scales (``expert_pairs``)."""
     check_shared(x, shared, shared_gate)
-    per_pair = expert_pairs(x, gate_up, down, expert_ids, expert_weights, config, gemv=gemv)
+    per_pair = expert_pairs(x, gate_up, down, expert_ids, expert_weights, config, gemv=gemv, fp8_scales=fp8_scales)
     return sum_top_k(per_pair, expert_ids.shape[1], shared, shared_gate)
 
 
@@ -203,15 +248,38 @@ def check_shared(x: torch.Tensor, shared: torch.Tensor | None, shared_gate: torc
 
 
 def expert_pairs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                 expert_weights: torch.Tensor, config: dict | None = None, *, gemv: bool = False) -> torch.Tensor:
+                 expert_weights: torch.Tensor, config: dict | None = None, *, gemv: bool = False,
+                 fp8_scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
     """per_pair [T * k, H]: each (token, slot) pair's expert output times its router weight (``fused_experts``
-    without the top-k sum, so that other work can be joined in before it)."""
+    without the top-k sum, so that other work can be joined in before it). ``fp8_scales``: (gate_up scales
+    [E, 2 * ceil(I / b0), ceil(H / b1)], down scales [E, ceil(H / b0), ceil(I / b1)], block (b0, b1)) of
+    float8_e4m3fn ``gate_up`` and ``down`` (``layers.fp8.Fp8Experts``)."""
     if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("fused_experts needs the last dim of x and of the expert weights contiguous")
+    if (fp8_scales is not None) != (gate_up.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"fused_experts: {gate_up.dtype} expert weights "
+                         f"{'without' if fp8_scales is None else 'with'} FP8 block scales")
     pdl = enabled_for(x)
+    quant = _fp8_launch(fp8_scales)
     if gemv and x.shape[0] <= GEMV_MAX_TOKENS:
-        return _experts_by_pair(x, gate_up, down, expert_ids, expert_weights, pdl)
-    return _experts_by_block(x, gate_up, down, expert_ids, expert_weights, config, pdl)
+        return _experts_by_pair(x, gate_up, down, expert_ids, expert_weights, pdl, quant)
+    return _experts_by_block(x, gate_up, down, expert_ids, expert_weights, config, pdl, quant)
+
+
+def _fp8_launch(fp8_scales) -> dict:
+    """The kernels' FP8 arguments: (gate_up scales, down scales) and the constexprs, or plain weights'."""
+    if fp8_scales is None:
+        return dict(scales=(None, None), consts=dict(FP8=False, BLOCK_ROWS=1, BLOCK_COLS=1), block_k=None)
+    gate_up_scales, down_scales, block = fp8_scales
+    from omni_triton.kernels.fp8_linear import k_tile
+
+    return dict(scales=(gate_up_scales, down_scales), block_k=k_tile(block[1]),
+                consts=dict(FP8=True, BLOCK_ROWS=block[0], BLOCK_COLS=block[1]))
+
+
+def _scale_args(scales: torch.Tensor | None, like: torch.Tensor) -> tuple:
+    """(pointer, expert stride, row stride) of a block-scale tensor (``like`` and zeros without one)."""
+    return (like, 0, 0) if scales is None else (scales, scales.stride(0), scales.stride(1))
 
 
 def sum_top_k(per_pair: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,
@@ -253,7 +321,7 @@ def pair_gemv_blocks(num_pairs: int, cols: int, depth: int) -> tuple[int, int]:
 
 
 def _experts_by_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                     expert_weights: torch.Tensor, pdl: bool) -> torch.Tensor:
+                     expert_weights: torch.Tensor, pdl: bool, quant: dict) -> torch.Tensor:
     """per_pair [T * k, H]: each pair's expert output times its router weight, by per-pair GEMVs."""
     num_tokens, hidden = x.shape
     inter = gate_up.shape[1] // 2
@@ -262,20 +330,23 @@ def _experts_by_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     ids = expert_ids.reshape(-1)
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = pair_gemv_launch("gate_up", num_pairs, inter, hidden)
+    gate_up_scales, down_scales = quant["scales"]
     _gate_up_silu_gemv_kernel[(triton.cdiv(inter, block_n), num_pairs)](
         x, gate_up, ids, activated, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
-        K=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, PDL=pdl, launch_pdl=pdl)
+        *_scale_args(gate_up_scales, x), 0 if gate_up_scales is None else gate_up_scales.shape[1] // 2,
+        K=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, PDL=pdl, launch_pdl=pdl,
+        **quant["consts"])
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = pair_gemv_launch("down", num_pairs, hidden, inter)
     _down_weighted_gemv_kernel[(triton.cdiv(hidden, block_n), num_pairs)](
         activated, down, ids, expert_weights.reshape(-1), per_pair, hidden, activated.stride(0), down.stride(0),
-        down.stride(1), per_pair.stride(0), K=inter, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, PDL=pdl,
-        launch_pdl=pdl)
+        down.stride(1), per_pair.stride(0), *_scale_args(down_scales, x), K=inter, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, PDL=pdl, launch_pdl=pdl, **quant["consts"])
     return per_pair
 
 
 def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                      expert_weights: torch.Tensor, config: dict | None, pdl: bool) -> torch.Tensor:
+                      expert_weights: torch.Tensor, config: dict | None, pdl: bool, quant: dict) -> torch.Tensor:
     """per_pair [T * k, H] by the two grouped GEMMs over the expert-sorted layout."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -288,21 +359,29 @@ def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     num_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models (tests) keep fp32 products
 
+    gate_up_scales, down_scales = quant["scales"]
+
+    def depth_tile(cfg: dict) -> int:  # FP8: a K tile inside one scale block
+        return cfg["BLOCK_K"] if quant["block_k"] is None else min(cfg["BLOCK_K"], quant["block_k"])
+
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     gate_cfg = config["gate_up"]
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, gate_cfg["BLOCK_N"]))](
         x, gate_up, activated, sorted_pairs, block_expert, num_pairs, inter, hidden,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), activated.stride(0),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=gate_cfg["BLOCK_N"], BLOCK_K=gate_cfg["BLOCK_K"], PRECISION=precision,
-        num_warps=gate_cfg["num_warps"], num_stages=gate_cfg["num_stages"], PDL=pdl, launch_pdl=pdl)
+        *_scale_args(gate_up_scales, x), 0 if gate_up_scales is None else gate_up_scales.shape[1] // 2,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=gate_cfg["BLOCK_N"], BLOCK_K=depth_tile(gate_cfg), PRECISION=precision,
+        num_warps=gate_cfg["num_warps"], num_stages=gate_cfg["num_stages"], PDL=pdl, launch_pdl=pdl,
+        **quant["consts"])
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     down_cfg = config["down"]
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden, down_cfg["BLOCK_N"]))](
         activated, down, per_pair, sorted_pairs, block_expert, expert_weights.reshape(-1), num_pairs, hidden, inter,
         activated.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
-        BLOCK_M=block_m, BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=down_cfg["BLOCK_K"], PRECISION=precision,
-        num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"], PDL=pdl, launch_pdl=pdl)
+        *_scale_args(down_scales, x), BLOCK_M=block_m, BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=depth_tile(down_cfg),
+        PRECISION=precision, num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"], PDL=pdl,
+        launch_pdl=pdl, **quant["consts"])
     return per_pair
 
 

@@ -79,7 +79,10 @@ class Footprint:
     exact_left_context_frames: int
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path, dtype: torch.dtype) -> "Footprint":
+    def from_checkpoint(cls, checkpoint_dir: str | Path, dtype: torch.dtype,
+                        quantization: str | None = None) -> "Footprint":
+        """``quantization`` "fp8" (or a checkpoint with an FP8 quantization_config): the thinker's and talker's
+        FP8 modules count one byte a weight plus their fp32 block scales."""
         import torch
 
         from omni_triton.models.audio_encoder import AudioEncoder
@@ -94,12 +97,13 @@ class Footprint:
         with torch.device("meta"):
             thinker, audio = Thinker(config.thinker), AudioEncoder(config.thinker.audio)
             talker, code2wav = Talker(config.talker), Code2Wav(config.code2wav)
+            _quantize_like_the_loader(checkpoint_dir, quantization, thinker, talker)
         thinker_text, talker_text = config.thinker.text, config.talker.text
         return cls(
-            thinker_bytes=(_numel(thinker) + _numel(audio)) * element, talker_bytes=_numel(talker) * element,
-            code2wav_bytes=_numel(code2wav) * element,
-            thinker_layer_bytes=_numel(thinker, "model.layers.") * element // thinker_text.num_layers,
-            talker_layer_bytes=_numel(talker, "model.layers.") * element // talker_text.num_layers,
+            thinker_bytes=_bytes(thinker, element) + _bytes(audio, element), talker_bytes=_bytes(talker, element),
+            code2wav_bytes=_bytes(code2wav, element),
+            thinker_layer_bytes=_bytes(thinker, element, "model.layers.") // thinker_text.num_layers,
+            talker_layer_bytes=_bytes(talker, element, "model.layers.") // talker_text.num_layers,
             thinker_layers=thinker_text.num_layers, talker_layers=talker_text.num_layers,
             thinker_kv_token_bytes=_kv_token_bytes(thinker_text, dtype),
             talker_kv_token_bytes=_kv_token_bytes(talker_text, dtype),
@@ -127,9 +131,25 @@ class Footprint:
         return self.thinker_bytes + self.talker_bytes + self.code2wav_bytes
 
 
-def _numel(module: torch.nn.Module, prefix: str = "") -> int:
+def _bytes(module: torch.nn.Module, element: int, prefix: str = "") -> int:
+    """Bytes of the floating-point tensors under ``prefix``: ``element`` each, FP8 weights one, scales four."""
+    import torch
+
     tensors = [*module.named_parameters(), *module.named_buffers()]
-    return sum(t.numel() for name, t in tensors if name.startswith(prefix) and t.is_floating_point())
+    return sum(t.numel() * (1 if t.dtype == torch.float8_e4m3fn else 4 if name.endswith("_scale_inv") else element)
+               for name, t in tensors if name.startswith(prefix) and t.is_floating_point())
+
+
+def _quantize_like_the_loader(checkpoint_dir: str | Path, quantization: str | None, *models) -> None:
+    """The FP8 twins the loader builds (``models.weights``), by the quantize-at-load rule: the plan's estimate
+    of an FP8 checkpoint that converts other modules is off by their bytes only."""
+    from omni_triton.models.layers.fp8 import quantize_modules_
+    from omni_triton.models.quantization import Fp8Scheme, check_quantization, checkpoint_scheme, quantized_at_load
+
+    check_quantization(quantization)
+    scheme = checkpoint_scheme(checkpoint_dir) or (Fp8Scheme() if quantization == "fp8" else None)
+    for model in models if scheme is not None else ():
+        quantize_modules_(model, scheme, quantized_at_load)
 
 
 def _kv_token_bytes(text, dtype: torch.dtype) -> int:
@@ -363,14 +383,14 @@ class KvBudget:
 def kv_budget(setting: int | str, *, device: str, checkpoint_dir: str | Path, dtype: str, utilization: float,
               max_inflight: int, code2wav_batch: int, first_chunk_frames: int, chunk_frames: int,
               left_context_frames: int | str | None, block_size: int = 16, gpu_processes: int | None = None,
-              placement: Placement = Placement()) -> KvBudget:
+              placement: Placement = Placement(), quantization: str | None = None) -> KvBudget:
     """The engines' KV tokens for ``--kv-cache-tokens`` ``setting`` (``auto`` or a number). On cuda ``auto`` is
     ``plan_placement`` over the memory free now on each GPU of ``placement`` (raises DoesNotFit); a number is
     taken as it is, with its size and, where it exceeds the plan, a warning in the note. A GPU the placement
     names that is not visible is refused either way."""
     import torch
 
-    footprint = Footprint.from_checkpoint(checkpoint_dir, getattr(torch, dtype))
+    footprint = Footprint.from_checkpoint(checkpoint_dir, getattr(torch, dtype), quantization)
     if device != "cuda":
         available = host_memory_available()
         if available is not None and footprint.weight_bytes > available:

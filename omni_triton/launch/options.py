@@ -21,7 +21,7 @@ from omni_triton.launch.memory_plan import (DEFAULT_UTILIZATION, THINKER_KV_SHAR
 from omni_triton.shared.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
 from omni_triton.shared.settings import (CHUNK_PACING, CPU_KV_CACHE_TOKENS, LINEAR_LAUNCHES, LOAD_FORMATS,
-                                         LaunchConfig, admission_capacity_setting, on_off)
+                                         QUANTIZATIONS, LaunchConfig, admission_capacity_setting, on_off)
 
 
 class LaunchOptionError(ValueError):
@@ -40,7 +40,8 @@ class ModelSource:
 
 
 def add_model_source_arguments(group) -> None:
-    """--config, --load-format, --dummy-seed, --dummy-layers (the caller adds its own --checkpoint)."""
+    """--config, --load-format, --dummy-seed, --dummy-layers, --quantization (the caller adds its own
+    --checkpoint)."""
     group.add_argument("--config", metavar="NAME_OR_DIR",
                        help="serve seeded random weights of this model config, no checkpoint needed: a shipped "
                             "config (qwen3_omni_30b_a3b = Qwen3-Omni-30B-A3B's dimensions) or a dir with "
@@ -53,6 +54,11 @@ def add_model_source_arguments(group) -> None:
     group.add_argument("--dummy-layers", type=int, metavar="N",
                        help="with --config: cut thinker and talker to at most N layers (full width), e.g. to fit "
                             "a smaller GPU (default: the config's)")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=LaunchConfig.quantization,
+                       help="fp8: the thinker's and talker's decoder linears and experts quantized at load to "
+                            "block-FP8 (128 x 128 blocks, docs/fp8.md), the checkpoint's or the random weights; a "
+                            "checkpoint with an FP8 quantization_config is served as FP8 either way "
+                            "(default: %(default)s)")
 
 
 def add_memory_arguments(group) -> None:
@@ -226,7 +232,8 @@ def with_kv_budget(config: LaunchConfig, setting: int | str, utilization: float,
                        max_inflight=config.max_inflight_requests, code2wav_batch=config.code2wav_max_batch,
                        first_chunk_frames=config.first_chunk_frames, chunk_frames=config.next_chunk_frames,
                        left_context_frames=config.resolved_left_context_frames, block_size=config.kv_block_size,
-                       gpu_processes=gpu_processes, placement=config.placement)
+                       gpu_processes=gpu_processes, placement=config.placement,
+                       quantization=None if config.quantization == "none" else config.quantization)
     return replace(config, kv_cache_tokens=budget.thinker_tokens,
                    talker_kv_cache_tokens=budget.talker_tokens), budget.note
 

@@ -137,7 +137,9 @@ class CodePredictor(KernelSwitch, nn.Module):
     def fusable(self) -> bool:
         """What the fused step assumes of the config (the released one has all of it)."""
         cfg = self.config
-        return (not cfg.attention_bias and not cfg.num_experts and cfg.hidden_act == "silu"
+        if "_fp8" not in self.__dict__:  # FP8 layers (layers.fp8) run their own kernels through the modules
+            self._fp8 = any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters())
+        return (not self._fp8 and not cfg.attention_bias and not cfg.num_experts and cfg.hidden_act == "silu"
                 and cfg.num_heads % cfg.num_kv_heads == 0
                 and cfg.head_dim & (cfg.head_dim - 1) == 0 and self.num_code_groups <= FRAME_POSITIONS)
 

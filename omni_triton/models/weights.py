@@ -8,6 +8,11 @@ tensors (``...mlp.experts.E.{gate,up,down}_proj.weight``) land in the stacked ``
 unexpected (inside the component's prefix) or mis-shaped tensor raises ValueError naming it. Other
 components' tensors are ignored.
 
+Block-FP8 (``models.quantization``): a checkpoint whose config.json has an FP8 ``quantization_config`` is
+served as it is, every module with a ``weight_scale_inv`` built as its FP8 twin (``layers.fp8``) and filled
+with the FP8 weight and its scales; ``quantization="fp8"`` quantizes a full-precision checkpoint (or the dummy
+weights, the same values as the unquantized dummy model's) at load, tensor by tensor, in the same layout.
+
 ``load_format="dummy"`` reads only config.json (a checkpoint dir or a shipped config name such as
 ``qwen3_omni_30b_a3b``) and fills every parameter with seeded random values generated on the target device:
 the full-size model on one GPU with no checkpoint on disk. Each tensor's values depend only on the seed and
@@ -28,6 +33,9 @@ from safetensors import safe_open
 from torch import nn
 
 from omni_triton.models.config import OmniConfig, resolve_config_dir
+from omni_triton.models.layers.fp8 import Fp8Experts, is_fp8, quantize_modules_, store_quantized_
+from omni_triton.models.quantization import FP8_DTYPE, SCALE_SUFFIX, Fp8Scheme, check_quantization, \
+    checkpoint_scheme, quantized_at_load
 from omni_triton.models.talker import Talker
 from omni_triton.models.thinker import Thinker
 
@@ -39,7 +47,8 @@ AUDIO_ENCODER_PREFIX = "thinker.audio_tower."
 THINKER_SKIPPED = ("thinker.visual.", "thinker.audio_tower.")
 LOAD_FORMATS = ("safetensors", "dummy")
 
-_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                     r"\.weight(?P<scale>_scale_inv)?$")
 
 
 def checkpoint_index(checkpoint_dir: str | Path) -> dict[str, Path]:
@@ -56,10 +65,37 @@ def checkpoint_index(checkpoint_dir: str | Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def _materialise(build, device, dtype) -> nn.Module:
+def _materialise(build, device, dtype, fp8: tuple[Fp8Scheme, object] | None = None) -> nn.Module:
+    """Built on the meta device in ``dtype``; ``fp8`` (scheme, selected): those modules swapped for their FP8
+    twins after the cast (which would otherwise turn FP8 weights into ``dtype``)."""
     with torch.device("meta"):
-        module = build()
-    return module.to(dtype).to_empty(device=device).eval()
+        module = build().to(dtype)
+        if fp8 is not None:
+            quantize_modules_(module, *fp8)
+    return module.to_empty(device=device).eval()
+
+
+def _fp8_plan(checkpoint_dir: str | Path, prefix: str, quantization: str | None,
+              load_format: str) -> tuple[Fp8Scheme, object] | None:
+    """(scheme, selected(name, module)) of the modules to build as FP8, or None. An FP8 checkpoint picks its own
+    (every module it has a ``weight_scale_inv`` for); quantizing at load (or random weights from an FP8
+    checkpoint's config), ``quantization.quantized_at_load``'s rule."""
+    check_quantization(quantization)
+    dummy = load_format == "dummy"
+    own = checkpoint_scheme(resolve_config_dir(checkpoint_dir) if dummy else checkpoint_dir)
+    if own is not None and not dummy:
+        names = {_module_of(name[len(prefix):]) for name in checkpoint_index(checkpoint_dir)
+                 if name.startswith(prefix) and name.endswith(".weight" + SCALE_SUFFIX)}
+        return own, lambda name, module: name in names
+    if own is not None or quantization == "fp8":
+        return own or Fp8Scheme(), quantized_at_load
+    return None
+
+
+def _module_of(scale_name: str) -> str:
+    """``a.q_proj.weight_scale_inv`` -> ``a.q_proj``; a per-expert scale -> the layer's stacked ``...experts``."""
+    match = _EXPERT.match(scale_name)
+    return match["experts"] if match else scale_name[:-len(".weight" + SCALE_SUFFIX)]
 
 
 def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
@@ -70,9 +106,9 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
              if name.startswith(prefix) and not name.startswith(skip_prefixes)}
     pending: dict[str, set] = {}  # target name -> parts still to fill (stacked experts fill in pieces)
     for name in targets:
-        if name.endswith(".experts.gate_up_proj"):
+        if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj" + SCALE_SUFFIX)):
             pending[name] = {(e, part) for e in range(targets[name].shape[0]) for part in ("gate_proj", "up_proj")}
-        elif name.endswith(".experts.down_proj"):
+        elif name.endswith((".experts.down_proj", ".experts.down_proj" + SCALE_SUFFIX)):
             pending[name] = {(e, "down_proj") for e in range(targets[name].shape[0])}
         else:
             pending[name] = {None}
@@ -92,7 +128,15 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
                     if tensor.shape != view.shape:
                         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(view.shape)}")
-                    view.copy_(tensor)
+                    if tensor.dtype == FP8_DTYPE and view.dtype != FP8_DTYPE:
+                        raise ValueError(f"tensor {name!r} is {tensor.dtype} but the model's is {view.dtype}: "
+                                         "an FP8 weight needs its weight_scale_inv and a quantization_config")
+                    if view.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # quantized at load
+                        scale_target, scale_view, scale_part = _destination(name[len(prefix):] + SCALE_SUFFIX, targets)
+                        store_quantized_(view, scale_view, tensor, _fp8_block(module, target_name))
+                        pending[scale_target].discard(scale_part)
+                    else:
+                        view.copy_(tensor)
                     pending[target_name].discard(part)
     missing = [_checkpoint_name(prefix, target, part) for target, parts in pending.items() for part in sorted(
         parts, key=str)]
@@ -103,18 +147,23 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
     return module
 
 
+def _fp8_block(module: nn.Module, target_name: str) -> tuple[int, int]:
+    return module.get_submodule(target_name.rsplit(".", 1)[0]).block
+
+
 def _destination(name: str, targets: dict[str, torch.Tensor]):
     """Checkpoint name (prefix stripped) -> (target state-dict name, tensor view to fill, part key)."""
     match = _EXPERT.match(name)
     if match is None:
         return (name, targets[name], None) if name in targets else (None, None, None)
     experts, expert, proj = match["experts"], int(match["expert"]), match["proj"]
+    suffix = match["scale"] or ""
     if proj == "down_proj":
-        target_name = experts + ".down_proj"
+        target_name = experts + ".down_proj" + suffix
         if target_name not in targets or expert >= targets[target_name].shape[0]:
             return None, None, None
         return target_name, targets[target_name][expert], (expert, proj)
-    target_name = experts + ".gate_up_proj"
+    target_name = experts + ".gate_up_proj" + suffix
     if target_name not in targets or expert >= targets[target_name].shape[0]:
         return None, None, None
     stacked = targets[target_name][expert]
@@ -126,7 +175,8 @@ def _checkpoint_name(prefix: str, target: str, part) -> str:
     if part is None:
         return prefix + target
     expert, proj = part
-    return f"{prefix}{target.rsplit('.', 1)[0]}.{expert}.{proj}.weight"
+    suffix = SCALE_SUFFIX if target.endswith(SCALE_SUFFIX) else ""
+    return f"{prefix}{target.rsplit('.', 1)[0]}.{expert}.{proj}.weight{suffix}"
 
 
 def _check_load_format(load_format: str) -> None:
@@ -159,21 +209,34 @@ def _dummy_values_(name: str, tensor: torch.Tensor, seed: int) -> None:
 
 
 def init_dummy_(module: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every floating-point parameter of ``module`` in place (see ``_dummy_values_``)."""
+    """Fill every floating-point parameter of ``module`` in place (see ``_dummy_values_``). An FP8 weight gets
+    the values the unquantized model's would have (drawn in the model dtype), quantized, and its scales."""
+    dtypes = {param.dtype for param in module.parameters() if param.is_floating_point()} - {FP8_DTYPE, torch.float32}
+    model_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if param.is_floating_point():
+            owner = module.get_submodule(name.rpartition(".")[0])
+            if is_fp8(owner) and name.endswith(SCALE_SUFFIX):
+                continue  # filled with its weight
+            if param.dtype == FP8_DTYPE:
+                full = torch.empty(param.shape, dtype=model_dtype, device=param.device)
+                _dummy_values_(name, full, seed)
+                halves = 2 if isinstance(owner, Fp8Experts) and name.endswith("gate_up_proj") else 1
+                store_quantized_(param, module.get_parameter(name + SCALE_SUFFIX), full, owner.block, halves)
+            elif param.is_floating_point():
                 _dummy_values_(name, param, seed)
     return module
 
 
 def load_thinker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, with_audio: bool = True, *, load_format: str = "safetensors",
-                 seed: int = 0) -> Thinker:
+                 seed: int = 0, quantization: str | None = None) -> Thinker:
+    """``quantization`` "fp8": block-FP8 weights quantized at load (an FP8 checkpoint is FP8 without it)."""
     _check_load_format(load_format)
     config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir) if load_format == "dummy"
                                         else checkpoint_dir)
-    thinker = _materialise(lambda: Thinker(config.thinker), device, dtype)
+    thinker = _materialise(lambda: Thinker(config.thinker), device, dtype,
+                           _fp8_plan(checkpoint_dir, THINKER_PREFIX, quantization, load_format))
     if load_format == "dummy":
         init_dummy_(thinker, seed)
     else:
@@ -190,13 +253,16 @@ def load_thinker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
 
 
 def load_talker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, *, load_format: str = "safetensors", seed: int = 0) -> Talker:
+                dtype: torch.dtype = torch.float32, *, load_format: str = "safetensors", seed: int = 0,
+                quantization: str | None = None) -> Talker:
+    """``quantization`` as ``load_thinker``'s."""
     _check_load_format(load_format)
+    fp8 = _fp8_plan(checkpoint_dir, TALKER_PREFIX, quantization, load_format)
     if load_format == "dummy":
         config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir))
-        return init_dummy_(_materialise(lambda: Talker(config.talker), device, dtype), seed)
+        return init_dummy_(_materialise(lambda: Talker(config.talker), device, dtype, fp8), seed)
     config = OmniConfig.from_pretrained(checkpoint_dir)
-    talker = _materialise(lambda: Talker(config.talker), device, dtype)
+    talker = _materialise(lambda: Talker(config.talker), device, dtype, fp8)
     return load_component_(talker, checkpoint_dir, TALKER_PREFIX)
 
 

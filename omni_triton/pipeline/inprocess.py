@@ -43,19 +43,21 @@ class InProcessPipeline:
     def __init__(self, checkpoint_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  engine_config: EngineConfig | None = None, talker_engine_config: EngineConfig | None = None,
                  policy: ChunkPolicy = ChunkPolicy(), limits: RequestLimits = RequestLimits(),
-                 load_format: str = "safetensors", seed: int = 0, chunk_pacing: str = "adaptive"):
+                 load_format: str = "safetensors", seed: int = 0, chunk_pacing: str = "adaptive",
+                 quantization: str | None = None):
         """``talker_engine_config``: default ``engine_config``. ``load_format`` dummy: seeded random weights
         (``seed``) from the checkpoint dir's config.json, as the served stages load them. The vocoder is the
         code2wav stage's torch runtime, with CUDA graphs for its short calls when ``engine_config.cuda_graphs``
-        (the same switch the served stages read). ``chunk_pacing``: adaptive (``ChunkPacer``) or ramp, as served."""
+        (the same switch the served stages read). ``chunk_pacing``: adaptive (``ChunkPacer``) or ramp, as served.
+        ``quantization`` "fp8": the thinker's and talker's weights quantized at load, as served."""
         engine_config = engine_config or EngineConfig(num_blocks=1024, device=device, kv_dtype=dtype)
         talker_engine_config = talker_engine_config or engine_config
         self.device = torch.device(device)
         self.preprocessor = Preprocessor(checkpoint_dir, limits, _cache_tokens(engine_config),
                                          _cache_tokens(talker_engine_config))
         weights = dict(load_format=load_format, seed=seed)
-        self.thinker = ThinkerService(checkpoint_dir, engine_config, dtype, **weights)
-        self.talker = TalkerService(checkpoint_dir, talker_engine_config, dtype, **weights)
+        self.thinker = ThinkerService(checkpoint_dir, engine_config, dtype, **weights, quantization=quantization)
+        self.talker = TalkerService(checkpoint_dir, talker_engine_config, dtype, **weights, quantization=quantization)
         # decode_chunk decodes one stream's chunk per call: batch 1 is the only bucket
         self.vocoder = Code2WavRuntime.create(
             "torch", checkpoint_dir, device=self.device, dtype=dtype, **weights,

@@ -48,12 +48,13 @@ class TalkerRequest:
 
 class TalkerService:
     def __init__(self, checkpoint_dir: str | Path, engine_config: EngineConfig, dtype: torch.dtype = torch.float32,
-                 *, load_format: str = "safetensors", seed: int = 0):
-        """``load_format`` dummy: seeded random weights (``seed``, the thinker's too for its embedding rows)."""
+                 *, load_format: str = "safetensors", seed: int = 0, quantization: str | None = None):
+        """``load_format`` dummy: seeded random weights (``seed``, the thinker's too for its embedding rows).
+        ``quantization`` as ``ThinkerService``'s."""
         self.config = OmniConfig.from_pretrained(checkpoint_dir)
         self.device = torch.device(engine_config.device)
         self.model = load_talker(checkpoint_dir, self.device, dtype, load_format=load_format,
-                                 seed=seed).eval().requires_grad_(False)
+                                 seed=seed, quantization=quantization).eval().requires_grad_(False)
         self.tts_token_embeds = load_thinker_embedding_rows(
             checkpoint_dir, [self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id],
             self.device, dtype, load_format=load_format, seed=seed)

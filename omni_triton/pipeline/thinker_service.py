@@ -99,12 +99,13 @@ class _RequestRows:
 
 class ThinkerService:
     def __init__(self, checkpoint_dir: str | Path, engine_config: EngineConfig, dtype: torch.dtype = torch.float32,
-                 *, load_format: str = "safetensors", seed: int = 0):
-        """``load_format`` dummy: seeded random weights (``seed``) from the checkpoint dir's config.json."""
+                 *, load_format: str = "safetensors", seed: int = 0, quantization: str | None = None):
+        """``load_format`` dummy: seeded random weights (``seed``) from the checkpoint dir's config.json.
+        ``quantization`` "fp8": block-FP8 weights quantized at load (``models.quantization``)."""
         self.config = OmniConfig.from_pretrained(checkpoint_dir)
         self.device = torch.device(engine_config.device)
         self.model = load_thinker(checkpoint_dir, self.device, dtype, with_audio=True, load_format=load_format,
-                                  seed=seed).eval().requires_grad_(False)
+                                  seed=seed, quantization=quantization).eval().requires_grad_(False)
         stage = ThinkerStage(self.model, audio_token_id=self.config.thinker.audio_token_id,
                              accept_hidden_layer=self.config.accept_hidden_layer)
         self.engine = LLMEngine(stage, engine_config)

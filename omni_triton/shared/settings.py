@@ -32,6 +32,9 @@ INTERSTAGE_MEMORY = ("device", "host")
 LOAD_FORMATS = ("safetensors", "dummy")
 # models.layers.fast_kernels.LINEAR_LAUNCHES, spelled out so that launching imports no torch (a test keeps them equal)
 LINEAR_LAUNCHES = ("one-pass", "split-k", "gemv")
+# Weights quantized at load (none: the checkpoint's own; an FP8 checkpoint is served as FP8 either way); spelled
+# out so that launching imports no torch: models.quantization.QUANTIZATIONS plus "none" (a test keeps them equal)
+QUANTIZATIONS = ("none", "fp8")
 # adaptive: each stream's chunk sizes follow its frame rate and its listener's buffer (pipeline/code2wav/pacing.py);
 # ramp: ChunkPolicy's fixed ramp alone (4, 8, 24, 25, ...)
 CHUNK_PACING = ("adaptive", "ramp")
@@ -48,6 +51,7 @@ class LaunchConfig:
     device: str = "cpu"                   # cpu | cuda
     load_format: str = "safetensors"      # safetensors | dummy (see LOAD_FORMATS)
     dummy_seed: int = 0                   # load_format dummy: the weights' seed
+    quantization: str = "none"            # none | fp8: thinker/talker weights quantized at load (QUANTIZATIONS)
     interstage_memory: str = "device"     # device | host (see INTERSTAGE_MEMORY)
     dtype: str | None = None              # None: float32 on cpu, bfloat16 on cuda
     # Audio chunking: a small first chunk for a low time-to-first-audio, larger ones after it.
@@ -106,6 +110,8 @@ class LaunchConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.code2wav_runtime not in CODE2WAV_RUNTIMES:
             raise ValueError(f"code2wav_runtime must be one of {CODE2WAV_RUNTIMES}, got {self.code2wav_runtime!r}")
         if self.left_context_frames == "stateful" and self.code2wav_instances > 1:

@@ -65,6 +65,12 @@ def load_options(settings: LaunchConfig) -> dict[str, Any]:
     return {"load_format": settings.load_format, "seed": settings.dummy_seed}
 
 
+def quantization(settings: LaunchConfig) -> str | None:
+    """The thinker's and talker's weights quantized at load (``--quantization``): "fp8", or None (the
+    checkpoint's own)."""
+    return None if settings.quantization == "none" else settings.quantization
+
+
 def replica_labels(args: dict) -> dict[str, str]:
     """Metric labels that tell this instance from its replicas (``serve --instances``): its instance name
     (talker_0_1) under ``model_instance`` when the model has several instances, else none. Without it the

@@ -7,7 +7,7 @@ from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.stages.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
-                                           replica_labels, report_native_crashes, stage_device)
+                                           quantization, replica_labels, report_native_crashes, stage_device)
 from omni_triton.stages.stage_io import (answer_abort, configure_interstage_memory, host_array, input_arrays,
                                          send_output, stage_loading, talker_output_tensors,
                                          thinker_output_from_request)
@@ -29,7 +29,8 @@ class TritonPythonModel:
         config, dtype = engine_config(settings, "talker", device)
         self.inputs = InputStream(device)  # request inputs copied without waiting for the talker's steps
         with stage_loading("talker"):
-            self.service = TalkerService(settings.checkpoint_dir, config, dtype, **load_options(settings))
+            self.service = TalkerService(settings.checkpoint_dir, config, dtype, **load_options(settings),
+                                         quantization=quantization(settings))
         labels = replica_labels(args)
         self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=settings.device != "cpu", labels=labels)
         self.metrics = StageMetrics(pb_utils, "talker", lambda: engine_snapshot(

@@ -19,7 +19,7 @@ class InProcessRunner:
         import torch
 
         from omni_triton.pipeline.inprocess import InProcessPipeline
-        from omni_triton.stages.model_args import chunk_policy, engine_config
+        from omni_triton.stages.model_args import chunk_policy, engine_config, quantization
 
         # each engine and the chunking as the served stages build them from the same settings
         device = torch.device(config.device)
@@ -27,7 +27,7 @@ class InProcessRunner:
         self.pipeline = InProcessPipeline(
             config.checkpoint_dir, device=config.device, dtype=dtype, engine_config=thinker,
             talker_engine_config=talker, load_format=config.load_format, seed=config.dummy_seed,
-            policy=chunk_policy(config), chunk_pacing=config.chunk_pacing)
+            policy=chunk_policy(config), chunk_pacing=config.chunk_pacing, quantization=quantization(config))
 
     def open_worker(self) -> SharedWorker:
         return SharedWorker(self.request)

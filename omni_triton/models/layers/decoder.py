@@ -36,8 +36,13 @@ class SelfAttention(KernelSwitch, nn.Module):
         self.packed_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def pack_projections_(self) -> None:
-        if self.packed_qkv is None:
+        # FP8 projections keep their own launches (their block scales would not stack at every width)
+        if self.packed_qkv is None and not self.fp8:
             self.packed_qkv = pack_linears_([self.q_proj, self.k_proj, self.v_proj])
+
+    @property
+    def fp8(self) -> bool:
+        return self.o_proj.weight.dtype == torch.float8_e4m3fn
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -60,7 +65,7 @@ class SelfAttention(KernelSwitch, nn.Module):
         else:
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5).reshape(num_tokens, -1)
-        if self.kernels_for(x):
+        if self.kernels_for(x) and not self.fp8:
             return step_linear(self, out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
 

@@ -32,7 +32,7 @@ class GatedMLP(KernelSwitch, nn.Module):
         self.packed_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def pack_projections_(self) -> None:
-        if self.packed_gate_up is None:
+        if self.packed_gate_up is None and self.gate_proj.weight.dtype != torch.float8_e4m3fn:  # FP8: two launches
             self.packed_gate_up = pack_linears_([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,14 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) for the torch path (FP8 experts dequantize them)."""
+        return self.gate_up_proj, self.down_proj
+
+    def fp8_scales(self) -> None:
+        """The FP8 twin's block scales for the kernels (``layers.fp8.Fp8Experts``); None: plain weights."""
+        return None
+
 
 # The talker's packed input projection is 2 x 768 + 128 + 1 = 1665 rows: an odd-width product, for which cuBLAS
 # ran a 9-us align1 kernel at 64 rows in every talker layer (benchmarks/results/h200-frame-sampler/
@@ -95,7 +103,8 @@ class SparseMoE(KernelSwitch, nn.Module):
         """One weight for every projection of the block's input; the nn.Linear weights become its row views
         (state dicts unchanged) and the shared expert's packed gate/up is its first rows, so that the shared
         expert (which ``set_fast_kernels`` visits after this block) does not pack its own."""
-        if self.shared_expert is None or self.packed_input_proj is not None:
+        if (self.shared_expert is None or self.packed_input_proj is not None
+                or self.shared_expert.gate_proj.weight.dtype == torch.float8_e4m3fn):  # FP8: its own launches
             return
         shared = self.shared_expert
         self.packed_input_proj, _ = pack_linears_([shared.gate_proj, shared.up_proj, self.gate,
@@ -106,7 +115,7 @@ class SparseMoE(KernelSwitch, nn.Module):
         if self.kernels_for(x) and self.act is F.silu:
             return self.forward_with_kernels(x)
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, self.act)
+        out = run_experts(x, *self.experts.dequantized(x.dtype), ids, weights, self.act)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -134,7 +143,7 @@ class SparseMoE(KernelSwitch, nn.Module):
         weights, ids = routing.route(router_logits, self.top_k, self.norm_topk_prob)
         gemv = self.use_fused_steps and self.linear_launch == "gemv"  # the per-pair GEMVs at 1-2 tokens
         per_pair = fused_moe.expert_pairs(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
-                                          gemv=gemv)
+                                          gemv=gemv, fp8_scales=self.experts.fp8_scales())
         if branch is not None:
             branch.join()
         out = fused_moe.sum_top_k(per_pair, self.top_k, shared, shared_gate)
