@@ -54,10 +54,14 @@ def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOC
 def _dequantized_tile(w, scale_rows, k0, col_mask, dtype, BLOCK_COLS: tl.constexpr, FP8: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile in ``dtype``: FP8 times its block's scale (``scale_rows``: [BLOCK_N]
     pointers to each column's row of block scales; the tile lies in one block of K), else as loaded."""
+    # one return after the branches: the compiler also visits code after a return inside a constexpr branch,
+    # and two returns of different types do not compile (the interpreter runs them fine)
     if FP8:
         scale = tl.load(scale_rows + k0 // BLOCK_COLS, mask=col_mask, other=0.0)
-        return (w.to(tl.float32) * scale[None, :]).to(dtype)
-    return w
+        tile = (w.to(tl.float32) * scale[None, :]).to(dtype)
+    else:
+        tile = w
+    return tile
 
 
 @triton.jit

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sampling profiles of every stage's Python stub (py-spy, every thread, raw collapsed stacks) while a served level
+# runs: which thread of which stage spends its time where. Starts when the server is ready plus DELAY seconds
+# (warm-up requests and the level's ramp), records SECONDS at RATE Hz, non-blocking (the stub is not paused).
+#   bash benchmarks/pyspy_stages.sh OUTDIR [DELAY=40] [SECONDS=10] [RATE=200] [HEALTH=http://127.0.0.1:18000]
+# then: python -m omni_triton.bench.pyspy_summary OUTDIR   (top frames per thread)
+# py-spy is a PyPI wheel (carried to the GPU machine: pip install py_spy-*.whl).
+set -uo pipefail
+out=${1:?output directory}
+delay=${2:-40}; seconds=${3:-10}; rate=${4:-200}; health=${5:-http://127.0.0.1:18000}
+mkdir -p "$out"
+for _ in $(seq 900); do
+  curl -sf "$health/v2/health/ready" >/dev/null 2>&1 && break
+  sleep 1
+done
+sleep "$delay"
+pids=()
+while read -r pid args; do
+  model=$(sed -n "s#.*/\([a-z0-9_]*\)/1/model.py.*#\1#p" <<<"$args")
+  [ -n "$model" ] || model=$(awk '{print $2}' <<<"$args" | xargs -r basename)
+  py-spy record --nonblocking --threads --idle --format raw --rate "$rate" --duration "$seconds" \
+    --pid "$pid" --output "$out/$model-$pid.txt" >"$out/$model-$pid.log" 2>&1 &
+  pids+=($!)
+  echo "$pid $args" >>"$out/stubs.txt"
+done < <(ps -eo pid=,args= | grep '[t]riton_python_backend_stub')
+top -b -n 1 -H -w 200 | head -60 >"$out/top_threads.txt" 2>/dev/null
+wait "${pids[@]}"
+echo "py-spy: $(ls "$out"/*.txt | wc -l) files in $out"
