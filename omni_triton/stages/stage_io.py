@@ -7,6 +7,7 @@ built against); numpy is used only for what Triton itself hands out as numpy (CP
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -90,8 +91,25 @@ def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def host_array(tensor: Any) -> np.ndarray:
-    """A small tensor (ids, flags, scalars) on the host."""
-    return tensor.as_numpy() if tensor.is_cpu() else np.asarray(to_torch(tensor).cpu().tolist())
+    """A small tensor (ids, flags, scalars) on the host. One on a GPU (a stage's host output that the orchestrator
+    asked for on its GPU) is read on a stream of its own: on the thread's current stream the read would wait for
+    every engine step queued there first. The input is complete when Triton hands it over."""
+    if tensor.is_cpu():
+        return tensor.as_numpy()
+    value = to_torch(tensor)
+    with torch.cuda.stream(_reading_stream(value.device)):
+        return np.asarray(value.cpu().tolist())
+
+
+_reading_streams: dict[torch.device, torch.cuda.Stream] = {}
+_reading_streams_lock = threading.Lock()
+
+
+def _reading_stream(device: torch.device) -> torch.cuda.Stream:
+    with _reading_streams_lock:
+        if device not in _reading_streams:
+            _reading_streams[device] = torch.cuda.Stream(device)
+        return _reading_streams[device]
 
 
 def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
