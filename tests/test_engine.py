@@ -411,6 +411,47 @@ def test_engine_loop_merges_what_queued_behind_a_slow_consumer(talker):
     assert len(delivered) <= 2 < len(ref_tokens["a"])
 
 
+def test_engine_loop_batches_a_talkers_frames_as_its_policy_says(talker):
+    """Output batching (the served talker's: first response at the first chunk's frames, then 8 a response): the
+    same tokens and frames as stepped by hand, in fewer calls, each of the policy's size but the last."""
+    from omni_triton.engine.output_batching import OutputBatching
+
+    prefill, text = talker_inputs(4, 8, 4)
+    params = greedy(30)
+    ref_tokens, ref_frames = talker_alone(talker, params, prefill, text)
+    batching = OutputBatching(first_tokens=4, min_tokens=8, max_hold_s=60.0)  # never due by age here
+    loop = EngineLoop(talker_engine(talker, output_batching=batching)).start()
+    try:
+        stream = loop.add_request("a", params, prompt_embeds=prefill, trailing_text_embeds=text,
+                                  thinker_finished=True)
+        delivered = list(stream)
+    finally:
+        loop.shutdown()
+    tokens, frames = {}, {}
+    collect(delivered, tokens, frames)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.cat(frames["a"]), torch.cat(ref_frames["a"]))
+    sizes = [len(output.new_token_ids) for output in delivered]
+    assert sizes[0] >= 4 and all(size >= 8 for size in sizes[1:-1]) and len(delivered) < len(ref_tokens["a"]) / 4
+
+
+def test_engine_loop_delivers_a_held_output_once_its_hold_time_is_up(talker):
+    """A request whose next batch never fills (it waits for text) still gets its frames, after the hold time."""
+    from omni_triton.engine.output_batching import OutputBatching
+
+    prefill, text = talker_inputs(4, 8, 4)
+    batching = OutputBatching(first_tokens=100, min_tokens=100, max_hold_s=0.05)
+    loop = EngineLoop(talker_engine(talker, output_batching=batching)).start()
+    try:
+        stream = loop.add_request("a", greedy(30), prompt_embeds=prefill, trailing_text_embeds=text[:1])
+        first = next(iter(stream))  # the request then waits for text: only the hold time lets this out
+        assert first.new_token_ids and not first.finished
+        loop.abort("a")
+        assert list(stream)[-1].finish_reason == "abort"
+    finally:
+        loop.shutdown()
+
+
 # -- attention fast path ------------------------------------------------------------------------------------
 def test_fast_attention_path_matches_reference():
     gen = torch.Generator().manual_seed(0)

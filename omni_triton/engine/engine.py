@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,6 +17,7 @@ from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
 from omni_triton.engine.handoff import OutputStream, ready_event
 from omni_triton.engine.host_copies import HostIds
 from omni_triton.engine.kept_states import KeptStates
+from omni_triton.engine.output_batching import HeldOutputs, OutputBatching
 from omni_triton.engine.overlap import LaunchedStep, StepOverlap
 from omni_triton.engine.prefix_cache import with_positions
 from omni_triton.engine.runner import ModelRunner
@@ -57,6 +59,8 @@ class EngineConfig:
     # computed KV blocks named by their content and reused by later requests whose inputs begin the same way
     # (block_manager, prefix_cache); the streamed states of cached positions are kept or recomputed (kept_states)
     prefix_caching: bool = False
+    # EngineLoop: when a request's outputs go to its callback (every step, or a few at a time: output_batching.py)
+    output_batching: OutputBatching = field(default_factory=OutputBatching)
 
 
 @dataclass
@@ -392,6 +396,7 @@ class EngineLoop:
         self._step_thread = threading.Thread(target=self._step_loop, name="engine-step", daemon=True)
         self._response_thread = threading.Thread(target=self._response_loop, name="engine-response", daemon=True)
         self._output_stream = OutputStream(engine.runner.device)
+        self._held = HeldOutputs(engine.config.output_batching)
 
     def start(self) -> "EngineLoop":
         self._step_thread.start()
@@ -493,23 +498,33 @@ class EngineLoop:
         device = self.engine.runner.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        stop = False
         while True:
-            outputs = [self._responses.get()]
             # Everything queued behind a slow consumer goes at once, a request's outputs merged into one: a
             # Triton stage sends one response per callback, and at 64 streams a response per step per request
             # fell behind the steps (the talker's first frames waited seconds in this queue), while a merged
-            # output costs one send however many steps it covers.
-            while outputs[-1] is not None:
+            # output costs one send however many steps it covers. Outputs not due yet (output_batching.py) wait
+            # here for the next round, or for their hold time to run out.
+            outputs = []
+            if not stop:
+                try:
+                    outputs.append(self._responses.get(timeout=self._held.wait_s(time.monotonic())))
+                except queue.Empty:
+                    pass
+            while outputs and outputs[-1] is not None:
                 try:
                     outputs.append(self._responses.get_nowait())
                 except queue.Empty:
                     break
-            stop = outputs[-1] is None
+            stop = stop or (bool(outputs) and outputs[-1] is None)
             outputs = [output for output in outputs if output is not None]
-            # callbacks embed, cast, concatenate and export on the response thread's own stream (handoff.py)
+            # callbacks embed, cast, concatenate and export on the response thread's own stream (handoff.py); held
+            # outputs were made there in an earlier round, so they need no wait
             with self._output_stream.handling((event for output in outputs for event in output.ready_events),
                                               (tensor for output in outputs for tensor in output.device_tensors())):
-                for output in merge_outputs(outputs):
+                merged = merge_outputs(self._held.take_held() + outputs)
+                # at shutdown everything held goes out
+                for output in (merged if stop else self._held.due(merged, time.monotonic())):
                     self._deliver(output)
             if stop:
                 return

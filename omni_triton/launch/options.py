@@ -114,6 +114,11 @@ def add_engine_arguments(group) -> None:
                        help="the thinker and the talker reuse the KV blocks (and streamed states) of prompt prefixes "
                             "computed before: a conversation's later turns and a shared system prompt cost only "
                             "their new tokens (docs/prefix_caching.md) (default: %(default)s)")
+    group.add_argument("--stage-output-hold-ms", type=float, metavar="MS", default=LaunchConfig.stage_output_hold_ms,
+                       help="the thinker and the talker send each stream's outputs a few steps at a time (the talker's "
+                            "first at --first-chunk-frames frames, then 8; the thinker's first 8 tokens at once, then "
+                            "4), none held longer than this: fewer, larger responses for the orchestrator to handle "
+                            "under load; 0: every step (docs/performance.md) (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

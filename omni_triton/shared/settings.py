@@ -84,6 +84,9 @@ class LaunchConfig:
     dependent_launch: bool = True  # with fast_path on sm_90+: programmatic dependent launch (kernels.dependent_launch)
     overlap_steps: bool = True  # decode steps overlap their host work (EngineConfig.overlap_steps)
     prefix_caching: bool = True  # the engines reuse computed prompt prefixes (EngineConfig.prefix_caching)
+    # thinker and talker send a stream's outputs a few steps at a time, none held longer than this (0: every step;
+    # EngineConfig.output_batching)
+    stage_output_hold_ms: float = 40.0
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
@@ -134,6 +137,8 @@ class LaunchConfig:
         if self.left_context_frames not in (None, "stateful", "exact") and (
                 not isinstance(self.left_context_frames, int) or self.left_context_frames < 1):
             raise ValueError(f"left_context_frames must be 'stateful', 'exact' or >= 1, got {self.left_context_frames!r}")
+        if not 0 <= self.stage_output_hold_ms <= 1000:
+            raise ValueError(f"stage_output_hold_ms must be within 0-1000, got {self.stage_output_hold_ms}")
         if self.chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {self.chunk_pacing!r}")
         if self.admission_queue is not None and self.admission_queue < 0:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from omni_triton.engine import EngineConfig
+from omni_triton.engine.output_batching import OutputBatching
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.shared.settings import LaunchConfig
 
@@ -49,8 +50,28 @@ def engine_config(settings: LaunchConfig, stage: str, device: torch.device) -> t
                           prefill_graph_tokens=None if settings.prefill_graphs else 0,
                           linear_launch=settings.linear_launch, dependent_launch=settings.dependent_launch,
                           overlap_steps=settings.overlap_steps, prefix_caching=settings.prefix_caching,
-                          warmup=settings.resolved_warmup)
+                          warmup=settings.resolved_warmup, output_batching=output_batching(settings, stage))
     return config, dtype
+
+
+# A stream's outputs, after its first, go at this many steps at a time (within --stage-output-hold-ms): the talker
+# makes a frame a step, and a response of 8 frames is 640 ms of audio, more than the chunk after the first
+# (--first-chunk-frames, doubling) needs; the thinker's text runs ahead of the talker, which takes a token a frame,
+# but its first tokens go one by one so the talker's first frames never wait for a batch.
+TALKER_FRAMES_PER_OUTPUT = 8
+THINKER_EAGER_TOKENS, THINKER_TOKENS_PER_OUTPUT = 8, 4
+
+
+def output_batching(settings: LaunchConfig, stage: str) -> OutputBatching:
+    """When ``stage``'s engine hands a stream's outputs to its response sender (engine/output_batching.py)."""
+    hold_s = settings.stage_output_hold_ms / 1000
+    if hold_s == 0:
+        return OutputBatching()
+    if stage == "talker":  # its first response carries the first audio chunk's frames
+        return OutputBatching(first_tokens=settings.first_chunk_frames, min_tokens=TALKER_FRAMES_PER_OUTPUT,
+                              max_hold_s=hold_s)
+    return OutputBatching(first_tokens=1, eager_tokens=THINKER_EAGER_TOKENS, min_tokens=THINKER_TOKENS_PER_OUTPUT,
+                          max_hold_s=hold_s)
 
 
 def chunk_policy(settings: LaunchConfig) -> ChunkPolicy:

@@ -1,0 +1,54 @@
+"""engine/output_batching.py: when a request's outputs are due (pure logic, simulated clock)."""
+
+import pytest
+
+from omni_triton.engine.engine import RequestOutput
+from omni_triton.engine.output_batching import HeldOutputs, OutputBatching
+
+
+def out(tokens, finished=False, request_id="a"):
+    return RequestOutput(request_id, list(range(tokens)), finished)
+
+
+def test_the_default_delivers_every_output_at_once():
+    held = HeldOutputs(OutputBatching())
+    outputs = [out(1), out(0, request_id="b")]
+    assert held.due(outputs, now=0.0) == outputs and len(held) == 0 and held.wait_s(0.0) is None
+
+
+def test_first_eager_then_min_tokens():
+    held = HeldOutputs(OutputBatching(first_tokens=3, eager_tokens=5, min_tokens=4, max_hold_s=1.0))
+    assert held.due([out(2)], now=0.0) == [] and len(held) == 1  # before the first delivery: 3 tokens
+    (waiting,) = held.take_held()
+    merged = RequestOutput("a", waiting.new_token_ids + [9])
+    assert held.due([merged], now=0.1) == [merged]  # 3 tokens: due
+    assert held.due([out(1)], now=0.2) != []  # 3 of 5 eager tokens delivered: due at once
+    assert held.due([out(1)], now=0.3) != []  # 4 of 5: still eager
+    assert held.due([out(3)], now=0.4) == []  # 5 delivered: now 4 at a time
+    assert held.due([out(4)], now=0.5) != []
+
+
+def test_the_hold_time_and_finishing_make_an_output_due():
+    held = HeldOutputs(OutputBatching(first_tokens=10, min_tokens=10, max_hold_s=0.05))
+    assert held.due([out(1)], now=1.0) == []
+    assert held.wait_s(1.01) == pytest.approx(0.04)
+    (waiting,) = held.take_held()
+    assert held.due([waiting], now=1.05) == [waiting]  # its oldest part waited 50 ms
+    assert held.due([out(1, finished=True)], now=1.06) != []  # finished: due whatever its size
+    assert held.wait_s(2.0) is None
+
+
+def test_a_held_output_keeps_its_arrival_time_across_rounds():
+    held = HeldOutputs(OutputBatching(first_tokens=10, min_tokens=10, max_hold_s=0.1))
+    held.due([out(1)], now=0.0)
+    for now in (0.03, 0.06, 0.09):
+        (waiting,) = held.take_held()
+        assert held.due([waiting], now=now) == []
+    (waiting,) = held.take_held()
+    assert held.due([waiting], now=0.1) == [waiting]
+
+
+def test_bad_policies_are_refused():
+    for bad in (dict(first_tokens=0), dict(min_tokens=0), dict(eager_tokens=-1), dict(max_hold_s=-1)):
+        with pytest.raises(ValueError):
+            OutputBatching(**bad)
