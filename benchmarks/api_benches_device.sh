@@ -11,11 +11,12 @@
 # prefix_compare.json and logs.tar.gz (each stage's log, the servers' logs). The API's packages (fastapi,
 # uvicorn, websockets, silero-vad, ...) are not on the GPU image: wheels in $API_WHEELS (default .api-wheels,
 # carried with the command) are installed to /tmp/site-api first when present (benchmarks/README.md says how to
-# make them). Random weights never stop a reply: replies asking for no length get --max-audio-frames-cap frames.
+# make them). Random weights never stop a reply: the API bounds each to REPLY_AUDIO_S seconds of audio
+# (--realtime-max-output-audio-s).
 #
 # Settings (environment): MODEL_ARGS (default: --device cuda --config qwen3_omni_30b_a3b --fast-path on
 # --cuda-graphs on), CHECKPOINT (the served checkpoint's dir, its tokenizer: default checkpoints/dummy/CONFIG,
-# which `serve --config` writes), SERVE_ARGS (more serve flags), AUDIO_FRAMES_CAP (150 = 12 s), SESSIONS (1,16),
+# which `serve --config` writes), SERVE_ARGS (more serve flags), REPLY_AUDIO_S (12), SESSIONS (1,16),
 # TURNS (3), BARGE_INS (3), SYSTEM_TOKENS (1000), TURN_TOKENS (200), PREFIX_TURNS (5), CONCURRENCY (32),
 # REQUESTS (64), BUDGET_S (480: the whole run's time; each stage's timeout leaves the later stages theirs).
 # CPU, the tiny checkpoint (a test of this script, minutes):
@@ -27,7 +28,7 @@ CONFIG=${CONFIG:-qwen3_omni_30b_a3b}
 MODEL_ARGS=${MODEL_ARGS:---device cuda --config $CONFIG --fast-path on --cuda-graphs on}
 CHECKPOINT=${CHECKPOINT:-checkpoints/dummy/$CONFIG}
 SERVE_ARGS=${SERVE_ARGS:-}
-AUDIO_FRAMES_CAP=${AUDIO_FRAMES_CAP:-150}
+REPLY_AUDIO_S=${REPLY_AUDIO_S:-12}
 SESSIONS=${SESSIONS:-1,16}
 TURNS=${TURNS:-3}
 BARGE_INS=${BARGE_INS:-3}
@@ -70,10 +71,10 @@ trap finish EXIT
 
 serve() {  # $1: name (run dir under logs), $2: seconds it may take to be ready; then more serve flags
   local name=$1 ready_s=$2; shift 2
-  say "serve $name: $MODEL_ARGS --max-audio-frames-cap $AUDIO_FRAMES_CAP $SERVE_ARGS $*"
+  say "serve $name: $MODEL_ARGS $SERVE_ARGS $*"
   # its own process group: stopping it takes tritonserver and the stage stubs along, and nothing else
-  setsid python3 -m omni_triton.cli serve $MODEL_ARGS --max-inflight 64 --max-audio-frames-cap "$AUDIO_FRAMES_CAP" \
-    $SERVE_ARGS "$@" --run-dir "$logs/$name" --http-port 18000 --grpc-port 18001 --metrics-port 18002 \
+  setsid python3 -m omni_triton.cli serve $MODEL_ARGS --max-inflight 64 $SERVE_ARGS "$@" \
+    --run-dir "$logs/$name" --http-port 18000 --grpc-port 18001 --metrics-port 18002 \
     >"$logs/$name.log" 2>&1 &
   server_pid=$!
   local deadline=$((SECONDS + ready_s))
@@ -85,7 +86,7 @@ serve() {  # $1: name (run dir under logs), $2: seconds it may take to be ready;
     kill -0 $server_pid 2>/dev/null || break
     sleep 1
   done
-  say "serve $name: not ready"; tail -30 "$logs/$name.log"; return 1
+  say "serve $name: not ready"; tail -30 "$logs/$name.log"; stop_server "$name"; return 1
 }
 
 stop_server() {
@@ -110,7 +111,7 @@ if [ -d "$API_WHEELS" ]; then
   api_path=/tmp/site-api:$PYTHONPATH  # the API and its client only: the stages keep the image's packages
 fi
 { echo "# Realtime latency and prefix caching ($(date -u +%F))"; echo
-  echo "serve: \`$MODEL_ARGS --max-inflight 64 --max-audio-frames-cap $AUDIO_FRAMES_CAP $SERVE_ARGS\`; $(nvidia-smi \
+  echo "serve: \`$MODEL_ARGS --max-inflight 64 $SERVE_ARGS\`; replies at most $REPLY_AUDIO_S s of audio; $(nvidia-smi \
     --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); git $(git rev-parse --short HEAD 2>/dev/null)"
   echo; } >"$summary"
 
@@ -118,7 +119,7 @@ fi
 if serve on "$(limit 240 200)"; then
   say "api"
   PYTHONPATH=$api_path setsid python3 -m omni_triton.cli api --triton-grpc 127.0.0.1:18001 --port 19000 --checkpoint "$CHECKPOINT" \
-    --log-level warning >"$logs/api.log" 2>&1 &
+    --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level warning >"$logs/api.log" 2>&1 &
   api_pid=$!
   for _ in $(seq 60); do url_up http://127.0.0.1:19000/health && break; kill -0 $api_pid 2>/dev/null || break; sleep 1; done
   if url_up http://127.0.0.1:19000/health; then

@@ -64,9 +64,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(launch)
     launch.add_argument("--max-tokens-cap", type=int, default=defaults.max_tokens_cap,
                         help="largest MAX_TOKENS a request may ask for (default: %(default)s)")
-    launch.add_argument("--max-audio-frames-cap", type=int, default=defaults.max_audio_frames_cap,
-                        help="largest MAX_AUDIO_FRAMES a request may ask for, and the length of a reply that asks "
-                             "for none (0: until the talker stops) (default: %(default)s)")
     launch.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars,
                         help="longest TEXT a request may send, in characters (default: %(default)s)")
     launch.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds,

@@ -126,7 +126,7 @@ class LaunchConfig:
             raise ValueError(f"code2wav_runtime {self.code2wav_runtime} needs code2wav_engine_path")
         for name in ("first_chunk_frames", "next_chunk_frames", "kv_cache_tokens", "kv_block_size",
                      "max_batched_tokens", "max_inflight_requests", "max_tokens_cap", "default_max_tokens",
-                     "max_audio_frames_cap", "code2wav_max_batch"):
+                     "code2wav_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.talker_kv_cache_tokens is not None and self.talker_kv_cache_tokens < 1:
