@@ -20,8 +20,8 @@
 # TURNS (3), BARGE_INS (3), SYSTEM_TOKENS (1000), TURN_TOKENS (200), PREFIX_TURNS (5), CONCURRENCY (32),
 # REQUESTS (64), BUDGET_S (480: the whole run's time; each stage's timeout leaves the later stages theirs).
 # CPU, the tiny checkpoint (a test of this script, minutes):
-#   MODEL_ARGS="--device cpu" CHECKPOINT=checkpoints/tiny SESSIONS=1,2 TURNS=2 BARGE_INS=1 SYSTEM_TOKENS=200 \
-#     TURN_TOKENS=40 CONCURRENCY=4 REQUESTS=8 bash benchmarks/api_benches_device.sh /tmp/api-benches
+#   API_WHEELS=none MODEL_ARGS="--device cpu" CHECKPOINT=checkpoints/tiny SESSIONS=1,2 TURNS=2 BARGE_INS=1 \
+#     SYSTEM_TOKENS=200 TURN_TOKENS=40 CONCURRENCY=4 REQUESTS=8 bash benchmarks/api_benches_device.sh /tmp/api-benches
 set -uo pipefail
 out=${1:?output directory}
 CONFIG=${CONFIG:-qwen3_omni_30b_a3b}
@@ -118,15 +118,18 @@ fi
 # 1. prefix caching on (serve's default): the realtime bench through the API, then the prefix bench
 if serve on "$(limit 240 200)"; then
   say "api"
-  PYTHONPATH=$api_path setsid python3 -m omni_triton.cli api --triton-grpc 127.0.0.1:18001 --port 19000 --checkpoint "$CHECKPOINT" \
-    --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level warning >"$logs/api.log" 2>&1 &
+  PYTHONPATH=$api_path setsid python3 -m omni_triton.cli api --triton-grpc 127.0.0.1:18001 --port 19000 \
+    --checkpoint "$CHECKPOINT" --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level warning \
+    >"$logs/api.log" 2>&1 &
   api_pid=$!
-  for _ in $(seq 60); do url_up http://127.0.0.1:19000/health && break; kill -0 $api_pid 2>/dev/null || break; sleep 1; done
+  for _ in $(seq 60); do
+    url_up http://127.0.0.1:19000/health && break; kill -0 $api_pid 2>/dev/null || break; sleep 1
+  done
   if url_up http://127.0.0.1:19000/health; then
     say "realtime_latency: sessions $SESSIONS, $TURNS turns, $BARGE_INS barge-ins"
-    PYTHONPATH=$api_path timeout -k 10 "$(limit 180 170)" python3 benchmarks/realtime_latency.py --api-url http://127.0.0.1:19000 \
-      --metrics-url http://127.0.0.1:18002/metrics --sessions "$SESSIONS" --turns "$TURNS" --barge-ins "$BARGE_INS" \
-      --wav "$WAV" --out "$logs" >"$logs/realtime_latency.log" 2>&1
+    PYTHONPATH=$api_path timeout -k 10 "$(limit 180 170)" python3 benchmarks/realtime_latency.py \
+      --api-url http://127.0.0.1:19000 --metrics-url http://127.0.0.1:18002/metrics --sessions "$SESSIONS" \
+      --turns "$TURNS" --barge-ins "$BARGE_INS" --wav "$WAV" --out "$logs" >"$logs/realtime_latency.log" 2>&1
     say "realtime_latency: exit $?"; tail -5 "$logs/realtime_latency.log"
     cp "$logs/realtime_latency.json" "$out/" 2>/dev/null
   else

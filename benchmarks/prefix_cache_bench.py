@@ -172,8 +172,16 @@ def markdown(report: dict) -> str:
               f"| TTFA p50 ms | {shared_on['ttfa_p50_s'] * 1000:.0f} | {shared_off['ttfa_p50_s'] * 1000:.0f} "
               f"| {ratios['shared_prompt_ttfa_p50']:.2f} |",
               f"| requests/s | {shared_on['requests_per_s']:.2f} | {shared_off['requests_per_s']:.2f} "
-              f"| {ratios['shared_prompt_requests_per_s']:.2f} |"]
+              f"| {ratios['shared_prompt_requests_per_s']:.2f} |", "",
+              "cache on, hit / query tokens per stage: " + "; ".join(
+                  f"{workload} {_hits(on[workload]['gauges'])}" for workload in ("conversation", "shared_prompt"))]
     return "\n".join(lines) + "\n"
+
+
+def _hits(gauges: dict[str, float]) -> str:
+    return ", ".join(f"{stage} {gauges.get(f'omni_prefix_cache_hit_tokens{{{stage}}}', 0):.0f} / "
+                     f"{gauges.get(f'omni_prefix_cache_query_tokens{{{stage}}}', 0):.0f}"
+                     for stage in ("thinker", "talker"))
 
 
 def main(argv: list[str] | None = None) -> int:
