@@ -54,26 +54,34 @@ limit() {  # $1: the stage's own limit, $2: seconds the stages after it need; pr
 say() { echo "[$(date -u +%T) +${SECONDS}s] $*" | tee -a "$logs/stages.log"; }
 url_up() { python3 -c "import urllib.request; urllib.request.urlopen('$1', timeout=2)" 2>/dev/null; }
 
-stop_group() {  # $1: pid of a process started with setsid (the leader of its group): INT, then KILL its group
+tree_of() {  # $1 and every process under it (tritonserver runs in a session of its own: no group kill reaches it)
+  echo "$1"
+  local child
+  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree_of "$child"; done
+}
+
+stop_tree() {  # $1: a pid started here: INT (serve stops tritonserver itself), then KILL what is left of its tree
   [ -n "$1" ] || return 0
+  local pids
+  pids=$(tree_of "$1")
   kill -INT "$1" 2>/dev/null
-  for _ in $(seq 40); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done
-  kill -KILL -- "-$1" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL $pids 2>/dev/null
   wait "$1" 2>/dev/null
 }
 
 finish() {
-  stop_group "$api_pid"; stop_group "$server_pid"
+  stop_tree "$api_pid"; stop_tree "$server_pid"
   tar czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"
   echo "done after ${SECONDS}s: $(ls "$out" | tr '\n' ' ')"
 }
 trap finish EXIT
+trap 'exit 130' INT TERM
 
 serve() {  # $1: name (run dir under logs), $2: seconds it may take to be ready; then more serve flags
   local name=$1 ready_s=$2; shift 2
   say "serve $name: $MODEL_ARGS $SERVE_ARGS $*"
-  # its own process group: stopping it takes tritonserver and the stage stubs along, and nothing else
-  setsid python3 -m omni_triton.cli serve $MODEL_ARGS --max-inflight 64 $SERVE_ARGS "$@" \
+  python3 -m omni_triton.cli serve $MODEL_ARGS --max-inflight 64 $SERVE_ARGS "$@" \
     --run-dir "$logs/$name" --http-port 18000 --grpc-port 18001 --metrics-port 18002 \
     >"$logs/$name.log" 2>&1 &
   server_pid=$!
@@ -90,7 +98,7 @@ serve() {  # $1: name (run dir under logs), $2: seconds it may take to be ready;
 }
 
 stop_server() {
-  say "stop server"; stop_group "$server_pid"; server_pid=
+  say "stop server"; stop_tree "$server_pid"; server_pid=
   rm -rf "$logs/$1/repository"  # its tritonserver.log stays
 }
 
@@ -118,7 +126,7 @@ fi
 # 1. prefix caching on (serve's default): the realtime bench through the API, then the prefix bench
 if serve on "$(limit 240 200)"; then
   say "api"
-  PYTHONPATH=$api_path setsid python3 -m omni_triton.cli api --triton-grpc 127.0.0.1:18001 --port 19000 \
+  PYTHONPATH=$api_path python3 -m omni_triton.cli api --triton-grpc 127.0.0.1:18001 --port 19000 \
     --checkpoint "$CHECKPOINT" --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level warning \
     >"$logs/api.log" 2>&1 &
   api_pid=$!
@@ -138,7 +146,7 @@ if serve on "$(limit 240 200)"; then
   { echo "## Realtime (issue 45): ms, end of speech to first audio; barge-in"; echo; echo '```'
     grep -E "^[0-9]+ sessions:|^barge-in:|Error|error" "$logs/realtime_latency.log" 2>/dev/null | tail -8
     echo '```'; echo; } >>"$summary"
-  stop_group "$api_pid"; api_pid=
+  stop_tree "$api_pid"; api_pid=
   prefix_bench on "$(limit 120 150)"
   stop_server on
 fi
