@@ -12,6 +12,7 @@ prefix-cache gauges (docs/prefix_caching.md) are read from the metrics port arou
     # a served pipeline (omni-triton serve ... --prefix-caching on|off): one run per setting, then compare
     python benchmarks/prefix_cache_bench.py --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \\
         --checkpoint CKPT --label on --out on.json
+    python benchmarks/prefix_cache_bench.py --compare on.json off.json --out compare.json  # ratios, tables
     # CPU: the tiny checkpoint served twice here, off then on, and the ratios side by side
     python benchmarks/prefix_cache_bench.py --tiny --system-tokens 200 --turn-tokens 40 --concurrency 4
 """
@@ -137,14 +138,50 @@ def tiny_side_by_side(args) -> dict:
             report["on" if caching else "off"] = run(served, chat, args)
         finally:
             server.stop()
-    on, off = report["on"], report["off"]
-    report["ratios_on_to_off"] = {
+    report["ratios_on_to_off"] = ratios_on_to_off(report["on"], report["off"])
+    return report
+
+
+def ratios_on_to_off(on: dict, off: dict) -> dict:
+    return {
         "conversation_turn_ttfa": [a["ttfa_s"] / b["ttfa_s"] for a, b in zip(on["conversation"]["turns"],
                                                                               off["conversation"]["turns"])],
         "shared_prompt_ttfa_p50": on["shared_prompt"]["ttfa_p50_s"] / off["shared_prompt"]["ttfa_p50_s"],
         "shared_prompt_requests_per_s": on["shared_prompt"]["requests_per_s"] / off["shared_prompt"]["requests_per_s"],
     }
-    return report
+
+
+def compare_runs(on_path: Path, off_path: Path) -> dict:
+    """Two --url runs' reports (cache on, cache off) side by side, with the same ratios as --tiny."""
+    (on,), (off,) = (json.loads(Path(path).read_text()).values() for path in (on_path, off_path))
+    return {"on": on, "off": off, "ratios_on_to_off": ratios_on_to_off(on, off)}
+
+
+def markdown(report: dict) -> str:
+    """The issue's figures (TTFA per turn, turn 5 / turn 1, shared-prompt TTFA p50 and requests/s) as tables."""
+    on, off, ratios = report["on"], report["off"], report["ratios_on_to_off"]
+    lines = ["| turn | prompt tokens | TTFA on ms | TTFA off ms | on / off |", "|---:|---:|---:|---:|---:|"]
+    for a, b, ratio in zip(on["conversation"]["turns"], off["conversation"]["turns"], ratios["conversation_turn_ttfa"]):
+        lines.append(f"| {a['turn']} | {a['prompt_tokens']} | {a['ttfa_s'] * 1000:.0f} | {b['ttfa_s'] * 1000:.0f} "
+                     f"| {ratio:.2f} |")
+    lines.append(f"\nlast turn / first turn TTFA: on {on['conversation']['turn_ttfa_ratio']:.2f}, "
+                 f"off {off['conversation']['turn_ttfa_ratio']:.2f}\n")
+    shared_on, shared_off = on["shared_prompt"], off["shared_prompt"]
+    lines += [f"shared prompt, {shared_on['requests']} requests at {shared_on['concurrency']} concurrent:", "",
+              "| | on | off | on / off |", "|---|---:|---:|---:|",
+              f"| TTFA p50 ms | {shared_on['ttfa_p50_s'] * 1000:.0f} | {shared_off['ttfa_p50_s'] * 1000:.0f} "
+              f"| {ratios['shared_prompt_ttfa_p50']:.2f} |",
+              f"| requests/s | {shared_on['requests_per_s']:.2f} | {shared_off['requests_per_s']:.2f} "
+              f"| {ratios['shared_prompt_requests_per_s']:.2f} |", "",
+              "cache on, hit / query tokens per stage: " + "; ".join(
+                  f"{workload} {_hits(on[workload]['gauges'])}" for workload in ("conversation", "shared_prompt"))]
+    return "\n".join(lines) + "\n"
+
+
+def _hits(gauges: dict[str, float]) -> str:
+    return ", ".join(f"{stage} {gauges.get(f'omni_prefix_cache_hit_tokens{{{stage}}}', 0):.0f} / "
+                     f"{gauges.get(f'omni_prefix_cache_query_tokens{{{stage}}}', 0):.0f}"
+                     for stage in ("thinker", "talker"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a served pipeline's gRPC address (needs --checkpoint)")
     target.add_argument("--tiny", action="store_true", help="serve the tiny checkpoint here, off then on (CPU)")
+    target.add_argument("--compare", nargs=2, type=Path, metavar=("ON_JSON", "OFF_JSON"),
+                        help="two --url runs' reports (cache on, then off): side by side, ratios and tables")
     parser.add_argument("--metrics-url", help="its metrics, e.g. http://127.0.0.1:8002/metrics")
     parser.add_argument("--checkpoint", type=Path, help="the served checkpoint (its tokenizer and chat template)")
     parser.add_argument("--label", default="run", help="the run's name in the report (e.g. on, off)")
@@ -165,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--audio-frames", type=int, default=25)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.compare:
+        report = compare_runs(*args.compare)
+        print(markdown(report))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     if args.tiny:
         report = tiny_side_by_side(args)
     else:

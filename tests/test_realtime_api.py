@@ -471,6 +471,27 @@ def test_session_limits(triton_server):
     assert idle.error.code == "idle_timeout" and expired.error.code == "session_expired"
 
 
+def test_reply_audio_is_bounded_by_the_server_limit(triton_server):
+    """``--realtime-max-output-audio-s``: a reply that would speak longer stops at that many codec frames."""
+    with ApiServer(triton_server.grpc_url, triton_server.checkpoint_dir,
+                   realtime_limits=RealtimeLimits(max_output_audio_s=0.4)) as bounded:
+        async def scenario():
+            async with async_client(bounded).realtime.connect(model="omni") as connection:
+                await until(connection, "session.created")
+                await connection.session.update(session={"type": "realtime", **LONG_ANSWER,
+                                                          "audio": {"input": {"turn_detection": None}}})
+                await until(connection, "session.updated")
+                await connection.conversation.item.create(item=user_text("Tell me a long story."))
+                await connection.response.create()
+                events: list = []
+                return events, await until(connection, "response.done", events)
+
+        events, done = run(scenario())
+    assert done.response.status == "completed"
+    assert done.response.usage.output_token_details.audio_tokens == 5  # 0.4 s at 12.5 frames a second
+    assert audio_of(events).size == 5 * 1920 - 555  # N frames decode to 1920 N - 555 samples
+
+
 def test_beta_client_dialect(api):
     """The official client's beta path (``OpenAI-Beta: realtime=v1``): flat session fields, beta event names."""
     async def scenario():

@@ -105,9 +105,10 @@ def speech_request(request: SpeechRequest) -> OmniRequest:
     return OmniRequest(UserTurn(request.input, None), scalars, SPEECH_PARAMS)
 
 
-def realtime_request(turn: UserTurn, voice: str | None, max_output_tokens: int | str, audio_out: bool) -> OmniRequest:
+def realtime_request(turn: UserTurn, voice: str | None, max_output_tokens: int | str, audio_out: bool,
+                     max_audio_frames: int | None = None) -> OmniRequest:
     """One realtime response: the conversation's last user turn with its history; ``max_output_tokens`` "inf"
-    leaves the server's default cap."""
+    leaves the server's default cap; ``max_audio_frames`` None: until the talker stops."""
     max_tokens = None if max_output_tokens == "inf" else max_output_tokens
-    scalars = dict(speaker=voice, max_tokens=max_tokens, return_audio=audio_out)
+    scalars = dict(speaker=voice, max_tokens=max_tokens, return_audio=audio_out, max_audio_frames=max_audio_frames)
     return OmniRequest(turn, scalars, REALTIME_PARAMS)

@@ -30,6 +30,9 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
                           help="a session without a client event for this long ends (default: %(default)s)")
     realtime.add_argument("--realtime-max-input-audio-s", type=float, default=defaults.max_input_audio_s,
                           help="uncommitted input audio a session buffers at most, seconds (default: %(default)s)")
+    realtime.add_argument("--realtime-max-output-audio-s", type=float, default=defaults.max_output_audio_s,
+                          help="seconds of audio a reply speaks at most, e.g. to bound the replies of random "
+                               "weights, whose talker never stops (default: none: until the talker stops)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     limits = RealtimeLimits(max_items=args.realtime_max_items, max_session_s=args.realtime_max_session_s,
                             idle_timeout_s=args.realtime_idle_timeout_s,
-                            max_input_audio_s=args.realtime_max_input_audio_s)
+                            max_input_audio_s=args.realtime_max_input_audio_s,
+                            max_output_audio_s=args.realtime_max_output_audio_s)
     app = create_app(args.triton_grpc, args.model, args.checkpoint, limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

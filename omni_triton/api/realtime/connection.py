@@ -271,7 +271,8 @@ class RealtimeConnection:
         await self.send("response.output_item.added", response_id=response.id, output_index=0, item=item.wire())
         await self.item_added(item, previous)
         await self.send("response.content_part.added", **self.part_of(response), part=self.part_wire(response))
-        omni = realtime_request(turn, settings.voice, settings.max_output_tokens, settings.audio_out)
+        omni = realtime_request(turn, settings.voice, settings.max_output_tokens, settings.audio_out,
+                                self.limits.max_output_audio_frames())
         response.task = asyncio.get_running_loop().create_task(self.stream(response, omni))
 
     async def stream(self, response: Response, omni) -> None:
