@@ -161,3 +161,13 @@ def test_each_pipeline_learns_its_own_capacity():
     assert admission.arrive("a", 0.0) == ("start", 0) and admission.arrive("b", 0.0) == ("start", 1)
     # pipeline 0 cannot take a second stream; pipeline 1 (fast) can
     assert admission.arrive("c", 0.0) == ("start", 1)
+
+
+def test_a_closed_pipeline_takes_no_new_stream():
+    """A pipeline with a stage down is closed: new and waiting requests go to the others, or wait."""
+    admission = Admission(max_running=2, queue_limit=4, capacity=None, pipelines=2)
+    assert admission.arrive("a", 0.0, closed={0}) == ("start", 1)
+    assert admission.arrive("b", 0.0, closed={0}) == ("start", 1)
+    assert admission.arrive("c", 0.0, closed={0}) == ("queued", None)  # pipeline 1 is full, 0 is closed
+    assert admission.due(1.0, closed={0}) == []
+    assert admission.due(2.0) == [("c", 2.0, 0)]  # reopened

@@ -152,3 +152,27 @@ def test_a_cancel_frees_the_pipeline_that_holds_the_request_and_the_other_goes_o
     assert long_error and not runner.is_alive()
     wait_pipeline_idle(pipelines, None)
     assert stream(pipelines, "after cancel", max_tokens=4, max_audio_frames=4, temperature=0.0).audio.size
+
+
+def test_a_dead_stage_closes_its_pipeline_and_the_other_serves_on(pipelines):
+    """Last here: it kills pipeline 1's thinker (no --allow-stage-reload: it stays down). New requests all go to
+    pipeline 0 and succeed, where one pipeline would refuse every request until the stage is reloaded."""
+    import os
+    import signal
+
+    from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
+
+    server_pid = pipelines.server.process.pid
+    (victim,) = find_stub_instances(server_pid, ["thinker_p1"])["thinker_p1"].values()
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while stub_alive(victim, server_pid):
+        assert time.monotonic() < deadline, "the killed stub is still alive"
+        time.sleep(0.05)
+    before = inference_counts(pipelines)
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda prompt: stream(pipelines, prompt, max_tokens=6, max_audio_frames=8,
+                                                      temperature=0.0), PROMPTS[:3]))
+    assert all(result.text and result.audio.size for result in results)
+    after = inference_counts(pipelines)
+    assert after["thinker_p0"] - before["thinker_p0"] == 3 and after["talker_p1"] == before["talker_p1"]

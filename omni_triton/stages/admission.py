@@ -26,7 +26,7 @@ import copy
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 FRAME_S = 1 / 12.5           # audio per codec frame
 HEADROOM = 1.1               # each stream should get at least this x real time
@@ -136,19 +136,21 @@ class Admission:
             return False
         return load.running == 0 or load.capacity is None or load.capacity.admits(load.running)
 
-    def _place(self) -> int | None:
-        """Count one more stream on the least loaded open pipeline and return it (None: none is open)."""
-        pipeline = least_loaded(self.pipelines, [self._open(load) for load in self.pipelines])
+    def _place(self, closed: Collection[int]) -> int | None:
+        """Count one more stream on the least loaded open pipeline, not one of ``closed``, and return it (None: none
+        is open)."""
+        pipeline = least_loaded(self.pipelines, [index not in closed and self._open(load)
+                                                 for index, load in enumerate(self.pipelines)])
         if pipeline is not None:
             self.pipelines[pipeline].running += 1
             self.pipelines[pipeline].starting += 1
         return pipeline
 
-    def arrive(self, item: Any, now: float) -> tuple[str, int | None]:
+    def arrive(self, item: Any, now: float, closed: Collection[int] = ()) -> tuple[str, int | None]:
         """('start', the pipeline it runs on: counted as running there now), ('queued', None) or
-        ('refused', None)."""
+        ('refused', None). ``closed``: pipelines that take no new stream now (a stage of theirs is down)."""
         with self._lock:
-            pipeline = None if self._queue else self._place()
+            pipeline = None if self._queue else self._place(closed)
             if pipeline is not None:
                 return "start", pipeline
             if len(self._queue) < self.queue_limit:
@@ -186,13 +188,13 @@ class Admission:
             if not played:
                 self.pipelines[pipeline].starting -= 1
 
-    def due(self, now: float) -> list[tuple[Any, float, int]]:
-        """Waiting requests that may start now, in arrival order: (request, its wait, its pipeline), each counted
-        as running there."""
+    def due(self, now: float, closed: Collection[int] = ()) -> list[tuple[Any, float, int]]:
+        """Waiting requests that may start now, in arrival order: (request, its wait, its pipeline, not one of
+        ``closed``), each counted as running there."""
         started = []
         with self._lock:
             while self._queue:
-                pipeline = self._place()
+                pipeline = self._place(closed)
                 if pipeline is None:
                     break
                 waiting = self._queue.popleft()

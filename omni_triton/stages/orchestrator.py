@@ -27,7 +27,9 @@ server's totals.
 
 A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
 UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
-with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub.
+with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub. With several pipelines only the
+requests on the stage's own pipeline fail, and new ones go to the other pipelines meanwhile (refused only while
+every pipeline has a stage down).
 """
 
 from __future__ import annotations
@@ -160,10 +162,13 @@ class Orchestrator:
         if control is not None:
             self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
             return
-        down = self._stages.unavailable()
-        if down is not None:
-            self._refuse(sender, down)
-            return
+        closed = self._closed()
+        if len(closed) == len(self._routes):
+            down = self._stages.unavailable()
+            if down is not None:
+                self._refuse(sender, down)
+                return
+            closed = set()  # a death the watcher has not seen yet: the request fails at the stage, naming it
         inputs = {name: self._pb.get_input_tensor_by_name(request, name) for name in REQUEST_INPUTS}
         missing = [name for name, tensor in inputs.items() if tensor is None]
         try:
@@ -182,12 +187,18 @@ class Orchestrator:
                          _CancelCheck(request, cancelled, deadline))
         with self._lock:  # before it may start: a cancel sent while it waits must find it
             self._cancel_events.setdefault(client_id, set()).add(cancelled)
-        decision, pipeline = self._admission.arrive(ticket, time.monotonic())
+        decision, pipeline = self._admission.arrive(ticket, time.monotonic(), closed)
         if decision == "start":
             self._start(ticket, pipeline, waited_s=0.0)
         elif decision == "refused":
             self._forget(ticket)
             self._refuse(sender, self._admission.refusal())
+
+    def _closed(self) -> set[int]:
+        """The pipelines with a stage down (its stub seen dead, or reloading): they take no new stream while another
+        is up."""
+        return {index for index, route in enumerate(self._routes)
+                if any(self._stages.is_down(model) for model in route.models.values())}
 
     def _refuse(self, sender: Any, message: str) -> None:
         error = triton_error(self._pb, "UNAVAILABLE", message)
@@ -230,7 +241,10 @@ class Orchestrator:
         if self._admission.pipelines[0].capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
             self._observe_capacity(now - last_sample)
             last_sample = now
-        for ticket, waited_s, pipeline in self._admission.due(now):
+        closed = self._closed()
+        if len(closed) == len(self._routes):  # none is up: they start as they always did, and fail naming the stage
+            closed = set()
+        for ticket, waited_s, pipeline in self._admission.due(now, closed):
             self._start(ticket, pipeline, waited_s)
         return last_sample
 
