@@ -52,7 +52,8 @@ def test_requests_past_capacity_wait_in_order_and_past_the_queue_are_refused():
     assert admission.due(now=3.0) == [("b", 2.0, 0)]  # one at a time, oldest first
     admission.finished()
     assert admission.due(now=3.5) == [("c", 2.5, 0)]
-    assert (admission.waited, admission.wait_s, admission.queued, admission.running) == (2, 4.5, 0, 1)
+    total = admission.total()
+    assert (total.waited, total.wait_s, admission.queued, total.running) == (2, 4.5, 0, 1)
 
 
 def test_a_new_request_does_not_overtake_the_queue():
@@ -111,7 +112,7 @@ def test_starts_are_staggered_by_max_starting():
     assert admission.due(2.0) == []
     admission.finished(0, played=False)  # a stream that ended before its first audio frees its start too
     assert admission.due(3.0) == [(3, 3.0, 0)]
-    assert (admission.running, admission.starting) == (3, 2)
+    assert (admission.total().running, admission.total().starting) == (3, 2)
     full = Admission(max_running=8, queue_limit=0, capacity=None, max_starting=1)
     assert full.arrive("a", 0.0)[0] == "start" and full.arrive("b", 0.0)[0] == "refused"
     assert "streams starting (admission_max_starting 1" in full.refusal()
@@ -146,7 +147,8 @@ def test_pipelines_share_the_queue_and_keep_their_own_limits():
     admission.finished(0)
     assert admission.due(2.0) == [(5, 2.0, 0)]
     assert [(load.running, load.waited) for load in admission.pipelines] == [(1, 1), (2, 1)]
-    assert (admission.running, admission.waited, admission.wait_s) == (3, 2, 3.5)
+    total = admission.total()
+    assert (total.running, total.waited, total.wait_s) == (3, 2, 3.5)
     full = Admission(max_running=1, queue_limit=0, capacity=None, pipelines=2)
     assert [full.arrive(i, 0.0)[0] for i in range(3)] == ["start", "start", "refused"]
     assert "1 requests in flight on each of 2 pipelines" in full.refusal()

@@ -16,7 +16,8 @@ import pytest
 from omni_triton.client import OmniStreamClient
 from omni_triton.shared.placement import Placement
 from server_fixture import serving
-from test_server_pipeline import PROMPTS, check_concurrent_streams, inprocess, stream  # noqa: F401 (fixture)
+from test_server_pipeline import (PROMPTS, cancel_at_first_audio, check_concurrent_streams, inprocess,  # noqa: F401
+                                  stream)
 from test_server_replicas import series
 
 pytestmark = pytest.mark.server
@@ -130,16 +131,8 @@ def test_a_cancel_frees_the_pipeline_that_holds_the_request_and_the_other_goes_o
             assert time.monotonic() < deadline and runner.is_alive(), "the long request produced no audio"
             time.sleep(0.05)
         assert per_pipeline(series(pipelines), "omni_active_requests", "orchestrator") == {0: 1.0, 1: 0.0}
-        client = OmniStreamClient(pipelines.grpc_url)
-        first_audio = []
-        try:
-            with pytest.raises(Exception, match="cancel"):
-                client.stream("cancel me", max_tokens=60, max_audio_frames=4000, min_audio_frames=4000,
-                              ignore_eos=True, temperature=0.0, timeout_s=60,
-                              on_audio=lambda chunk: (first_audio.append(chunk), client.cancel()))
-        finally:
-            client.client.close()
-        assert first_audio, "the request was cancelled before it produced audio"
+        cancel_at_first_audio(pipelines, "cancel me", max_tokens=60, max_audio_frames=4000, min_audio_frames=4000,
+                              ignore_eos=True, temperature=0.0, timeout_s=60)
         values = wait_pipeline_idle(pipelines, 1)
         assert runner.is_alive(), "the long request on pipeline 0 ended with the cancel"
         # pipeline 0's talker still holds its request's KV blocks (its thinker is done after 4 tokens)

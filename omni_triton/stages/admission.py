@@ -166,7 +166,7 @@ class Admission:
             each = f" on each of {len(self.pipelines)} pipelines" if len(self.pipelines) > 1 else ""
             if self.queue_limit:
                 return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
-                        f"behind {self.running} streaming; retry later")
+                        f"behind {self.total().running} streaming; retry later")
             if load.running >= self.max_running:
                 return (f"server busy: {self.max_running} requests in flight{each} (max_inflight_requests); retry "
                         "later")
@@ -216,19 +216,7 @@ class Admission:
     def queued(self) -> int:
         return len(self._queue)
 
-    # totals over the pipelines
-    @property
-    def running(self) -> int:
-        return sum(load.running for load in self.pipelines)
-
-    @property
-    def starting(self) -> int:
-        return sum(load.starting for load in self.pipelines)
-
-    @property
-    def waited(self) -> int:
-        return sum(load.waited for load in self.pipelines)
-
-    @property
-    def wait_s(self) -> float:
-        return sum(load.wait_s for load in self.pipelines)
+    def total(self) -> PipelineLoad:
+        """The pipelines' counts summed (no capacity: each pipeline has its own)."""
+        return PipelineLoad(None, *(sum(getattr(load, name) for load in self.pipelines)
+                                    for name in ("running", "starting", "waited", "wait_s")))
