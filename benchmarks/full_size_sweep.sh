@@ -29,7 +29,13 @@
 #   LABEL="one GPU" bash benchmarks/full_size_sweep.sh served OUT/one
 #   LABEL="thinker GPU 0, talker + code2wav GPU 1" SERVE_ARGS="--stage-gpus thinker=0,talker=1,code2wav=1" \
 #     COMPARE_AUDIO=OUT/one/served/device_check.npz bash benchmarks/full_size_sweep.sh served OUT/split
-# (measured: benchmarks/results/h200x2-split/).
+# (measured: benchmarks/results/h200x2-split/). Two GPUs as one server with a whole pipeline on each (issue 43,
+# `nvidia-h200-x2`; serve --pipelines, docs/scaling.md): --max-inflight 64 counts per pipeline, so 128 streams are
+# 64 per GPU; against one GPU (and the split, above) on the same machine, audio compared with one GPU's:
+#   export SEQ_LEVELS= LEFT_CONTEXT=default DEVICE_CHECK=1
+#   LEVELS=32,64 LABEL="one GPU" bash benchmarks/full_size_sweep.sh served OUT/one
+#   LEVELS=64,128 LABEL="two pipelines, one per GPU" SERVE_ARGS="--pipelines 2" \
+#     COMPARE_AUDIO=OUT/one/served/device_check.npz bash benchmarks/full_size_sweep.sh served OUT/pipelines
 set -uo pipefail
 part=${1:?part: served, baselines or exact}
 out=${2:?output directory}

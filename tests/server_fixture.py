@@ -85,7 +85,7 @@ def start_server(config: LaunchConfig, run_dir: Path, models: list[str] | None =
                           log_path=run_dir / "tritonserver.log")
     server.start()
     try:
-        ready_s = server.wait_ready(models, timeout_s=ready_timeout_s)
+        ready_s = server.wait_ready(timeout_s=ready_timeout_s)  # every rendered model (--pipelines: thinker_p0, ...)
     except BaseException:
         server.stop()
         raise

@@ -104,11 +104,12 @@ def test_rendered_server_arguments_are_what_serve_runs(values_path, tiny_checkpo
     pools = [int(arg.split("=")[1].split(":")[0]) for arg in command if arg.startswith("--cuda-memory-pool")]
     assert pools == list(config.placement.used_gpus()) and max(pools) < gpus
     repository = render_repository(config, tmp_path / "repository", ["thinker", "talker", "code2wav"])
-    for model in ("thinker", "talker", "code2wav"):
-        text = (repository / model / "config.pbtxt").read_text()
-        group = re.search(r"count: (\d+) kind: KIND_GPU gpus: \[ ([\d, ]+) \]", text)
-        assert int(group.group(1)) == config.placement.count(model)
-        assert tuple(int(g) for g in group.group(2).split(",")) == config.placement.gpus_of(model)
+    for pipeline in range(config.placement.pipelines):
+        for stage, model in config.placement.models(pipeline).items():
+            text = (repository / model / "config.pbtxt").read_text()
+            group = re.search(r"count: (\d+) kind: KIND_GPU gpus: \[ ([\d, ]+) \]", text)
+            assert int(group.group(1)) == config.placement.count(stage)
+            assert tuple(int(g) for g in group.group(2).split(",")) == config.placement.gpus_of(stage, pipeline)
     # /dev/shm is memory-backed
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -138,6 +139,7 @@ def test_service_monitor_hpa_and_adapter_rules_point_at_each_other(values_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"serve": ["--stage-gpus", "thinker=0,talker=1"]}, r"uses GPU 1: set gpus: 2"),
+    ({"serve": ["--pipelines", "2"]}, r"placement \(2 pipelines: .*\) uses GPU 1: set gpus: 2"),
     ({"serve": ["--instances", "thinker=2"]}, r"--instances thinker=2: only talker and code2wav"),
     ({"serve": ["--max-inflight", "many"]}, r"argument --max-inflight: invalid int value: 'many'"),
     ({"replicas": 3}, r"unknown key 'replicas'"),

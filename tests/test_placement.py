@@ -186,3 +186,85 @@ def test_serve_gives_tritonserver_a_cuda_pool_on_every_gpu_it_uses(tiny_checkpoi
     command = TritonServer(tiny_checkpoint, install, options).command()
     pools = [arg for arg in command if arg.startswith("--cuda-memory-pool-byte-size=")]
     assert [pool.split("=")[1].split(":")[0] for pool in pools] == ["0", "2"]
+
+
+def test_pipelines_render_each_stage_once_per_pipeline_on_its_gpu_group(tiny_checkpoint, tmp_path):
+    """--pipelines 2: thinker_p0 on GPU 0 and thinker_p1 on GPU 1, ...; with the split as pipeline 0's layout,
+    pipeline 1 takes GPUs 2 and 3. One orchestrator (pipeline 0's GPU) routes to every pipeline."""
+    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--pipelines", "2"])
+    two = placement(args)
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=two), tmp_path / "a")
+    assert sorted(p.name for p in out.iterdir()) == ["code2wav_p0", "code2wav_p1", "omni", "orchestrator",
+                                                     "preprocess", "talker_p0", "talker_p1", "thinker_p0", "thinker_p1"]
+    for stage in ("thinker", "talker", "code2wav"):
+        for pipeline in (0, 1):
+            text = (out / f"{stage}_p{pipeline}" / "config.pbtxt").read_text()
+            assert f'name: "{stage}_p{pipeline}"' in text
+            assert _instance_group(out, f"{stage}_p{pipeline}") == (
+                f"instance_group [ {{ count: 1 kind: KIND_GPU gpus: [ {pipeline} ] }} ]")
+    assert _instance_group(out, "orchestrator") == "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"
+    assert rendered_settings(out, "thinker_p1").placement == two
+    assert two.used_gpus() == (0, 1) and two.held(1) == {"thinker": 1, "talker": 1, "code2wav": 1}
+    assert [two.pipeline_gpu(p) for p in (0, 1)] == [0, 1] and two.as_options() == ["--pipelines", "2"]
+    assert two.describe() == ("2 pipelines: thinker x1 on GPU 0 | 1, talker x1 on GPU 0 | 1, code2wav x1 on GPU "
+                              "0 | 1, orchestrator x1 on GPU 0")
+    split = Placement(gpus=SPLIT.gpus, instances={"talker": 2}, pipelines=2)
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=split),
+                            tmp_path / "split")
+    assert _instance_group(out, "thinker_p1") == "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 2 ] } ]"
+    assert _instance_group(out, "talker_p1") == "instance_group [ { count: 2 kind: KIND_GPU gpus: [ 3 ] } ]"
+    assert split.used_gpus() == (0, 1, 2, 3) and [split.pipeline_gpu(p) for p in (0, 1)] == [0, 2]
+    # one pipeline keeps the stages' own names
+    one = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint), tmp_path / "one")
+    assert 'name: "thinker"' in (one / "thinker" / "config.pbtxt").read_text()
+
+
+def test_pipeline_model_names_round_trip():
+    from omni_triton.shared.placement import model_stage, pipeline_model
+
+    assert pipeline_model("talker", 3, 4) == "talker_p3" and model_stage("talker_p3") == ("talker", 3)
+    assert pipeline_model("talker", 0, 1) == "talker" and model_stage("talker") == ("talker", 0)
+    assert pipeline_model("orchestrator", 1, 2) == "orchestrator" and model_stage("omni_p1") == ("omni_p1", 0)
+    assert Placement(pipelines=2).models(1) == {"thinker": "thinker_p1", "talker": "talker_p1",
+                                                "code2wav": "code2wav_p1"}
+
+
+def test_each_pipeline_labels_its_stage_metrics(tiny_checkpoint, tmp_path):
+    from omni_triton.stages.model_args import replica_labels
+    from server_fixture import stage_args
+
+    out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, placement=Placement(
+        instances={"talker": 2}, pipelines=2)), tmp_path / "cpu")
+    talker = stage_args((out / "talker_p1" / "config.pbtxt").read_text(), "talker_p1")
+    assert replica_labels(talker) == {"pipeline": "1", "model_instance": "talker_p1_0_0"}
+    thinker = stage_args((out / "thinker_p0" / "config.pbtxt").read_text(), "thinker_p0")
+    assert replica_labels(thinker) == {"pipeline": "0"}
+
+
+def test_pipelines_plan_each_gpu_as_a_whole_pipeline(full_footprint):
+    one = plan_placement(full_footprint, {0: H200}, Placement(), code2wav_frames=97)
+    two = plan_placement(full_footprint, {0: H200, 1: H200}, Placement(pipelines=2), code2wav_frames=97)
+    first, second = two.gpus
+    assert first.held == {"thinker": 1, "talker": 1, "code2wav": 1, "orchestrator": 1}
+    assert second.held == {"thinker": 1, "talker": 1, "code2wav": 1}
+    assert second.weight_bytes == first.weight_bytes == one.gpus[0].weight_bytes
+    # GPU 1 also holds the orchestrator's CUDA context (it handles pipeline 1's tensors): the same KV as GPU 0
+    assert (two.thinker_tokens, two.talker_tokens) == (one.thinker_tokens, one.talker_tokens)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipelines", "0"], "--pipelines 0: expected a count >= 1"),
+    (["--device", "cuda", "--pipelines", "2", "--instances", "thinker=2"], "for more thinkers run whole pipelines"),
+])
+def test_serve_refuses_a_bad_pipeline_count(argv, message):
+    args = cli.build_parser().parse_args(["serve", *argv])
+    with pytest.raises(LaunchOptionError, match=re.escape(message)):
+        placement(args)
+
+
+def test_more_pipelines_than_gpus_are_refused_naming_the_option(full_footprint):
+    with pytest.raises(DoesNotFit, match=re.escape("--pipelines 3 (1 GPU(s) each: 3 GPUs): GPU 2 is not visible "
+                                                   "here (2 GPU(s): ids 0, 1)")):
+        plan_placement(full_footprint, {0: H200, 1: H200}, Placement(pipelines=3))
+    with pytest.raises(DoesNotFit, match=re.escape("--pipelines 2 (2 GPU(s) each: 4 GPUs): GPU 3 is not visible")):
+        plan_placement(full_footprint, {0: H200, 1: H200, 2: H200}, Placement(gpus=SPLIT.gpus, pipelines=2))

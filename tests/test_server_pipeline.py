@@ -193,17 +193,21 @@ def test_bad_input_is_an_error_naming_the_field(triton_server, field, scalars, t
     assert stream(triton_server, "still fine?", max_tokens=4, max_audio_frames=4, temperature=0.0).audio.size
 
 
-def test_client_cancel_frees_every_stage(triton_server):
-    client = OmniStreamClient(triton_server.grpc_url)
+def cancel_at_first_audio(server, text: str, **scalars) -> None:
+    """Stream ``text`` and cancel it (``OmniStreamClient.cancel``) as its first audio arrives; it must fail."""
+    client = OmniStreamClient(server.grpc_url)
     first_audio = []
     try:
         with pytest.raises(Exception):
-            client.stream("Tell me a very long story.", max_tokens=60, max_audio_frames=400, min_audio_frames=400,
-                          ignore_eos=True, temperature=0.0, timeout_s=5,
-                          on_audio=lambda chunk: (first_audio.append(chunk), client.cancel()))
+            client.stream(text, on_audio=lambda chunk: (first_audio.append(chunk), client.cancel()), **scalars)
     finally:
         client.client.close()
     assert first_audio, "the request was cancelled before it produced audio"
+
+
+def test_client_cancel_frees_every_stage(triton_server):
+    cancel_at_first_audio(triton_server, "Tell me a very long story.", max_tokens=60, max_audio_frames=400,
+                          min_audio_frames=400, ignore_eos=True, temperature=0.0, timeout_s=5)
     values = wait_idle(triton_server, timeout_s=5.0)
     assert values[("omni_kv_blocks_free", "thinker")] > 0 and values[("omni_kv_blocks_free", "talker")] > 0
     # and the server keeps serving

@@ -300,7 +300,9 @@ def plan_placement(footprint: Footprint, gpus: Mapping[int, tuple[int, str]], pl
 def check_visible(gpus: Mapping[int, object], placement: Placement) -> None:
     invisible = [gpu for gpu in placement.used_gpus() if gpu not in gpus]
     if invisible:
-        raise DoesNotFit(f"--stage-gpus: GPU {invisible[0]} is not visible here ({len(gpus)} GPU(s): ids "
+        option = (f"--pipelines {placement.pipelines} ({placement.group_size} GPU(s) each: "
+                  f"{placement.pipelines * placement.group_size} GPUs)" if placement.pipelines > 1 else "--stage-gpus")
+        raise DoesNotFit(f"{option}: GPU {invisible[0]} is not visible here ({len(gpus)} GPU(s): ids "
                          f"{', '.join(map(str, sorted(gpus)))}); placement {placement.describe()}")
 
 

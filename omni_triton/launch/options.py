@@ -149,7 +149,7 @@ def _admission_capacity(text: str) -> str:
 
 
 def add_placement_arguments(group) -> None:
-    """--stage-gpus and --instances: where each stage runs (omni_triton.shared.placement)."""
+    """--stage-gpus, --instances and --pipelines: where each stage runs (omni_triton.shared.placement)."""
     group.add_argument("--stage-gpus", type=_option_type(parse_stage_gpus), default={}, metavar="STAGE=GPUS,...",
                        help=f"cuda: the GPU(s) of each stage ({', '.join(GPU_STAGES)}), e.g. "
                             "thinker=0,talker=1,code2wav=1; several GPUs with ':' (talker=1:2); stages not named run "
@@ -158,6 +158,11 @@ def add_placement_arguments(group) -> None:
                        help=f"instances of {' and '.join(REPLICABLE_STAGES)} per GPU of the stage (Triton "
                             "instance_group count; the memory plan gives each its KV cache), e.g. "
                             "talker=2,code2wav=2 (default: 1 each)")
+    group.add_argument("--pipelines", type=int, default=Placement.pipelines, metavar="N",
+                       help="whole pipelines (thinker, talker, code2wav) in this server, each on its own GPU group: "
+                            "pipeline k on GPU k, or with --stage-gpus on that layout shifted by k groups; each "
+                            "request stays on one, the least loaded, from admission to its last chunk; "
+                            "--max-inflight and the admission limits count per pipeline (default: %(default)s)")
 
 
 def _option_type(parse: Callable[[str], dict]) -> Callable[[str], dict]:
@@ -175,7 +180,7 @@ def placement(args: argparse.Namespace) -> Placement:
         raise LaunchOptionError(f"--stage-gpus places stages on GPUs: it needs --device cuda (got --device "
                                 f"{args.device})")
     try:
-        return Placement(gpus=args.stage_gpus, instances=args.instances)
+        return Placement(gpus=args.stage_gpus, instances=args.instances, pipelines=args.pipelines)
     except PlacementError as error:
         raise LaunchOptionError(str(error)) from None
 

@@ -3,7 +3,9 @@
 Each template's config.pbtxt holds ``${name}`` placeholders (string.Template) for what Triton itself reads
 (batch sizes, instance groups, tensor shapes) and one ``settings`` parameter: the whole launch settings object
 as JSON (``LaunchConfig.to_json``), which every stage stub reads back with the same class
-(``omni_triton.stages.model_args.launch_settings``). Every model.py and other file is copied as-is.
+(``omni_triton.stages.model_args.launch_settings``). Every model.py and other file is copied as-is. With
+``--pipelines N`` the pipeline stages' templates (thinker, talker, code2wav) are rendered once per pipeline, as
+``thinker_p0`` ... (``placement.pipeline_model``), each with its pipeline's GPUs in its instance_group.
 """
 
 from __future__ import annotations
@@ -15,19 +17,23 @@ import string
 from dataclasses import replace
 from pathlib import Path
 
-from omni_triton.shared.placement import GPU_STAGES
+from omni_triton.shared.placement import GPU_STAGES, pipeline_model
 from omni_triton.shared.settings import LaunchConfig
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_repository"
-def template_values(config: LaunchConfig, model: str) -> dict[str, str]:
-    """The ${...} values of one model's config.pbtxt: what Triton itself reads (batch sizes, instances, tensor
-    shapes and types), and ``settings``: the launch settings as JSON, which the stage reads back whole."""
+
+
+def template_values(config: LaunchConfig, model: str, pipeline: int = 0) -> dict[str, str]:
+    """The ${...} values of one model's config.pbtxt (in ``pipeline``): what Triton itself reads (its name, batch
+    sizes, instances, tensor shapes and types), and ``settings``: the launch settings as JSON, which the stage
+    reads back whole."""
     checkpoint = Path(config.checkpoint_dir).resolve()
     engine = Path(config.code2wav_engine_path).resolve() if config.code2wav_engine_path else None
     settings = replace(config, checkpoint_dir=checkpoint, code2wav_engine_path=engine)
     values = dict(
         settings=_pbtxt_string(settings.to_json()),
-        instance_group=config.placement.instance_group(model, config.device) if model in GPU_STAGES else "",
+        model_name=pipeline_model(model, pipeline, config.placement.pipelines),
+        instance_group=config.placement.instance_group(model, config.device, pipeline) if model in GPU_STAGES else "",
         # inter-stage states (thinker embeddings/hidden) travel in the engines' dtype
         state_data_type={"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}[
             config.resolved_dtype],
@@ -68,16 +74,20 @@ def render_repository(config: LaunchConfig, out_dir: str | Path, models: list[st
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
+    rendered_models = []
     for model in models:
-        source, target = template_dir / model, out_dir / model
-        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
-        text, values = (source / "config.pbtxt").read_text(), template_values(config, model)
-        try:
-            rendered = string.Template(text).substitute(values)
-        except (KeyError, ValueError) as error:
-            raise ValueError(f"{source / 'config.pbtxt'}: unknown or malformed placeholder {error}") from None
-        (target / "config.pbtxt").write_text(rendered)
-    _check_ensemble_steps(out_dir, models)
+        source, text = template_dir / model, (template_dir / model / "config.pbtxt").read_text()
+        for pipeline in config.placement.pipelines_of(model):
+            values = template_values(config, model, pipeline)
+            target = out_dir / values["model_name"]
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
+            try:
+                rendered = string.Template(text).substitute(values)
+            except (KeyError, ValueError) as error:
+                raise ValueError(f"{source / 'config.pbtxt'}: unknown or malformed placeholder {error}") from None
+            (target / "config.pbtxt").write_text(rendered)
+            rendered_models.append(values["model_name"])
+    _check_ensemble_steps(out_dir, rendered_models)
     return out_dir
 
 

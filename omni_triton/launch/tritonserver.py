@@ -31,6 +31,7 @@ from omni_triton.shared import bundled_backend
 from omni_triton.launch.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
 from omni_triton.launch.mps import MpsDaemon, start_mps
 from omni_triton.shared.procfs import PARENT, stat_fields
+from omni_triton.shared.placement import model_stage
 from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
@@ -448,7 +449,9 @@ class TritonServer:
         to the orchestrator (``--allow-stage-reload``). Returns the exit code of the run not restarted, or 0 once
         ``stopped()`` (another thread stops the server: a bench's own server is not restarted then)."""
         def watched_stubs() -> dict[str, int]:
-            return self.stub_pids([m for m in self.repository_models() if m not in reloaded_by_orchestrator])
+            # a pipeline's copy of a stage (thinker_p1) is reloaded like the stage
+            return self.stub_pids([m for m in self.repository_models()
+                                   if model_stage(m)[0] not in reloaded_by_orchestrator])
 
         restarts, watched = 0, watched_stubs()
         while True:

@@ -1,4 +1,5 @@
-"""Where each stage runs: which GPUs (``--stage-gpus``) and how many instances per GPU (``--instances``).
+"""Where each stage runs: which GPUs (``--stage-gpus``), how many instances per GPU (``--instances``), and how many
+whole pipelines one server runs (``--pipelines``).
 
 Rendered into each model's ``instance_group`` (Triton's own replica mechanism: one stub process per instance,
 each told its GPU in ``model_instance_device_id``), and read by the memory plan, which sizes the KV caches per
@@ -10,16 +11,40 @@ talker: Triton's sequence batcher sends every chunk of a correlation id, its abo
 holding it) or stand alone (a code2wav chunk). The thinker and the orchestrator take control requests by
 request id (an abort, a client's cancel) that Triton would route to any instance, not the one holding the
 request; they run one instance each.
+
+Pipelines (``--pipelines N``): N copies of thinker, talker and code2wav, each copy its own Triton models
+(``thinker_p0``, ``talker_p0``, ``code2wav_p0``, ``thinker_p1``, ...: ``pipeline_model``) on its own GPUs. The
+orchestrator (one for the server) sends each request to one pipeline and every call of that request to that
+pipeline's models by name, so a request's tensors stay on its pipeline's GPUs and its aborts reach the one thinker
+that holds it. ``--stage-gpus`` and ``--instances`` describe pipeline 0; pipeline k runs the same layout shifted
+by k GPU groups (a group: GPUs 0 to the highest pipeline 0 uses), so ``--pipelines 2`` puts pipeline 1 on GPU 1,
+and ``--pipelines 2 --stage-gpus thinker=0,talker=1,code2wav=1`` puts it on GPUs 2 and 3. One pipeline keeps the
+stages' own names (``thinker``, ...).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
 GPU_STAGES = ("thinker", "talker", "code2wav", "orchestrator")  # preprocess runs on the CPU
 ENGINE_STAGES = ("thinker", "talker")
 REPLICABLE_STAGES = ("talker", "code2wav")
+PIPELINE_STAGES = ("thinker", "talker", "code2wav")  # one copy per pipeline; preprocess and orchestrator: one each
+_PIPELINE_MODEL = re.compile(r"^(%s)_p(\d+)$" % "|".join(PIPELINE_STAGES))
+
+
+def pipeline_model(stage: str, pipeline: int, pipelines: int) -> str:
+    """The Triton model of ``stage`` in ``pipeline`` (of ``pipelines``): ``thinker_p1``; with one pipeline the
+    stage's own name."""
+    return f"{stage}_p{pipeline}" if pipelines > 1 and stage in PIPELINE_STAGES else stage
+
+
+def model_stage(model: str) -> tuple[str, int]:
+    """(stage, pipeline) of a model that ``pipeline_model`` named (any other model: its own name, pipeline 0)."""
+    match = _PIPELINE_MODEL.match(model)
+    return (match.group(1), int(match.group(2))) if match else (model, 0)
 
 
 class PlacementError(ValueError):
@@ -30,8 +55,11 @@ class PlacementError(ValueError):
 class Placement:
     gpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # stage -> GPU ids; absent: the default
     instances: Mapping[str, int] = field(default_factory=dict)         # stage -> instances per GPU; absent: 1
+    pipelines: int = 1                                                 # whole pipelines, each on its GPU group
 
     def __post_init__(self):
+        if self.pipelines < 1:
+            raise PlacementError(f"--pipelines {self.pipelines}: expected a count >= 1")
         for option, mapping in (("--stage-gpus", self.gpus), ("--instances", self.instances)):
             unknown = sorted(set(mapping) - set(GPU_STAGES))
             if unknown:
@@ -45,42 +73,72 @@ class Placement:
             if count > 1 and stage not in REPLICABLE_STAGES:
                 raise PlacementError(
                     f"--instances {stage}={count}: only {' and '.join(REPLICABLE_STAGES)} take more than one "
-                    f"instance ({stage} takes control requests by request id, which Triton routes to any instance)")
+                    f"instance ({stage} takes control requests by request id, which Triton routes to any instance; "
+                    f"for more thinkers run whole pipelines: --pipelines N)")
         thinker_gpus = self.gpus_of("thinker")
         if "thinker" in self.gpus and len(thinker_gpus) > 1:
             raise PlacementError(f"--stage-gpus thinker={_ids(thinker_gpus)}: the thinker runs one instance, on "
                                  "one GPU")
 
-    def gpus_of(self, stage: str) -> tuple[int, ...]:
-        """The GPUs of ``stage``: its own, else the orchestrator follows the thinker, and every stage defaults
-        to GPU 0."""
-        if stage in self.gpus:
-            return tuple(self.gpus[stage])
-        if stage == "orchestrator":
+    def gpus_of(self, stage: str, pipeline: int = 0) -> tuple[int, ...]:
+        """The GPUs of ``stage`` in ``pipeline``: its own, else the orchestrator follows the thinker (of pipeline
+        0: it is one for all), and every stage defaults to GPU 0; pipeline k's shifted by k GPU groups."""
+        if stage == "orchestrator" and stage not in self.gpus:
             return self.gpus_of("thinker")
-        return (0,)
+        ids = tuple(self.gpus[stage]) if stage in self.gpus else (0,)
+        shift = pipeline * self.group_size if stage in PIPELINE_STAGES else 0
+        return tuple(gpu + shift for gpu in ids)
+
+    @property
+    def group_size(self) -> int:
+        """GPUs per pipeline: 0 to the highest GPU pipeline 0 uses."""
+        return 1 + max(gpu for stage in GPU_STAGES for gpu in (self.gpus[stage] if stage in self.gpus else (0,)))
+
+    def pipeline_gpu(self, pipeline: int) -> int:
+        """Where the orchestrator asks ``pipeline``'s stage outputs to land: its own GPU's counterpart in that
+        pipeline's group (the thinker's, by default; a stage on another GPU of the group gets them device to
+        device, as in one pipeline)."""
+        return self.gpus_of("orchestrator")[0] + pipeline * self.group_size
+
+    def models(self, pipeline: int) -> dict[str, str]:
+        """stage -> the Triton model of it in ``pipeline`` (``pipeline_model``)."""
+        return {stage: pipeline_model(stage, pipeline, self.pipelines) for stage in PIPELINE_STAGES}
 
     def count(self, stage: str) -> int:
         return self.instances.get(stage, 1)
 
+    def pipelines_of(self, stage: str) -> range:
+        """The pipelines that have a copy of ``stage`` (the orchestrator is one for all: pipeline 0's)."""
+        return range(self.pipelines) if stage in PIPELINE_STAGES else range(1)
+
     def used_gpus(self) -> tuple[int, ...]:
-        return tuple(sorted({gpu for stage in GPU_STAGES for gpu in self.gpus_of(stage)}))
+        return tuple(sorted({gpu for stage in GPU_STAGES for pipeline in self.pipelines_of(stage)
+                             for gpu in self.gpus_of(stage, pipeline)}))
 
     def held(self, gpu: int) -> dict[str, int]:
-        """stage -> instances of it on ``gpu`` (stages with none left out)."""
-        return {stage: self.count(stage) for stage in GPU_STAGES if gpu in self.gpus_of(stage)}
+        """stage -> instances of it on ``gpu``, over every pipeline (stages with none left out)."""
+        held = {stage: self.count(stage) * sum(gpu in self.gpus_of(stage, pipeline)
+                                               for pipeline in self.pipelines_of(stage)) for stage in GPU_STAGES}
+        return {stage: count for stage, count in held.items() if count}
 
-    def instance_group(self, stage: str, device: str) -> str:
-        """The ``instance_group`` block of ``stage``'s config.pbtxt on ``device`` (cpu: the count only)."""
+    def instance_group(self, stage: str, device: str, pipeline: int = 0) -> str:
+        """The ``instance_group`` block of ``stage``'s config.pbtxt (in ``pipeline``) on ``device`` (cpu: the
+        count only)."""
         if device == "cpu":
             return f"instance_group [ {{ count: {self.count(stage)} kind: KIND_CPU }} ]"
         return (f"instance_group [ {{ count: {self.count(stage)} kind: KIND_GPU "
-                f"gpus: [ {', '.join(map(str, self.gpus_of(stage)))} ] }} ]")
+                f"gpus: [ {', '.join(map(str, self.gpus_of(stage, pipeline)))} ] }} ]")
 
     def describe(self, device: str = "cuda") -> str:
-        """One line: ``thinker x1 on GPU 0, talker x2 on GPU 1, ...`` (on the CPU: the counts)."""
-        return ", ".join(f"{stage} x{self.count(stage)}" + (f" on GPU {_ids(self.gpus_of(stage))}" if device == "cuda"
-                                                            else "") for stage in GPU_STAGES)
+        """One line: ``thinker x1 on GPU 0, talker x2 on GPU 1, ...`` (on the CPU: the counts); with pipelines,
+        ``2 pipelines: thinker x1 on GPU 0 | 1, ...``."""
+        def where(stage: str) -> str:
+            if device != "cuda":
+                return ""
+            return " on GPU " + " | ".join(_ids(self.gpus_of(stage, pipeline)) for pipeline in self.pipelines_of(stage))
+
+        stages = ", ".join(f"{stage} x{self.count(stage)}{where(stage)}" for stage in GPU_STAGES)
+        return stages if self.pipelines == 1 else f"{self.pipelines} pipelines: {stages}"
 
     def as_options(self) -> list[str]:
         """The ``serve`` options that give this placement (empty for the default)."""
@@ -89,6 +147,8 @@ class Placement:
             options += ["--stage-gpus", ",".join(f"{s}={_ids(g)}" for s, g in self.gpus.items())]
         if self.instances:
             options += ["--instances", ",".join(f"{s}={n}" for s, n in self.instances.items())]
+        if self.pipelines > 1:
+            options += ["--pipelines", str(self.pipelines)]
         return options
 
 

@@ -100,7 +100,7 @@ class LaunchConfig:
     code2wav_runtime: str = "torch"       # torch | onnx | trt | auto
     code2wav_engine_path: Path | None = None  # the .onnx file or TensorRT .plan for onnx | trt
     code2wav_max_batch: int = 8
-    placement: Placement = field(default_factory=Placement)  # GPUs and instances per stage (see placement.py)
+    placement: Placement = field(default_factory=Placement)  # GPUs, instances, pipelines (see placement.py)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -155,7 +155,7 @@ class LaunchConfig:
         """The settings as one line of JSON (paths as strings; ``from_json`` reads it back)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["placement"] = {"gpus": {stage: list(ids) for stage, ids in self.placement.gpus.items()},
-                               "instances": dict(self.placement.instances)}
+                               "instances": dict(self.placement.instances), "pipelines": self.placement.pipelines}
         return json.dumps(values, default=str, sort_keys=True)
 
     @classmethod
@@ -167,7 +167,8 @@ class LaunchConfig:
             raise ValueError(f"launch settings: unknown field {unknown[0]!r} (written by another omni-triton?)")
         placement = values.pop("placement", {})
         values["placement"] = Placement(gpus={stage: tuple(ids) for stage, ids in placement.get("gpus", {}).items()},
-                                        instances=placement.get("instances", {}))
+                                        instances=placement.get("instances", {}),
+                                        pipelines=placement.get("pipelines", 1))
         for name in ("checkpoint_dir", "code2wav_engine_path"):
             if values.get(name) is not None:
                 values[name] = Path(values[name])
@@ -185,6 +186,7 @@ class LaunchConfig:
 
     @property
     def code2wav_instances(self) -> int:
+        """Of one pipeline: a stream's chunks stay on its pipeline's code2wav."""
         return self.placement.count("code2wav") * len(self.placement.gpus_of("code2wav"))
 
     @property

@@ -7,6 +7,9 @@ the first, so they all reach the engine that holds that request's state. END com
 sent once the frames stream ended (a no-op then) or to cancel the request: with several talker instances,
 only a request on the sequence's own correlation id is sure to reach the instance that holds it.
 
+With several pipelines (``serve --pipelines``) one client object serves one request on one pipeline: every call
+goes to that pipeline's model of the stage (``models``: thinker -> thinker_p1, ...), aborts included.
+
 ``pb_utils`` is passed in because it only exists inside the Python backend stub.
 """
 
@@ -16,7 +19,7 @@ import contextlib
 import itertools
 import os
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -49,12 +52,14 @@ class StageError(RuntimeError):
 class BlsStageClients:
     def __init__(self, pb_utils: Any, request_inputs: dict[str, Any], gpu: int | None,
                  check_device: Callable[..., None] = lambda *tensors: None,
-                 stage_down: Callable[[str], bool] = lambda stage: False):
+                 stage_down: Callable[[str], bool] = lambda model: False, models: Mapping[str, str] | None = None):
+        """``models``: stage -> the Triton model this request's calls to it go to (default: the stage's name)."""
         self._pb = pb_utils
-        self._stage_down = stage_down  # a call to a stage that is down fails at once (it would wait 1-3 s)
+        self._models = dict(models or {})
+        self._stage_down = stage_down  # a call to a model that is down fails at once (it would wait 1-3 s)
         self._check_device = check_device  # counts inter-stage tensors that came back in host memory
         self._inputs = request_inputs  # the orchestrator's own validated input tensors, by name
-        # stage outputs are asked for on the orchestrator's GPU (``gpu``; None: on the CPU)
+        # stage outputs are asked for on the request's pipeline's GPU (``gpu``; None: on the CPU)
         on_device = gpu is not None and device_tensors_between_stages()
         self._memory = (pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, gpu) if on_device
                         else pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
@@ -198,7 +203,8 @@ class BlsStageClients:
         self._end_talker_sequence(request_id)
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _request(self, model: str, inputs: list, outputs: list[str], **kwargs: Any) -> Any:
+    def _request(self, stage: str, inputs: list, outputs: list[str], **kwargs: Any) -> Any:
+        model = self._models.get(stage, stage)
         if self._stage_down(model):
             raise StageError(f"{model} stage is down")
         return self._pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,

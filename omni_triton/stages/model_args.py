@@ -13,6 +13,7 @@ import torch
 from omni_triton.engine import EngineConfig
 from omni_triton.engine.output_batching import OutputBatching
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
+from omni_triton.shared.placement import model_stage
 from omni_triton.shared.settings import LaunchConfig
 
 
@@ -93,13 +94,20 @@ def quantization(settings: LaunchConfig) -> str | None:
 
 
 def replica_labels(args: dict) -> dict[str, str]:
-    """Metric labels that tell this instance from its replicas (``serve --instances``): its instance name
-    (talker_0_1) under ``model_instance`` when the model has several instances, else none. Without it the
-    replicas would write one series, each overwriting the others' gauges. (Not ``instance``: Prometheus sets
-    that label to the scraped target.)"""
+    """Metric labels that tell this instance from its replicas: its pipeline under ``pipeline`` (``serve
+    --pipelines``: a model named thinker_p1 is pipeline 1's thinker), and its instance name (talker_0_1) under
+    ``model_instance`` when the model has several instances (``serve --instances``); none for the one instance
+    of one pipeline. Without them the replicas would write one series, each overwriting the others' gauges.
+    (Not ``instance``: Prometheus sets that label to the scraped target.)"""
+    labels = {}
+    model = args.get("model_name", "")
+    if model != model_stage(model)[0]:
+        labels["pipeline"] = str(model_stage(model)[1])
     groups = json.loads(args["model_config"]).get("instance_group", [])
     instances = sum(int(group.get("count", 1)) * max(1, len(group.get("gpus", []))) for group in groups)
-    return {"model_instance": args["model_instance_name"]} if instances > 1 else {}
+    if instances > 1:
+        labels["model_instance"] = args["model_instance_name"]
+    return labels
 
 
 def limit_torch_threads(threads: int) -> None:

@@ -8,7 +8,7 @@ from omni_triton.stages.admission import RealtimeCapacity
 from omni_triton.stages.metrics import StageMetrics
 from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, report_native_crashes,
                                            stage_device)
-from omni_triton.stages.orchestrator import Orchestrator
+from omni_triton.stages.orchestrator import Orchestrator, pipeline_routes
 from omni_triton.stages.stage_io import configure_interstage_memory
 from omni_triton.stage_profile import start_watching
 
@@ -21,14 +21,17 @@ class TritonPythonModel:
         limit_torch_threads(settings.threads_of("orchestrator"))
         configure_interstage_memory(settings.interstage_memory)
         capacity = admission_capacity_setting(settings.resolved_admission_capacity)
+        device = stage_device(settings, args)
         self.orchestrator = Orchestrator(
-            pb_utils, settings.checkpoint_dir, stage_device(settings, args), chunk_policy(settings),
+            pb_utils, settings.checkpoint_dir, device, chunk_policy(settings),
             max_inflight=settings.max_inflight_requests, chunk_pacing=settings.chunk_pacing,
             admission_queue=settings.resolved_admission_queue, max_starting=settings.resolved_admission_max_starting,
             capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity),
             # the orchestrator watches every stage instance's process (stage_supervisor)
-            stage_instances={stage: settings.placement.count(stage) for stage in GPU_STAGES})
-        self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot)
+            stage_instances={stage: settings.placement.count(stage) for stage in GPU_STAGES},
+            routes=pipeline_routes(settings.placement, device))
+        self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot,
+                                    per_pipeline=self.orchestrator.pipeline_snapshots)
 
     def execute(self, requests):
         for request in requests:

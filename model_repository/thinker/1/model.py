@@ -7,7 +7,7 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.stages.metrics import StageMetrics, engine_snapshot
 from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
-                                           quantization, report_native_crashes, stage_device)
+                                           quantization, replica_labels, report_native_crashes, stage_device)
 from omni_triton.stages.stage_io import (answer_abort, configure_interstage_memory, input_arrays, send_output,
                                          stage_loading, thinker_output_tensors)
 from omni_triton.pipeline.thinker_service import ThinkerService
@@ -28,7 +28,8 @@ class TritonPythonModel:
         with stage_loading("thinker"):
             self.service = ThinkerService(settings.checkpoint_dir, config, dtype, **load_options(settings),
                                           quantization=quantization(settings))
-        self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()))
+        self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()),
+                                    labels=replica_labels(args))
         self._anonymous = itertools.count()
 
     def execute(self, requests):
