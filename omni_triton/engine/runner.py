@@ -59,6 +59,10 @@ class ModelRunner:
                  prefill_graph_tokens: int = 0, linear_launch: str = "gemv", dependent_launch: bool = True):
         self.stage = stage
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" is the creating thread's current GPU: named, so the engine's own threads (which start on GPU 0)
+            # make that one current too
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = [torch.zeros(2, num_blocks, block_size, stage.num_kv_heads, stage.head_dim,
