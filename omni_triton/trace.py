@@ -10,9 +10,11 @@ measures; off, ``event`` costs one attribute test.
 Event names are ``<where>.<what>``; the ids are the orchestrator's request ids (``<client id>#<n>``),
 which the stages key their state on too.
 
-Besides request events, a process may write *records* that belong to no request (``record``: the engines' step
-log, one line per engine step, ``engine/step_log.py``): ``{"record": kind, "t": ..., "pid": ..., **fields}``.
-``read_events`` skips them; ``read_records`` reads them.
+Besides request events, a process may write *records* that belong to no request (``record``): the engines' step
+log (``step``, one line per engine step, ``engine/step_log.py``), the code2wav stage's call log (``code2wav_call``,
+one line per execute, ``stages/code2wav_call_log.py``) and the orchestrator's chunks (``code2wav_chunk``, one line
+per code2wav request, ``pipeline/session.py``): ``{"record": kind, "t": ..., "pid": ..., **fields}``.
+``read_events`` skips them; ``read_records`` and ``records_by_kind`` read them.
 """
 
 from __future__ import annotations
@@ -88,7 +90,16 @@ def _lines(directory: str | Path):
 
 def read_records(directory: str | Path, kind: str) -> list[dict]:
     """Every ``record`` of ``kind`` in ``directory`` (all processes), in time order."""
-    return sorted((entry for entry in _lines(directory) if entry.get("record") == kind), key=lambda e: e["t"])
+    return records_by_kind(directory).get(kind, [])
+
+
+def records_by_kind(directory: str | Path) -> dict[str, list[dict]]:
+    """``{kind: every record of that kind in directory, in time order}`` (one read of the files for all kinds)."""
+    records: dict[str, list[dict]] = {}
+    for entry in _lines(directory):
+        if "record" in entry:
+            records.setdefault(entry["record"], []).append(entry)
+    return {kind: sorted(entries, key=lambda e: e["t"]) for kind, entries in records.items()}
 
 
 def read_events(directory: str | Path) -> dict[str, dict[str, float]]:

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omni_triton import trace
 from omni_triton.bench.metrics import dry_time
 from omni_triton.pipeline.code2wav.pacing import FRAME_S, ChunkPacer
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
@@ -191,7 +192,7 @@ class _StallingTalker:
 
 
 @pytest.mark.parametrize("paced", [True, False])
-def test_a_paced_stream_decodes_frames_a_stalled_talker_left_pending(paced):
+def test_a_paced_stream_decodes_frames_a_stalled_talker_left_pending(paced, traced):
     clients = _StallingTalker()
     policy = ChunkPolicy(first_chunk_frames=4, chunk_frames=25, left_context_frames=2)
     chunks, second_chunk = [], threading.Event()
@@ -212,3 +213,11 @@ def test_a_paced_stream_decodes_frames_a_stalled_talker_left_pending(paced):
     runner.join(30)
     assert got_second == paced
     assert chunks == [4, 3]
+    # traced: one record per chunk, saying why it has that size (the pacer's deadline, or the stream's end)
+    records = trace.read_records(traced, "code2wav_chunk")
+    assert [(r["request"], r["frames"], r["reason"]) for r in records] == [
+        ("r", 4, "first"), ("r", 3, "deadline" if paced else "final")]
+    assert all(r["call_ms"] >= 0 for r in records)
+    # the listener's buffer when each chunk went out: nothing before the first; only a pacer tracks it
+    assert [r["buffered_ms"] is not None for r in records] == [paced, paced]
+    assert not paced or records[0]["buffered_ms"] == 0 <= records[1]["buffered_ms"] <= 320

@@ -152,6 +152,7 @@ def test_stream_chunking_and_buffer_trimming():
     assert stream.next_job() is None and fourth.new_frames == 5
     last = stream.next_job(final=True)
     assert (last.start_frame, last.new_frames, last.context_frames) == (18, 2, 4)
+    assert [job.reason for job in (first, second, third, fourth, last)] == ["first", "ramp", "ramp", "ramp", "final"]
     assert torch.equal(last.codes, frames[14:20].T)
     assert stream.next_job(final=True) is None
 

@@ -7,14 +7,16 @@ missing are left out, so the segments present always add up to the span from the
 milestone present: with ``client.sent`` and ``client.first_audio``, that is the client's TTFA.
 
 With the engines' step logs in the traces, each level's row also says where the thinker's and the talker's wall
-time went during the level (GPU, host, waiting for input, idle; prefill stalls: ``step_breakdown.py``).
+time went during the level (GPU, host, waiting for input, idle; prefill stalls: ``step_breakdown.py``); with the
+code2wav stage's call log and the orchestrator's chunk records, what bounds code2wav (its GPU, calls too small to
+fill it, or the way to it: ``code2wav_breakdown.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from omni_triton.bench import step_breakdown
+from omni_triton.bench import code2wav_breakdown, step_breakdown
 
 # (milestone, the segment that ends there)
 MILESTONES = (
@@ -90,6 +92,7 @@ def markdown(rows: list[dict]) -> str:
                  + " |")
     lines.append("| requests | " + " | ".join(str(row["requests"]) for row in rows) + " |")
     lines += step_breakdown.markdown_rows(rows)
+    lines += code2wav_breakdown.markdown_rows(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -104,7 +107,7 @@ def report_section(rows: list[dict]) -> str:
 def level_row(system: str, concurrency: int, level_dir, server_dir=None) -> dict:
     """The breakdown of one benchmark level: the client's (or the in-process pipeline's) events in
     ``level_dir``, joined with the server's from ``server_dir`` for the requests this level sent."""
-    from omni_triton.trace import read_events, read_records
+    from omni_triton.trace import read_events, records_by_kind
 
     local = read_events(level_dir)
     served = join_client_ids(read_events(server_dir)) if server_dir is not None else {}
@@ -112,6 +115,13 @@ def level_row(system: str, concurrency: int, level_dir, server_dir=None) -> dict
     row = {"system": system, "concurrency": concurrency, **summarize(requests)}
     times = [t for events in local.values() for t in events.values()]
     if times:  # the level's window: its first request sent -> its last event (client.finished)
-        steps = read_records(level_dir, "step") + (read_records(server_dir, "step") if server_dir is not None else [])
-        row["engines"] = step_breakdown.engine_shares(steps, min(times), max(times))
+        read = [records_by_kind(level_dir)] + ([records_by_kind(server_dir)] if server_dir is not None else [])
+
+        def records(kind: str) -> list[dict]:
+            return [record for by_kind in read for record in by_kind.get(kind, [])]
+
+        start, end = min(times), max(times)
+        row["engines"] = step_breakdown.engine_shares(records("step"), start, end)
+        row["code2wav"] = code2wav_breakdown.code2wav_stats(records("code2wav_call"), records("code2wav_chunk"),
+                                                            start, end)
     return row

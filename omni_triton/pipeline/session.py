@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 import torch
 
 from omni_triton import trace
-from omni_triton.pipeline.code2wav.chunking import Code2WavStream
+from omni_triton.pipeline.code2wav.chunking import ChunkJob, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 
 
@@ -293,6 +293,7 @@ class _AudioWorker:
         while (job := self._stream.next_job(final=final)) is not None:
             self._trace_once("session.code2wav_first_call")
             started = time.monotonic()
+            buffered_s = self._pacer.buffered_s(started) if self._pacer is not None else None
             self._in_call.set()
             try:
                 if self._stream.policy.stateful:
@@ -303,13 +304,23 @@ class _AudioWorker:
                 self._in_call.clear()
             if self._stopped.is_set():
                 return  # the session ended while this call was blocked (a code2wav that died): say nothing
+            now = time.monotonic()
+            if trace.enabled():
+                self._trace_chunk(job, buffered_s, started, now)
             if audio.numel():
                 self._trace_once("session.code2wav_first_audio")
                 self._emit("", audio)
             if self._pacer is not None:
-                now = time.monotonic()
                 self._pacer.decode_took(now - started)
                 self._pacer.audio_sent(job.new_frames * self._pacer.frame_s, now)
+
+    def _trace_chunk(self, job: ChunkJob, buffered_s: float | None, started: float, ended: float) -> None:
+        """A ``code2wav_chunk`` record per chunk (stamped when its audio came back): its new frames, why it has that
+        many (``ChunkJob.reason``), the listener's buffer when it was sent (with a pacer) and the call's round
+        trip, so a trace shows the sizes the code2wav stage is given and why."""
+        trace.record("code2wav_chunk", ended, request=self._request_id, frames=job.new_frames,
+                     context_frames=job.context_frames, reason=job.reason, call_ms=(ended - started) * 1e3,
+                     buffered_ms=None if buffered_s is None else buffered_s * 1e3)
 
     def _on_idle(self) -> None:
         if self._pacer is not None and not self._stopped.is_set():

@@ -26,6 +26,7 @@ import torch
 
 from omni_triton.pipeline.session import ThinkerChunk
 from omni_triton.shared import bundled_backend
+from omni_triton.stages.code2wav_call_log import send_stamp
 from omni_triton.stages.stage_io import (THINKER_ROW_TENSORS, concat_rows, device_tensors_between_stages, from_torch,
                                          host_array, to_torch)
 
@@ -180,7 +181,8 @@ class BlsStageClients:
         """One code2wav request and its one response's outputs. The stage is decoupled (it answers from a thread
         of its own once the decode is done, ``deferred_sends``), so the call is a decoupled one."""
         outputs: dict[str, Any] = {}
-        for response in _stream(self._request("code2wav", inputs, ["AUDIO"])):
+        # stamped with its send time while tracing: the stage's call log says how long it took to get there
+        for response in _stream(self._request("code2wav", inputs, ["AUDIO"], parameters=send_stamp())):
             outputs.update(self._outputs(response) or {})
         if "AUDIO" not in outputs:
             raise StageError("code2wav answered without AUDIO")

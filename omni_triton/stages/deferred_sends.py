@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,10 +39,12 @@ class DeferredSends:
         self._thread.start()
 
     def send_after(self, event: torch.cuda.Event | None, tensors: list[torch.Tensor],
-                   responses: list[PendingResponse]) -> None:
+                   responses: list[PendingResponse],
+                   on_sent: Callable[[float, float], None] | None = None) -> None:
         """Send ``responses`` (each the final one of its request) once ``event``'s work is done; ``tensors``
-        are the device tensors they export (made on the caller's stream)."""
-        self._queue.put((event, tensors, responses))
+        are the device tensors they export (made on the caller's stream). ``on_sent(started, ended)``: called
+        once they are out, with the monotonic times this thread took them up and finished (the call log)."""
+        self._queue.put((event, tensors, responses, on_sent))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Send what is queued, then stop."""
@@ -55,10 +58,16 @@ class DeferredSends:
             item = self._queue.get()
             if item is None:
                 return
-            event, tensors, responses = item
+            event, tensors, responses, on_sent = item
+            started = time.monotonic()
             with self._output_stream.handling([event], tensors):
                 for pending in responses:
                     self._send(pending)
+            if on_sent is not None:
+                try:
+                    on_sent(started, time.monotonic())
+                except Exception:  # a trace record must never stop the responses that follow
+                    logger.exception("recording a send failed")
 
     def _send(self, pending: PendingResponse) -> None:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -20,6 +20,7 @@ from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates
 from omni_triton.pipeline.code2wav.chunking import StreamDecoder
 from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
+from omni_triton.stages.code2wav_call_log import Code2WavCallLog
 from omni_triton.stages.code2wav_requests import Code2WavRequests
 from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 from omni_triton.stages.metrics import HostHopCounter
@@ -88,6 +89,7 @@ class TritonPythonModel:
                                          None if self.streams is not None else self.vocoder.kind,
                                          InputStream(self.device))
         self.sends = DeferredSends(pb_utils, self.device)
+        self.call_log = Code2WavCallLog(self.device)  # a trace record per call while tracing is on
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -97,6 +99,7 @@ class TritonPythonModel:
         responses = [None] * len(requests)  # per request: a maker of its response (called on the sending thread)
         jobs, owners = [], []  # one job per batch row; owners[i]: index of the request it came from
         chunks, chunk_owners, ending = [], [], []  # stream chunks; streams to free after this call
+        call = self.call_log.begin(requests)  # None while tracing is off
         if self.streams is not None:
             self.streams.evict_idle()
         for index, request in enumerate(requests):
@@ -117,39 +120,45 @@ class TritonPythonModel:
                 chunks.append(parsed.chunk)
                 chunk_owners.append(index)
         try:
-            audio = self.decoder.decode(jobs)
-            outputs = []  # device tensors the responses export
-            for index in sorted(set(owners)):
-                outputs += (rows := [wav for wav, owner in zip(audio, owners) if owner == index])
-                responses[index] = _audio_response(lambda rows=rows: torch.stack(rows))
-            for index, samples in zip(chunk_owners, self.streams.decode(chunks) if chunks else []):
-                if isinstance(samples, ValueError):
-                    responses[index] = _invalid(samples)
-                else:
-                    outputs.append(samples)
-                    responses[index] = _audio_response(lambda samples=samples: samples[None])
-            for stream_id in ending:
-                self.streams.close(stream_id)
+            with self.call_log.on_gpu(call):
+                audio = self.decoder.decode(jobs)
+                outputs = []  # device tensors the responses export
+                for index in sorted(set(owners)):
+                    outputs += (rows := [wav for wav, owner in zip(audio, owners) if owner == index])
+                    responses[index] = _audio_response(lambda rows=rows: torch.stack(rows))
+                for index, samples in zip(chunk_owners, self.streams.decode(chunks) if chunks else []):
+                    if isinstance(samples, ValueError):
+                        responses[index] = _invalid(samples)
+                    else:
+                        outputs.append(samples)
+                        responses[index] = _audio_response(lambda samples=samples: samples[None])
+                for stream_id in ending:
+                    self.streams.close(stream_id)
         except Exception as error:  # a failed decode fails its batch, never the stage: every request is answered
             for index in {*owners, *chunk_owners}:
                 responses[index] = _failed(error)
             outputs = []
+        # (frames decoded, new frames) per chunk
+        frames = [(job.num_frames, job.new_frames) for job in jobs] + [(c.codes.shape[1],) * 2 for c in chunks]
         # the gauges first: a client that reads them once its response arrived sees this call's streams
-        self.batch_chunks.set(len(jobs) + len(chunks))
-        self.decoded_frames.increment(sum(job.num_frames for job in jobs) + sum(c.codes.shape[1] for c in chunks))
+        self.batch_chunks.set(len(frames))
+        self.decoded_frames.increment(sum(decoded for decoded, _ in frames))
         self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
         decoded = ready_event(self.device)
         self.sends.send_after(decoded, outputs, [PendingResponse(request.get_response_sender(), make)
-                                                 for request, make in zip(requests, responses)])
+                                                 for request, make in zip(requests, responses)],
+                              on_sent=self.call_log.when_sent(call))
         # back to Triton once this batch's decode is done, not before: the chunks that arrive meanwhile make the
         # next batch (returning at once left the batcher a chunk or two a call: 2x the first chunk's time at 64
         # streams); the export and send still overlap the next batch (deferred_sends)
         if decoded is not None:
             decoded.synchronize()
+        self.call_log.end(call, frames)
         return None
 
     def finalize(self):
         self.sends.close()
+        self.call_log.close()
         del self.batch_chunks, self.decoded_frames, self.open_streams  # metrics before their families
         self.metric_families.clear()
         self.host_hops.close()

@@ -105,6 +105,9 @@ class ChunkJob:
     context_frames: int
     new_frames: int
     start_frame: int  # index of the first new frame in the stream
+    # why it has this many new frames (``Code2WavStream``; traced): first, ramp (the policy's size),
+    # deadline (the pacer cut it short lest the listener run dry), final (what was left at the stream's end)
+    reason: str = ""
 
     @property
     def num_frames(self) -> int:
@@ -150,11 +153,14 @@ class Code2WavStream:
     def next_job(self, final: bool = False) -> ChunkJob | None:
         """The next chunk if a full one is pending (or, when ``final``, whatever remains), else None.
         Marks its frames decoded: call until it returns None."""
-        want = (self.policy.chunk_size(self.decoded_frames) if self.pacer is None
+        ramp = self.policy.chunk_size(self.decoded_frames)
+        want = (ramp if self.pacer is None
                 else self.pacer.chunk_size(self.decoded_frames, self.pending_frames, time.monotonic()))
         new = min(want, self.pending_frames)
         if new == 0 or (new < want and not final):
             return None
+        reason = ("first" if self.decoded_frames == 0 else "ramp" if new == ramp
+                  else "final" if new < want else "deadline")
         if self._pieces:
             self._buffer = torch.cat([self._buffer.to(self._pieces[0].device), *self._pieces])
             self._pieces = []
@@ -167,7 +173,7 @@ class Code2WavStream:
         keep_from = max(0, self.decoded_frames - (0 if self.policy.stateful else self.policy.left_context_frames))
         self._buffer = self._buffer[keep_from - offset:]
         self._buffer_start = keep_from
-        return ChunkJob(codes, context, new, start)
+        return ChunkJob(codes, context, new, start, reason)
 
 
 class StreamDecoder:
