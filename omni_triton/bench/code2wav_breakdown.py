@@ -39,7 +39,9 @@ TABLE_ROWS = (
 def code2wav_stats(calls: list[dict], chunks: list[dict], start: float, end: float) -> dict:
     """``calls``: ``code2wav_call`` records, ``chunks``: ``code2wav_chunk`` records (any processes); ``start`` /
     ``end``: the level's window (CLOCK_MONOTONIC s). -> the metrics of ``TABLE_ROWS`` that the records inside
-    the window give ({} without any)."""
+    the window give ({} without any). ``calls`` counts every execute; calls/s and the per-call chunks and frames
+    count those that decoded (an execute of stream ends alone decodes nothing); busy %, gaps, waits and sends
+    count them all."""
     stats: dict = {}
     inside = [c for c in calls if start < c["t"] and c["t"] - c["host_ms"] / 1e3 < end]
     if inside:
@@ -56,7 +58,7 @@ def _call_stats(calls: list[dict], start: float, end: float) -> dict:
     busy = sum(_overlap(c["t"] - c["host_ms"] / 1e3, c["t"], start, end) for c in calls)
     gpu = [c["gpu_ms"] for c in decoding if c.get("gpu_ms") is not None]
     padded = sum(c["chunks"] * c["frames_max"] for c in decoding)
-    stats = {"calls": len(calls), "calls_per_s": len(calls) / (end - start), "busy_pct": 100 * busy / wall,
+    stats = {"calls": len(calls), "calls_per_s": len(decoding) / (end - start), "busy_pct": 100 * busy / wall,
              "gpu_pct": 100 * sum(gpu) / 1e3 / wall if gpu else None,
              "new_frames": sum(c["new_frames"] for c in calls),
              "padding_pct": 100 * (1 - sum(c["frames_total"] for c in decoding) / padded) if padded else None}
