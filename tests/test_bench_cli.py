@@ -52,5 +52,8 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
         assert sum(shares[f"{share}_pct"] for share in ("gpu", "host", "input", "idle")) == pytest.approx(100)
         assert shares["steps"] > 0 and shares["host_pct"] > 0
     assert "| talker steps: waiting for input % of wall |" in (out / "results.md").read_text()
+    # the in-process sessions' chunks (no code2wav stage there: the pacer's rows only)
+    assert rows["inprocess", 1]["code2wav"]["chunks_sent"] >= 2 and "calls" not in rows["inprocess", 1]["code2wav"]
+    assert "| code2wav pacer chunk frames (p50) |" in (out / "results.md").read_text()
     if not any("plots skipped" in note for note in report["notes"]):
         assert (out / "ttfa.png").is_file() and (out / "throughput.png").is_file()
