@@ -18,7 +18,7 @@ from omni_triton.stages.code2wav_call_log import SENT_PARAMETER, Code2WavCallLog
 from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 
 CALL_FIELDS = {"record", "t", "pid", "requests", "chunks", "frames_max", "frames_total", "new_frames", "waited_ms",
-               "gap_ms", "host_ms", "gpu_ms", "send_queued_ms", "send_ms"}
+               "gap_ms", "host_ms", "inputs_ms", "decode_host_ms", "gpu_ms", "send_queued_ms", "send_ms"}
 
 
 class _Request:
@@ -35,7 +35,7 @@ def test_each_call_is_one_record_once_its_responses_are_out(traced):
     log = Code2WavCallLog(torch.device("cpu"))
     sent_at = time.monotonic_ns()
     first = log.begin([_Request({SENT_PARAMETER: sent_at}), _Request({}), _Request({SENT_PARAMETER: sent_at + 10**6})])
-    with log.on_gpu(first):
+    with log.decoding(first):
         pass
     on_sent = log.when_sent(first)
     log.end(first, [(4, 4), (25, 25), (8, 8)])
@@ -96,14 +96,14 @@ def test_gpu_time_is_read_once_the_events_completed_never_waited_for(traced, mon
     monkeypatch.setattr(_Event, "done", False)
     log = Code2WavCallLog(torch.device("cuda", 0))
     first = log.begin([])
-    with log.on_gpu(first):
+    with log.decoding(first):
         pass
     log.end(first, [(4, 4)])
     log.when_sent(first)(first.t, first.t)
     assert trace.read_records(traced, "code2wav_call") == []  # sent, but its decode is still on the GPU
     second = log.begin([])  # a later call writes it once the GPU is done, ...
     assert trace.read_records(traced, "code2wav_call") == []
-    with log.on_gpu(second):
+    with log.decoding(second):
         pass
     _Event.done = True
     log.end(second, [(8, 8)])
@@ -120,7 +120,7 @@ def test_tracing_off_logs_no_call_and_stamps_no_request(tmp_path):
     log = Code2WavCallLog(torch.device("cpu"))
     call = log.begin([_Request({})])
     assert call is None and log.when_sent(call) is None
-    with log.on_gpu(call):
+    with log.decoding(call):
         pass
     log.end(call, [(4, 4)])
     log.close()
@@ -168,8 +168,9 @@ def call(t, host_ms, chunks=2, frames_max=25, frames_total=None, gpu_ms=None, ga
          send_ms=1.0, send_queued_ms=0.0, pid=1):
     frames_total = chunks * frames_max if frames_total is None else frames_total
     return dict(record="code2wav_call", t=t, pid=pid, requests=chunks, chunks=chunks, frames_max=frames_max,
-                frames_total=frames_total, new_frames=frames_total, host_ms=host_ms, gpu_ms=gpu_ms, gap_ms=gap_ms,
-                waited_ms=waited_ms, send_ms=send_ms, send_queued_ms=send_queued_ms)
+                frames_total=frames_total, new_frames=frames_total, host_ms=host_ms, inputs_ms=host_ms / 10,
+                decode_host_ms=host_ms / 2, gpu_ms=gpu_ms, gap_ms=gap_ms, waited_ms=waited_ms, send_ms=send_ms,
+                send_queued_ms=send_queued_ms)
 
 
 def chunk(t, frames, reason, call_ms=10.0, request="r"):
@@ -217,7 +218,7 @@ def test_chunk_stats_say_how_the_pacer_cut_the_chunks():
               chunk(0.6, 4, "first", 50, request="s"), chunk(0.8, 2, "final", 60, request="s"),
               chunk(2.0, 25, "ramp")]  # after the window
     stats = code2wav_breakdown.code2wav_stats([], chunks, 0.0, 1.0)
-    assert stats["chunks_sent"] == 5 and stats["chunk_frames_p50"] == 4
+    assert stats["chunks_sent"] == 5 and stats["chunk_frames_p50"] == 4 and stats["chunk_sizes"] == 4
     assert stats["deadline_pct"] == pytest.approx(100 / 3)  # of the chunks after a stream's first
     assert stats["round_trip_p50_ms"] == pytest.approx(40)
     assert "calls" not in stats
@@ -233,6 +234,7 @@ def test_breakdown_table_gets_code2wav_rows_per_level():
     assert "| code2wav chunks per call (mean / p95) | 3.0 / 3 |  |" in table
     assert "| code2wav decode GPU ms (p50 / p95) | 50.0 / 50.0 |  |" in table
     assert "| code2wav busy % of wall (in execute) | 10 |  |" in table
+    assert "| code2wav execute: inputs / decode on the host ms (p50) | 10.0 / 50.0 |  |" in table
     assert "| code2wav gap between calls ms (p50 / p95) | 5.0 / 5.0 |  |" in table
     assert "| code2wav pacer chunk frames (p50) | 8 |  |" in table
     # a row needs every value it shows: no GPU time on the CPU, no row
@@ -285,6 +287,7 @@ def test_served_streams_log_every_code2wav_call_and_chunk(tiny_checkpoint, tmp_p
     # orchestrator and stage stamp the same clock: each call waited a while since its send, and was answered
     assert all(c["waited_ms"] is not None and c["waited_ms"] >= 0 for c in decoding)
     assert all(c["host_ms"] > 0 and c["send_ms"] is not None and c["gpu_ms"] is None for c in calls)
+    assert all(c["inputs_ms"] + c["decode_host_ms"] <= c["host_ms"] for c in calls)
     assert calls[0]["gap_ms"] is None or calls[0]["gap_ms"] >= 0  # (warm-up calls may come before)
     assert all(c["gap_ms"] >= 0 for c in calls[1:])
     by_stream: dict[str, list[dict]] = {}

@@ -23,6 +23,7 @@ TABLE_ROWS = (
     ("padding % of decoded frames", ("padding_pct",), "{:.0f}"),
     ("decode GPU ms (p50 / p95)", ("gpu_p50_ms", "gpu_p95_ms"), "{:.1f} / {:.1f}"),
     ("execute host ms (p50 / p95)", ("host_p50_ms", "host_p95_ms"), "{:.1f} / {:.1f}"),
+    ("execute: inputs / decode on the host ms (p50)", ("inputs_p50_ms", "decode_host_p50_ms"), "{:.1f} / {:.1f}"),
     ("busy % of wall (in execute)", ("busy_pct",), "{:.0f}"),
     ("GPU % of wall", ("gpu_pct",), "{:.0f}"),
     ("gap between calls ms (p50 / p95)", ("gap_p50_ms", "gap_p95_ms"), "{:.1f} / {:.1f}"),
@@ -30,6 +31,7 @@ TABLE_ROWS = (
     ("deferred send ms (p50 / p95)", ("send_p50_ms", "send_p95_ms"), "{:.1f} / {:.1f}"),
     ("send queued behind earlier calls ms (p95)", ("send_queued_p95_ms",), "{:.1f}"),
     ("pacer chunk frames (p50)", ("chunk_frames_p50",), "{:.0f}"),
+    ("pacer distinct chunk sizes", ("chunk_sizes",), "{:d}"),
     ("pacer chunks cut short by the deadline (% of those after the first)", ("deadline_pct",), "{:.0f}"),
     ("chunk round trip from the orchestrator ms (p50 / p95)", ("round_trip_p50_ms", "round_trip_p95_ms"),
      "{:.1f} / {:.1f}"),
@@ -66,7 +68,8 @@ def _call_stats(calls: list[dict], start: float, end: float) -> dict:
         stats.update(chunks_mean=float(np.mean([c["chunks"] for c in decoding])),
                      chunks_p95=_percentile([c["chunks"] for c in decoding], 95),
                      frames_mean=float(np.mean([c["frames_total"] for c in decoding])))
-    for name, key in (("gpu", "gpu_ms"), ("host", "host_ms"), ("gap", "gap_ms"), ("waited", "waited_ms"),
+    for name, key in (("gpu", "gpu_ms"), ("host", "host_ms"), ("inputs", "inputs_ms"),
+                      ("decode_host", "decode_host_ms"), ("gap", "gap_ms"), ("waited", "waited_ms"),
                       ("send", "send_ms"), ("send_queued", "send_queued_ms")):
         values = [c[key] for c in calls if c.get(key) is not None]
         stats[f"{name}_p50_ms"], stats[f"{name}_p95_ms"] = _percentile(values, 50), _percentile(values, 95)
@@ -77,6 +80,7 @@ def _chunk_stats(chunks: list[dict]) -> dict:
     after_first = [c for c in chunks if c["reason"] != "first"]
     round_trips = [c["call_ms"] for c in chunks]
     return {"chunks_sent": len(chunks), "chunk_frames_p50": _percentile([c["frames"] for c in chunks], 50),
+            "chunk_sizes": len({c["frames"] for c in chunks}),  # Triton batches only chunks of one size
             "deadline_pct": (100 * sum(c["reason"] == "deadline" for c in after_first) / len(after_first)
                              if after_first else None),
             "round_trip_p50_ms": _percentile(round_trips, 50), "round_trip_p95_ms": _percentile(round_trips, 95)}

@@ -10,8 +10,10 @@ A record (times in ms; ``t`` = the execute's end, CLOCK_MONOTONIC seconds):
   Triton's queue and the hand-off to this stub; the orchestrator stamps its code2wav requests with their send
   time while it traces, ``send_stamp``); null when no request of the call carries a stamp;
 - ``gap_ms``: since the previous execute returned (Triton's batcher gathering the next batch, or no request);
-- ``host_ms``: the execute's wall time (it returns once the decode is done on the GPU);
-- ``gpu_ms``: the span on the GPU stream of the call's GPU work (CUDA events around it; null on the CPU);
+- ``host_ms``: the execute's wall time (it returns once the decode is done on the GPU), of which ``inputs_ms``
+  before the decode (parsing the requests, copying and checking their CODES) and ``decode_host_ms`` in it (on a
+  GPU: launching it; on the CPU: all of it); the rest is the wait for the GPU and the bookkeeping after;
+- ``gpu_ms``: the decode's span on the GPU stream (CUDA events around it; null on the CPU);
 - ``send_queued_ms``: from the execute's end until the sending thread took up the call's responses (it was still
   sending an earlier call's), ``send_ms``: from then (or from the execute's end, if it took them up earlier and
   waited for the decode) until they were all exported and sent (``deferred_sends``); both null if never sent.
@@ -78,22 +80,28 @@ class Code2WavCallLog:
         return Code2WavCall(now, {
             "requests": len(requests),
             "waited_ms": (now - min(sent)) * 1e3 if sent else None,
-            "gap_ms": None if self._last_end is None else (now - self._last_end) * 1e3})
+            "gap_ms": None if self._last_end is None else (now - self._last_end) * 1e3,
+            "inputs_ms": None, "decode_host_ms": None})
 
     @contextmanager
-    def on_gpu(self, call: Code2WavCall | None) -> Iterator[None]:
-        """Inside: the call's GPU work (its span on the current stream is the record's ``gpu_ms``)."""
-        if call is None or not self.cuda:
+    def decoding(self, call: Code2WavCall | None) -> Iterator[None]:
+        """Inside: the call's decode (its span on the current stream is the record's ``gpu_ms``)."""
+        if call is None:
             yield
             return
-        stream = torch.cuda.current_stream(self._device)
-        call.start_event = torch.cuda.Event(enable_timing=True)
-        call.start_event.record(stream)
+        entered = time.monotonic()
+        call.fields["inputs_ms"] = (entered - call.began) * 1e3
+        if self.cuda:
+            stream = torch.cuda.current_stream(self._device)
+            call.start_event = torch.cuda.Event(enable_timing=True)
+            call.start_event.record(stream)
         try:
             yield
         finally:
-            call.end_event = torch.cuda.Event(enable_timing=True)
-            call.end_event.record(stream)
+            if self.cuda:
+                call.end_event = torch.cuda.Event(enable_timing=True)
+                call.end_event.record(stream)
+            call.fields["decode_host_ms"] = (time.monotonic() - entered) * 1e3
 
     def when_sent(self, call: Code2WavCall | None) -> Callable[[float, float], None] | None:
         """What the sending thread calls with (started, ended) once the call's responses are out (None while not

@@ -120,7 +120,7 @@ class TritonPythonModel:
                 chunks.append(parsed.chunk)
                 chunk_owners.append(index)
         try:
-            with self.call_log.on_gpu(call):
+            with self.call_log.decoding(call):
                 audio = self.decoder.decode(jobs)
                 outputs = []  # device tensors the responses export
                 for index in sorted(set(owners)):
