@@ -301,6 +301,14 @@ def talker_alone(talker, params, prefill, text):
     return tokens, frames
 
 
+def assert_same_as_alone(delivered, ref_tokens, ref_frames):
+    """Request "a"'s delivered outputs carry the tokens and frames of ``talker_alone``."""
+    tokens, frames = {}, {}
+    collect(delivered, tokens, frames)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.cat(frames["a"]), torch.cat(ref_frames["a"]))
+
+
 # -- threaded loop ------------------------------------------------------------------------------------------
 def test_engine_loop_streams_outputs_and_never_waits_on_a_slow_consumer(thinker, expected):
     loop = EngineLoop(thinker_engine(thinker, max_num_batched_tokens=16)).start()
@@ -403,10 +411,7 @@ def test_engine_loop_merges_what_queued_behind_a_slow_consumer(talker):
             time.sleep(0.01)
     finally:
         loop.shutdown()
-    tokens, frames = {}, {}
-    collect(delivered, tokens, frames)
-    assert tokens == ref_tokens
-    torch.testing.assert_close(torch.cat(frames["a"]), torch.cat(ref_frames["a"]))
+    assert_same_as_alone(delivered, ref_tokens, ref_frames)
     # one call for the output being delivered when the consumer stalled, one for everything after it
     assert len(delivered) <= 2 < len(ref_tokens["a"])
 
@@ -427,10 +432,7 @@ def test_engine_loop_batches_a_talkers_frames_as_its_policy_says(talker):
         delivered = list(stream)
     finally:
         loop.shutdown()
-    tokens, frames = {}, {}
-    collect(delivered, tokens, frames)
-    assert tokens == ref_tokens
-    torch.testing.assert_close(torch.cat(frames["a"]), torch.cat(ref_frames["a"]))
+    assert_same_as_alone(delivered, ref_tokens, ref_frames)
     sizes = [len(output.new_token_ids) for output in delivered]
     assert sizes[0] >= 4 and all(size >= 8 for size in sizes[1:-1]) and len(delivered) < len(ref_tokens["a"]) / 4
 

@@ -65,6 +65,15 @@ def test_streams_batched_together_equal_one_pass(triton_server, vocoder):
     assert open_streams(triton_server) == 0  # every stream ended with STREAM_END
 
 
+def test_chunks_of_any_length_share_a_call(triton_server):
+    """CODES is a ragged input in the served config: Triton's batcher then groups chunks of different frame counts
+    (the paced sizes vary per stream) instead of one frame count a call."""
+    with triton_server.grpc_client() as client:
+        config = client.get_model_config("code2wav", as_json=True)["config"]
+    codes = next(tensor for tensor in config["input"] if tensor["name"] == "CODES")
+    assert codes.get("allow_ragged_batch") is True and int(config["max_batch_size"]) > 1
+
+
 def test_bad_stream_requests_are_errors_naming_the_input(triton_server, vocoder):
     codes = random_codes(vocoder, 6, seed=9)
     with triton_server.grpc_client() as client:
