@@ -7,18 +7,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omni_triton.shared.procfs import PARENT, STATE, stat_fields
+from omni_triton.shared.procfs import FLAGS, PARENT, PF_EXITING, STATE, stat_fields
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, or None if it is gone."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, kernel flags) of a process, or None if it is gone."""
     fields = stat_fields(pid)
-    return None if fields is None else (fields[STATE], int(fields[PARENT]))
+    return None if fields is None else (fields[STATE], int(fields[PARENT]), int(fields[FLAGS]))
 
 
 def stub_alive(pid: int, parent: int) -> bool:
     stat = _stat(pid)
-    return stat is not None and stat[0] not in "ZX" and stat[1] == parent  # a killed stub stays a zombie
+    # a killed stub stays a zombie; before that, it is exiting
+    return stat is not None and stat[0] not in "ZX" and stat[1] == parent and not stat[2] & PF_EXITING
 
 
 def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:

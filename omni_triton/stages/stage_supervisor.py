@@ -16,16 +16,14 @@ needs ``--model-control-mode=explicit``; without it the stage stays down, and th
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Mapping
 
+from omni_triton.shared.repository_api import reload_model
 from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
 
 logger = logging.getLogger(__name__)
@@ -157,22 +155,9 @@ class StageSupervisor:
     def _reload(self, stage: str) -> None:
         if self._http_url is None:
             raise ValueError("tritonserver serves no HTTP endpoint to reload it through")
-        # Triton's core reloads a loaded model only when its files or its config changed; after a stub died
-        # neither did, so a plain load is a no-op ("successfully loaded" in 0 s, the model still answering
-        # "Stub process is not healthy"). The load therefore passes the model's own config back as an override
-        # with one parameter that names this restart, which makes it a new config and the load a real one.
-        try:
-            with urllib.request.urlopen(f"{self._http_url}/v2/models/{stage}/config", timeout=30) as response:
-                config = json.loads(response.read())
-            with self._lock:
-                generation = self._generation[stage]
-            config.setdefault("parameters", {})["omni_triton_restart"] = {"string_value": str(generation)}
-            body = json.dumps({"parameters": {"config": json.dumps(config)}}).encode()
-            request = urllib.request.Request(f"{self._http_url}/v2/repository/models/{stage}/load", data=body,
-                                             headers={"Content-Type": "application/json"}, method="POST")
-            urllib.request.urlopen(request, timeout=self._reload_timeout_s).close()
-        except urllib.error.HTTPError as error:  # Triton's reason, e.g. not in explicit model-control mode
-            raise ValueError(json.loads(error.read() or b"{}").get("error", str(error))) from None
+        with self._lock:
+            generation = self._generation[stage]
+        reload_model(self._http_url, stage, str(generation), self._reload_timeout_s)
 
 
 def _server_flags(server_pid: int) -> dict[str, str]:
