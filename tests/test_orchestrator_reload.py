@@ -44,8 +44,10 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
 
         with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
             futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
+            # each stage holds every stream: thinker and talker requests, code2wav stream states
             _wait_for_gauges(server, {("omni_active_requests", "thinker"): MAX_INFLIGHT,
-                                      ("omni_active_requests", "talker"): MAX_INFLIGHT})
+                                      ("omni_active_requests", "talker"): MAX_INFLIGHT,
+                                      ("omni_code2wav_streams", "code2wav"): MAX_INFLIGHT})
             os.kill(stubs["orchestrator"], signal.SIGKILL)
             killed_at = time.monotonic()
             refusals, served_after = _until_served(server, killed_at, timeout_s=60)
