@@ -11,7 +11,7 @@ import torch
 from engine_toy_model import ToyThinker
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, SamplingParams, ThinkerStage
 from omni_triton.engine.engine import RequestOutput, merge_outputs
-from omni_triton.engine.handoff import InputStream, OutputStream, ready_event, to_device_async
+from omni_triton.engine.handoff import InputStream, OutputStream, complete_to_host, ready_event, to_device_async
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -86,6 +86,23 @@ def test_output_stream_waits_for_the_step_event_and_not_for_later_steps():
     assert not step.query()  # the later step is still running: the response did not wait for it
     assert torch.all(result == 8).item()
     step.synchronize()
+
+
+@cuda
+def test_a_complete_tensor_reaches_the_host_without_waiting_for_the_default_stream():
+    device = torch.device("cuda")
+    ids = torch.arange(16, device=device)
+    complete_to_host(ids)  # its stream made and its copy loaded before the timed part
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # engine steps queued on the default stream (about a second)
+    assert complete_to_host(ids).tolist() == list(range(16))
+    assert not torch.cuda.current_stream(device).query()  # read while the queued steps still run
+    torch.cuda.synchronize()
+
+
+def test_complete_to_host_keeps_a_host_tensor():
+    ids = torch.arange(4)
+    assert complete_to_host(ids) is ids
 
 
 @cuda

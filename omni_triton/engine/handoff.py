@@ -16,6 +16,7 @@ On the CPU there are no streams: both are no-ops and the work runs in program or
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
@@ -97,3 +98,25 @@ def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.is_cuda:
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def complete_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A small tensor that is complete already (a request input Triton handed over, or a copy ``InputStream`` waited
+    for) on the host, read on a stream of its own: read on the thread's current stream, the copy would wait for
+    every engine step queued there first. Only for such tensors: one still being written by work queued on the
+    current stream would be read before that work ran."""
+    if not tensor.is_cuda:
+        return tensor
+    with torch.cuda.stream(_reading_stream(tensor.device)):
+        return tensor.cpu()
+
+
+_reading_streams: dict[torch.device, torch.cuda.Stream] = {}
+_reading_streams_lock = threading.Lock()
+
+
+def _reading_stream(device: torch.device) -> torch.cuda.Stream:
+    with _reading_streams_lock:
+        if device not in _reading_streams:
+            _reading_streams[device] = torch.cuda.Stream(device)
+        return _reading_streams[device]
