@@ -95,7 +95,7 @@ open_loop() {  # $1: run name, $2: timeout
 
 results_table() {  # $1: run name: its results.md's tables (without the command and machine lines) into the summary
   { echo "## $1"; echo
-    if [ -f "$logs/$1/results.md" ]; then grep -E "^\|" "$logs/$1/results.md" | head -40
+    if [ -f "$logs/$1/results.md" ]; then grep -E "^\||^Goodput" "$logs/$1/results.md" | head -40
     else echo "(no results: see ${part}_logs.tar.gz, $1.bench.log)"; fi; echo; } >>"$summary"
 }
 
