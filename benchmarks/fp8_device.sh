@@ -20,13 +20,15 @@
 # --config CONFIG --fast-path on --cuda-graphs on), SERVE_ARGS (more serve flags), BENCH_ARGS (more bench flags),
 # BUDGET_S (480: seconds for the whole part, from its start; the setup before it is not counted),
 # LEVELS (h100: 1,8,32,64), COMPARE_LEVELS (h200: 32,64), KV_TARGET (200000 thinker KV tokens),
-# GOODPUT_START (2), GOODPUT_BISECTIONS (2), GOODPUT_DURATION (20 s a rate),
-# STEP_ARGS (steps: --device cuda --config CONFIG --stages thinker,talker --batch-sizes 1,64 --prefill-lens 108
-# --variants pdl --sampling served), QUANTIZATIONS (steps: none,fp8; none,fp8,fp8-w8a8 adds the w8a8 kernels).
+# GOODPUT_START (1), GOODPUT_BISECTIONS (2), GOODPUT_DURATION (20 s a rate; a search tries about 4 rates),
+# STEP_ARGS (steps: --device cuda --config CONFIG --batch-sizes 1,64 --prefill-lens 108 --variants pdl --sampling
+# served), STEP_STAGES (steps: thinker,talker; in that order, each bf16 then FP8, the files rewritten after each:
+# a run cut short before the talker's FP8 part is finished by a second command with STEP_STAGES=talker),
+# QUANTIZATIONS (steps: none,fp8; none,fp8,fp8-w8a8 adds the w8a8 kernels).
 # CPU, the tiny checkpoint (a test of this script; `omni-triton build tiny` writes checkpoints/tiny first):
 #   MODEL_ARGS="--device cpu --checkpoint checkpoints/tiny" BENCH_ARGS=--quick LEVELS=1,2 COMPARE_LEVELS=2 \
 #     KV_TARGET=1000 GOODPUT_START=0.5 GOODPUT_BISECTIONS=0 GOODPUT_DURATION=4 \
-#     STEP_ARGS="--device cpu --config tiny --stages thinker,talker --batch-sizes 1,4 --prefill-lens 108 --variants pdl" \
+#     STEP_ARGS="--device cpu --config tiny --batch-sizes 1,4 --prefill-lens 108 --variants pdl" \
 #     bash benchmarks/fp8_device.sh PART /tmp/fp8-device
 set -uo pipefail
 part=${1:?part: steps, h100, h200 or goodput}
@@ -39,11 +41,12 @@ BUDGET_S=${BUDGET_S:-480}
 LEVELS=${LEVELS:-1,8,32,64}
 COMPARE_LEVELS=${COMPARE_LEVELS:-32,64}
 KV_TARGET=${KV_TARGET:-200000}
-GOODPUT_START=${GOODPUT_START:-2}
+GOODPUT_START=${GOODPUT_START:-1}
 GOODPUT_BISECTIONS=${GOODPUT_BISECTIONS:-2}
 GOODPUT_DURATION=${GOODPUT_DURATION:-20}
-STEP_ARGS=${STEP_ARGS:---device cuda --config $CONFIG --stages thinker,talker --batch-sizes 1,64 --prefill-lens 108 \
---variants pdl --sampling served}
+STEP_ARGS=${STEP_ARGS:---device cuda --config $CONFIG --batch-sizes 1,64 --prefill-lens 108 --variants pdl \
+--sampling served}
+STEP_STAGES=${STEP_STAGES:-thinker,talker}
 QUANTIZATIONS=${QUANTIZATIONS:-none,fp8}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 case $part in steps|h100|h200|goodput) ;; *) echo "unknown part $part (steps, h100, h200, goodput)"; exit 2 ;; esac
@@ -107,9 +110,9 @@ compare_runs() {  # bf16 and fp8 run dirs side by side into the summary and $out
 
 case $part in
 steps)
-  say "engine_microbench: $STEP_ARGS --quantization $QUANTIZATIONS"
-  timeout -k 10 "$(limit 900 10)" python3 benchmarks/engine_microbench.py $STEP_ARGS --quantization "$QUANTIZATIONS" \
-    --out-dir "$logs/steps" 2>&1 | tee "$logs/steps.log" | grep -E "^---|^wrote|Error|error"
+  say "engine_microbench: $STEP_ARGS --stages $STEP_STAGES --quantization $QUANTIZATIONS"
+  timeout -k 10 "$(limit 900 10)" python3 benchmarks/engine_microbench.py $STEP_ARGS --stages "$STEP_STAGES" \
+    --quantization "$QUANTIZATIONS" --out-dir "$logs/steps" 2>&1 | tee "$logs/steps.log" | grep -E "^---|^wrote|Error|error"
   say "engine_microbench: exit ${PIPESTATUS[0]}"
   cp "$logs/steps/engine_microbench.json" "$out/steps.json" 2>/dev/null
   cat "$logs/steps/engine_microbench.md" >>"$summary" 2>/dev/null || tail -30 "$logs/steps.log" >>"$summary"
