@@ -3,21 +3,13 @@ benchmarks/README.md, full size on a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def microbench():
-    spec = importlib.util.spec_from_file_location("engine_microbench", ROOT / "benchmarks" / "engine_microbench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("engine_microbench")
 
 
 def _thinker(cases: dict[tuple[int, int], tuple[float, float]], variant: str = "pdl") -> dict:

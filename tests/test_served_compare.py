@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("served_compare", ROOT / "benchmarks" / "served_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("served_compare")
 
 
 def _level(concurrency: int, requests_per_s: float, ttfa_p95: float, ran_dry: int = 0, **fields) -> dict:
