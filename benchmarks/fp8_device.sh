@@ -65,7 +65,7 @@ trap finish EXIT
 trap 'exit 130' INT TERM
 
 { echo "# FP8 on the GPU, part $part ($(date -u +%F))"; echo
-  echo "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1); git" \
+  echo "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1 || true); git" \
     "$(git rev-parse --short HEAD 2>/dev/null); model: \`$MODEL_ARGS $SERVE_ARGS\`"; echo; } >"$summary"
 
 kv_plan() {  # $1: serve's name: its KV plan line, and the thinker's tokens against KV_TARGET, into the summary
