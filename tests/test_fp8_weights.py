@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from build_engines.fp8_checkpoint import write_fp8_checkpoint
 from omni_triton.checkpoints.tiny import build
 from omni_triton.models.layers.attention import contiguous_batch
-from omni_triton.models.layers.fp8 import Fp8Experts, Fp8Linear
+from omni_triton.models.layers.fp8 import Fp8Experts, Fp8Linear, activation_dtype
 from omni_triton.models.quantization import FP8_DTYPE, Fp8Scheme, dequantize_fp8, quantize_fp8
 from omni_triton.models.weights import load_talker, load_thinker
 
@@ -127,6 +127,16 @@ def test_dummy_fp8_matches_dummy_bf16(checkpoints):
     want_gate = dequantize_fp8(*quantize_fp8(want.mlp.experts.gate_up_proj[:, :inter], (128, 128)), (128, 128))
     assert torch.equal(gate_up[:, :inter], want_gate)
     assert torch.equal(layer.input_layernorm.weight, want.input_layernorm.weight)
+
+
+def test_activation_dtype_skips_fp8_weights_and_their_scales(checkpoints):
+    # an FP8 decoder layer's first parameters are float8 and its float32 scales: neither is what it computes in
+    source, _ = checkpoints
+    for load in (lambda q: load_thinker(source, dtype=torch.bfloat16, with_audio=False, quantization=q),
+                 lambda q: load_talker(source, dtype=torch.bfloat16, quantization=q)):
+        plain, quantized = load(None), load("fp8")
+        assert next(quantized.parameters()).dtype == FP8_DTYPE
+        assert activation_dtype(quantized) == activation_dtype(plain) == torch.bfloat16
 
 
 def test_unknown_quantization_is_named(checkpoints):
