@@ -139,6 +139,17 @@ def test_activation_dtype_skips_fp8_weights_and_their_scales(checkpoints):
         assert activation_dtype(quantized) == activation_dtype(plain) == torch.bfloat16
 
 
+def test_the_engine_runs_an_fp8_thinker_in_its_activation_dtype(checkpoints):
+    """What the engine's graph buffers and kept states are made in: bf16 for an FP8 model loaded in bf16 (the
+    float32 block scales once made it float32, and the completion graphs then refused its bf16 states)."""
+    from omni_triton.engine import EngineConfig, LLMEngine, ThinkerStage
+
+    source, _ = checkpoints
+    model = load_thinker(source, dtype=torch.bfloat16, with_audio=False, quantization="fp8")
+    engine = LLMEngine(ThinkerStage(model), EngineConfig(block_size=4, num_blocks=16, kv_dtype=torch.bfloat16))
+    assert engine.runner.model_dtype == torch.bfloat16
+
+
 def test_unknown_quantization_is_named(checkpoints):
     source, _ = checkpoints
     with pytest.raises(ValueError, match="'int4'"):
