@@ -17,8 +17,9 @@
 # Settings (environment): MODEL_ARGS (default: --device cuda --config qwen3_omni_30b_a3b --fast-path on
 # --cuda-graphs on), CHECKPOINT (the served checkpoint's dir, its tokenizer: default checkpoints/dummy/CONFIG,
 # which `serve --config` writes), SERVE_ARGS (more serve flags), REPLY_AUDIO_S (12), SESSIONS (1,16),
-# TURNS (3), BARGE_INS (3), SYSTEM_TOKENS (1000), TURN_TOKENS (200), PREFIX_TURNS (5), CONCURRENCY (32),
-# REQUESTS (64), BUDGET_S (480: the whole run's time; each stage's timeout leaves the later stages theirs).
+# TURNS (3), BARGE_INS (3), PREFIX (on; off: the realtime bench alone), SYSTEM_TOKENS (1000), TURN_TOKENS (200),
+# PREFIX_TURNS (5), CONCURRENCY (32), REQUESTS (64), BUDGET_S (480: the whole run's time; each stage's timeout
+# leaves the later stages theirs).
 # CPU, the tiny checkpoint (a test of this script, minutes):
 #   API_WHEELS=none MODEL_ARGS="--device cpu" CHECKPOINT=checkpoints/tiny SESSIONS=1,2 TURNS=2 BARGE_INS=1 \
 #     SYSTEM_TOKENS=200 TURN_TOKENS=40 CONCURRENCY=4 REQUESTS=8 bash benchmarks/api_benches_device.sh /tmp/api-benches
@@ -37,6 +38,7 @@ TURN_TOKENS=${TURN_TOKENS:-200}
 PREFIX_TURNS=${PREFIX_TURNS:-5}
 CONCURRENCY=${CONCURRENCY:-32}
 REQUESTS=${REQUESTS:-64}
+PREFIX=${PREFIX:-on}  # off: the realtime bench alone (one server)
 BUDGET_S=${BUDGET_S:-480}
 API_WHEELS=${API_WHEELS:-.api-wheels}
 WAV=benchmarks/assets/utterance_16k.wav  # espeak-ng's sentence, 3 s: the GPU image has no espeak-ng
@@ -81,7 +83,7 @@ fi
 if serve on "$(limit 240 200)"; then
   say "api"
   PYTHONPATH=$api_path python3 -m omni_triton.cli api --triton-grpc 127.0.0.1:18001 --port 19000 \
-    --checkpoint "$CHECKPOINT" --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level warning \
+    --checkpoint "$CHECKPOINT" --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level info \
     >"$logs/api.log" 2>&1 &
   api_pid=$!
   for _ in $(seq 60); do
@@ -101,9 +103,10 @@ if serve on "$(limit 240 200)"; then
     grep -E "^[0-9]+ sessions:|^barge-in:|Error|error" "$logs/realtime_latency.log" 2>/dev/null | tail -8
     echo '```'; echo; } >>"$summary"
   stop_tree "$api_pid"; api_pid=
-  prefix_bench on "$(limit 120 150)"
+  [ "$PREFIX" = on ] && prefix_bench on "$(limit 120 150)"
   stop_server on
 fi
+[ "$PREFIX" = on ] || { cat "$summary"; exit 0; }
 
 # 2. prefix caching off: the prefix bench again, then both side by side
 if serve off "$(limit 240 40)" --prefix-caching off; then
