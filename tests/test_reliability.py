@@ -506,6 +506,8 @@ def test_killed_stage_stays_down_without_explicit_model_control(tiny_checkpoint,
     (instead of failing after 1-3 s with "Stub process ... is not healthy"), never "restarting", whatever the
     timing; and the server stays up."""
     with fault_server(tiny_checkpoint, tmp_path, explicit_model_control=False) as server:
+        log = server.server.log_path
+        assert "stays down" not in log.read_text(errors="replace"), "no stage is reported down while they load"
         os.kill(find_stubs(server.server.process.pid, ["talker"])["talker"], signal.SIGKILL)
         refusals, _ = _until_served(server, time.monotonic(), timeout_s=3.0, expect_served=False)
         print(f"\nno explicit model control: {refusals[-1]!r}")
@@ -515,6 +517,9 @@ def test_killed_stage_stays_down_without_explicit_model_control(tiny_checkpoint,
         assert "--model-control-mode=explicit" in refusals[-1], "the refusal says what it takes to restart the stage"
         with server.grpc_client() as client:
             assert client.is_server_live()
+    reported = [line for line in log.read_text(errors="replace").splitlines() if "stays down" in line]
+    assert len(reported) == 1 and reported[0].startswith("talker stage"), \
+        f"the kill alone is reported, not the stubs that exit as the server shuts down: {reported}"
 
 
 def _wait_for_gauges(server, expected: dict[tuple[str, str], float], timeout_s: float = 20.0) -> None:

@@ -241,6 +241,11 @@ class Orchestrator:
         if self._admission.pipelines[0].capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
             self._observe_capacity(now - last_sample)
             last_sample = now
+        if not self._admission.queued:
+            # Stage health only with a request to place: the stage supervisor takes a stage it cannot find a stub
+            # of as one whose stub died unseen, which is true once requests come (every stage is loaded by then)
+            # but not while the stages load, when this loop already runs (it logged a false "stays down").
+            return last_sample
         closed = self._closed()
         if len(closed) == len(self._routes):  # none is up: they start as they always did, and fail naming the stage
             closed = set()
