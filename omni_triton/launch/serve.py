@@ -8,6 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
+from omni_triton.launch.first_request import send_first_requests
 from omni_triton.launch.options import (add_engine_arguments, add_load_arguments, add_memory_arguments,
                                         add_model_source_arguments, add_placement_arguments, flag_settings,
                                         model_source, placement, with_kv_budget)
@@ -147,6 +148,9 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     print(f"  CUDA MPS: {server.mps.note}", flush=True)
     try:
         waited = server.wait_ready(timeout_s=args.ready_timeout)
+        if config.resolved_warmup and models is None:  # the whole pipeline is served: one request through it
+            first_s = send_first_requests(server.grpc_url, count=config.placement.pipelines)
+            print(f"  first request through {config.placement.pipelines} pipeline(s): {first_s:.1f} s", flush=True)
     except BaseException:
         server.stop()
         raise
