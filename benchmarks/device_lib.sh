@@ -6,7 +6,12 @@
 left() { echo $((BUDGET_S - SECONDS)); }
 limit() {  # $1: the stage's own limit, $2: seconds the stages after it need; prints the smaller allowance
   local allowed=$(($(left) - $2))
-  [ "$allowed" -lt "$1" ] && echo $((allowed > 5 ? allowed : 5)) || echo "$1"
+  if [ "$allowed" -lt "$1" ]; then  # said on stderr: a stage cut short by a small BUDGET_S must not look broken
+    echo "[budget] a stage gets ${allowed}s of its ${1}s (BUDGET_S=$BUDGET_S, ${SECONDS}s gone)" >&2
+    echo $((allowed > 5 ? allowed : 5))
+  else
+    echo "$1"
+  fi
 }
 say() { echo "[$(date -u +%T) +${SECONDS}s] $*" | tee -a "$logs/stages.log"; }
 url_up() { python3 -c "import urllib.request; urllib.request.urlopen('$1', timeout=2)" 2>/dev/null; }
