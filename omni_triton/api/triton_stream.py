@@ -4,8 +4,9 @@
 Why: a decoupled model's stream says it is complete only in a final response, and when the model's last send is
 a flag without outputs (the orchestrator's) that response exists only if the request asks for it with the
 ``triton_enable_empty_final_response`` parameter. The sync client has an argument for it; the aio client has
-none, and since tritonclient 2.5x refuses any ``triton_``-prefixed parameter passed through it ("is a reserved
-parameter"), raised inside the request iterator, which gRPC reports as the call being cancelled. Building the
+none, and newer tritonclient releases (2.73, the GPU image's; 2.50 still passes it) refuse any ``triton_``-prefixed
+parameter passed through it ("is a reserved parameter"), raised inside the request iterator, which gRPC reports
+as the call being cancelled. Building the
 request here sets the parameter on every tritonclient version.
 """
 
