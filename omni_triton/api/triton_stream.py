@@ -6,8 +6,7 @@ a flag without outputs (the orchestrator's) that response exists only if the req
 ``triton_enable_empty_final_response`` parameter. The sync client has an argument for it; the aio client has
 none, and newer tritonclient releases (2.73, the GPU image's; 2.50 still passes it) refuse any ``triton_``-prefixed
 parameter passed through it ("is a reserved parameter"), raised inside the request iterator, which gRPC reports
-as the call being cancelled. Building the
-request here sets the parameter on every tritonclient version.
+as the call being cancelled. Building the request here sets the parameter on every tritonclient version.
 """
 
 from __future__ import annotations
