@@ -177,14 +177,13 @@ async def barge_ins(args, pcm: bytes) -> list[dict]:
             await session.socket.send(json.dumps({"type": "response.create"}))
             await session.until("response.output_audio.delta")
             speaking = asyncio.create_task(session.speak(pcm))
-            started_at, started = await session.until(("input_audio_buffer.speech_started", "response.done"))
-            if started["type"] == "response.done":  # the whole reply was made before the speech was heard
-                trials.append({"reply_ended_first": started["response"]["status"]})
-                await speaking
-                continue
-            idle = asyncio.create_task(asyncio.to_thread(wait_idle, args.metrics_url)) if args.metrics_url else None
-            done_at, done = await session.until("response.done")
-            if done["response"]["status"] != "cancelled":  # it ended on its own just as the speech began
+            started_at, done = await session.until(("input_audio_buffer.speech_started", "response.done"))
+            idle, heard = None, done["type"] != "response.done"  # heard: while the reply was being made
+            if heard:
+                if args.metrics_url:
+                    idle = asyncio.create_task(asyncio.to_thread(wait_idle, args.metrics_url))
+                done_at, done = await session.until("response.done")
+            if not heard or done["response"]["status"] != "cancelled":  # the reply was whole before the speech cut it
                 trials.append({"reply_ended_first": done["response"]["status"]})
                 if idle is not None:
                     await idle
