@@ -17,8 +17,6 @@ from typing import AsyncIterator
 
 import grpc
 import numpy as np
-import tritonclient.grpc.aio as grpcaio
-from tritonclient.utils import InferenceServerException
 
 from omni_triton.api.errors import TritonRequestError
 from omni_triton.api.triton_stream import StreamChannel, infer_request, is_final
@@ -39,16 +37,15 @@ class Piece:
 class TritonBridge:
     def __init__(self, url: str, model: str = "omni"):
         self.url, self.model = url, model
-        self.client = grpcaio.InferenceServerClient(url)  # health checks
-        self.streams = StreamChannel(url)  # requests (triton_stream says why not the client's stream_infer)
+        self.streams = StreamChannel(url)  # requests and health (triton_stream says why not tritonclient's aio)
         self._cancels: set[asyncio.Task] = set()  # cancels under way: keep them referenced until done
         # the latest request ids whose cancel the orchestrator accepted (what a log reader or a test checks)
         self.cancelled: deque[str] = deque(maxlen=256)
 
     async def ready(self) -> bool:
         try:
-            return bool(await self.client.is_server_ready() and await self.client.is_model_ready(self.model))
-        except (InferenceServerException, grpc.RpcError):
+            return await self.streams.ready(self.model)
+        except grpc.RpcError:
             return False
 
     async def stream(self, arrays: dict[str, np.ndarray], request_id: str) -> AsyncIterator[Piece]:
@@ -107,7 +104,6 @@ class TritonBridge:
         if self._cancels:
             await asyncio.wait(self._cancels, timeout=CANCEL_TIMEOUT_S)
         await self.streams.close()
-        await self.client.close()
 
 
 def _piece(result) -> Piece:

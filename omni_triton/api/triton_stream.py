@@ -43,12 +43,18 @@ def is_final(result: InferResult) -> bool:
 
 
 class StreamChannel:
-    """One gRPC channel to Triton; ``open`` starts a stream of one request (many at once on the event loop)."""
+    """One gRPC channel to Triton; ``open`` starts a stream of one request (many at once on the event loop),
+    ``ready`` asks for health."""
 
     def __init__(self, url: str):
         self.channel = grpc.aio.insecure_channel(url, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                                                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+
+    async def ready(self, model: str) -> bool:
+        """Whether the server and ``model`` are ready; raises grpc.RpcError when the server does not answer."""
+        server = await self.stub.ServerReady(service_pb2.ServerReadyRequest())
+        return server.ready and (await self.stub.ModelReady(service_pb2.ModelReadyRequest(name=model))).ready
 
     def open(self, request: service_pb2.ModelInferRequest, headers: dict[str, str] | None = None) -> "RequestStream":
         return RequestStream(self.stub, request, headers)
