@@ -118,6 +118,20 @@ def test_input_copies_are_complete_without_waiting_for_the_default_stream():
     assert copy[-1].item() == (1 << 20) - 1
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_input_copies_from_another_gpu_land_on_the_stage_gpu_complete():
+    """The split layout: the talker (GPU 1) gets the thinker's rows on GPU 0. A clone made them on GPU 0, on its
+    current stream, which the copy stream's synchronize does not wait for: read at once, they were not written."""
+    source = torch.arange(1 << 20, device="cuda:0", dtype=torch.int64)
+    torch.cuda.synchronize("cuda:0")
+    with torch.cuda.device(0):
+        torch.cuda._sleep(200_000_000)  # work queued on GPU 0 before the copy (a clone there waits behind it)
+    (copy,) = InputStream(torch.device("cuda:1")).owned_copies([source])
+    assert copy.device == torch.device("cuda:1")
+    assert complete_to_host(copy)[-3:].tolist() == [(1 << 20) - 3, (1 << 20) - 2, (1 << 20) - 1]
+    torch.cuda.synchronize("cuda:0")
+
+
 @cuda
 def test_to_device_async_matches_a_plain_copy():
     ids = torch.tensor([3, 1, 4, 1, 5])

@@ -72,8 +72,8 @@ class InputStream:
 
     def owned_copies(self, tensors: list[torch.Tensor],
                      check: Callable[..., None] | None = None) -> list[torch.Tensor]:
-        """Copies of ``tensors``, complete on return; ``check(*copies)`` (a validation that reads them on the
-        host) runs on this stream too, so its read waits for the copies alone."""
+        """Copies of ``tensors`` on this stream's device, complete on return; ``check(*copies)`` (a validation
+        that reads them on the host) runs on this stream too, so its read waits for the copies alone."""
         if self.stream is None:
             copies = [tensor.clone() for tensor in tensors]
             if check is not None:
@@ -81,7 +81,11 @@ class InputStream:
             return copies
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            copies = [tensor.clone() for tensor in tensors]
+            # onto this device, not a clone where the input lies: an input from another GPU (the split layout's
+            # talker gets the thinker's rows from GPU 0) was cloned on that GPU's current stream, which this
+            # stream's synchronize does not wait for, and read before the clone was written (the talker found no
+            # assistant turn in half of its prompts under load)
+            copies = [tensor.to(self.device, copy=True) for tensor in tensors]
             if check is not None:
                 check(*copies)
         self.stream.synchronize()
