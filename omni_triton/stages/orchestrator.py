@@ -300,6 +300,9 @@ class Orchestrator:
                 event.set()
         if not events and self._shared_cancels is not None:  # held by another instance, if any
             self._shared_cancels.record(client_id, now)
+        # which instance a cancel reached, and whether it held the request (tests see both routings)
+        trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events),
+                     pipeline=self._routes[0].index if len(self._routes) == 1 else None)
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _take_shared_cancels(self) -> None:
