@@ -85,7 +85,8 @@ def test_malformed_values_are_refused_naming_option_and_value(parse, text, messa
     ({}, {"talker": 0}, r"--instances talker=0: expected a count >= 1"),
     ({}, {"thinker": 2}, r"--instances thinker=2: only talker and code2wav take more than one instance"),
     ({}, {"orchestrator": 2}, r"--instances orchestrator=2: only talker and code2wav"),
-    ({"thinker": (0, 1)}, {}, r"--stage-gpus thinker=0:1: the thinker runs one instance, on one GPU"),
+    ({"thinker": (0, 1)}, {}, r"--stage-gpus thinker=0:1: the thinker runs one instance per pipeline, on one GPU"),
+    ({"orchestrator": (0, 1)}, {}, r"--stage-gpus orchestrator=0:1: the orchestrator runs one instance per pipeline"),
 ])
 def test_impossible_placements_are_refused_naming_option_and_value(gpus, instances, message):
     with pytest.raises(PlacementError, match=message):

@@ -91,10 +91,10 @@ class Placement:
                     f"--instances {stage}={count}: only {' and '.join(REPLICABLE_STAGES)} take more than one "
                     f"instance ({stage} takes control requests by request id, which Triton routes to any instance; "
                     f"for more thinkers run whole pipelines: --pipelines N)")
-        thinker_gpus = self.gpus_of("thinker")
-        if "thinker" in self.gpus and len(thinker_gpus) > 1:
-            raise PlacementError(f"--stage-gpus thinker={_ids(thinker_gpus)}: the thinker runs one instance, on "
-                                 "one GPU")
+        for stage in ("thinker", "orchestrator"):  # one instance per pipeline: control requests find it by id
+            if stage in self.gpus and len(self.gpus[stage]) > 1:
+                raise PlacementError(f"--stage-gpus {stage}={_ids(self.gpus[stage])}: the {stage} runs one instance "
+                                     "per pipeline, on one GPU")
 
     def gpus_of(self, stage: str, pipeline: int = 0) -> tuple[int, ...]:
         """The GPUs of ``stage`` in ``pipeline``: its own, else the orchestrator follows the thinker, and every stage
