@@ -247,7 +247,7 @@ def test_each_orchestrator_instance_serves_the_pipeline_its_group_names():
     from omni_triton.shared.placement import orchestrator_pipeline
 
     assert orchestrator_pipeline("orchestrator_p0_0", 2) == 0 and orchestrator_pipeline("orchestrator_p3_0", 4) == 3
-    assert orchestrator_pipeline("orchestrator_0", 1) == 0  # one pipeline: Triton's default group
+    assert orchestrator_pipeline("orchestrator_0_0", 1) == 0  # one pipeline: Triton's default group
     for name, pipelines in (("orchestrator_p2_0", 2), ("orchestrator_0_0", 2), ("orchestrator_p1", 2)):
         with pytest.raises(ValueError, match=f"orchestrator instance '{name}' names none of {pipelines} pipelines"):
             orchestrator_pipeline(name, pipelines)
