@@ -22,8 +22,8 @@ def first_request_inputs() -> dict[str, np.ndarray]:
 
 
 def send_first_requests(grpc_url: str, count: int = 1, model: str = "omni", timeout_s: float = 300.0) -> float:
-    """``count`` requests at once (one per pipeline: each new request goes to the least loaded one), each to its
-    final response; the seconds they took. Raises RuntimeError naming the error of one that failed."""
+    """``count`` requests at once (one per pipeline: Triton hands requests to the free orchestrator instances, one
+    per pipeline, in turn), each to its final response; the seconds they took. Raises RuntimeError naming the error of one that failed."""
     import tritonclient.grpc as grpcclient
 
     inputs = []

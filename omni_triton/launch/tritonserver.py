@@ -30,6 +30,7 @@ from typing import Callable
 from omni_triton.shared import bundled_backend
 from omni_triton.launch.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
 from omni_triton.launch.mps import MpsDaemon, start_mps
+from omni_triton.shared.cancel_registry import remove_registry
 from omni_triton.shared.procfs import PARENT, stat_fields
 from omni_triton.shared.placement import model_stage
 from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
@@ -376,6 +377,7 @@ class TritonServer:
                 continue
         self._kill_leftover_group(process.pid)
         self._remove_shared_memory()
+        remove_registry(process.pid)  # what the orchestrator instances' cancel registry held when it went
         return process.returncode
 
     @staticmethod

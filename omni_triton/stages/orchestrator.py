@@ -10,7 +10,10 @@ otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``o
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
 orchestrator is scheduled at once. So a request with ``CONTROL="cancel"`` and the client's request id
-cancels that request here; ``omni_triton.client`` sends it along with the stream cancel.
+cancels that request here; ``omni_triton.client`` sends it along with the stream cancel. It cancels the
+requests of that id that had arrived when it came. With one orchestrator instance per pipeline the control request
+may reach an instance that holds no request of that id: that one records it in the server's ``CancelRegistry``,
+where the instance that holds it finds it at its next admission poll (``DISPATCH_S``).
 
 A client that vanishes without cancelling (killed, network gone) is not seen by the running
 orchestrator step for the same reason: its request runs to its natural end. The optional request
@@ -18,12 +21,14 @@ parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes 
 bounds that: past it the request is cancelled (the session looks up from every stage wait every
 ``POLL_S``) and every stage frees its state.
 
-Pipelines (``serve --pipelines N``, ``PipelineRoute``): each admitted request runs on one pipeline, the least loaded
-one that takes it (``admission.least_loaded``), from its first call to its last: every BLS call of its session goes
-to that pipeline's models by name (``thinker_p1``, ...), so its tensors stay on that pipeline's GPUs (asked to land
-on its ``gpu``) and its aborts reach the one thinker, talker sequence and vocoder stream that hold it. Admission
-counts, limits and capacity are per pipeline; the gauges carry a ``pipeline`` label per pipeline beside the
-server's totals.
+Pipelines (``serve --pipelines N``, ``PipelineRoute``): the server runs one orchestrator instance per pipeline
+(``placement.orchestrator_pipeline``), each an Orchestrator of that one route: Triton hands each new request to
+whichever instance is free to take it, and the request runs on that instance's pipeline from its first call to its
+last: every BLS call of its session goes to that pipeline's models by name (``thinker_p1``, ...), so its tensors stay
+on that pipeline's GPUs (asked to land on its ``gpu``) and its aborts reach the one thinker, talker sequence and
+vocoder stream that hold it. Admission counts, limits and capacity are the instance's, so per pipeline. (An
+Orchestrator given several routes places each request on the least loaded one, ``admission.least_loaded``: one
+process for every pipeline, whose CPU then caps the server.)
 
 A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
 UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
@@ -55,6 +60,7 @@ from omni_triton.pipeline.code2wav.pacing import ChunkPacer
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
+from omni_triton.shared.cancel_registry import CancelRegistry
 from omni_triton.shared.placement import Placement
 from omni_triton.stages.admission import Admission, RealtimeCapacity
 from omni_triton.stages.bls_clients import BlsStageClients
@@ -78,17 +84,19 @@ STAGE_ALIVE_MAX_AGE_S = 0.05
 
 @dataclass(frozen=True)
 class PipelineRoute:
-    """One pipeline as the orchestrator reaches it: the Triton model of each stage, and the GPU where that
-    pipeline's stage outputs are asked to land (None: host memory, a CPU deployment)."""
+    """One pipeline as the orchestrator reaches it: the Triton model of each stage, the GPU where that
+    pipeline's stage outputs are asked to land (None: host memory, a CPU deployment), and its index among the
+    server's pipelines (traces)."""
     models: Mapping[str, str]
     gpu: int | None
+    index: int = 0
 
 
 def pipeline_routes(placement: Placement, device: torch.device) -> list[PipelineRoute]:
     """The routes to ``placement``'s pipelines, for an orchestrator on ``device`` (on the CPU every output
     lands in host memory)."""
     return [PipelineRoute(placement.models(pipeline),
-                          placement.pipeline_gpu(pipeline) if device.type == "cuda" else None)
+                          placement.pipeline_gpu(pipeline) if device.type == "cuda" else None, pipeline)
             for pipeline in range(placement.pipelines)]
 
 
@@ -96,15 +104,19 @@ class Orchestrator:
     def __init__(self, pb_utils: Any, checkpoint_dir: str | Path, device: torch.device, policy: ChunkPolicy,
                  max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
-                 max_starting: int = 0, routes: Sequence[PipelineRoute] | None = None):
+                 max_starting: int = 0, routes: Sequence[PipelineRoute] | None = None,
+                 shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone); ``max_starting``:
         streams admitted and not yet playing at once (0: no limit); ``max_inflight``, ``max_starting`` and the
         capacity are per pipeline. ``routes``: the pipelines (default: one, the stages by their own names, outputs
-        on ``device``); ``stage_instances``: stage -> instances of each of its models."""
+        on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where
+        the server's other orchestrator instances record cancels of requests they do not hold (None: this is the
+        only instance); ``metric_labels``: labels of this instance's metrics beside ``stage`` (its pipeline)."""
         if chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
-        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device.type == "cuda")
+        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device.type == "cuda",
+                                         labels=dict(metric_labels or {}))
         self._tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         code2wav_config = Code2WavConfig.from_pretrained(checkpoint_dir)
         self._num_quantizers = code2wav_config.num_quantizers
@@ -118,7 +130,9 @@ class Orchestrator:
         self._request_counter = 0
         self._lock = threading.Lock()
         self._active: dict[str, _Active] = {}  # request id -> its pipeline and audio stream
-        self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
+        # client request id -> its sessions' flags -> when each request arrived (a cancel applies to those before it)
+        self._cancel_events: dict[str, dict[threading.Event, float]] = {}
+        self._shared_cancels = shared_cancels
         self._stages = StageSupervisor({route.models[stage]: (stage_instances or {}).get(stage, 1)
                                         for route in self._routes for stage in BLS_STAGES})
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
@@ -186,7 +200,7 @@ class Orchestrator:
         ticket = _Ticket(request, sender, inputs, request_id, client_id, cancelled, deadline,
                          _CancelCheck(request, cancelled, deadline))
         with self._lock:  # before it may start: a cancel sent while it waits must find it
-            self._cancel_events.setdefault(client_id, set()).add(cancelled)
+            self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
         decision, pipeline = self._admission.arrive(ticket, time.monotonic(), closed)
         if decision == "start":
             self._start(ticket, pipeline, waited_s=0.0)
@@ -205,7 +219,8 @@ class Orchestrator:
         sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _start(self, ticket: "_Ticket", pipeline: int, waited_s: float) -> None:
-        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s, pipeline=pipeline)
+        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s,
+                    pipeline=self._routes[pipeline].index)
         with self._lock:  # before its thread runs: the gauges count it on its pipeline from now on
             self._active[ticket.request_id] = _Active(pipeline)
         self._pool.submit(self._run, ticket, pipeline)
@@ -213,7 +228,7 @@ class Orchestrator:
     def _forget(self, ticket: "_Ticket") -> None:
         with self._lock:
             events = self._cancel_events[ticket.client_id]
-            events.discard(ticket.cancelled)
+            events.pop(ticket.cancelled, None)
             if not events:
                 del self._cancel_events[ticket.client_id]
 
@@ -231,6 +246,8 @@ class Orchestrator:
 
     def _dispatch_once(self, last_sample: float) -> float:
         """One look at the queue; returns when capacity was last sampled."""
+        if self._shared_cancels is not None:
+            self._take_shared_cancels()
         now = time.monotonic()
         for ticket in self._admission.drop(lambda ticket: ticket.is_cancelled()):
             self._forget(ticket)
@@ -276,10 +293,27 @@ class Orchestrator:
             error = triton_error(pb, "INVALID_ARG", f"CONTROL must be 'cancel', got {word!r}")
             sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        now = time.monotonic()
         with self._lock:
-            for event in self._cancel_events.get(client_id, ()):
+            events = list(self._cancel_events.get(client_id, ()))
+            for event in events:
                 event.set()
+        if not events and self._shared_cancels is not None:  # held by another instance, if any
+            self._shared_cancels.record(client_id, now)
+        # which instance a cancel reached, and whether it held the request (tests see both routings)
+        trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events),
+                     pipeline=self._routes[0].index if len(self._routes) == 1 else None)
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _take_shared_cancels(self) -> None:
+        """Apply the cancels other instances recorded for requests held here (those that had arrived by then)."""
+        with self._lock:
+            held = {client_id: min(events.values()) for client_id, events in self._cancel_events.items()}
+        for client_id, at in self._shared_cancels.take(held).items():
+            with self._lock:
+                for event, arrived in self._cancel_events.get(client_id, {}).items():
+                    if arrived <= at:
+                        event.set()
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -289,6 +323,8 @@ class Orchestrator:
         self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._host_hops.close()
+        if self._shared_cancels is not None:
+            self._shared_cancels.close()
 
     def _request_id(self, request: Any) -> str:
         # Triton's own id may be empty or reused by clients; stages key their state on this one.
