@@ -21,20 +21,20 @@ parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes 
 bounds that: past it the request is cancelled (the session looks up from every stage wait every
 ``POLL_S``) and every stage frees its state.
 
-Pipelines (``serve --pipelines N``, ``PipelineRoute``): the server runs one orchestrator instance per pipeline
-(``placement.orchestrator_pipeline``), each an Orchestrator of that one route: Triton hands each new request to
-whichever instance is free to take it, and the request runs on that instance's pipeline from its first call to its
-last: every BLS call of its session goes to that pipeline's models by name (``thinker_p1``, ...), so its tensors stay
-on that pipeline's GPUs (asked to land on its ``gpu``) and its aborts reach the one thinker, talker sequence and
-vocoder stream that hold it. Admission counts, limits and capacity are the instance's, so per pipeline. (An
-Orchestrator given several routes places each request on the least loaded one, ``admission.least_loaded``: one
-process for every pipeline, whose CPU then caps the server.)
+One route per Orchestrator (``PipelineRoute``): the Triton model of each stage it calls and the GPU their outputs
+are asked to land on. With one pipeline that is the stages by their own names; with ``serve --pipelines N`` the
+server runs one orchestrator instance per pipeline (``placement.orchestrator_pipeline``), each an Orchestrator of
+its pipeline's route (``pipeline_route``): Triton hands each new request to whichever instance is free to take it,
+and the request runs on that instance's pipeline from its first call to its last: every BLS call of its session
+goes to that pipeline's models by name (``thinker_p1``, ...), so its tensors stay on that pipeline's GPUs and its
+aborts reach the one thinker, talker sequence and vocoder stream that hold it. Admission counts, limits and
+capacity are the instance's, so per pipeline.
 
 A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
 UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
-with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub. With several pipelines only the
-requests on the stage's own pipeline fail, and new ones go to the other pipelines meanwhile (refused only while
-every pipeline has a stage down).
+with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub. Each instance watches its own
+route's stages, so with several pipelines only the requests on the stage's own pipeline fail, and only that
+pipeline's instance refuses new ones.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -84,31 +84,29 @@ STAGE_ALIVE_MAX_AGE_S = 0.05
 
 @dataclass(frozen=True)
 class PipelineRoute:
-    """One pipeline as the orchestrator reaches it: the Triton model of each stage, the GPU where that
-    pipeline's stage outputs are asked to land (None: host memory, a CPU deployment), and its index among the
-    server's pipelines (traces)."""
+    """The pipeline an orchestrator reaches: the Triton model of each stage, the GPU where its stage outputs are
+    asked to land (None: host memory, a CPU deployment), and its index among the server's pipelines (traces)."""
     models: Mapping[str, str]
     gpu: int | None
     index: int = 0
 
 
-def pipeline_routes(placement: Placement, device: torch.device) -> list[PipelineRoute]:
-    """The routes to ``placement``'s pipelines, for an orchestrator on ``device`` (on the CPU every output
+def pipeline_route(placement: Placement, pipeline: int, device: torch.device) -> PipelineRoute:
+    """The route to ``placement``'s ``pipeline``, for an orchestrator on ``device`` (on the CPU every output
     lands in host memory)."""
-    return [PipelineRoute(placement.models(pipeline),
-                          placement.pipeline_gpu(pipeline) if device.type == "cuda" else None, pipeline)
-            for pipeline in range(placement.pipelines)]
+    return PipelineRoute(placement.models(pipeline),
+                         placement.pipeline_gpu(pipeline) if device.type == "cuda" else None, pipeline)
 
 
 class Orchestrator:
     def __init__(self, pb_utils: Any, checkpoint_dir: str | Path, device: torch.device, policy: ChunkPolicy,
                  max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
-                 max_starting: int = 0, routes: Sequence[PipelineRoute] | None = None,
+                 max_starting: int = 0, route: PipelineRoute | None = None,
                  shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone); ``max_starting``:
-        streams admitted and not yet playing at once (0: no limit); ``max_inflight``, ``max_starting`` and the
-        capacity are per pipeline. ``routes``: the pipelines (default: one, the stages by their own names, outputs
+        streams admitted and not yet playing at once (0: no limit); all three hold for this instance's pipeline.
+        ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
         on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where
         the server's other orchestrator instances record cancels of requests they do not hold (None: this is the
         only instance); ``metric_labels``: labels of this instance's metrics beside ``stage`` (its pipeline)."""
@@ -121,20 +119,19 @@ class Orchestrator:
         code2wav_config = Code2WavConfig.from_pretrained(checkpoint_dir)
         self._num_quantizers = code2wav_config.num_quantizers
         self._policy = policy.resolved(exact_left_context_frames(code2wav_config))
-        self._routes = list(routes or [PipelineRoute({stage: stage for stage in BLS_STAGES},
-                                                     device.index if device.type == "cuda" else None)])
+        self._route = route or PipelineRoute({stage: stage for stage in BLS_STAGES},
+                                             device.index if device.type == "cuda" else None)
         self._chunk_pacing = chunk_pacing
-        self._admission = Admission(max_inflight, admission_queue, capacity, max_starting, len(self._routes))
-        self._pool = ThreadPoolExecutor(max_workers=max_inflight * len(self._routes),
-                                        thread_name_prefix="omni-request")
+        self._admission = Admission(max_inflight, admission_queue, capacity, max_starting)
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._request_counter = 0
         self._lock = threading.Lock()
-        self._active: dict[str, _Active] = {}  # request id -> its pipeline and audio stream
+        self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
         # client request id -> its sessions' flags -> when each request arrived (a cancel applies to those before it)
         self._cancel_events: dict[str, dict[threading.Event, float]] = {}
         self._shared_cancels = shared_cancels
-        self._stages = StageSupervisor({route.models[stage]: (stage_instances or {}).get(stage, 1)
-                                        for route in self._routes for stage in BLS_STAGES})
+        self._stages = StageSupervisor({self._route.models[stage]: (stage_instances or {}).get(stage, 1)
+                                        for stage in BLS_STAGES})
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
         # received frames in the window before it
         self._seen_frames: dict[str, int] = {}
@@ -145,28 +142,19 @@ class Orchestrator:
         self._dispatcher.start()
 
     def snapshot(self) -> dict[str, float]:
-        """Gauge values of the server: requests in flight, codec frames they hold that are not decoded yet,
-        admission (over every pipeline)."""
-        pipelines = self.pipeline_snapshots() or [self._pipeline_snapshot(0)]
-        admission = self._admission
-        return {**{name: sum(values[name] for values in pipelines) for name in pipelines[0]},
-                "omni_admission_queue_length": admission.queued,
-                "omni_admission_refused_requests": admission.refused}
-
-    def pipeline_snapshots(self) -> list[dict[str, float]]:
-        """The gauges each pipeline has of its own, per pipeline (none with one pipeline: the server's are its)."""
-        return [self._pipeline_snapshot(index) for index in range(len(self._routes))] if len(self._routes) > 1 else []
-
-    def _pipeline_snapshot(self, pipeline: int) -> dict[str, float]:
+        """Gauge values of this instance's pipeline: requests in flight, codec frames they hold that are not
+        decoded yet, admission."""
         with self._lock:
-            active = [record for record in self._active.values() if record.pipeline == pipeline]
-        load = self._admission.pipelines[pipeline]
-        capacity = load.capacity.audio_s_per_s(max(1, load.running)) if load.capacity else 0.0
-        return {"omni_active_requests": len(active),
-                "omni_pending_audio_frames": sum(record.stream.pending_frames for record in active
-                                                 if record.stream is not None),
-                "omni_admission_waited_requests": load.waited,
-                "omni_admission_wait_seconds": load.wait_s,
+            streams = [stream for stream in self._active.values() if stream is not None]
+            active = len(self._active)
+        admission = self._admission
+        capacity = admission.capacity.audio_s_per_s(max(1, admission.running)) if admission.capacity else 0.0
+        return {"omni_active_requests": active,
+                "omni_pending_audio_frames": sum(stream.pending_frames for stream in streams),
+                "omni_admission_queue_length": admission.queued,
+                "omni_admission_waited_requests": admission.waited,
+                "omni_admission_wait_seconds": admission.wait_s,
+                "omni_admission_refused_requests": admission.refused,
                 "omni_realtime_capacity_audio_s_per_s": capacity}
 
     def submit(self, request: Any) -> None:
@@ -176,13 +164,10 @@ class Orchestrator:
         if control is not None:
             self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
             return
-        closed = self._closed()
-        if len(closed) == len(self._routes):
-            down = self._stages.unavailable()
-            if down is not None:
-                self._refuse(sender, down)
-                return
-            closed = set()  # a death the watcher has not seen yet: the request fails at the stage, naming it
+        down = self._stages.unavailable()  # a death the watcher has not seen yet: the request fails at the stage
+        if down is not None:
+            self._refuse(sender, down)
+            return
         inputs = {name: self._pb.get_input_tensor_by_name(request, name) for name in REQUEST_INPUTS}
         missing = [name for name, tensor in inputs.items() if tensor is None]
         try:
@@ -201,29 +186,22 @@ class Orchestrator:
                          _CancelCheck(request, cancelled, deadline))
         with self._lock:  # before it may start: a cancel sent while it waits must find it
             self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
-        decision, pipeline = self._admission.arrive(ticket, time.monotonic(), closed)
+        decision = self._admission.arrive(ticket, time.monotonic())
         if decision == "start":
-            self._start(ticket, pipeline, waited_s=0.0)
+            self._start(ticket, waited_s=0.0)
         elif decision == "refused":
             self._forget(ticket)
             self._refuse(sender, self._admission.refusal())
-
-    def _closed(self) -> set[int]:
-        """The pipelines with a stage down (its stub seen dead, or reloading): they take no new stream while another
-        is up."""
-        return {index for index, route in enumerate(self._routes)
-                if any(self._stages.is_down(model) for model in route.models.values())}
 
     def _refuse(self, sender: Any, message: str) -> None:
         error = triton_error(self._pb, "UNAVAILABLE", message)
         sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _start(self, ticket: "_Ticket", pipeline: int, waited_s: float) -> None:
-        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s,
-                    pipeline=self._routes[pipeline].index)
-        with self._lock:  # before its thread runs: the gauges count it on its pipeline from now on
-            self._active[ticket.request_id] = _Active(pipeline)
-        self._pool.submit(self._run, ticket, pipeline)
+    def _start(self, ticket: "_Ticket", waited_s: float) -> None:
+        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s, pipeline=self._route.index)
+        with self._lock:  # before its thread runs: the gauges count it from now on
+            self._active[ticket.request_id] = None
+        self._pool.submit(self._run, ticket)
 
     def _forget(self, ticket: "_Ticket") -> None:
         with self._lock:
@@ -255,37 +233,24 @@ class Orchestrator:
             error = triton_error(self._pb, "CANCELLED", f"{reason} while waiting for admission")
             ticket.sender.send(self._pb.InferenceResponse(error=error),
                                flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if self._admission.pipelines[0].capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
+        if self._admission.capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
             self._observe_capacity(now - last_sample)
             last_sample = now
-        if not self._admission.queued:
-            # Stage health only with a request to place: the stage supervisor takes a stage it cannot find a stub
-            # of as one whose stub died unseen, which is true once requests come (every stage is loaded by then)
-            # but not while the stages load, when this loop already runs (it logged a false "stays down").
-            return last_sample
-        closed = self._closed()
-        if len(closed) == len(self._routes):  # none is up: they start as they always did, and fail naming the stage
-            closed = set()
-        for ticket, waited_s, pipeline in self._admission.due(now, closed):
-            self._start(ticket, pipeline, waited_s)
+        for ticket, waited_s in self._admission.due(now):
+            self._start(ticket, waited_s)
         return last_sample
 
     def _observe_capacity(self, seconds: float) -> None:
         """Frames received since the last sample -> the capacity estimate. Only streams that received frames in
         the sample before too and still run count: one that started or ended inside the window, or waited for
-        thinker text, got frames for part of it only and would make the server look slower than it is. Each
-        pipeline's streams feed its own estimate."""
+        thinker text, got frames for part of it only and would make the server look slower than it is."""
         with self._lock:
-            totals = {rid: (record.pipeline, record.stream.total_frames) for rid, record in self._active.items()
-                      if record.stream is not None}
-        deltas = {rid: (pipeline, total - self._seen_frames.get(rid, 0)) for rid, (pipeline, total) in totals.items()}
-        steady = [(pipeline, delta) for rid, (pipeline, delta) in deltas.items() if delta > 0 and rid in self._producing]
-        self._producing = {rid for rid, (_, delta) in deltas.items() if delta > 0}
-        self._seen_frames = {rid: total for rid, (_, total) in totals.items()}
-        for index, load in enumerate(self._admission.pipelines):
-            mine = [delta for pipeline, delta in steady if pipeline == index]
-            producing = sum(1 for rid in self._producing if deltas[rid][0] == index)
-            load.capacity.observe(len(mine), sum(mine), seconds, batch=producing)
+            totals = {rid: stream.total_frames for rid, stream in self._active.items() if stream is not None}
+        deltas = {rid: total - self._seen_frames.get(rid, 0) for rid, total in totals.items()}
+        steady = [delta for rid, delta in deltas.items() if delta > 0 and rid in self._producing]
+        self._producing = {rid for rid, delta in deltas.items() if delta > 0}
+        self._seen_frames = totals
+        self._admission.capacity.observe(len(steady), sum(steady), seconds, batch=len(self._producing))
 
     def _control(self, client_id: str, word: bytes, sender: Any) -> None:
         pb = self._pb
@@ -301,8 +266,7 @@ class Orchestrator:
         if not events and self._shared_cancels is not None:  # held by another instance, if any
             self._shared_cancels.record(client_id, now)
         # which instance a cancel reached, and whether it held the request (tests see both routings)
-        trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events),
-                     pipeline=self._routes[0].index if len(self._routes) == 1 else None)
+        trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events), pipeline=self._route.index)
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _take_shared_cancels(self) -> None:
@@ -332,10 +296,9 @@ class Orchestrator:
             self._request_counter += 1
             return f"{request.request_id() or 'req'}#{self._request_counter}"
 
-    def _run(self, ticket: "_Ticket", pipeline: int) -> None:
+    def _run(self, ticket: "_Ticket") -> None:
         pb = self._pb
         sender, inputs, request_id, deadline = ticket.sender, ticket.inputs, ticket.request_id, ticket.deadline
-        route = self._routes[pipeline]
         send_lock = threading.Lock()
 
         played = []  # its first audio went out: its start is over (admission)
@@ -351,12 +314,12 @@ class Orchestrator:
                 sender.send(pb.InferenceResponse(outputs))
                 if audio is not None and not played:
                     played.append(True)
-                    self._admission.playing(pipeline)
+                    self._admission.playing()
                     self._wake.set()  # a waiting stream may start now
 
         generations = self._stages.generations()
-        clients = BlsStageClients(pb, inputs, route.gpu, self._host_hops.check, stage_down=self._stages.is_down,
-                                  models=route.models)
+        clients = BlsStageClients(pb, inputs, self._route.gpu, self._host_hops.check, stage_down=self._stages.is_down,
+                                  models=self._route.models)
         try:
             session = Session(
                 request_id,
@@ -365,7 +328,7 @@ class Orchestrator:
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
                 is_cancelled=ticket.is_cancelled,
-                stage_failure=lambda stage: self._stages.failure(generations, route.models[stage],
+                stage_failure=lambda stage: self._stages.failure(generations, self._route.models[stage],
                                                                  max_age_s=STAGE_ALIVE_MAX_AGE_S),
             )
             session.run(emit)
@@ -375,8 +338,7 @@ class Orchestrator:
             error = triton_error(pb, "CANCELLED", reason)
         except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
             # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
-            failure = (str(exc) if isinstance(exc, StageFailed)
-                       else self._stages.failure(generations, *route.models.values()))
+            failure = str(exc) if isinstance(exc, StageFailed) else self._stages.failure(generations)
             if failure is not None:
                 logger.warning("request %s: %s", request_id, failure)
                 error = triton_error(pb, "UNAVAILABLE", failure)
@@ -387,7 +349,7 @@ class Orchestrator:
             # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
             with send_lock:  # not while emit counts its first audio
-                self._admission.finished(pipeline, played=bool(played))
+                self._admission.finished(played=bool(played))
             with self._lock:
                 del self._active[request_id]
             self._wake.set()
@@ -404,7 +366,7 @@ class Orchestrator:
         pacer = ChunkPacer(self._policy) if self._chunk_pacing == "adaptive" else None
         stream = Code2WavStream(self._policy, self._num_quantizers, pacer)
         with self._lock:
-            self._active[request_id].stream = stream
+            self._active[request_id] = stream
         return stream
 
 
@@ -416,13 +378,6 @@ def _deadline(request: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
     return time.monotonic() + value
-
-
-@dataclass
-class _Active:
-    """A request admitted and not ended yet: its pipeline, and its audio stream once opened."""
-    pipeline: int
-    stream: Code2WavStream | None = None
 
 
 @dataclass

@@ -12,7 +12,7 @@ from omni_triton.stages.admission import RealtimeCapacity
 from omni_triton.stages.metrics import StageMetrics
 from omni_triton.stages.model_args import (chunk_policy, instance_pipeline, launch_settings, limit_torch_threads,
                                            report_native_crashes, stage_device)
-from omni_triton.stages.orchestrator import Orchestrator, pipeline_routes
+from omni_triton.stages.orchestrator import Orchestrator, pipeline_route
 from omni_triton.stages.stage_io import configure_interstage_memory
 from omni_triton.stage_profile import start_watching
 
@@ -35,7 +35,7 @@ class TritonPythonModel:
             capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity),
             # the orchestrator watches every stage instance's process of its pipeline (stage_supervisor)
             stage_instances={stage: settings.placement.count(stage) for stage in GPU_STAGES},
-            routes=[pipeline_routes(settings.placement, device)[pipeline]],
+            route=pipeline_route(settings.placement, pipeline, device),
             # the other pipelines' instances: a cancel may reach one that does not hold the request
             shared_cancels=CancelRegistry(registry_dir(os.getppid())) if several else None,
             metric_labels=labels)
