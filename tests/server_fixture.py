@@ -78,18 +78,29 @@ def servable_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:
 def start_server(config: LaunchConfig, run_dir: Path, models: list[str] | None = None,
                  ready_timeout_s: float = 180.0, python_backend: str | None = None) -> ServerHandle:
     """``python_backend``: auto (None: the built one when present), built or bundled."""
+    [handle] = start_servers([(config, run_dir)], models, ready_timeout_s, python_backend)
+    return handle
+
+
+def start_servers(runs: list[tuple[LaunchConfig, Path]], models: list[str] | None = None,
+                  ready_timeout_s: float = 180.0, python_backend: str | None = None) -> list[ServerHandle]:
+    """A server per (config, run dir), all started before any is waited for: their loads overlap (one server's
+    load leaves a core idle at times)."""
     models = servable_models() if models is None else models
-    repository = render_repository(config, run_dir / "repository", models)
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    server = TritonServer(repository, find_tritonserver(python_backend=python_backend), options,
-                          log_path=run_dir / "tritonserver.log")
-    server.start()
+    servers = []
     try:
-        ready_s = server.wait_ready(timeout_s=ready_timeout_s)  # every rendered model (--pipelines: thinker_p0, ...)
+        for config, run_dir in runs:
+            repository = render_repository(config, run_dir / "repository", models)
+            options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+            servers.append(TritonServer(repository, find_tritonserver(python_backend=python_backend), options,
+                                        log_path=run_dir / "tritonserver.log").start())
+        # every rendered model (--pipelines: thinker_p0, ...)
+        ready = [server.wait_ready(timeout_s=ready_timeout_s) for server in servers]
     except BaseException:
-        server.stop()
+        for server in servers:
+            server.stop()
         raise
-    return ServerHandle(server, config, models, ready_s)
+    return [ServerHandle(server, config, models, ready_s) for server, (config, _), ready_s in zip(servers, runs, ready)]
 
 
 @contextmanager
