@@ -1,6 +1,7 @@
 """Reliability of the served pipeline on a real tritonserver (tiny checkpoint): admission under a burst,
 cancellation and vanished clients, request deadlines, bad-input fuzzing, a short soak, and stage stub
-processes killed under load (on a server of their own).
+processes killed under load (on a server of their own that reloads them; last, one killed on this module's server,
+which cannot).
 
 The server here is this module's own, with a small admission limit (MAX_INFLIGHT) so that a burst is cheap.
 The soak runs ``OMNI_SOAK_SECONDS`` (default 20, CI-sized: the server is warm from the tests before it; 0 skips it;
@@ -40,18 +41,60 @@ BURST_REQUEST = dict(temperature=0.0, repetition_penalty=1.0, max_tokens=12, max
 PROMPTS = [f"Burst request number {i}: say something." for i in range(4 * MAX_INFLIGHT)]
 
 
+class SharedServer:
+    """A server that tests use in turn, started when one first needs it. ``lend()``: for a test that disturbs it
+    and, when it passes, leaves it as it found it (what it checks last); after any other end (a failed check,
+    Triton's own abort) it is stopped and the next test gets a fresh one. ``take()``: for a test that leaves it
+    unusable: stopped after it, the next test gets a fresh one."""
+
+    def __init__(self, start):
+        self.start, self.handle = start, None
+
+    def get(self):
+        if self.handle is None:
+            self.handle = self.start()
+        return self.handle
+
+    @contextlib.contextmanager
+    def lend(self):
+        try:
+            yield self.get()
+        except BaseException:
+            self.stop()
+            raise
+
+    @contextlib.contextmanager
+    def take(self):
+        handle, self.handle = self.get(), None
+        try:
+            yield handle
+        finally:
+            handle.server.stop()
+
+    def stop(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.server.stop()
+
+
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
+def shared_server(tiny_checkpoint, tmp_path_factory):
+    """This module's server (model control none: as ``omni-triton serve`` by default)."""
     from server_fixture import start_server
 
     # admission_queue 0: past MAX_INFLIGHT a request is refused at once (queueing: tests/test_admission_server.py)
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
                           max_inflight_requests=MAX_INFLIGHT, admission_queue=0, **TEST_LIMITS)
-    handle = start_server(config, tmp_path_factory.mktemp("reliability"))
+    shared = SharedServer(lambda: start_server(config, tmp_path_factory.mktemp("reliability")))
     try:
-        yield handle
+        yield shared
     finally:
-        handle.server.stop()
+        shared.stop()
+
+
+@pytest.fixture
+def server(shared_server):
+    return shared_server.get()
 
 
 def stream(server, text: str, **scalars):
@@ -399,8 +442,8 @@ FAULT_REQUEST = dict(max_tokens=800, max_audio_frames=400, min_audio_frames=400,
 SMALL_REQUEST = dict(max_tokens=6, max_audio_frames=8, temperature=0.0)
 
 
-def start_fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
-    """A server of the fault tests' own (killing stubs disturbs it). Explicit model-control mode lets the
+def start_fault_server(tiny_checkpoint, run_dir):
+    """A server of the killed-stage tests' own (killing stubs disturbs it). Explicit model-control mode lets the
     orchestrator reload a dead stage (Triton 2.51 never restarts a dead Python stub). Larger token limits than
     TEST_LIMITS, so that the thinker is still generating when it is killed."""
     from server_fixture import ServerHandle, servable_models
@@ -415,7 +458,7 @@ def start_fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = 
     # exit_timeout_s: a killed stage's old model never unloads (its requests in flight never end), so the
     # server waits that long at shutdown
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), exit_timeout_s=2,
-                            stage_reload=explicit_model_control)
+                            stage_reload=True)
     server = TritonServer(render_repository(config, run_dir / "repository", models), find_tritonserver(), options,
                           log_path=run_dir / "tritonserver.log")
     server.start()
@@ -426,43 +469,11 @@ def start_fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = 
         raise
 
 
-@contextlib.contextmanager
-def fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
-    handle = start_fault_server(tiny_checkpoint, run_dir, explicit_model_control)
-    try:
-        yield handle
-    finally:
-        handle.server.stop()
-
-
-class HandedOnServer:
-    """One fault server for the killed-stage tests in turn (a server start saved per stage): a test that passed
-    leaves it serving again with every stage idle and only its victim's stub new (what it checks last), so the
-    next one gets it as it is; after any other end (a failed check, Triton's own abort) it is stopped and the
-    next test gets a fresh one."""
-
-    def __init__(self, start):
-        self.start, self.handle = start, None
-
-    @contextlib.contextmanager
-    def lend(self):
-        if self.handle is None:
-            self.handle = self.start()
-        try:
-            yield self.handle
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.server.stop()
-
-
 @pytest.fixture(scope="module")
 def reloading_server(tiny_checkpoint, tmp_path_factory):
-    shared = HandedOnServer(lambda: start_fault_server(tiny_checkpoint, tmp_path_factory.mktemp("fault")))
+    """One server for the killed-stage tests (a server start saved per stage): a test that passed leaves it serving
+    again with every stage idle and only its victim's stub new."""
+    shared = SharedServer(lambda: start_fault_server(tiny_checkpoint, tmp_path_factory.mktemp("fault")))
     try:
         yield shared
     finally:
@@ -547,12 +558,13 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
             assert client.is_server_live() and client.is_server_ready()
 
 
-def test_killed_stage_stays_down_without_explicit_model_control(tiny_checkpoint, tmp_path):
+def test_killed_stage_stays_down_without_explicit_model_control(shared_server):
     """What ``omni-triton serve`` does by default (--model-control-mode=none): the stage cannot be reloaded, so
     no reload is tried and every request is refused at once with UNAVAILABLE "down" saying what it takes
     (instead of failing after 1-3 s with "Stub process ... is not healthy"), never "restarting", whatever the
-    timing; and the server stays up."""
-    with fault_server(tiny_checkpoint, tmp_path, explicit_model_control=False) as server:
+    timing; and the server stays up. On the module's server, after the tests above (it is stopped after this one,
+    a test after it would get a fresh one)."""
+    with shared_server.take() as server:
         log = server.server.log_path
         assert "stays down" not in log.read_text(errors="replace"), "no stage is reported down while they load"
         os.kill(find_stubs(server.server.process.pid, ["talker"])["talker"], signal.SIGKILL)
