@@ -63,7 +63,7 @@ def triton_server(tiny_checkpoint, tmp_path_factory):
     try:
         yield handle
     finally:
-        handle.server.stop()
+        handle.stop_after_tests()
 
 
 @pytest.fixture

@@ -45,7 +45,8 @@ class SharedServer:
     """A server that tests use in turn, started when one first needs it. ``lend()``: for a test that disturbs it
     and, when it passes, leaves it as it found it (what it checks last); after any other end (a failed check,
     Triton's own abort) it is stopped and the next test gets a fresh one. ``take()``: for a test that leaves it
-    unusable: stopped after it, the next test gets a fresh one."""
+    unusable: stopped after it (gracefully: the test may read what the shutdown logged), the next test gets a
+    fresh one."""
 
     def __init__(self, start):
         self.start, self.handle = start, None
@@ -74,7 +75,7 @@ class SharedServer:
     def stop(self) -> None:
         handle, self.handle = self.handle, None
         if handle is not None:
-            handle.server.stop()
+            handle.stop_after_tests()
 
 
 @pytest.fixture(scope="module")

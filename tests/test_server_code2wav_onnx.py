@@ -32,7 +32,7 @@ def onnx_server(code2wav_onnx_export, tmp_path_factory):
     try:
         yield handle
     finally:
-        handle.server.stop()
+        handle.stop_after_tests()
 
 
 def test_onnx_code2wav_over_triton_matches_torch(onnx_server, vocoder):

@@ -38,7 +38,7 @@ def servers(tiny_checkpoint, tmp_path_factory):
         yield handles
     finally:
         for handle in handles.values():
-            handle.server.stop()
+            handle.stop_after_tests()
 
 
 @pytest.fixture(scope="module")
