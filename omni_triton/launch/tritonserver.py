@@ -284,6 +284,10 @@ class TritonServer:
             args += [f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_memory_pool_bytes}" for gpu in o.gpu_ids]
         else:  # no CUDA driver: don't try to pin host memory
             args.append("--pinned-memory-pool-byte-size=0")
+            # Triton loads 4 models at a time: the fifth stage would start its stub only once one of the first four
+            # is loaded, a core idle meanwhile. On the CPU the loads share nothing to race on (on a GPU they share
+            # its memory): all at once.
+            args.append(f"--model-load-thread-count={max(len(self.repository_models()), 4)}")
         if self.install.supports("--allow-client-shm"):  # Triton >= 2.69 refuses client shm otherwise
             args.append("--allow-client-shm=true")
         return args + list(o.extra_args)
