@@ -12,6 +12,10 @@ that had arrived by then, as with one orchestrator, never to one of the same id 
 that applies an entry removes it, any instance removes the expired ones (a cancel whose request already ended, or
 never came), and the last instance to stop removes the directory; the launcher removes what a crash left
 (``TritonServer``).
+
+A drain (``omni_triton.shared.drain``) reaches one instance too: it records here until when running sessions may
+run (``record_drain``), every instance finds it at its next poll (``drain_until``) and, once it holds no session,
+says so (``mark_drained``), so the instance that got the drain answers once every pipeline is done (``drained``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Mapping
 # how long a cancel nobody holds stays (a later request of the same id is safe by time, not by expiry).
 CANCEL_TTL_S = 10.0
 _PREFIX = "omni-triton-cancels-"
+_DRAIN = "drain"  # entries of a drain: "drain" (until when), "drained-<pipeline>" (that pipeline holds nothing)
 
 
 def registry_dir(server_pid: int) -> Path:
@@ -54,9 +59,10 @@ class CancelRegistry:
     def record(self, client_id: str, at: float | None = None) -> None:
         """A cancel of ``client_id`` arrived (at monotonic time ``at``, default now) that this instance could not
         apply itself."""
-        at = time.monotonic() if at is None else at
+        self._write(_entry(client_id), time.monotonic() if at is None else at)
+
+    def _write(self, name: str, at: float) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)  # the last instance to stop may have removed it
-        name = _entry(client_id)
         partial = self.directory / f".{name}.{os.getpid()}"  # written whole, then renamed: never read half
         partial.write_text(repr(at))
         os.replace(partial, self.directory / name)
@@ -73,6 +79,8 @@ class CancelRegistry:
         except FileNotFoundError:
             return taken
         for entry in entries:
+            if entry.name.startswith(_DRAIN):  # a drain's entries stay until the server is gone
+                continue
             if entry.name.startswith("."):  # a write in progress, or one a killed process left half done
                 if _age_s(entry) > self.ttl_s:
                     _unlink(entry.path)
@@ -88,6 +96,28 @@ class CancelRegistry:
             elif now - at > self.ttl_s:
                 _unlink(entry.path)
         return taken
+
+    def record_drain(self, until: float) -> None:
+        """The server drains: sessions may run until monotonic time ``until``."""
+        self._write(_DRAIN, until)
+
+    def drain_until(self) -> float | None:
+        """Until when sessions may run, once a drain was recorded (None: no drain)."""
+        try:
+            return float((self.directory / _DRAIN).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def mark_drained(self, pipeline: int) -> None:
+        """``pipeline``'s instance holds no session any more and takes none."""
+        self._write(f"{_DRAIN}ed-{pipeline}", time.monotonic())
+
+    def drained(self) -> int:
+        """How many pipelines' instances said they hold no session."""
+        try:
+            return sum(entry.name.startswith(f"{_DRAIN}ed-") for entry in os.scandir(self.directory))
+        except FileNotFoundError:
+            return 0
 
     def close(self) -> None:
         """This instance stops: remove the directory when nothing is left in it (another instance still running

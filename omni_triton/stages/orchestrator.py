@@ -15,6 +15,17 @@ requests of that id that had arrived when it came. With one orchestrator instanc
 may reach an instance that holds no request of that id: that one records it in the server's ``CancelRegistry``,
 where the instance that holds it finds it at its next admission poll (``DISPATCH_S``).
 
+Draining (``omni_triton.shared.drain``): before the launcher stops tritonserver it sends ``CONTROL="drain"`` (any
+other word than cancel and drain is INVALID_ARG naming CONTROL), while the server still takes requests. From then on
+new and queued requests are refused with UNAVAILABLE "server shutting down", running sessions may run for the
+request's ``drain_s`` (default ``DRAIN_S``), then the rest are cancelled and end with UNAVAILABLE "server shutting
+down" while their stages still accept the aborts; the drain request is answered once no session is left (or
+``ABORTS_S`` after the bound). With several pipelines the instance that gets it records the drain in the
+``CancelRegistry``; every instance finds it at its next admission poll, marks its pipeline drained there once it
+holds no session, and the drain is answered once every pipeline is (one drain request suffices: Triton hands it
+to any one instance). A session whose stage call is refused with "Server not ready" (a stop that did not drain)
+ends with UNAVAILABLE too.
+
 A client that vanishes without cancelling (killed, network gone) is not seen by the running
 orchestrator step for the same reason: its request runs to its natural end. The optional request
 parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes to every step)
@@ -61,6 +72,7 @@ from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
 from omni_triton.shared.cancel_registry import CancelRegistry
+from omni_triton.shared.drain import SHUTTING_DOWN, control_word, drain_seconds
 from omni_triton.shared.placement import Placement
 from omni_triton.stages.admission import Admission, RealtimeCapacity
 from omni_triton.stages.bls_clients import BlsStageClients
@@ -80,6 +92,9 @@ CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observatio
 # A session asks whether its stage died at every response and every poll (session.POLL_S); a stage seen alive
 # this recently counts as alive, so a death is noticed this much later at most (the final error is mapped fresh)
 STAGE_ALIVE_MAX_AGE_S = 0.05
+# Past a drain's bound the sessions left are cancelled; their aborts and final responses get this long before the
+# drain is answered anyway
+ABORTS_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,13 +118,15 @@ class Orchestrator:
                  max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
                  max_starting: int = 0, route: PipelineRoute | None = None,
-                 shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None):
+                 shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None,
+                 pipelines: int = 1):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone); ``max_starting``:
         streams admitted and not yet playing at once (0: no limit); all three hold for this instance's pipeline.
         ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
         on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where
         the server's other orchestrator instances record cancels of requests they do not hold (None: this is the
-        only instance); ``metric_labels``: labels of this instance's metrics beside ``stage`` (its pipeline)."""
+        only instance); ``metric_labels``: labels of this instance's metrics beside ``stage`` (its pipeline);
+        ``pipelines``: the server's orchestrator instances, one per pipeline (a drain waits for all of them)."""
         if chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
@@ -130,6 +147,10 @@ class Orchestrator:
         # client request id -> its sessions' flags -> when each request arrived (a cancel applies to those before it)
         self._cancel_events: dict[str, dict[threading.Event, float]] = {}
         self._shared_cancels = shared_cancels
+        self._pipelines = pipelines
+        self._drain_until: float | None = None  # once draining: until when running sessions may run (monotonic)
+        self._drain_expired = False  # the bound passed: the sessions left were cancelled by the drain
+        self._marked_drained = False
         self._stages = StageSupervisor({self._route.models[stage]: (stage_instances or {}).get(stage, 1)
                                         for stage in BLS_STAGES})
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
@@ -162,7 +183,10 @@ class Orchestrator:
         sender = request.get_response_sender()
         control = self._pb.get_input_tensor_by_name(request, "CONTROL")
         if control is not None:
-            self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
+            self._control(request, control.as_numpy().reshape(-1)[0], sender)
+            return
+        if self._drain_until is not None:
+            self._refuse(sender, SHUTTING_DOWN)
             return
         down = self._stages.unavailable()  # a death the watcher has not seen yet: the request fails at the stage
         if down is not None:
@@ -226,7 +250,12 @@ class Orchestrator:
         """One look at the queue; returns when capacity was last sampled."""
         if self._shared_cancels is not None:
             self._take_shared_cancels()
+            until = self._shared_cancels.drain_until()
+            if until is not None:
+                self._begin_drain(until)
         now = time.monotonic()
+        if self._drain_until is not None:
+            self._drain_step(now)
         for ticket in self._admission.drop(lambda ticket: ticket.is_cancelled()):
             self._forget(ticket)
             reason = "deadline_s exceeded" if now > ticket.deadline else "request cancelled"
@@ -252,12 +281,19 @@ class Orchestrator:
         self._seen_frames = totals
         self._admission.capacity.observe(len(steady), sum(steady), seconds, batch=len(self._producing))
 
-    def _control(self, client_id: str, word: bytes, sender: Any) -> None:
+    def _control(self, request: Any, raw_word: bytes, sender: Any) -> None:
         pb = self._pb
-        if word != b"cancel":
-            error = triton_error(pb, "INVALID_ARG", f"CONTROL must be 'cancel', got {word!r}")
+        try:
+            word = control_word(raw_word)
+            drain_s = drain_seconds(request.parameters()) if word == "drain" else 0.0
+        except ValueError as exc:
+            error = triton_error(pb, "INVALID_ARG", str(exc))
             sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        if word == "drain":
+            self._drain(time.monotonic() + drain_s, sender)
+            return
+        client_id = request.request_id()
         now = time.monotonic()
         with self._lock:
             events = list(self._cancel_events.get(client_id, ()))
@@ -268,6 +304,48 @@ class Orchestrator:
         # which instance a cancel reached, and whether it held the request (tests see both routings)
         trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events), pipeline=self._route.index)
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _drain(self, until: float, sender: Any) -> None:
+        """Start draining (all instances: the registry) and answer ``sender`` once every pipeline holds no session,
+        or ``ABORTS_S`` after ``until``, from a thread of its own (Triton's ``execute`` must return)."""
+        self._begin_drain(until)
+        if self._shared_cancels is not None:
+            self._shared_cancels.record_drain(self._drain_until)
+        trace.record("orchestrator_drain", time.monotonic(), pipeline=self._route.index)
+
+        def answer() -> None:
+            while time.monotonic() < self._drain_until + ABORTS_S and not self._drained_everywhere():
+                time.sleep(DISPATCH_S)
+            sender.send(flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+        threading.Thread(target=answer, name="omni-drain", daemon=True).start()
+
+    def _begin_drain(self, until: float) -> None:
+        with self._lock:
+            if self._drain_until is None or until < self._drain_until:
+                self._drain_until = until
+        self._wake.set()
+
+    def _drain_step(self, now: float) -> None:
+        """Dispatcher, while draining: refuse what waits, cancel what runs past the bound, say when nothing is left."""
+        for ticket in self._admission.drop(lambda ticket: True):
+            self._forget(ticket)
+            self._refuse(ticket.sender, SHUTTING_DOWN)
+        if now >= self._drain_until and not self._drain_expired:
+            with self._lock:
+                self._drain_expired = True  # before the sessions see it: they end as shut down, not cancelled
+                for events in self._cancel_events.values():
+                    for event in events:
+                        event.set()
+        if self._shared_cancels is not None and not self._marked_drained and not self._active:
+            self._marked_drained = True
+            self._shared_cancels.mark_drained(self._route.index)
+
+    def _drained_everywhere(self) -> bool:
+        with self._lock:
+            if self._active:
+                return False
+        return self._shared_cancels is None or self._shared_cancels.drained() >= self._pipelines
 
     def _take_shared_cancels(self) -> None:
         """Apply the cancels other instances recorded for requests held here (those that had arrived by then)."""
@@ -334,17 +412,17 @@ class Orchestrator:
             session.run(emit)
             error = None
         except Cancelled:
-            reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
-            error = triton_error(pb, "CANCELLED", reason)
-        except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
-            # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
-            failure = str(exc) if isinstance(exc, StageFailed) else self._stages.failure(generations)
-            if failure is not None:
-                logger.warning("request %s: %s", request_id, failure)
-                error = triton_error(pb, "UNAVAILABLE", failure)
+            if self._drain_expired:
+                error = triton_error(pb, "UNAVAILABLE", f"{SHUTTING_DOWN}: the drain's bound (drain_s) passed")
             else:
-                logger.exception("request %s failed", request_id)
-                error = triton_error(pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
+                reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
+                error = triton_error(pb, "CANCELLED", reason)
+        except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
+            if "Server not ready" in str(exc):  # Triton stopping without a drain refuses every BLS call
+                logger.warning("request %s: %s", request_id, exc)
+                error = triton_error(pb, "UNAVAILABLE", f"{SHUTTING_DOWN}: {exc}")
+            else:
+                error = self._failure_error(exc, generations, request_id)
         finally:
             # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
@@ -361,6 +439,16 @@ class Orchestrator:
                     sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception:  # the client is gone: nothing left to tell it
                 logger.info("request %s: final response not delivered", request_id)
+
+    def _failure_error(self, exc: Exception, generations: Any, request_id: str) -> Any:
+        """The error of a session that failed: UNAVAILABLE naming a stage that died, else INTERNAL."""
+        # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
+        failure = str(exc) if isinstance(exc, StageFailed) else self._stages.failure(generations)
+        if failure is not None:
+            logger.warning("request %s: %s", request_id, failure)
+            return triton_error(self._pb, "UNAVAILABLE", failure)
+        logger.exception("request %s failed", request_id)
+        return triton_error(self._pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
 
     def _open_audio_stream(self, request_id: str) -> Code2WavStream:
         pacer = ChunkPacer(self._policy) if self._chunk_pacing == "adaptive" else None

@@ -38,7 +38,7 @@ class TritonPythonModel:
             route=pipeline_route(settings.placement, pipeline, device),
             # the other pipelines' instances: a cancel may reach one that does not hold the request
             shared_cancels=CancelRegistry(registry_dir(os.getppid())) if several else None,
-            metric_labels=labels)
+            metric_labels=labels, pipelines=settings.placement.pipelines)
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot, labels=labels)
 
     def execute(self, requests):
