@@ -151,6 +151,7 @@ class Orchestrator:
         self._drain_until: float | None = None  # once draining: until when running sessions may run (monotonic)
         self._drain_expired = False  # the bound passed: the sessions left were cancelled by the drain
         self._marked_drained = False
+        self._unanswered = 0  # sessions started whose final response is not sent yet (a drain waits for them)
         self._stages = StageSupervisor({self._route.models[stage]: (stage_instances or {}).get(stage, 1)
                                         for stage in BLS_STAGES})
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
@@ -225,6 +226,7 @@ class Orchestrator:
         trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s, pipeline=self._route.index)
         with self._lock:  # before its thread runs: the gauges count it from now on
             self._active[ticket.request_id] = None
+            self._unanswered += 1
         self._pool.submit(self._run, ticket)
 
     def _forget(self, ticket: "_Ticket") -> None:
@@ -337,14 +339,17 @@ class Orchestrator:
                 for events in self._cancel_events.values():
                     for event in events:
                         event.set()
-        if self._shared_cancels is not None and not self._marked_drained and not self._active:
+        if self._shared_cancels is not None and not self._marked_drained and self._answered_all():
             self._marked_drained = True
             self._shared_cancels.mark_drained(self._route.index)
 
-    def _drained_everywhere(self) -> bool:
+    def _answered_all(self) -> bool:
         with self._lock:
-            if self._active:
-                return False
+            return self._unanswered == 0
+
+    def _drained_everywhere(self) -> bool:
+        if not self._answered_all():
+            return False
         return self._shared_cancels is None or self._shared_cancels.drained() >= self._pipelines
 
     def _take_shared_cancels(self) -> None:
@@ -439,6 +444,8 @@ class Orchestrator:
                     sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception:  # the client is gone: nothing left to tell it
                 logger.info("request %s: final response not delivered", request_id)
+        with self._lock:
+            self._unanswered -= 1
 
     def _failure_error(self, exc: Exception, generations: Any, request_id: str) -> Any:
         """The error of a session that failed: UNAVAILABLE naming a stage that died, else INTERNAL."""
