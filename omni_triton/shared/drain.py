@@ -11,8 +11,7 @@ Both sides of the process boundary read these: the launcher sends them, the orch
 
 from __future__ import annotations
 
-import json
-import math
+from omni_triton.shared.request_parameters import seconds_parameter
 
 CONTROL_WORDS = ("cancel", "drain")
 # Running sessions get this long to end on their own before the rest are cancelled: below tritonserver's exit
@@ -32,9 +31,5 @@ def control_word(raw: bytes) -> str:
 def drain_seconds(parameters: str | None) -> float:
     """The ``drain_s`` request parameter of a drain request (JSON, as ``request.parameters()`` gives it), else
     ``DRAIN_S``; ValueError naming it when it is not a number of seconds >= 0."""
-    value = json.loads(parameters or "{}").get("drain_s")
-    if value is None:
-        return DRAIN_S
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(f"parameter drain_s must be a number of seconds >= 0, got {value!r}")
-    return float(value)
+    value = seconds_parameter(parameters, "drain_s", zero_allowed=True)
+    return DRAIN_S if value is None else value

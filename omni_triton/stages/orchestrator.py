@@ -50,7 +50,6 @@ pipeline's instance refuses new ones.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -74,6 +73,7 @@ from omni_triton.pipeline.session import Cancelled, Session, SessionParams, Stag
 from omni_triton.shared.cancel_registry import CancelRegistry
 from omni_triton.shared.drain import SHUTTING_DOWN, control_word, drain_seconds
 from omni_triton.shared.placement import Placement
+from omni_triton.shared.request_parameters import seconds_parameter
 from omni_triton.stages.admission import Admission, RealtimeCapacity
 from omni_triton.stages.bls_clients import BlsStageClients
 from omni_triton.stages.metrics import HostHopCounter
@@ -467,12 +467,8 @@ class Orchestrator:
 
 def _deadline(request: Any) -> float:
     """The monotonic time by which ``request`` must end: now + its ``deadline_s`` parameter, else never."""
-    value = json.loads(request.parameters() or "{}").get("deadline_s")
-    if value is None:
-        return math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
-    return time.monotonic() + value
+    value = seconds_parameter(request.parameters(), "deadline_s", zero_allowed=False)
+    return math.inf if value is None else time.monotonic() + value
 
 
 @dataclass
