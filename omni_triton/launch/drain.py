@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import queue
-
 import numpy as np
 
+from omni_triton.launch.final_responses import RequestFailed, send_until_final
 from omni_triton.shared.drain import DRAIN_S
 
 # The drain is answered at most ABORTS_S (orchestrator) after its bound; past this much more it is given up on
@@ -19,22 +18,11 @@ def drain_orchestrator(grpc_url: str, drain_s: float = DRAIN_S) -> str | None:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    answered: queue.Queue = queue.Queue()
     control = grpcclient.InferInput("CONTROL", [1], "BYTES")
     control.set_data_from_numpy(np.array([b"drain"], dtype=np.object_))
-    client = grpcclient.InferenceServerClient(grpc_url)
     try:
-        client.start_stream(callback=lambda result, error: answered.put(error))
-        client.async_stream_infer("orchestrator", [control], request_id="drain", parameters={"drain_s": drain_s},
-                                  enable_empty_final_response=True)
-        error = answered.get(timeout=drain_s + ANSWER_MARGIN_S)
-        return None if error is None else str(error)
-    except queue.Empty:
-        return f"no answer in {drain_s + ANSWER_MARGIN_S:.0f} s"
-    except InferenceServerException as error:
+        send_until_final(grpc_url, "orchestrator", [control], ["drain"], drain_s + ANSWER_MARGIN_S,
+                         parameters={"drain_s": drain_s})
+        return None
+    except (RequestFailed, TimeoutError, InferenceServerException) as error:
         return str(error)
-    finally:
-        try:
-            client.stop_stream(cancel_requests=True)
-        finally:
-            client.close()

@@ -5,10 +5,9 @@ first user. On one H200 at full size, with every stage warmed up, the first spok
 
 from __future__ import annotations
 
-import queue
-import time
-
 import numpy as np
+
+from omni_triton.launch.final_responses import RequestFailed, send_until_final
 
 REQUEST_ID = "serve-first-request"
 
@@ -32,25 +31,10 @@ def send_first_requests(grpc_url: str, count: int = 1, model: str = "omni", time
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(grpc_url)
-    start = time.monotonic()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    request_ids = [f"{REQUEST_ID}-{index}" for index in range(count)]
     try:
-        for index in range(count):
-            client.async_stream_infer(model, inputs, request_id=f"{REQUEST_ID}-{index}",
-                                      enable_empty_final_response=True)
-        finished = 0
-        while finished < count:
-            left = timeout_s - (time.monotonic() - start)
-            try:
-                result, error = responses.get(timeout=max(left, 0.0))
-            except queue.Empty:
-                raise RuntimeError(f"the first request was not answered in {timeout_s:.0f} s") from None
-            if error is not None:
-                raise RuntimeError(f"the first request failed: {error}")
-            finished += result.get_response().parameters["triton_final_response"].bool_param
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
-    return time.monotonic() - start
+        return send_until_final(grpc_url, model, inputs, request_ids, timeout_s)
+    except TimeoutError:
+        raise RuntimeError(f"the first request was not answered in {timeout_s:.0f} s") from None
+    except RequestFailed as error:
+        raise RuntimeError(f"the first request failed: {error}") from None
