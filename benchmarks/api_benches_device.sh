@@ -17,8 +17,9 @@
 # Settings (environment): MODEL_ARGS (default: --device cuda --config qwen3_omni_30b_a3b --fast-path on
 # --cuda-graphs on), CHECKPOINT (the served checkpoint's dir, its tokenizer: default checkpoints/dummy/CONFIG,
 # which `serve --config` writes), SERVE_ARGS (more serve flags), REPLY_AUDIO_S (12), SESSIONS (1,16),
-# TURNS (3), BARGE_INS (3), SYSTEM_TOKENS (1000), TURN_TOKENS (200), PREFIX_TURNS (5), CONCURRENCY (32),
-# REQUESTS (64), BUDGET_S (480: the whole run's time; each stage's timeout leaves the later stages theirs).
+# TURNS (3), BARGE_INS (3), PREFIX (on; off: the realtime bench alone), SYSTEM_TOKENS (1000), TURN_TOKENS (200),
+# PREFIX_TURNS (5), CONCURRENCY (32), REQUESTS (64), BUDGET_S (480: the whole run's time; each stage's timeout
+# leaves the later stages theirs).
 # CPU, the tiny checkpoint (a test of this script, minutes):
 #   API_WHEELS=none MODEL_ARGS="--device cpu" CHECKPOINT=checkpoints/tiny SESSIONS=1,2 TURNS=2 BARGE_INS=1 \
 #     SYSTEM_TOKENS=200 TURN_TOKENS=40 CONCURRENCY=4 REQUESTS=8 bash benchmarks/api_benches_device.sh /tmp/api-benches
@@ -37,6 +38,7 @@ TURN_TOKENS=${TURN_TOKENS:-200}
 PREFIX_TURNS=${PREFIX_TURNS:-5}
 CONCURRENCY=${CONCURRENCY:-32}
 REQUESTS=${REQUESTS:-64}
+PREFIX=${PREFIX:-on}  # off: the realtime bench alone (one server)
 BUDGET_S=${BUDGET_S:-480}
 API_WHEELS=${API_WHEELS:-.api-wheels}
 WAV=benchmarks/assets/utterance_16k.wav  # espeak-ng's sentence, 3 s: the GPU image has no espeak-ng
@@ -46,29 +48,7 @@ logs=$out/logs
 summary=$out/summary.md
 server_pid= api_pid= api_path=$PYTHONPATH
 
-left() { echo $((BUDGET_S - SECONDS)); }
-limit() {  # $1: the stage's own limit, $2: seconds the stages after it need; prints the smaller allowance
-  local allowed=$(($(left) - $2))
-  [ "$allowed" -lt "$1" ] && echo $((allowed > 5 ? allowed : 5)) || echo "$1"
-}
-say() { echo "[$(date -u +%T) +${SECONDS}s] $*" | tee -a "$logs/stages.log"; }
-url_up() { python3 -c "import urllib.request; urllib.request.urlopen('$1', timeout=2)" 2>/dev/null; }
-
-tree_of() {  # $1 and every process under it (tritonserver runs in a session of its own: no group kill reaches it)
-  echo "$1"
-  local child
-  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree_of "$child"; done
-}
-
-stop_tree() {  # $1: a pid started here: INT (serve stops tritonserver itself), then KILL what is left of its tree
-  [ -n "$1" ] || return 0
-  local pids
-  pids=$(tree_of "$1")
-  kill -INT "$1" 2>/dev/null
-  for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done
-  kill -KILL $pids 2>/dev/null
-  wait "$1" 2>/dev/null
-}
+source benchmarks/device_lib.sh  # left, limit, say, tree_of, stop_tree, serve, stop_server
 
 finish() {
   stop_tree "$api_pid"; stop_tree "$server_pid"
@@ -77,30 +57,6 @@ finish() {
 }
 trap finish EXIT
 trap 'exit 130' INT TERM
-
-serve() {  # $1: name (run dir under logs), $2: seconds it may take to be ready; then more serve flags
-  local name=$1 ready_s=$2; shift 2
-  say "serve $name: $MODEL_ARGS $SERVE_ARGS $*"
-  python3 -m omni_triton.cli serve $MODEL_ARGS --max-inflight 64 $SERVE_ARGS "$@" \
-    --run-dir "$logs/$name" --http-port 18000 --grpc-port 18001 --metrics-port 18002 \
-    >"$logs/$name.log" 2>&1 &
-  server_pid=$!
-  local deadline=$((SECONDS + ready_s))
-  while [ $SECONDS -lt $deadline ]; do
-    if url_up http://127.0.0.1:18000/v2/health/ready; then
-      say "serve $name ready"; grep -E "KV cache|GiB|prefix" "$logs/$name.log" | head -5 | tee -a "$logs/stages.log"
-      return 0
-    fi
-    kill -0 $server_pid 2>/dev/null || break
-    sleep 1
-  done
-  say "serve $name: not ready"; tail -30 "$logs/$name.log"; stop_server "$name"; return 1
-}
-
-stop_server() {
-  say "stop server"; stop_tree "$server_pid"; server_pid=
-  rm -rf "$logs/$1/repository"  # its tritonserver.log stays
-}
 
 prefix_bench() {  # $1: label (on, off), $2: timeout
   say "prefix_cache_bench $1"
@@ -127,7 +83,7 @@ fi
 if serve on "$(limit 240 200)"; then
   say "api"
   PYTHONPATH=$api_path python3 -m omni_triton.cli api --triton-grpc 127.0.0.1:18001 --port 19000 \
-    --checkpoint "$CHECKPOINT" --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level warning \
+    --checkpoint "$CHECKPOINT" --realtime-max-output-audio-s "$REPLY_AUDIO_S" --log-level info \
     >"$logs/api.log" 2>&1 &
   api_pid=$!
   for _ in $(seq 60); do
@@ -147,9 +103,10 @@ if serve on "$(limit 240 200)"; then
     grep -E "^[0-9]+ sessions:|^barge-in:|Error|error" "$logs/realtime_latency.log" 2>/dev/null | tail -8
     echo '```'; echo; } >>"$summary"
   stop_tree "$api_pid"; api_pid=
-  prefix_bench on "$(limit 120 150)"
+  [ "$PREFIX" = on ] && prefix_bench on "$(limit 120 150)"
   stop_server on
 fi
+[ "$PREFIX" = on ] || { cat "$summary"; exit 0; }
 
 # 2. prefix caching off: the prefix bench again, then both side by side
 if serve off "$(limit 240 40)" --prefix-caching off; then

@@ -24,6 +24,14 @@ context), and peak GPU memory per stage. Weights are random (``dummy`` load form
 ``--config`` (a shipped config, default qwen3_omni_30b_a3b, or a checkpoint dir); ``--layers`` keeps fewer
 thinker/talker layers to fit smaller GPUs (the floors scale with it).
 
+``--quantization none,fp8`` measures the thinker and the talker with bf16 weights, then with the same seeded
+weights quantized to block-FP8 at load (what ``serve --quantization fp8`` serves; ``fp8-w8a8``: the linears' kernels
+quantize their activations too), one model in memory at a time, and adds a table of each step's ms against the
+first quantization's (``ratios`` in the JSON; the FP8 floors count the bytes as stored: 1 per FP8 weight + scales):
+
+    python benchmarks/engine_microbench.py --device cuda --stages thinker,talker --batch-sizes 1,64 \
+        --prefill-lens 108 --variants pdl --quantization none,fp8 --out-dir OUT/steps
+
 Floor of a step = max(bytes it must read / measured copy bandwidth, FLOPs / measured bf16 matmul rate):
 decode reads the dense weights, the experts that the batch's tokens hit (expected fraction under uniform
 routing), the lm_head and the KV cache; prefill reads every weight once; code2wav FLOPs are counted by
@@ -34,6 +42,7 @@ with the last of ``--variants``' switches).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -53,6 +62,8 @@ from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.models.config import (FULL_SIZE_CONFIG, TextModelConfig, resolve_config_dir,
                                        write_config_with_layers)
 from omni_triton.models.layers.fast_kernels import set_fast_kernels, set_fused_steps, set_linear_launch
+from omni_triton.models.layers.fp8 import activation_dtype, set_fp8_activations
+from omni_triton.models.quantization import SCALE_SUFFIX
 from omni_triton.models.weights import load_talker, load_thinker
 from omni_triton.pipeline.request_params import TALKER_REPETITION_PENALTY, SamplingDefaults
 from omni_triton.pipeline.talker_service import TALKER_TEMPERATURE, TALKER_TOP_K
@@ -65,6 +76,10 @@ VARIANTS = {"eager": (False, False, False, "one-pass", False), "landed": (True, 
             "splitk": (True, True, True, "split-k", False), "gemv": (True, True, True, "gemv", False),
             "pdl": (True, True, True, "gemv", True)}
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
+# --quantization -> (the weights loaded as: load_thinker/load_talker's ``quantization``, the FP8 linears' kernel
+# scheme: layers.fp8.set_fp8_activations, "bf16" = w8a16 as served, "fp8" = w8a8); the experts are w8a16 in both
+QUANTIZATIONS = {"none": (None, None), "fp8": ("fp8", "bf16"), "fp8-w8a8": ("fp8", "fp8")}
+QUANTIZED_STAGES = ("thinker", "talker")  # code2wav's weights stay in the model dtype
 
 
 def sync(device: torch.device) -> None:
@@ -137,7 +152,7 @@ def decoder_bytes(model: torch.nn.Module, skip: tuple[str, ...], text: TextModel
         if name.startswith(skip) or "embed" in name or "codec_embedding" in name:
             continue
         total += p.numel() * p.element_size() * (fraction if ".experts." in name else 1.0)
-    return total + num_tokens * text.hidden_size * next(model.parameters()).element_size()
+    return total + num_tokens * text.hidden_size * activation_dtype(model).itemsize
 
 
 def kv_bytes(text: TextModelConfig, context_tokens: int, element: int) -> float:
@@ -149,7 +164,7 @@ def active_flops(model: torch.nn.Module, skip: tuple[str, ...], text: TextModelC
     """Matmul FLOPs of num_tokens tokens: 2 per active weight (top-k experts) + attention over context."""
     dense = experts = 0
     for name, p in model.named_parameters():
-        if name.startswith(skip) or "embed" in name or p.dim() < 2:
+        if name.startswith(skip) or "embed" in name or p.dim() < 2 or name.endswith(SCALE_SUFFIX):
             continue
         if ".experts." in name:
             experts += p.numel()
@@ -169,19 +184,21 @@ TALKER_SKIP = ("code_predictor.", "text_projection.", "hidden_projection.")
 
 def predictor_cost(talker, batch: int) -> tuple[float, float]:
     """(bytes, FLOPs) of one frame's code predictor: one forward of its layers per residual codebook, each
-    lm_head once."""
-    element = next(talker.parameters()).element_size()
+    lm_head once (bytes as stored: FP8 weights 1 each plus their block scales)."""
     predictor = talker.code_predictor
-    layers = sum(p.numel() for n, p in predictor.model.named_parameters() if p.dim() > 1 and "embed" not in n)
+    matrices = [(n, p) for n, p in predictor.model.named_parameters() if p.dim() > 1 and "embed" not in n]
+    layer_bytes = sum(p.numel() * p.element_size() for _, p in matrices)
+    layers = sum(p.numel() for n, p in matrices if not n.endswith(SCALE_SUFFIX))
     heads = sum(h.weight.numel() for h in predictor.lm_head)
+    head_bytes = sum(h.weight.numel() * h.weight.element_size() for h in predictor.lm_head)
     steps = talker.num_code_groups - 1
-    return (steps * layers + heads) * element, 2 * batch * (steps * layers + heads / steps)
+    return steps * layer_bytes + head_bytes, 2 * batch * (steps * layers + heads / steps)
 
 
 def talker_frame_floor(talker, batch: int, context: int, ceilings) -> tuple[float, float]:
     """(seconds, bytes) of one frame: the talker step + one code-predictor forward per residual codebook."""
     text = talker.config.text
-    element = next(talker.parameters()).element_size()
+    element = activation_dtype(talker).itemsize
     predictor_bytes, predictor_flops = predictor_cost(talker, batch)
     num_bytes = decoder_bytes(talker, TALKER_SKIP, text, batch) + kv_bytes(text, batch * context, element)
     num_bytes += predictor_bytes
@@ -234,7 +251,7 @@ def make_engine(stage, model, args, max_batch: int, context: int, variant: str, 
     """An engine for ``variant``, its switches set before it captures its graphs."""
     fast_path, _, prefill_graphs, linear_launch, dependent_launch = VARIANTS[variant]
     apply_variant(model, variant)
-    dtype = next(model.parameters()).dtype
+    dtype = activation_dtype(model)
     blocks = max_batch * (-(-context // 16) + 1) + 16
     return LLMEngine(stage, EngineConfig(
         block_size=16, num_blocks=blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_batch,
@@ -309,12 +326,23 @@ def run_batch(engine: LLMEngine, adder, case, device: torch.device) -> tuple[flo
     return prefill_s, statistics.median(steps[1:] or steps)
 
 
-def bench_thinker(args, ceilings, batches: list[int]) -> dict:
+def load_weights(load, args, quantization: str, **kwargs) -> torch.nn.Module:
+    """``load`` (load_thinker / load_talker) of the random weights, FP8 where ``quantization`` says
+    (``QUANTIZATIONS``): the same seeded values either way, FP8 rounded at load as ``serve --quantization fp8``."""
+    weights, activations = QUANTIZATIONS[quantization]
+    model = load(args.config_dir, torch.device(args.device), args.dtype, load_format="dummy", quantization=weights,
+                 **kwargs)
+    if activations is not None:
+        set_fp8_activations(model, activations)
+    return model
+
+
+def bench_thinker(args, ceilings, batches: list[int], quantization: str = "none") -> dict:
     device = torch.device(args.device)
-    model = load_thinker(args.config_dir, device, args.dtype, with_audio=False, load_format="dummy")
+    model = load_weights(load_thinker, args, quantization, with_audio=False)
     text = model.config.text
     params = sampling_params(args.sampling, "thinker", DECODE_STEPS + 1)
-    element = next(model.parameters()).element_size()
+    element = activation_dtype(model).itemsize
     longest = max(args.prefill_lens)
 
     def make(variant, cuda_graphs=True):
@@ -367,9 +395,9 @@ def talker_stage(model, args) -> TalkerStage:
     return TalkerStage(model, tts_eos_embed=zeros, tts_pad_embed=zeros)
 
 
-def bench_talker(args, ceilings, batches: list[int]) -> dict:
+def bench_talker(args, ceilings, batches: list[int], quantization: str = "none") -> dict:
     device = torch.device(args.device)
-    model = load_talker(args.config_dir, device, args.dtype, load_format="dummy")
+    model = load_weights(load_talker, args, quantization)
     text = model.config.text
     prompt_len = args.talker_prompt_len
     params = sampling_params(args.sampling, "talker", DECODE_STEPS + 1)
@@ -409,9 +437,10 @@ def bench_talker(args, ceilings, batches: list[int]) -> dict:
     return dict(rows=rows, prompt_len=prompt_len, layers=layers, launches=launches)
 
 
-def bench_code2wav(args, ceilings, batches: list[int]) -> dict:
+def bench_code2wav(args, ceilings, batches: list[int], quantization: str = "none") -> dict:
     """Eager: the model's forward. Graph: the code2wav stage's own path, the torch runtime's ``decode`` with
-    ``cuda_graphs`` (first-chunk graphs captured when it is built, batch buckets up to the largest batch here)."""
+    ``cuda_graphs`` (first-chunk graphs captured when it is built, batch buckets up to the largest batch here).
+    Never quantized (``QUANTIZED_STAGES``): run once, under the first ``--quantization``."""
     device = torch.device(args.device)
     runtime = Code2WavRuntime.create(
         "torch", args.config_dir, device=device, dtype=args.dtype, load_format="dummy",
@@ -545,12 +574,26 @@ def launch_lines(launches: dict | None, what: str) -> list[str]:
 
 def markdown(result: dict) -> str:
     variants = result["variants"]
-    names = " | ".join(variants)
+    labels = result.get("quantization", ["none"])
     lines = [f"Device: {result['device_name']}; {result['config']} (random {result['dtype']} weights, dummy "
              f"load); copy {result['copy_gb_s']:.0f} GB/s, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s "
              f"(measured in this run). Variants (ms, ratio to the floor): {', '.join(variants)}. Rows sample: "
              f"{result.get('sampling', 'greedy')} (--sampling).", "",
              f"Command: `{result['command']}`", ""]
+    if len(labels) > 1:
+        lines += [f"### Weights: {labels[0]}", ""]
+    lines += stage_tables(result, variants)
+    for label, stages in result.get("quantized", {}).items():
+        lines += [f"### Weights: {label} ({QUANTIZATION_NOTES[label]})", ""] + stage_tables(stages, variants)
+    if result.get("ratios"):
+        lines += ratio_table(result["ratios"], labels)
+    return "\n".join(lines) + "\n"
+
+
+def stage_tables(result: dict, variants: list[str]) -> list[str]:
+    """The tables of each stage in ``result`` (thinker, talker, code2wav)."""
+    names = " | ".join(variants)
+    lines = []
     bars = "|---:" * (2 + len(variants)) + "|"
     if "thinker" in result:
         t = result["thinker"]
@@ -592,7 +635,53 @@ def markdown(result: dict) -> str:
                   f"{_num(r.get('first_floor_ms'), 3)} | {_num(r.get('first_ratio'))} | {_num(r.get('later_ms'))} | "
                   f"{_num(r.get('later_floor_ms'))} | {_num(r.get('later_ratio'))} | {_num(r.get('later_peak_gib'))} |"
                   for r in c["rows"]]
-    return "\n".join(lines) + "\n"
+        lines.append("")
+    return lines
+
+
+QUANTIZATION_NOTES = {"fp8": "block-FP8 thinker and talker linears and experts, w8a16 kernels as served",
+                      "fp8-w8a8": "block-FP8, the linears' kernels w8a8 (activations quantized per row and 128 "
+                                  "columns), the experts w8a16"}
+RATIO_STEPS = {"thinker": ("decode", "prefill"), "talker": ("frame", "prefill")}
+
+
+def quantization_ratios(base: dict, other: dict, label: str) -> list[dict]:
+    """Every step both runs measured (stage, step, context, batch, variant): the base run's ms, ``label``'s
+    and their ratio (``label`` / base: < 1 is faster)."""
+    ratios = []
+    for stage, steps in RATIO_STEPS.items():
+        if stage not in base or stage not in other:
+            continue
+        theirs = {(r.get("prompt_len"), r["batch"]): r for r in other[stage]["rows"]}
+        for step in steps:
+            for row in base[stage]["rows"]:
+                match = theirs.get((row.get("prompt_len"), row["batch"]))
+                for variant, cells in row["variants"].items():
+                    if match is None or variant not in match["variants"]:
+                        continue
+                    base_ms, ms = cells[f"{step}_ms"], match["variants"][variant][f"{step}_ms"]
+                    ratios.append(dict(stage=stage, step=step, prompt_len=row.get("prompt_len"), batch=row["batch"],
+                                       variant=variant, quantization=label, base_ms=base_ms, ms=ms,
+                                       ratio=ms / base_ms))
+    return ratios
+
+
+def ratio_table(ratios: list[dict], labels: list[str]) -> list[str]:
+    """One row per step, case and variant: the base run's ms, then each other run's ms (ratio to the base)."""
+    cases: dict[tuple, dict] = {}
+    for r in ratios:
+        case = cases.setdefault((r["stage"], r["step"], r["prompt_len"], r["batch"], r["variant"]),
+                                {"base_ms": r["base_ms"]})
+        case[r["quantization"]] = f"{r['ms']:.2f} ({r['ratio']:.2f}x)"
+    others = labels[1:]
+    lines = [f"Against {labels[0]} (ms; ratio = quantized / {labels[0]}, < 1: faster):", "",
+             f"| step | batch | variant | {labels[0]} ms | " + " | ".join(f"{label} ms (ratio)" for label in others)
+             + " |", "|---|---:|---|---:|" + "---:|" * len(others)]
+    for (stage, step, prompt_len, batch, variant), cells in cases.items():
+        what = f"{stage} {step}" + (f" (~{prompt_len} tokens)" if prompt_len is not None else "")
+        lines.append(f"| {what} | {batch} | {variant} | {cells['base_ms']:.2f} | "
+                     + " | ".join(cells.get(label, "-") for label in others) + " |")
+    return lines + [""]
 
 
 def _num(value, digits: int = 2) -> str:
@@ -606,6 +695,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=0, help="keep this many thinker/talker layers (0 = all)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default="none",
+                        help=f"comma list of {', '.join(QUANTIZATIONS)}: the thinker and talker measured with each "
+                             "in turn (one model in memory at a time), every later one against the first")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--prefill-lens", default="108,512", help="thinker prompt lengths (decode context too)")
     parser.add_argument("--talker-prompt-len", type=int, default=128)
@@ -627,11 +719,15 @@ def main(argv=None) -> None:
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    labels = args.quantization.split(",")
+    unknown = sorted(set(labels) - set(QUANTIZATIONS))
+    if unknown or len(set(labels)) != len(labels):
+        parser.error(f"--quantization: {args.quantization!r}: each of {', '.join(QUANTIZATIONS)} at most once")
 
     bandwidth, matmul = measure_ceilings(device)
     result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                   config=args.config + (f" ({args.layers} layers)" if args.layers else ""), variants=args.variants,
-                  dtype=str(args.dtype).removeprefix("torch."),
+                  dtype=str(args.dtype).removeprefix("torch."), quantization=labels,
                   sampling=args.sampling, copy_gb_s=bandwidth / 1e9, matmul_tflops=matmul / 1e12,
                   torch=torch.__version__,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
@@ -641,13 +737,27 @@ def main(argv=None) -> None:
         parser.error(f"--stages: unknown {sorted(set(stages) - set(benches))}; choose from {', '.join(benches)}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stage in stages:  # in the order given; the files are rewritten after each, so a cut-off run keeps its part
-        result[stage] = benches[stage](args, (bandwidth, matmul), batches)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        print(markdown({k: v for k, v in result.items() if k not in set(benches) - {stage}}), flush=True)
-        (out / "engine_microbench.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "engine_microbench.md").write_text(markdown(result))
+    # in the order given, each quantization of a stage in turn; the files are rewritten after each part, so a
+    # cut-off run keeps what it measured. The first quantization's parts sit at result[stage], the others' at
+    # result["quantized"][label][stage]
+    for stage in stages:
+        for label in labels if stage in QUANTIZED_STAGES else labels[:1]:
+            started = time.perf_counter()
+            part = benches[stage](args, (bandwidth, matmul), batches, label)
+            part["seconds"] = time.perf_counter() - started  # what the part took, loading and capture included
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            home = result if label == labels[0] else result.setdefault("quantized", {}).setdefault(label, {})
+            home[stage] = part
+            result["ratios"] = [ratio for other, stages_of in result.get("quantized", {}).items()
+                                for ratio in quantization_ratios(result, stages_of, other)]
+            print(f"--- {stage}, weights {label}: {part['seconds']:.0f} s ---")
+            print("\n".join(stage_tables({stage: part}, args.variants)), flush=True)
+            (out / "engine_microbench.json").write_text(json.dumps(result, indent=2) + "\n")
+            (out / "engine_microbench.md").write_text(markdown(result))
+    if result.get("ratios"):
+        print("\n".join(ratio_table(result["ratios"], labels)))
     print(f"wrote {out / 'engine_microbench.json'} and {out / 'engine_microbench.md'}")
 
 

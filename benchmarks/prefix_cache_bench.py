@@ -20,6 +20,7 @@ prefix-cache gauges (docs/prefix_caching.md) are read from the metrics port arou
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import statistics
@@ -47,6 +48,13 @@ def text_of_tokens(chat: ChatTokenizer, tokens: int, seed: int) -> str:
     while len(chat.tokenizer.encode(" ".join(words)).ids) < tokens:
         words.append(WORDS[rng.integers(len(WORDS))])
     return " ".join(words)
+
+
+def output_digest(result) -> dict:
+    """What a reply said and sounded like, short: cache on and off compare these (no output change)."""
+    audio = np.ascontiguousarray(result.audio, np.float32)
+    return {"text": hashlib.sha256(result.text.encode()).hexdigest()[:16],
+            "audio": hashlib.sha256(audio.tobytes()).hexdigest()[:16], "audio_samples": int(audio.size)}
 
 
 def message(role: str, text: str) -> dict:
@@ -84,7 +92,8 @@ def conversation(served: Served, chat: ChatTokenizer, args) -> dict:
         messages.append(message("user", text_of_tokens(chat, args.turn_tokens, seed=100 + turn)))
         ids = chat.encode_messages(messages)
         result = served.send(ids)
-        turns.append({"turn": turn + 1, "prompt_tokens": len(ids), "ttfa_s": result.ttfa_s, "ttft_s": result.ttft_s})
+        turns.append({"turn": turn + 1, "prompt_tokens": len(ids), "ttfa_s": result.ttfa_s, "ttft_s": result.ttft_s,
+                      "output": output_digest(result)})
         messages.append(message("assistant", result.text))
     return {"turns": turns, "turn_ttfa_ratio": turns[-1]["ttfa_s"] / turns[0]["ttfa_s"],
             "gauges": _delta(before, served.gauges())}
@@ -101,7 +110,8 @@ def shared_prompt(served: Served, chat: ChatTokenizer, args) -> dict:
     wall = time.monotonic() - start
     ttfa = [r.ttfa_s for r in results if r.ttfa_s is not None]
     return {"requests": len(prompts), "concurrency": args.concurrency, "ttfa_p50_s": statistics.median(ttfa),
-            "requests_per_s": len(prompts) / wall, "gauges": _delta(before, served.gauges())}
+            "requests_per_s": len(prompts) / wall, "gauges": _delta(before, served.gauges()),
+            "outputs": [output_digest(result) for result in results]}
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -142,8 +152,20 @@ def tiny_side_by_side(args) -> dict:
     return report
 
 
+def same_outputs(on: dict, off: dict) -> dict:
+    """Replies whose text / audio are bit-identical with the cache on and off, of those both runs made. A later
+    conversation turn's prompt holds the earlier replies, so one differing reply changes every later prompt."""
+    pairs = {"conversation": [(a.get("output"), b.get("output")) for a, b in zip(on["conversation"]["turns"],
+                                                                                 off["conversation"]["turns"])],
+             "shared_prompt": list(zip(on["shared_prompt"].get("outputs", []), off["shared_prompt"].get("outputs", [])))}
+    return {workload: {"compared": sum(1 for a, b in pairs_ if a and b),
+                       **{what: sum(1 for a, b in pairs_ if a and b and a[what] == b[what]) for what in ("text", "audio")}}
+            for workload, pairs_ in pairs.items()}
+
+
 def ratios_on_to_off(on: dict, off: dict) -> dict:
     return {
+        "same_outputs": same_outputs(on, off),
         "conversation_turn_ttfa": [a["ttfa_s"] / b["ttfa_s"] for a, b in zip(on["conversation"]["turns"],
                                                                               off["conversation"]["turns"])],
         "shared_prompt_ttfa_p50": on["shared_prompt"]["ttfa_p50_s"] / off["shared_prompt"]["ttfa_p50_s"],
@@ -173,6 +195,10 @@ def markdown(report: dict) -> str:
               f"| {ratios['shared_prompt_ttfa_p50']:.2f} |",
               f"| requests/s | {shared_on['requests_per_s']:.2f} | {shared_off['requests_per_s']:.2f} "
               f"| {ratios['shared_prompt_requests_per_s']:.2f} |", "",
+              "replies identical with the cache on and off (text, audio / compared; the shared-prompt requests run "
+              "concurrently, and a batch of another make-up rounds differently in any two runs): " + "; ".join(
+                  f"{workload} {same['text']}, {same['audio']} / {same['compared']}"
+                  for workload, same in ratios["same_outputs"].items()), "",
               "cache on, hit / query tokens per stage: " + "; ".join(
                   f"{workload} {_hits(on[workload]['gauges'])}" for workload in ("conversation", "shared_prompt"))]
     return "\n".join(lines) + "\n"

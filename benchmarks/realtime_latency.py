@@ -76,10 +76,19 @@ class Session:
         self.socket, self.events, self.arrived = socket, asyncio.Queue(), asyncio.Event()
         self.audio_t0: float | None = None  # wall time of the session's first input sample
         self.sent_ms = 0
+        self.opened_at = time.perf_counter()
+        # every event but the deltas, (ms since the socket opened, type, what says why): the report keeps the
+        # first session's, so a turn that went wrong can be read back event by event
+        self.timeline: list[tuple[int, str, object]] = []
 
     async def receive(self) -> None:
         async for message in self.socket:
-            await self.events.put((time.perf_counter(), json.loads(message)))
+            at, event = time.perf_counter(), json.loads(message)
+            if not event["type"].endswith(".delta"):
+                why = event.get("response", {}).get("status_details") or event.get("error") \
+                    or event.get("audio_start_ms", event.get("audio_end_ms"))
+                self.timeline.append((round((at - self.opened_at) * 1000), event["type"], why))
+            await self.events.put((at, event))
 
     async def until(self, kinds: str | tuple[str, ...], timeout_s: float = 300) -> tuple[float, dict]:
         """(arrival time, event) of the next event of ``kinds``; the events before it are dropped."""
@@ -126,9 +135,10 @@ async def open_session(args, turn_detection: dict, max_output_tokens: int):
     return session, receiver
 
 
-async def spoken_turns(args, pcm: bytes) -> list[dict]:
+async def spoken_turns(args, pcm: bytes, timelines: list) -> list[dict]:
     vad = {"type": "server_vad", "silence_duration_ms": args.silence_ms}
     session, receiver = await open_session(args, vad, args.max_output_tokens)
+    timelines.append(session.timeline)
     turns = []
     try:
         for _ in range(args.turns):
@@ -144,8 +154,9 @@ async def spoken_turns(args, pcm: bytes) -> list[dict]:
                     audio_at = at
             reply_done.set()
             await speaking
-            if audio_at is None or done["status"] != "completed":
-                turns.append({"no_audio": done["status"]})
+            if audio_at is None or done["status"] != "completed":  # with why: a cancel's reason, a failure's error
+                turns.append({"no_audio": done["status"], "details": done.get("status_details"),
+                              "had_audio": audio_at is not None})
                 continue
             turns.append({"speech_end_to_audio_ms": (audio_at - session.wall_of(stopped["audio_end_ms"])) * 1000,
                           "stopped_event_to_audio_ms": (audio_at - stopped_at) * 1000})
@@ -166,10 +177,18 @@ async def barge_ins(args, pcm: bytes) -> list[dict]:
             await session.socket.send(json.dumps({"type": "response.create"}))
             await session.until("response.output_audio.delta")
             speaking = asyncio.create_task(session.speak(pcm))
-            started_at, _ = await session.until("input_audio_buffer.speech_started")
-            idle = asyncio.create_task(asyncio.to_thread(wait_idle, args.metrics_url)) if args.metrics_url else None
-            done_at, done = await session.until("response.done")
-            assert done["response"]["status"] == "cancelled", done["response"]["status"]
+            started_at, done = await session.until(("input_audio_buffer.speech_started", "response.done"))
+            idle, heard = None, done["type"] != "response.done"  # heard: while the reply was being made
+            if heard:
+                if args.metrics_url:
+                    idle = asyncio.create_task(asyncio.to_thread(wait_idle, args.metrics_url))
+                done_at, done = await session.until("response.done")
+            if not heard or done["response"]["status"] != "cancelled":  # the reply was whole before the speech cut it
+                trials.append({"reply_ended_first": done["response"]["status"]})
+                if idle is not None:
+                    await idle
+                await speaking
+                continue
             trial = {"barge_in_done_ms": (done_at - started_at) * 1000}
             if idle is not None:
                 trial["barge_in_idle_ms"] = (await idle - started_at) * 1000
@@ -208,26 +227,36 @@ async def main_async(args) -> dict:
     result = {"silence_ms": args.silence_ms, "max_output_tokens": args.max_output_tokens,
               "load_average_1m": os.getloadavg()[0], "levels": {}}
     for level in [int(n) for n in args.sessions.split(",")]:
-        per_session = await asyncio.gather(*(spoken_turns(args, pcm) for _ in range(level)))
+        timelines: list = []
+        per_session = await asyncio.gather(*(spoken_turns(args, pcm, timelines) for _ in range(level)))
         turns = [turn for session in per_session for turn in session]
         result["levels"][level] = {key: summary([t[key] for t in turns if key in t])
                                    for key in ("speech_end_to_audio_ms", "stopped_event_to_audio_ms")}
-        result["levels"][level]["turns_without_audio"] = [t["no_audio"] for t in turns if "no_audio" in t]
-        print(f"{level} sessions: {json.dumps(result['levels'][level])}", flush=True)
+        result["levels"][level]["turns_without_audio"] = [
+            {key: t[key] for key in ("no_audio", "details", "had_audio")} for t in turns if "no_audio" in t]
+        printed = dict(result["levels"][level])
+        result["levels"][level]["first_session_timeline"] = timelines[0]
+        print(f"{level} sessions: {json.dumps(printed)}", flush=True)
+        write(args.out, result)  # level by level: a run cut short keeps what it measured
     if args.barge_ins:
         trials = await barge_ins(args, pcm)
         result["barge_in"] = {key: summary([t[key] for t in trials if key in t])
                               for key in ("barge_in_done_ms", "barge_in_idle_ms")}
+        result["barge_in"]["replies_ended_before_the_speech"] = [t["reply_ended_first"] for t in trials
+                                                                 if "reply_ended_first" in t]
         print(f"barge-in: {json.dumps(result['barge_in'])}", flush=True)
     return result
 
 
+def write(out: Path | None, result: dict) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "realtime_latency.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = asyncio.run(main_async(args))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "realtime_latency.json").write_text(json.dumps(result, indent=2) + "\n")
+    write(args.out, asyncio.run(main_async(args)))
     return 0
 
 

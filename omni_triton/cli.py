@@ -46,10 +46,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 log=lambda line: print(line, file=sys.stderr, flush=True),
                                 reloaded_by_orchestrator=STAGE_RELOADED if args.allow_stage_reload else ())
     except KeyboardInterrupt:
-        print("\nstopping tritonserver ...", flush=True)
+        print(f"\nstopping tritonserver (streams in flight get {server.options.drain_s:g} s) ...", flush=True)
         return 0
     finally:
         server.stop()
+        if server.drain_outcome is not None:
+            print(f"streams in flight were not drained: {server.drain_outcome}", file=sys.stderr, flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

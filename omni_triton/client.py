@@ -104,6 +104,11 @@ def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> li
     """Client tensors for `omni`: TEXT, optional AUDIO_IN, and any of the optional scalar inputs
     (max_tokens=..., speaker=..., temperature=..., seed=..., return_audio=..., history=JSON text of the earlier
     turns, ...); None values are omitted."""
+    return infer_inputs(request_arrays(text, audio_in, **scalars))
+
+
+def request_arrays(text: str, audio_in: np.ndarray | None = None, **scalars) -> dict[str, np.ndarray]:
+    """``build_inputs``' tensors as named numpy arrays (object arrays are BYTES)."""
     dtypes = {"MAX_TOKENS": np.int32, "MIN_TOKENS": np.int32, "TOP_K": np.int32, "MAX_AUDIO_FRAMES": np.int32,
               "MIN_AUDIO_FRAMES": np.int32, "SEED": np.int64, "TEMPERATURE": np.float32, "TOP_P": np.float32,
               "REPETITION_PENALTY": np.float32, "TALKER_REPETITION_PENALTY": np.float32, "RETURN_AUDIO": np.bool_,
@@ -118,7 +123,7 @@ def build_inputs(text: str, audio_in: np.ndarray | None = None, **scalars) -> li
         if value is not None:
             value = value.encode("utf-8") if isinstance(value, str) else value
             tensors[name] = np.array([value], dtype=dtypes[name])
-    return infer_inputs(tensors)
+    return tensors
 
 
 def infer_inputs(arrays: dict[str, np.ndarray]) -> list:

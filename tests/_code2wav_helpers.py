@@ -27,6 +27,16 @@ def calibrate_output_gain_(model: Code2Wav, target_std: float = 0.2, num_frames:
     return model
 
 
+def overwrite_code2wav_weights(checkpoint, model: Code2Wav) -> None:
+    """Save ``model``'s weights into ``checkpoint`` (every backend that loads the checkpoint runs that model)."""
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint / "model.safetensors"
+    tensors = load_file(path)
+    tensors.update({f"code2wav.{name}": value.contiguous() for name, value in model.state_dict().items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Many small conv calls: on a shared 2-core machine, 2 intra-op threads per process are several

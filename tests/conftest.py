@@ -30,6 +30,29 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def code2wav_onnx_export(tmp_path_factory):
+    """(checkpoint, Code2Wav, ONNX path): a tiny checkpoint of its own with its Code2Wav gain calibrated (out of the
+    clamp: tests/_code2wav_helpers.py) and saved back, so every backend runs the same model, and that model's ONNX
+    export (dynamic batch and frames). Exported once for the session (several seconds): the ONNX tests and the
+    served ``--code2wav-runtime onnx`` test share it."""
+    from _code2wav_helpers import calibrate_output_gain_, overwrite_code2wav_weights
+    from build_engines.export_code2wav_onnx import export_code2wav_onnx
+    from omni_triton.checkpoints.tiny import build
+    from omni_triton.models.weights import load_code2wav
+
+    root = tmp_path_factory.mktemp("code2wav_onnx")
+    checkpoint = build(root / "tiny", "tiny")
+    model = calibrate_output_gain_(load_code2wav(checkpoint))
+    overwrite_code2wav_weights(checkpoint, model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small ops: one thread is faster on a shared 2-core machine
+    try:
+        return checkpoint, model, export_code2wav_onnx(model, root / "code2wav.onnx")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
 def triton_server(tiny_checkpoint, tmp_path_factory):
     """A real tritonserver serving every model template written so far, on the tiny checkpoint."""
     from server_fixture import start_server
@@ -40,7 +63,7 @@ def triton_server(tiny_checkpoint, tmp_path_factory):
     try:
         yield handle
     finally:
-        handle.server.stop()
+        handle.stop_after_tests()
 
 
 @pytest.fixture

@@ -43,6 +43,12 @@ class ServerHandle:
     def rss_bytes(self) -> int:
         return process_tree_rss_bytes(self.server.process.pid)
 
+    def stop_after_tests(self) -> None:
+        """A fixture's server once its tests are done: killed at once (its stubs with it, its shared memory
+        removed). Nothing after reads what a graceful stop would still write, and the graceful stop, some 2 s a
+        server, is tested on its own (tests/test_python_backend.py, tests/test_server_restart.py)."""
+        self.server.stop(graceful=False)
+
 
 def stage_args(config_text: str, model: str) -> dict[str, str]:
     """What tritonserver hands a stage's ``initialize`` for a rendered config.pbtxt: ``model_config`` as JSON,
@@ -78,18 +84,29 @@ def servable_models(template_dir: Path = TEMPLATE_DIR) -> list[str]:
 def start_server(config: LaunchConfig, run_dir: Path, models: list[str] | None = None,
                  ready_timeout_s: float = 180.0, python_backend: str | None = None) -> ServerHandle:
     """``python_backend``: auto (None: the built one when present), built or bundled."""
+    [handle] = start_servers([(config, run_dir)], models, ready_timeout_s, python_backend)
+    return handle
+
+
+def start_servers(runs: list[tuple[LaunchConfig, Path]], models: list[str] | None = None,
+                  ready_timeout_s: float = 180.0, python_backend: str | None = None) -> list[ServerHandle]:
+    """A server per (config, run dir), all started before any is waited for: their loads overlap (one server's
+    load leaves a core idle at times)."""
     models = servable_models() if models is None else models
-    repository = render_repository(config, run_dir / "repository", models)
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    server = TritonServer(repository, find_tritonserver(python_backend=python_backend), options,
-                          log_path=run_dir / "tritonserver.log")
-    server.start()
+    servers = []
     try:
-        ready_s = server.wait_ready(timeout_s=ready_timeout_s)  # every rendered model (--pipelines: thinker_p0, ...)
+        for config, run_dir in runs:
+            repository = render_repository(config, run_dir / "repository", models)
+            options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+            servers.append(TritonServer(repository, find_tritonserver(python_backend=python_backend), options,
+                                        log_path=run_dir / "tritonserver.log").start())
+        # every rendered model (--pipelines: thinker_p0, ...)
+        ready = [server.wait_ready(timeout_s=ready_timeout_s) for server in servers]
     except BaseException:
-        server.stop()
+        for server in servers:
+            server.stop()
         raise
-    return ServerHandle(server, config, models, ready_s)
+    return [ServerHandle(server, config, models, ready_s) for server, (config, _), ready_s in zip(servers, runs, ready)]
 
 
 @contextmanager
@@ -101,4 +118,4 @@ def serving(checkpoint_dir: Path, run_dir: Path, **launch) -> Iterator[ServerHan
     try:
         yield handle
     finally:
-        handle.server.stop()
+        handle.stop_after_tests()

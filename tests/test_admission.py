@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_triton.stages.admission import FRAME_S, Admission, PipelineLoad, RealtimeCapacity, least_loaded
+from omni_triton.stages.admission import FRAME_S, Admission, RealtimeCapacity
 from omni_triton.shared.settings import admission_capacity_setting
 
 
@@ -44,32 +44,31 @@ def test_forced_capacity_counts_streams_at_real_time():
 
 def test_requests_past_capacity_wait_in_order_and_past_the_queue_are_refused():
     admission = Admission(max_running=8, queue_limit=2, capacity=RealtimeCapacity(forced_audio_s_per_s=1.0))
-    assert admission.arrive("a", now=0.0)[0] == "start"  # nothing runs: always starts
-    assert [admission.arrive(x, now=1.0)[0] for x in "bcd"] == ["queued", "queued", "refused"]
+    assert admission.arrive("a", now=0.0) == "start"  # nothing runs: always starts
+    assert [admission.arrive(x, now=1.0) for x in "bcd"] == ["queued", "queued", "refused"]
     assert "admission_queue" in admission.refusal() and admission.refused == 1
     assert admission.due(now=2.0) == []  # a still plays
     admission.finished()
-    assert admission.due(now=3.0) == [("b", 2.0, 0)]  # one at a time, oldest first
+    assert admission.due(now=3.0) == [("b", 2.0)]  # one at a time, oldest first
     admission.finished()
-    assert admission.due(now=3.5) == [("c", 2.5, 0)]
-    total = admission.total()
-    assert (total.waited, total.wait_s, admission.queued, total.running) == (2, 4.5, 0, 1)
+    assert admission.due(now=3.5) == [("c", 2.5)]
+    assert (admission.waited, admission.wait_s, admission.queued, admission.running) == (2, 4.5, 0, 1)
 
 
 def test_a_new_request_does_not_overtake_the_queue():
     admission = Admission(max_running=1, queue_limit=4, capacity=None)
-    assert admission.arrive("a", 0.0)[0] == "start" and admission.arrive("b", 0.0)[0] == "queued"
+    assert admission.arrive("a", 0.0) == "start" and admission.arrive("b", 0.0) == "queued"
     admission.finished()
-    assert admission.arrive("c", 1.0)[0] == "queued"  # b waited first
-    assert admission.due(1.0) == [("b", 1.0, 0)]
+    assert admission.arrive("c", 1.0) == "queued"  # b waited first
+    assert admission.due(1.0) == [("b", 1.0)]
 
 
 def test_without_a_queue_the_refusal_names_the_limit_that_was_hit():
     slots = Admission(max_running=1, queue_limit=0, capacity=None)
-    assert slots.arrive("a", 0)[0] == "start" and slots.arrive("b", 0)[0] == "refused"
+    assert slots.arrive("a", 0) == "start" and slots.arrive("b", 0) == "refused"
     assert "max_inflight_requests" in slots.refusal() and "busy" in slots.refusal()
     capacity = Admission(max_running=4, queue_limit=0, capacity=RealtimeCapacity(forced_audio_s_per_s=1.0))
-    assert capacity.arrive("a", 0)[0] == "start" and capacity.arrive("b", 0)[0] == "refused"
+    assert capacity.arrive("a", 0) == "start" and capacity.arrive("b", 0) == "refused"
     assert "run dry" in capacity.refusal() and "admission_queue 0" in capacity.refusal()
 
 
@@ -79,7 +78,7 @@ def test_waiting_requests_that_were_cancelled_are_dropped():
         admission.arrive(name, 0.0)
     assert admission.drop(lambda name: name in "bd") == ["b", "d"]
     admission.finished()
-    assert admission.due(1.0) == [("c", 1.0, 0)]
+    assert admission.due(1.0) == [("c", 1.0)]
 
 
 @pytest.mark.parametrize("text, expected", [("auto", "auto"), ("off", "off"), ("2.5", 2.5)])
@@ -105,71 +104,17 @@ def test_starts_are_staggered_by_max_starting():
     """At most max_starting streams admitted and not yet playing: the rest wait, and one starts as each earlier
     one plays its first audio (or ends without any)."""
     admission = Admission(max_running=8, queue_limit=8, capacity=None, max_starting=2)
-    assert [admission.arrive(i, 0.0)[0] for i in range(4)] == ["start", "start", "queued", "queued"]
+    assert [admission.arrive(i, 0.0) for i in range(4)] == ["start", "start", "queued", "queued"]
     assert admission.due(1.0) == []
     admission.playing()
-    assert admission.due(2.0) == [(2, 2.0, 0)]
+    assert admission.due(2.0) == [(2, 2.0)]
     assert admission.due(2.0) == []
-    admission.finished(0, played=False)  # a stream that ended before its first audio frees its start too
-    assert admission.due(3.0) == [(3, 3.0, 0)]
-    assert (admission.total().running, admission.total().starting) == (3, 2)
+    admission.finished(played=False)  # a stream that ended before its first audio frees its start too
+    assert admission.due(3.0) == [(3, 3.0)]
+    assert (admission.running, admission.starting) == (3, 2)
     full = Admission(max_running=8, queue_limit=0, capacity=None, max_starting=1)
-    assert full.arrive("a", 0.0)[0] == "start" and full.arrive("b", 0.0)[0] == "refused"
+    assert full.arrive("a", 0.0) == "start" and full.arrive("b", 0.0) == "refused"
     assert "streams starting (admission_max_starting 1" in full.refusal()
     unlimited = Admission(max_running=3, queue_limit=0, capacity=None)
-    assert [unlimited.arrive(i, 0.0)[0] for i in range(4)] == ["start", "start", "start", "refused"]
+    assert [unlimited.arrive(i, 0.0) for i in range(4)] == ["start", "start", "start", "refused"]
 
-
-def test_least_loaded_takes_the_open_pipeline_with_fewest_streams_then_fewest_starting_then_lowest_index():
-    loads = [PipelineLoad(None, running=3, starting=0), PipelineLoad(None, running=2, starting=1),
-             PipelineLoad(None, running=2, starting=0), PipelineLoad(None, running=2, starting=0)]
-    assert least_loaded(loads, [True] * 4) == 2
-    assert least_loaded(loads, [True, True, False, True]) == 3
-    assert least_loaded(loads, [True, True, False, False]) == 1
-    assert least_loaded(loads, [True, False, False, False]) == 0  # the only open one, however loaded
-    assert least_loaded(loads, [False] * 4) is None
-
-
-def test_pipelines_share_the_queue_and_keep_their_own_limits():
-    """Two pipelines of 2 streams each: starts alternate, the fifth request waits and starts on whichever
-    pipeline frees a slot first; the counts are per pipeline and in total."""
-    admission = Admission(max_running=2, queue_limit=2, capacity=None, pipelines=2)
-    assert [admission.arrive(i, 0.0) for i in range(4)] == [("start", 0), ("start", 1), ("start", 0),
-                                                            ("start", 1)]
-    assert admission.arrive(4, 0.0) == ("queued", None) and admission.arrive(5, 0.0) == ("queued", None)
-    assert admission.arrive(6, 0.0) == ("refused", None)
-    assert "2 requests already waiting" in admission.refusal()
-    for pipeline in (0, 1, 0, 1):
-        admission.playing(pipeline)
-    admission.finished(1)
-    assert admission.due(1.5) == [(4, 1.5, 1)]  # the oldest waiting, on the pipeline that freed up
-    admission.finished(0)
-    admission.finished(0)
-    assert admission.due(2.0) == [(5, 2.0, 0)]
-    assert [(load.running, load.waited) for load in admission.pipelines] == [(1, 1), (2, 1)]
-    total = admission.total()
-    assert (total.running, total.waited, total.wait_s) == (3, 2, 3.5)
-    full = Admission(max_running=1, queue_limit=0, capacity=None, pipelines=2)
-    assert [full.arrive(i, 0.0)[0] for i in range(3)] == ["start", "start", "refused"]
-    assert "1 requests in flight on each of 2 pipelines" in full.refusal()
-
-
-def test_each_pipeline_learns_its_own_capacity():
-    admission = Admission(max_running=8, queue_limit=0, capacity=RealtimeCapacity(prior=(0.01, 0.0)), pipelines=2)
-    first, second = (load.capacity for load in admission.pipelines)
-    assert first is not second
-    first.observe(1, 10, 1.0)  # pipeline 0's GPU is slow: 100 ms a step, under real time
-    assert first.step_s(1) == pytest.approx(0.1) and second.step_s(1) == pytest.approx(0.01)
-    assert admission.arrive("a", 0.0) == ("start", 0) and admission.arrive("b", 0.0) == ("start", 1)
-    # pipeline 0 cannot take a second stream; pipeline 1 (fast) can
-    assert admission.arrive("c", 0.0) == ("start", 1)
-
-
-def test_a_closed_pipeline_takes_no_new_stream():
-    """A pipeline with a stage down is closed: new and waiting requests go to the others, or wait."""
-    admission = Admission(max_running=2, queue_limit=4, capacity=None, pipelines=2)
-    assert admission.arrive("a", 0.0, closed={0}) == ("start", 1)
-    assert admission.arrive("b", 0.0, closed={0}) == ("start", 1)
-    assert admission.arrive("c", 0.0, closed={0}) == ("queued", None)  # pipeline 1 is full, 0 is closed
-    assert admission.due(1.0, closed={0}) == []
-    assert admission.due(2.0) == [("c", 2.0, 0)]  # reopened

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _code2wav_helpers import calibrate_output_gain_, one_torch_thread  # noqa: F401 (fixture)
+from _code2wav_helpers import one_torch_thread  # noqa: F401 (fixture)
 from build_engines.build_code2wav_trt import build_engine, profile_shapes
 from build_engines.build_code2wav_trt import main as build_trt_main
 from build_engines.export_code2wav_onnx import (check_onnx, compare_streaming_with_torch, compare_with_torch,
-                                                default_splits, export_code2wav_onnx, export_streaming_onnx)
-from omni_triton.checkpoints.tiny import build
-from omni_triton.models.weights import load_code2wav
+                                                default_splits, export_streaming_onnx)
 from omni_triton.models.code2wav.runtime import Code2WavRuntime, tensorrt_available
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 
@@ -19,24 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """The tiny checkpoint with its Code2Wav gain calibrated (out of the clamp) and that model's ONNX export.
-    The calibrated weights are saved back so every backend below runs the same model."""
-    root = tmp_path_factory.mktemp("code2wav_onnx")
-    checkpoint = build(root / "tiny", "tiny")
-    model = calibrate_output_gain_(load_code2wav(checkpoint))
-    _overwrite_code2wav_weights(checkpoint, model)
-    onnx_path = export_code2wav_onnx(model, root / "code2wav.onnx")
-    return checkpoint, model, onnx_path
-
-
-def _overwrite_code2wav_weights(checkpoint, model):
-    from safetensors.torch import load_file, save_file
-
-    path = checkpoint / "model.safetensors"
-    tensors = load_file(path)
-    tensors.update({f"code2wav.{name}": value.contiguous() for name, value in model.state_dict().items()})
-    save_file(tensors, path, metadata={"format": "pt"})
+def exported(code2wav_onnx_export):
+    """(checkpoint, calibrated Code2Wav, ONNX path): conftest's export."""
+    return code2wav_onnx_export
 
 
 def test_onnx_runtime_matches_torch(exported):

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from build_engines.fp8_checkpoint import write_fp8_checkpoint
 from omni_triton.checkpoints.tiny import build
 from omni_triton.models.layers.attention import contiguous_batch
-from omni_triton.models.layers.fp8 import Fp8Experts, Fp8Linear
+from omni_triton.models.layers.fp8 import Fp8Experts, Fp8Linear, activation_dtype
 from omni_triton.models.quantization import FP8_DTYPE, Fp8Scheme, dequantize_fp8, quantize_fp8
 from omni_triton.models.weights import load_talker, load_thinker
 
@@ -127,6 +127,27 @@ def test_dummy_fp8_matches_dummy_bf16(checkpoints):
     want_gate = dequantize_fp8(*quantize_fp8(want.mlp.experts.gate_up_proj[:, :inter], (128, 128)), (128, 128))
     assert torch.equal(gate_up[:, :inter], want_gate)
     assert torch.equal(layer.input_layernorm.weight, want.input_layernorm.weight)
+
+
+def test_activation_dtype_skips_fp8_weights_and_their_scales(checkpoints):
+    # an FP8 decoder layer's first parameters are float8 and its float32 scales: neither is what it computes in
+    source, _ = checkpoints
+    for load in (lambda q: load_thinker(source, dtype=torch.bfloat16, with_audio=False, quantization=q),
+                 lambda q: load_talker(source, dtype=torch.bfloat16, quantization=q)):
+        plain, quantized = load(None), load("fp8")
+        assert next(quantized.parameters()).dtype == FP8_DTYPE
+        assert activation_dtype(quantized) == activation_dtype(plain) == torch.bfloat16
+
+
+def test_the_engine_runs_an_fp8_thinker_in_its_activation_dtype(checkpoints):
+    """What the engine's graph buffers and kept states are made in: bf16 for an FP8 model loaded in bf16 (the
+    float32 block scales once made it float32, and the completion graphs then refused its bf16 states)."""
+    from omni_triton.engine import EngineConfig, LLMEngine, ThinkerStage
+
+    source, _ = checkpoints
+    model = load_thinker(source, dtype=torch.bfloat16, with_audio=False, quantization="fp8")
+    engine = LLMEngine(ThinkerStage(model), EngineConfig(block_size=4, num_blocks=16, kv_dtype=torch.bfloat16))
+    assert engine.runner.model_dtype == torch.bfloat16
 
 
 def test_unknown_quantization_is_named(checkpoints):

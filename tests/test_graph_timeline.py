@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def timeline():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports engine_microbench beside it
-    try:
-        spec = importlib.util.spec_from_file_location("graph_timeline", ROOT / "benchmarks" / "graph_timeline.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return load_script("graph_timeline")
 
 
 def test_busy_time_counts_overlapping_kernels_once(timeline):

@@ -11,7 +11,7 @@ import torch
 from engine_toy_model import ToyThinker
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, SamplingParams, ThinkerStage
 from omni_triton.engine.engine import RequestOutput, merge_outputs
-from omni_triton.engine.handoff import InputStream, OutputStream, ready_event, to_device_async
+from omni_triton.engine.handoff import InputStream, OutputStream, complete_to_host, ready_event, to_device_async
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -89,6 +89,23 @@ def test_output_stream_waits_for_the_step_event_and_not_for_later_steps():
 
 
 @cuda
+def test_a_complete_tensor_reaches_the_host_without_waiting_for_the_default_stream():
+    device = torch.device("cuda")
+    ids = torch.arange(16, device=device)
+    complete_to_host(ids)  # its stream made and its copy loaded before the timed part
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # engine steps queued on the default stream (about a second)
+    assert complete_to_host(ids).tolist() == list(range(16))
+    assert not torch.cuda.current_stream(device).query()  # read while the queued steps still run
+    torch.cuda.synchronize()
+
+
+def test_complete_to_host_keeps_a_host_tensor():
+    ids = torch.arange(4)
+    assert complete_to_host(ids) is ids
+
+
+@cuda
 def test_input_copies_are_complete_without_waiting_for_the_default_stream():
     device = torch.device("cuda")
     source = torch.arange(1 << 20, device=device, dtype=torch.float32)
@@ -99,6 +116,20 @@ def test_input_copies_are_complete_without_waiting_for_the_default_stream():
     source.fill_(-1)  # the request's memory reused: the copy (done already) keeps the old values
     torch.cuda.synchronize()
     assert copy[-1].item() == (1 << 20) - 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_input_copies_from_another_gpu_land_on_the_stage_gpu_complete():
+    """The split layout: the talker (GPU 1) gets the thinker's rows on GPU 0. A clone made them on GPU 0, on its
+    current stream, which the copy stream's synchronize does not wait for: read at once, they were not written."""
+    source = torch.arange(1 << 20, device="cuda:0", dtype=torch.int64)
+    torch.cuda.synchronize("cuda:0")
+    with torch.cuda.device(0):
+        torch.cuda._sleep(200_000_000)  # work queued on GPU 0 before the copy (a clone there waits behind it)
+    (copy,) = InputStream(torch.device("cuda:1")).owned_copies([source])
+    assert copy.device == torch.device("cuda:1")
+    assert complete_to_host(copy)[-3:].tolist() == [(1 << 20) - 3, (1 << 20) - 2, (1 << 20) - 1]
+    torch.cuda.synchronize("cuda:0")
 
 
 @cuda

@@ -86,6 +86,11 @@ if [ "$1" = "-d" ]; then
     visible=${{CUDA_VISIBLE_DEVICES-unset}}
     echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY visible=$visible" >> "{log}"
     (exec -a nvidia-cuda-mps-control bash -c 'while :; do sleep 1; done' -d) </dev/null >/dev/null 2>&1 &
+    # as the real one, return once the daemon runs: until its exec, /proc shows it as bash (no daemon found)
+    for _ in $(seq 500); do
+        tr '\\0' ' ' < /proc/$!/cmdline 2>/dev/null | grep -q '^nvidia-cuda-mps-control ' && break
+        sleep 0.01
+    done
     echo $! > "$CUDA_MPS_PIPE_DIRECTORY/daemon.pid"
     echo $! >> "{log}.pids"
     touch "$CUDA_MPS_PIPE_DIRECTORY/control"
@@ -178,8 +183,9 @@ def test_two_servers_side_by_side_each_get_a_daemon_on_their_own_gpus(tmp_path, 
         starts = log.read_text().splitlines()
         assert starts == [f"start pipe={pipes[0]} log={envs[0]['CUDA_MPS_LOG_DIRECTORY']} visible=0",
                           f"start pipe={pipes[1]} log={envs[1]['CUDA_MPS_LOG_DIRECTORY']} visible=1"]
-        # each tritonserver sees its daemon's one GPU as GPU 0: no CUDA_VISIBLE_DEVICES of its own
-        assert all("CUDA_VISIBLE_DEVICES" not in env for env in envs)
+        # each tritonserver sees its daemon's one GPU as GPU 0, by its position in the daemon's list (not unset:
+        # torch counts GPUs through NVML, which reads CUDA_VISIBLE_DEVICES and knows nothing of MPS)
+        assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["0", "0"]
         assert [server.mps.note for server in servers] == [
             f"own control daemon on GPUs {gpu_id} (pipe {pipe})" for gpu_id, pipe in zip("01", pipes)]
     finally:
@@ -213,7 +219,8 @@ def test_the_hosts_daemon_only_when_it_sees_our_gpus(tmp_path, fake_daemon, host
         else:
             own_pipe = Path(server_env["CUDA_MPS_PIPE_DIRECTORY"])
             assert own_pipe != host_pipe and daemon_running(own_pipe)
-            assert "CUDA_VISIBLE_DEVICES" not in server_env
+            # our daemon's one GPU by its position; unpinned, every GPU (unset)
+            assert server_env.get("CUDA_VISIBLE_DEVICES") == (None if ours is None else "0")
             assert log.read_text().splitlines()[1].endswith(f"visible={ours or 'unset'}")
             assert f"sees GPUs {host_visible}, not all of" in daemon.note
     finally:

@@ -4,6 +4,7 @@ here (tests/test_server_replicas.py serves two talker and two code2wav instances
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -84,7 +85,8 @@ def test_malformed_values_are_refused_naming_option_and_value(parse, text, messa
     ({}, {"talker": 0}, r"--instances talker=0: expected a count >= 1"),
     ({}, {"thinker": 2}, r"--instances thinker=2: only talker and code2wav take more than one instance"),
     ({}, {"orchestrator": 2}, r"--instances orchestrator=2: only talker and code2wav"),
-    ({"thinker": (0, 1)}, {}, r"--stage-gpus thinker=0:1: the thinker runs one instance, on one GPU"),
+    ({"thinker": (0, 1)}, {}, r"--stage-gpus thinker=0:1: the thinker runs one instance per pipeline, on one GPU"),
+    ({"orchestrator": (0, 1)}, {}, r"--stage-gpus orchestrator=0:1: the orchestrator runs one instance per pipeline"),
 ])
 def test_impossible_placements_are_refused_naming_option_and_value(gpus, instances, message):
     with pytest.raises(PlacementError, match=message):
@@ -190,7 +192,8 @@ def test_serve_gives_tritonserver_a_cuda_pool_on_every_gpu_it_uses(tiny_checkpoi
 
 def test_pipelines_render_each_stage_once_per_pipeline_on_its_gpu_group(tiny_checkpoint, tmp_path):
     """--pipelines 2: thinker_p0 on GPU 0 and thinker_p1 on GPU 1, ...; with the split as pipeline 0's layout,
-    pipeline 1 takes GPUs 2 and 3. One orchestrator (pipeline 0's GPU) routes to every pipeline."""
+    pipeline 1 takes GPUs 2 and 3. The orchestrator runs an instance per pipeline, on that pipeline's first GPU, in
+    an instance group named after the pipeline."""
     args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--pipelines", "2"])
     two = placement(args)
     out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=two), tmp_path / "a")
@@ -202,18 +205,28 @@ def test_pipelines_render_each_stage_once_per_pipeline_on_its_gpu_group(tiny_che
             assert f'name: "{stage}_p{pipeline}"' in text
             assert _instance_group(out, f"{stage}_p{pipeline}") == (
                 f"instance_group [ {{ count: 1 kind: KIND_GPU gpus: [ {pipeline} ] }} ]")
-    assert _instance_group(out, "orchestrator") == "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"
+    assert _instance_group(out, "orchestrator") == (
+        'instance_group [ { name: "orchestrator_p0" count: 1 kind: KIND_GPU gpus: [ 0 ] }, '
+        '{ name: "orchestrator_p1" count: 1 kind: KIND_GPU gpus: [ 1 ] } ]')
     assert rendered_settings(out, "thinker_p1").placement == two
-    assert two.used_gpus() == (0, 1) and two.held(1) == {"thinker": 1, "talker": 1, "code2wav": 1}
+    assert two.used_gpus() == (0, 1)
+    assert two.held(1) == {"thinker": 1, "talker": 1, "code2wav": 1, "orchestrator": 1}
     assert [two.pipeline_gpu(p) for p in (0, 1)] == [0, 1] and two.as_options() == ["--pipelines", "2"]
     assert two.describe() == ("2 pipelines: thinker x1 on GPU 0 | 1, talker x1 on GPU 0 | 1, code2wav x1 on GPU "
-                              "0 | 1, orchestrator x1 on GPU 0")
+                              "0 | 1, orchestrator x1 on GPU 0 | 1")
     split = Placement(gpus=SPLIT.gpus, instances={"talker": 2}, pipelines=2)
     out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=split),
                             tmp_path / "split")
     assert _instance_group(out, "thinker_p1") == "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 2 ] } ]"
     assert _instance_group(out, "talker_p1") == "instance_group [ { count: 2 kind: KIND_GPU gpus: [ 3 ] } ]"
     assert split.used_gpus() == (0, 1, 2, 3) and [split.pipeline_gpu(p) for p in (0, 1)] == [0, 2]
+    assert _instance_group(out, "orchestrator") == (
+        'instance_group [ { name: "orchestrator_p0" count: 1 kind: KIND_GPU gpus: [ 0 ] }, '
+        '{ name: "orchestrator_p1" count: 1 kind: KIND_GPU gpus: [ 2 ] } ]')
+    cpu = Placement(pipelines=3).instance_group("orchestrator", "cpu")
+    assert cpu == ('instance_group [ { name: "orchestrator_p0" count: 1 kind: KIND_CPU }, '
+                   '{ name: "orchestrator_p1" count: 1 kind: KIND_CPU }, '
+                   '{ name: "orchestrator_p2" count: 1 kind: KIND_CPU } ]')
     # one pipeline keeps the stages' own names
     one = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint), tmp_path / "one")
     assert 'name: "thinker"' in (one / "thinker" / "config.pbtxt").read_text()
@@ -229,8 +242,19 @@ def test_pipeline_model_names_round_trip():
                                                 "code2wav": "code2wav_p1"}
 
 
+def test_each_orchestrator_instance_serves_the_pipeline_its_group_names():
+    """Triton names an instance <group>_<index>: the orchestrator's groups are orchestrator_p<k>."""
+    from omni_triton.shared.placement import orchestrator_pipeline
+
+    assert orchestrator_pipeline("orchestrator_p0_0", 2) == 0 and orchestrator_pipeline("orchestrator_p3_0", 4) == 3
+    assert orchestrator_pipeline("orchestrator_0_0", 1) == 0  # one pipeline: Triton's default group
+    for name, pipelines in (("orchestrator_p2_0", 2), ("orchestrator_0_0", 2), ("orchestrator_p1", 2)):
+        with pytest.raises(ValueError, match=f"orchestrator instance '{name}' names none of {pipelines} pipelines"):
+            orchestrator_pipeline(name, pipelines)
+
+
 def test_each_pipeline_labels_its_stage_metrics(tiny_checkpoint, tmp_path):
-    from omni_triton.stages.model_args import replica_labels
+    from omni_triton.stages.model_args import instance_pipeline, launch_settings, replica_labels
     from server_fixture import stage_args
 
     out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, placement=Placement(
@@ -239,6 +263,12 @@ def test_each_pipeline_labels_its_stage_metrics(tiny_checkpoint, tmp_path):
     assert replica_labels(talker) == {"pipeline": "1", "model_instance": "talker_p1_0_0"}
     thinker = stage_args((out / "thinker_p0" / "config.pbtxt").read_text(), "thinker_p0")
     assert replica_labels(thinker) == {"pipeline": "0"}
+    orchestrator = stage_args((out / "orchestrator" / "config.pbtxt").read_text(), "orchestrator")
+    groups = json.loads(orchestrator["model_config"])["instance_group"]  # the text format parses as Triton's
+    assert [(group["name"], group["count"], group["kind"]) for group in groups] == [
+        ("orchestrator_p0", 1, "KIND_CPU"), ("orchestrator_p1", 1, "KIND_CPU")]
+    assert instance_pipeline(launch_settings(orchestrator), {**orchestrator, "model_instance_name":
+                                                             "orchestrator_p1_0"}) == (1, {"pipeline": "1"})
 
 
 def test_pipelines_plan_each_gpu_as_a_whole_pipeline(full_footprint):
@@ -246,9 +276,9 @@ def test_pipelines_plan_each_gpu_as_a_whole_pipeline(full_footprint):
     two = plan_placement(full_footprint, {0: H200, 1: H200}, Placement(pipelines=2), code2wav_frames=97)
     first, second = two.gpus
     assert first.held == {"thinker": 1, "talker": 1, "code2wav": 1, "orchestrator": 1}
-    assert second.held == {"thinker": 1, "talker": 1, "code2wav": 1}
+    assert second.held == {"thinker": 1, "talker": 1, "code2wav": 1, "orchestrator": 1}
     assert second.weight_bytes == first.weight_bytes == one.gpus[0].weight_bytes
-    # GPU 1 also holds the orchestrator's CUDA context (it handles pipeline 1's tensors): the same KV as GPU 0
+    # GPU 1 holds pipeline 1's orchestrator instance: the same processes, so the same KV as GPU 0
     assert (two.thinker_tokens, two.talker_tokens) == (one.thinker_tokens, one.talker_tokens)
 
 

@@ -373,3 +373,56 @@ def test_tiny_thinker_interleavings_give_the_tokens_and_states_of_the_cache_off(
         for name, rows in by_name.items():
             torch.testing.assert_close(torch.cat(states_on[request_id][name]), torch.cat(rows), msg=request_id)
     assert stats.prefix_hit_tokens > 0
+
+
+# -- on the GPU fast path (skipped without CUDA; benchmarks/gpu_tests.sh runs them) --------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def conversation_and_shared_prompt_run(tiny_checkpoint, device: str, caching: bool, **config):
+    """A three-turn conversation and three requests under one system prompt, one after the other (each drained
+    before the next: later ones find the earlier ones' blocks): their tokens and streamed states."""
+    from omni_triton.models.config import OmniConfig
+    from omni_triton.models.weights import load_thinker
+
+    omni = OmniConfig.from_pretrained(tiny_checkpoint)
+    model = load_thinker(tiny_checkpoint, device, torch.float32, with_audio=False).eval()
+    stage = ThinkerStage(model, audio_token_id=omni.thinker.audio_token_id,
+                         accept_hidden_layer=omni.accept_hidden_layer)
+    engine = LLMEngine(stage, EngineConfig(**{"block_size": 16, "num_blocks": 64, "max_num_seqs": 8,
+                                              "max_num_batched_tokens": 64, "device": device, "prefix_caching": caching,
+                                              **config}))
+    rng = random.Random(4)
+
+    def words(count: int) -> list[int]:
+        return [rng.randrange(10, 500) for _ in range(count)]
+
+    system, turn = words(53), []
+    prompts = []
+    for index in range(3):  # each turn's prompt: the last one, a reply, a new question (fixed, not generated)
+        turn = (turn + words(7) if turn else system) + words(11 + index)
+        prompts.append(turn)
+    prompts += [system + words(5 + index) for index in range(3)]
+    tokens, states = {}, {}
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", params(12), prompt_token_ids=prompt)
+        drain(engine, tokens, states)
+    return tokens, states, engine.stats()
+
+
+@cuda
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_gpu_fast_path_with_the_cache_gives_the_tokens_and_states_of_the_cache_off(tiny_checkpoint, cuda_graphs):
+    """Kept hidden states (device tensors written outside the graphs) streamed for cached positions, and prefills
+    that start mid-prompt (a chunk over cached context, under the prefill graphs): the same tokens and states as
+    the cache off, in fp32 on the fast path."""
+    tokens_off, states_off, _ = conversation_and_shared_prompt_run(tiny_checkpoint, "cuda", False,
+                                                                   cuda_graphs=cuda_graphs)
+    tokens_on, states_on, stats = conversation_and_shared_prompt_run(tiny_checkpoint, "cuda", True,
+                                                                     cuda_graphs=cuda_graphs)
+    assert stats.prefix_hit_tokens >= 2 * 48 + 3 * 48  # later turns and the shared prompt's requests hit
+    assert tokens_on == tokens_off
+    for request_id, by_name in states_off.items():
+        for name, rows in by_name.items():
+            torch.testing.assert_close(torch.cat(states_on[request_id][name]), torch.cat(rows), rtol=1e-4, atol=1e-4,
+                                       msg=f"{request_id} {name}")

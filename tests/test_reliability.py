@@ -1,9 +1,11 @@
 """Reliability of the served pipeline on a real tritonserver (tiny checkpoint): admission under a burst,
 cancellation and vanished clients, request deadlines, bad-input fuzzing, a short soak, and stage stub
-processes killed under load (on a server of their own).
+processes killed under load (on a server of their own that reloads them; last, one killed on this module's server,
+which cannot).
 
 The server here is this module's own, with a small admission limit (MAX_INFLIGHT) so that a burst is cheap.
-The soak runs ``OMNI_SOAK_SECONDS`` (default 60, CI-sized; 0 skips it; longer on request).
+The soak runs ``OMNI_SOAK_SECONDS`` (default 20, CI-sized: the server is warm from the tests before it; 0 skips it;
+longer on request).
 """
 
 from __future__ import annotations
@@ -39,18 +41,61 @@ BURST_REQUEST = dict(temperature=0.0, repetition_penalty=1.0, max_tokens=12, max
 PROMPTS = [f"Burst request number {i}: say something." for i in range(4 * MAX_INFLIGHT)]
 
 
+class SharedServer:
+    """A server that tests use in turn, started when one first needs it. ``lend()``: for a test that disturbs it
+    and, when it passes, leaves it as it found it (what it checks last); after any other end (a failed check,
+    Triton's own abort) it is stopped and the next test gets a fresh one. ``take()``: for a test that leaves it
+    unusable: stopped after it (gracefully: the test may read what the shutdown logged), the next test gets a
+    fresh one."""
+
+    def __init__(self, start):
+        self.start, self.handle = start, None
+
+    def get(self):
+        if self.handle is None:
+            self.handle = self.start()
+        return self.handle
+
+    @contextlib.contextmanager
+    def lend(self):
+        try:
+            yield self.get()
+        except BaseException:
+            self.stop()
+            raise
+
+    @contextlib.contextmanager
+    def take(self):
+        handle, self.handle = self.get(), None
+        try:
+            yield handle
+        finally:
+            handle.server.stop()
+
+    def stop(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.stop_after_tests()
+
+
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
+def shared_server(tiny_checkpoint, tmp_path_factory):
+    """This module's server (model control none: as ``omni-triton serve`` by default)."""
     from server_fixture import start_server
 
     # admission_queue 0: past MAX_INFLIGHT a request is refused at once (queueing: tests/test_admission_server.py)
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
                           max_inflight_requests=MAX_INFLIGHT, admission_queue=0, **TEST_LIMITS)
-    handle = start_server(config, tmp_path_factory.mktemp("reliability"))
+    shared = SharedServer(lambda: start_server(config, tmp_path_factory.mktemp("reliability")))
     try:
-        yield handle
+        yield shared
     finally:
-        handle.server.stop()
+        shared.stop()
+
+
+@pytest.fixture
+def server(shared_server):
+    return shared_server.get()
 
 
 def stream(server, text: str, **scalars):
@@ -331,7 +376,8 @@ def test_tiny_temperature_samples_like_greedy(server):
 
 # -- 4. soak -----------------------------------------------------------------------------------------
 
-SOAK_SECONDS = float(os.environ.get("OMNI_SOAK_SECONDS", "60"))
+SOAK_SECONDS = float(os.environ.get("OMNI_SOAK_SECONDS", "20"))
+SAMPLE_EVERY_S = 0.5  # 40 samples in the default 20 s: each quarter compared below is a median of 10
 SOAK_STREAMS = MAX_INFLIGHT
 
 
@@ -365,7 +411,7 @@ def test_soak_no_errors_bounded_memory_and_kv_back_to_idle(server):
         gauges = read_gauges(server.metrics_url)
         samples.append((elapsed, server.rss_bytes(), gauges[("omni_kv_blocks_used", "thinker")],
                         gauges[("omni_kv_blocks_used", "talker")]))
-        time.sleep(1.0)
+        time.sleep(SAMPLE_EVERY_S)
     stop.set()
     for thread in threads:
         thread.join(timeout=30)  # a wedged server fails the test here instead of hanging it
@@ -397,9 +443,8 @@ FAULT_REQUEST = dict(max_tokens=800, max_audio_frames=400, min_audio_frames=400,
 SMALL_REQUEST = dict(max_tokens=6, max_audio_frames=8, temperature=0.0)
 
 
-@contextlib.contextmanager
-def fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
-    """A server of its own per fault (killing stubs disturbs it). Explicit model-control mode lets the
+def start_fault_server(tiny_checkpoint, run_dir):
+    """A server of the killed-stage tests' own (killing stubs disturbs it). Explicit model-control mode lets the
     orchestrator reload a dead stage (Triton 2.51 never restarts a dead Python stub). Larger token limits than
     TEST_LIMITS, so that the thinker is still generating when it is killed."""
     from server_fixture import ServerHandle, servable_models
@@ -414,14 +459,26 @@ def fault_server(tiny_checkpoint, run_dir, explicit_model_control: bool = True):
     # exit_timeout_s: a killed stage's old model never unloads (its requests in flight never end), so the
     # server waits that long at shutdown
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), exit_timeout_s=2,
-                            stage_reload=explicit_model_control)
+                            stage_reload=True)
     server = TritonServer(render_repository(config, run_dir / "repository", models), find_tritonserver(), options,
                           log_path=run_dir / "tritonserver.log")
     server.start()
     try:
-        yield ServerHandle(server, config, models, server.wait_ready(models))
-    finally:
+        return ServerHandle(server, config, models, server.wait_ready(models))
+    except BaseException:
         server.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def reloading_server(tiny_checkpoint, tmp_path_factory):
+    """One server for the killed-stage tests (a server start saved per stage): a test that passed leaves it serving
+    again with every stage idle and only its victim's stub new."""
+    shared = SharedServer(lambda: start_fault_server(tiny_checkpoint, tmp_path_factory.mktemp("fault")))
+    try:
+        yield shared
+    finally:
+        shared.stop()
 
 
 @contextlib.contextmanager
@@ -432,16 +489,17 @@ def tolerating_triton_abort(server):
     a model can prevent it (the stub died holding a lock in the shared memory it shares with the server), so that
     outcome is an xfail naming it; any other failure fails the test, a gRPC-frontend segfault included (it came
     with the ``triton_grpc_error`` stream header, which the client no longer sends: omni_triton/error_tags.py)."""
+    log_start = server.server.log_path.stat().st_size  # the server may have served an earlier fault
     try:
         yield
     except Exception:
-        if "lock_exception" in server.server.log_path.read_text(errors="replace"):  # logged as it aborts
+        if "lock_exception" in _log_since(server, log_start):  # logged as it aborts
             pytest.xfail("tritonserver aborted (boost::interprocess::lock_exception) when the stub was killed")
         raise
 
 
 @pytest.mark.parametrize("victim", ["talker", "thinker", "code2wav"])
-def test_killed_stage_stub_fails_its_requests_and_is_restarted(tiny_checkpoint, tmp_path, victim):
+def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server, victim):
     """SIGKILL a stage's stub while MAX_INFLIGHT requests stream through it.
 
     Triton 2.51 alone: the requests in flight hang forever (no response from the dead stub, ever), the stub is
@@ -449,7 +507,8 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(tiny_checkpoint, 
     orchestrator's stage supervisor: the requests in flight end at once with an UNAVAILABLE error naming the
     stage, the surviving stages drop their state for them, new requests are refused (UNAVAILABLE, "restarting")
     until the stage is reloaded with a fresh stub, and then they are served exactly as before the fault."""
-    with fault_server(tiny_checkpoint, tmp_path) as server, tolerating_triton_abort(server):
+    with reloading_server.lend() as server, tolerating_triton_abort(server):
+        log_start = server.server.log_path.stat().st_size  # the server may have served an earlier fault
         reference = stream(server, "After the fault", **SMALL_REQUEST)
         stubs = find_stubs(server.server.process.pid, list(STAGES))
         ended_at: dict[int, float] = {}
@@ -485,7 +544,7 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(tiny_checkpoint, 
         # (a talker append) waits for Triton's own verdict on it, "Stub process ... is not healthy", 1-3 s later.
         # Either way they end before the reload (which starts when the death is seen) is done, however loaded the
         # machine: compared with the reload's own duration, not with a fixed number of seconds.
-        reloads = re.findall(rf"{victim} stage reloaded in ([0-9.]+) s", server.server.log_path.read_text(errors="replace"))
+        reloads = re.findall(rf"{victim} stage reloaded in ([0-9.]+) s", _log_since(server, log_start))
         assert reloads, "the supervisor logs the reload"
         assert failed_within < float(reloads[0]) + 0.5, "the requests in flight must fail at once, not wait for the reload"
         for message in refusals:
@@ -500,12 +559,15 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(tiny_checkpoint, 
             assert client.is_server_live() and client.is_server_ready()
 
 
-def test_killed_stage_stays_down_without_explicit_model_control(tiny_checkpoint, tmp_path):
+def test_killed_stage_stays_down_without_explicit_model_control(shared_server):
     """What ``omni-triton serve`` does by default (--model-control-mode=none): the stage cannot be reloaded, so
     no reload is tried and every request is refused at once with UNAVAILABLE "down" saying what it takes
     (instead of failing after 1-3 s with "Stub process ... is not healthy"), never "restarting", whatever the
-    timing; and the server stays up."""
-    with fault_server(tiny_checkpoint, tmp_path, explicit_model_control=False) as server:
+    timing; and the server stays up. On the module's server, after the tests above (it is stopped after this one,
+    a test after it would get a fresh one)."""
+    with shared_server.take() as server:
+        log = server.server.log_path
+        assert "stays down" not in log.read_text(errors="replace"), "no stage is reported down while they load"
         os.kill(find_stubs(server.server.process.pid, ["talker"])["talker"], signal.SIGKILL)
         refusals, _ = _until_served(server, time.monotonic(), timeout_s=3.0, expect_served=False)
         print(f"\nno explicit model control: {refusals[-1]!r}")
@@ -515,6 +577,13 @@ def test_killed_stage_stays_down_without_explicit_model_control(tiny_checkpoint,
         assert "--model-control-mode=explicit" in refusals[-1], "the refusal says what it takes to restart the stage"
         with server.grpc_client() as client:
             assert client.is_server_live()
+    reported = [line for line in log.read_text(errors="replace").splitlines() if "stays down" in line]
+    assert len(reported) == 1 and reported[0].startswith("talker stage"), \
+        f"the kill alone is reported, not the stubs that exit as the server shuts down: {reported}"
+
+
+def _log_since(server, offset: int) -> str:
+    return server.server.log_path.read_bytes()[offset:].decode(errors="replace")
 
 
 def _wait_for_gauges(server, expected: dict[tuple[str, str], float], timeout_s: float = 20.0) -> None:

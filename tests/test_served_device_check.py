@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def check():
-    spec = importlib.util.spec_from_file_location("served_device_check", ROOT / "benchmarks" / "served_device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("served_device_check")
 
 
 def stream(text: str, seed: int, samples: int = 480) -> SimpleNamespace:

@@ -14,28 +14,25 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def vocoder(tiny_checkpoint):
-    from omni_triton.models.weights import load_code2wav
-
+def vocoder(code2wav_onnx_export):
     torch.set_num_threads(1)
-    return load_code2wav(tiny_checkpoint).eval()
+    return code2wav_onnx_export[1]
 
 
 @pytest.fixture(scope="module")
-def onnx_server(tiny_checkpoint, vocoder, tmp_path_factory):
-    from build_engines.export_code2wav_onnx import export_code2wav_onnx
+def onnx_server(code2wav_onnx_export, tmp_path_factory):
     from server_fixture import start_server
 
+    checkpoint, _, onnx_path = code2wav_onnx_export  # the ONNX tests' export: the same vocoder, one export
     run_dir = tmp_path_factory.mktemp("code2wav_onnx")
-    onnx_path = export_code2wav_onnx(vocoder, run_dir / "code2wav.onnx")
-    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, code2wav_runtime="onnx", code2wav_engine_path=onnx_path,
+    config = LaunchConfig(checkpoint_dir=checkpoint, code2wav_runtime="onnx", code2wav_engine_path=onnx_path,
                           left_context_frames="exact",  # a one-pass ONNX file: stateless chunks
                           torch_threads={stage: 1 for stage in STAGES})
     handle = start_server(config, run_dir, models=["code2wav"])
     try:
         yield handle
     finally:
-        handle.server.stop()
+        handle.stop_after_tests()
 
 
 def test_onnx_code2wav_over_triton_matches_torch(onnx_server, vocoder):

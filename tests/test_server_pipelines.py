@@ -1,35 +1,49 @@
 """Two whole pipelines in one real tritonserver (`serve --pipelines 2`, on the CPU): each stage is rendered once per
-pipeline (thinker_p0, thinker_p1, ...), concurrent requests spread over both and get the in-process pipeline's
-output, one seed gives one audio on either pipeline, the metrics say what each pipeline holds, and a cancel frees
-the pipeline that holds the request while the other goes on."""
+pipeline (thinker_p0, thinker_p1, ...) and the orchestrator runs one instance (one process) per pipeline; concurrent
+requests spread over both and get the in-process pipeline's output, one seed gives one audio on either pipeline, the
+metrics say what each pipeline holds, a cancel frees the pipeline that holds the request while the other goes on,
+whichever orchestrator instance the cancel reaches, and a dead stage closes only its own pipeline."""
 
 from __future__ import annotations
 
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from omni_triton.client import OmniStreamClient
+from omni_triton import trace
+from omni_triton.client import OmniStreamClient, StreamError, send_cancel
+from omni_triton.shared.cancel_registry import registry_dir
 from omni_triton.shared.placement import Placement
+from omni_triton.shared.stub_processes import find_stub_instances
 from server_fixture import serving
-from test_server_pipeline import (PROMPTS, cancel_at_first_audio, check_concurrent_streams, inprocess,  # noqa: F401
-                                  stream)
+from test_server_pipeline import PROMPTS, check_concurrent_streams, inprocess, stream  # noqa: F401 (fixture)
 from test_server_replicas import series
 
 pytestmark = pytest.mark.server
 
 STAGES = ("thinker", "talker", "code2wav")
+NOBODY = "held-by-nobody"  # request ids of cancels that cancel nothing
 
 
 @pytest.fixture(scope="module")
 def pipelines(tiny_checkpoint, tmp_path_factory):
-    with serving(tiny_checkpoint, tmp_path_factory.mktemp("pipelines"), placement=Placement(pipelines=2),
-                 max_audio_frames_cap=4096) as handle:
-        yield handle
+    run_dir = tmp_path_factory.mktemp("pipelines")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(trace.TRACE_DIR_ENV, str(run_dir / "trace"))  # the stubs inherit it: which instance got a cancel
+        with serving(tiny_checkpoint, run_dir, placement=Placement(pipelines=2), max_audio_frames_cap=4096) as handle:
+            server_pid = handle.server.process.pid
+            assert registry_dir(server_pid).is_dir()  # the orchestrator instances' cancel registry
+            yield handle
+    assert not registry_dir(server_pid).exists()  # gone with the server
+
+
+def served_pipeline(before: dict, after: dict) -> int:
+    """The pipeline whose thinker served the one request made between two ``inference_counts``."""
+    (pipeline,) = [p for p in (0, 1) if after[f"thinker_p{p}"] > before[f"thinker_p{p}"]]
+    return pipeline
 
 
 def per_pipeline(values: dict, metric: str, stage: str | None = None) -> dict[int, float]:
@@ -66,16 +80,23 @@ def wait_pipeline_idle(server, pipeline: int | None, timeout_s: float = 10.0) ->
         time.sleep(0.1)
 
 
-def test_each_pipeline_has_its_own_models_and_series(pipelines):
+def test_each_pipeline_has_its_own_models_orchestrator_and_series(pipelines):
     assert sorted(pipelines.server.repository_models()) == sorted(
         ["omni", "preprocess", "orchestrator"] + [f"{stage}_p{p}" for stage in STAGES for p in (0, 1)])
+    # one orchestrator process per pipeline
+    stubs = find_stub_instances(pipelines.server.process.pid, ["orchestrator"])["orchestrator"]
+    assert sorted(stubs) == ["orchestrator_p0_0", "orchestrator_p1_0"] and len(set(stubs.values())) == 2
     values = series(pipelines)
     for stage in ("thinker", "talker"):
         assert sorted(per_pipeline(values, "omni_kv_blocks_free", stage)) == [0, 1]
     assert sorted(per_pipeline(values, "omni_code2wav_decoded_frames_total")) == [0, 1]
-    # the orchestrator: the server's totals, unlabelled, and each pipeline's own
-    assert ("omni_active_requests", 'stage="orchestrator"') in values
-    assert sorted(per_pipeline(values, "omni_active_requests", "orchestrator")) == [0, 1]
+    # each orchestrator instance reports its own pipeline's series, and no unlabelled totals (sum over pipeline)
+    for metric in ("omni_active_requests", "omni_admission_queue_length", "omni_interstage_host_tensors_total"):
+        assert sorted(per_pipeline(values, metric, "orchestrator")) == [0, 1], metric
+    assert [key for key in values if 'stage="orchestrator"' in key[1] and "pipeline=" not in key[1]] == []
+    log = pipelines.server.log_path.read_text(errors="replace")
+    # python_backend's words for a metric or family it could not create, set or delete
+    assert not re.findall(r"^.*(?:when (?:creating|deleting) Metric|metric value|MetricFamily).*$", log, re.M)
 
 
 def test_concurrent_streams_spread_over_both_pipelines_and_equal_the_inprocess_pipeline(pipelines, inprocess):
@@ -86,32 +107,61 @@ def test_concurrent_streams_spread_over_both_pipelines_and_equal_the_inprocess_p
         served = [after[f"{stage}_p{p}"] - before[f"{stage}_p{p}"] for p in (0, 1)]
         assert min(served) > 0, (stage, served)
     threads = [after[f"thinker_p{p}"] - before[f"thinker_p{p}"] for p in (0, 1)]
-    assert sum(threads) == len(PROMPTS) and min(threads) >= len(PROMPTS) // 4, threads  # least loaded: balanced
+    assert sum(threads) == len(PROMPTS) and min(threads) >= len(PROMPTS) // 4, threads  # taken in turn: about even
     decoded = {p: frames - per_pipeline(frames_before, "omni_code2wav_decoded_frames_total")[p]
                for p, frames in per_pipeline(frames_after, "omni_code2wav_decoded_frames_total").items()}
     assert len(decoded) == 2 and all(value > 0 for value in decoded.values()), decoded
 
 
 def test_one_seed_gives_one_audio_on_either_pipeline(pipelines):
-    """Two requests at once with one seed: the second goes to the other pipeline (the least loaded), and both
-    pipelines sample the same text and audio."""
+    """One request at a time with one seed until each pipeline served one (Triton hands each to whichever orchestrator
+    instance is free): both pipelines sample the same text and audio."""
     sampled = dict(temperature=0.9, top_k=20, max_tokens=12, max_audio_frames=24, seed=7)
-    before = inference_counts(pipelines)
-    with ThreadPoolExecutor(2) as pool:
-        first, second = pool.map(lambda _: stream(pipelines, PROMPTS[2], **sampled), range(2))
-    after = inference_counts(pipelines)
-    assert [after[f"thinker_p{p}"] - before[f"thinker_p{p}"] for p in (0, 1)] == [1, 1]
+    results = {}
+    for _ in range(8):
+        before = inference_counts(pipelines)
+        result = stream(pipelines, PROMPTS[2], **sampled)
+        results.setdefault(served_pipeline(before, inference_counts(pipelines)), result)
+        if len(results) == 2:
+            break
+    assert sorted(results) == [0, 1], f"8 requests in a row all went to pipeline {list(results)}"
+    first, second = results[0], results[1]
     assert first.text and first.text == second.text
     assert first.audio.size and first.audio.size == second.audio.size
     np.testing.assert_allclose(first.audio, second.audio, atol=1e-4)
     wait_pipeline_idle(pipelines, None)
 
 
-def test_a_cancel_frees_the_pipeline_that_holds_the_request_and_the_other_goes_on(pipelines):
-    """A long request runs on pipeline 0 (both idle: the lowest index); a second one goes to pipeline 1 and is
-    cancelled at its first audio, its thinker most likely still writing. Pipeline 1 then holds nothing (its thinker
-    and talker freed their KV blocks, its vocoder its stream) while pipeline 0 still streams; cancelling that one
-    frees pipeline 0."""
+def cancel_at_first_audio_after(server, other_controls: int, text: str, **scalars) -> None:
+    """``cancel_at_first_audio``, with ``other_controls`` cancels of ids nobody holds sent between the request and
+    its cancel: Triton hands requests to the orchestrator instances in turn when they are all free, so a request's
+    cancel sent right after it reaches the other instance, and after one more control request the same one."""
+    client = OmniStreamClient(server.grpc_url)
+    first_audio = []
+
+    def on_audio(chunk):
+        if not first_audio:
+            first_audio.append(chunk)
+            with server.server.grpc_client() as other:
+                for index in range(other_controls):
+                    send_cancel(other, f"{NOBODY}-{index}")
+            client.cancel()
+
+    try:
+        with pytest.raises(StreamError, match="CANCELLED"):
+            client.stream(text, on_audio=on_audio, **scalars)
+    finally:
+        client.client.close()
+    assert first_audio, "the request was cancelled before it produced audio"
+
+
+def test_a_cancel_frees_the_pipeline_that_holds_the_request_whichever_instance_it_reaches(pipelines):
+    """A long request runs on one pipeline; short ones are cancelled at their first audio (``OmniStreamClient.cancel``:
+    its control request by request id, which Triton hands to either orchestrator instance) until cancels reached both
+    the instance that holds the request and the other one (the trace says which). Each cancelled request ends while
+    the long one streams on; cancelling that one too leaves nothing held anywhere."""
+    trace_dir = pipelines.server.log_path.parent / "trace"
+    started = time.monotonic()
     long_client = OmniStreamClient(pipelines.grpc_url)
     long_audio, long_error = [], []
 
@@ -123,6 +173,11 @@ def test_a_cancel_frees_the_pipeline_that_holds_the_request_and_the_other_goes_o
         except Exception as error:  # the cancel below ends it
             long_error.append(error)
 
+    def routings() -> set[bool]:
+        """Whether each cancel since the test began reached an instance holding its request."""
+        return {bool(record["held"]) for record in trace.read_records(trace_dir, "orchestrator_cancel")
+                if record["t"] >= started and not record["client_id"].startswith(NOBODY)}
+
     runner = threading.Thread(target=long_request)
     runner.start()
     try:
@@ -130,14 +185,23 @@ def test_a_cancel_frees_the_pipeline_that_holds_the_request_and_the_other_goes_o
         while not long_audio:
             assert time.monotonic() < deadline and runner.is_alive(), "the long request produced no audio"
             time.sleep(0.05)
-        assert per_pipeline(series(pipelines), "omni_active_requests", "orchestrator") == {0: 1.0, 1: 0.0}
-        cancel_at_first_audio(pipelines, "cancel me", max_tokens=60, max_audio_frames=4000, min_audio_frames=4000,
-                              ignore_eos=True, temperature=0.0, timeout_s=60)
-        values = wait_pipeline_idle(pipelines, 1)
-        assert runner.is_alive(), "the long request on pipeline 0 ended with the cancel"
-        # pipeline 0's talker still holds its request's KV blocks (its thinker is done after 4 tokens)
-        assert per_pipeline(values, "omni_kv_blocks_used", "talker")[0] > 0
-        assert per_pipeline(values, "omni_active_requests", "orchestrator") == {0: 1.0, 1: 0.0}
+        active = per_pipeline(series(pipelines), "omni_active_requests", "orchestrator")
+        (long_pipeline,) = [p for p, value in active.items() if value == 1.0]
+        for attempt in range(12):
+            cancel_at_first_audio_after(pipelines, attempt % 2, "cancel me", max_tokens=60, max_audio_frames=4000,
+                                        min_audio_frames=4000, ignore_eos=True, temperature=0.0, timeout_s=60)
+            deadline = time.monotonic() + 10  # the cancelled one ends (it would stream 4000 frames otherwise)
+            while per_pipeline(series(pipelines), "omni_active_requests", "orchestrator") != {
+                    long_pipeline: 1.0, 1 - long_pipeline: 0.0}:
+                assert time.monotonic() < deadline, "a cancelled request still runs"
+                time.sleep(0.1)
+            if routings() == {True, False}:
+                break
+        assert routings() == {True, False}, f"12 cancels all reached {'the holder' if True in routings() else 'the other'}"
+        values = wait_pipeline_idle(pipelines, 1 - long_pipeline)
+        assert runner.is_alive(), "the long request ended with a cancel of another"
+        # the long request's talker still holds its KV blocks (its thinker is done after 4 tokens)
+        assert per_pipeline(values, "omni_kv_blocks_used", "talker")[long_pipeline] > 0
     finally:
         long_client.cancel()
         runner.join(timeout=30)
@@ -148,12 +212,13 @@ def test_a_cancel_frees_the_pipeline_that_holds_the_request_and_the_other_goes_o
 
 
 def test_a_dead_stage_closes_its_pipeline_and_the_other_serves_on(pipelines):
-    """Last here: it kills pipeline 1's thinker (no --allow-stage-reload: it stays down). New requests all go to
-    pipeline 0 and succeed, where one pipeline would refuse every request until the stage is reloaded."""
+    """Last here: it kills pipeline 1's thinker (no --allow-stage-reload: it stays down). Pipeline 0's orchestrator
+    instance serves on; pipeline 1's refuses what Triton hands it with UNAVAILABLE naming the stage (a retry may land
+    on pipeline 0), and nothing more reaches pipeline 1's stages."""
     import os
     import signal
 
-    from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
+    from omni_triton.shared.stub_processes import stub_alive
 
     server_pid = pipelines.server.process.pid
     (victim,) = find_stub_instances(server_pid, ["thinker_p1"])["thinker_p1"].values()
@@ -163,9 +228,16 @@ def test_a_dead_stage_closes_its_pipeline_and_the_other_serves_on(pipelines):
         assert time.monotonic() < deadline, "the killed stub is still alive"
         time.sleep(0.05)
     before = inference_counts(pipelines)
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda prompt: stream(pipelines, prompt, max_tokens=6, max_audio_frames=8,
-                                                      temperature=0.0), PROMPTS[:3]))
-    assert all(result.text and result.audio.size for result in results)
+    served, refused = [], []
+    for prompt in PROMPTS[:8]:  # one at a time: each goes to either instance
+        try:
+            served.append(stream(pipelines, prompt, max_tokens=6, max_audio_frames=8, temperature=0.0))
+        except StreamError as error:
+            refused.append(error)
+        if served and refused:
+            break
+    assert served and all(result.text and result.audio.size for result in served)
+    assert refused and all(error.code == "UNAVAILABLE" and "thinker_p1 stage" in error.message()
+                           for error in refused), [str(error) for error in refused]
     after = inference_counts(pipelines)
-    assert after["thinker_p0"] - before["thinker_p0"] == 3 and after["talker_p1"] == before["talker_p1"]
+    assert after["thinker_p0"] - before["thinker_p0"] == len(served) and after["talker_p1"] == before["talker_p1"]

@@ -16,7 +16,7 @@ from omni_triton.pipeline.chat import ChatTokenizer
 from omni_triton.stages.orchestrator import REQUEST_INPUTS
 from omni_triton.shared.settings import STAGES, LaunchConfig
 from reliability_helpers import read_gauges, seconds_until_idle
-from server_fixture import start_server
+from server_fixture import start_servers
 
 pytestmark = pytest.mark.server
 
@@ -30,16 +30,15 @@ TURNS = [("Hello, who are you?", False), ("What did I just say?", True), ("Say i
 @pytest.fixture(scope="module")
 def servers(tiny_checkpoint, tmp_path_factory):
     """Cache off and on; audio chunks of fixed sizes (not cut by the clock), so one stream's audio is exact."""
-    handles = {}
+    runs = [(LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
+                          prefix_caching=caching, chunk_pacing="ramp", **TEST_LIMITS),
+             tmp_path_factory.mktemp(f"prefix-caching-{caching}")) for caching in (False, True)]
+    handles = dict(zip((False, True), start_servers(runs)))
     try:
-        for caching in (False, True):
-            config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
-                                  prefix_caching=caching, chunk_pacing="ramp", **TEST_LIMITS)
-            handles[caching] = start_server(config, tmp_path_factory.mktemp(f"prefix-caching-{caching}"))
         yield handles
     finally:
         for handle in handles.values():
-            handle.server.stop()
+            handle.stop_after_tests()
 
 
 @pytest.fixture(scope="module")

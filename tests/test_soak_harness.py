@@ -79,11 +79,13 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
     status = main(["--start-server", "--checkpoint", str(tiny_checkpoint), "--kv-cache-tokens", "2048",
                    "--max-inflight", "4", "--warmup", "1",
                    "--soak", "soak,burst,kill", "--kill-stages", "code2wav", "--goodput", "1",
-                   # the soak: 8 requests (seed 0: 2 to cancel, 2 to expire) over 10 s, never 8 at once
-                   "--soak-load", "0.6", "--soak-duration", "10", "--ttfa-window", "5", "--sample-every", "1",
+                   # the soak: 8 requests (seed 0: 2 to cancel, 2 to expire) over 6 s, never 8 at once; two
+                   # TTFA windows (the drift between them)
+                   "--soak-load", "1", "--soak-duration", "6", "--ttfa-window", "3", "--sample-every", "0.5",
                    # the burst: some 20 arrivals within a second against 4 slots and 4 places in the queue
-                   "--burst-load", "20", "--burst-seconds", "1", "--burst-around", "2", "4",
-                   "--kill-load", "1", "--kill-after", "3", "--kill-duration", "8",
+                   "--burst-load", "20", "--burst-seconds", "1", "--burst-around", "2", "2",
+                   # killed once code2wav holds a stream 1 s in (back some 4 s later: the last arrivals are served)
+                   "--kill-load", "1", "--kill-after", "1", "--kill-duration", "6",
                    "--mix-thinker-tokens", "4-16", "--mix-audio-frames", "40-60", "--cancel-fraction", "0.3",
                    "--deadline-fraction", "0.3", "--deadline-s", "0.3", "--arrival-seed", "0", "--out", str(out)])
     report = json.loads((out / "results.json").read_text())

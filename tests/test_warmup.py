@@ -176,6 +176,7 @@ def test_inprocess_pipeline_says_the_same_with_and_without_warm_up(tiny_checkpoi
 
 @pytest.mark.server
 def test_served_warm_start_reports_progress_and_serves(tiny_checkpoint, tmp_path, capsys):
+    """Each stage's warm-up, then one request end to end, all before ``serve`` says ready."""
     from omni_triton import cli
     from omni_triton.client import OmniStreamClient
     from omni_triton.launch.tritonserver import free_port
@@ -197,6 +198,8 @@ def test_served_warm_start_reports_progress_and_serves(tiny_checkpoint, tmp_path
     before_ready = out[:out.index("ready in ")]
     for stage in ("thinker", "talker", "code2wav"):
         assert re.search(rf"^{stage}: warm-up .*done in", before_ready, re.MULTILINE), out
+    # then one request through the whole served path (its hand-offs' first-use costs), before it says ready
+    assert re.search(r"first request through 1 pipeline\(s\): [0-9.]+ s", before_ready), out
     assert result.text and result.audio.size
 
 

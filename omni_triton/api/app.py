@@ -152,7 +152,7 @@ def _check_model(requested: str, served: str) -> None:
 async def _started(bridge: TritonBridge, omni: OmniRequest, request_id: str) -> AsyncIterator[Piece]:
     """The request's pieces, its first one already received (a refused request raises ApiError here); a failure
     later in the stream raises ApiError from the iterator."""
-    stream = bridge.stream(omni.inputs(), request_id)
+    stream = bridge.stream(omni.arrays(), request_id)
     try:
         first = await anext(stream, None)
     except TritonRequestError as error:

@@ -1,4 +1,4 @@
-"""The gRPC stream to Triton, on asyncio (``tritonclient.grpc.aio``): one stream per request, many at once on
+"""The gRPC stream to Triton, on asyncio (``triton_stream``): one stream per request, many at once on
 one event loop.
 
 A request that ends early (the HTTP client went away, or the handler failed) is cancelled on the server: its
@@ -17,17 +17,13 @@ from typing import AsyncIterator
 
 import grpc
 import numpy as np
-import tritonclient.grpc.aio as grpcaio
-from tritonclient.utils import InferenceServerException
 
 from omni_triton.api.errors import TritonRequestError
+from omni_triton.api.triton_stream import StreamChannel, infer_request, is_final
 from omni_triton.client import GRPC_ERROR_HEADERS, error_code, text_delta
 
 logger = logging.getLogger("omni_triton.api")
 CANCEL_TIMEOUT_S = 10.0
-# The aio client (2.50) has no ``enable_empty_final_response`` argument: it is this request parameter (what
-# the sync client's argument sets), without which a decoupled model's stream never says it is complete.
-FINAL_RESPONSE_PARAMETERS = {"triton_enable_empty_final_response": True}
 
 
 @dataclass
@@ -41,27 +37,20 @@ class Piece:
 class TritonBridge:
     def __init__(self, url: str, model: str = "omni"):
         self.url, self.model = url, model
-        self.client = grpcaio.InferenceServerClient(url)
+        self.streams = StreamChannel(url)  # requests and health (triton_stream says why not tritonclient's aio)
         self._cancels: set[asyncio.Task] = set()  # cancels under way: keep them referenced until done
         # the latest request ids whose cancel the orchestrator accepted (what a log reader or a test checks)
         self.cancelled: deque[str] = deque(maxlen=256)
 
     async def ready(self) -> bool:
         try:
-            return bool(await self.client.is_server_ready() and await self.client.is_model_ready(self.model))
-        except (InferenceServerException, grpc.RpcError):
+            return await self.streams.ready(self.model)
+        except grpc.RpcError:
             return False
 
-    async def stream(self, inputs: list, request_id: str) -> AsyncIterator[Piece]:
+    async def stream(self, arrays: dict[str, np.ndarray], request_id: str) -> AsyncIterator[Piece]:
         """The request's responses as they arrive; raises TritonRequestError for a failed request."""
-        finished = asyncio.Event()
-
-        async def requests():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id,
-                   "parameters": FINAL_RESPONSE_PARAMETERS}
-            await finished.wait()  # keep the stream open until the last response
-
-        responses = self.client.stream_infer(requests(), headers=GRPC_ERROR_HEADERS)
+        responses = self.streams.open(infer_request(self.model, arrays, request_id), GRPC_ERROR_HEADERS)
         complete = False
         try:
             async for result, error in responses:
@@ -71,7 +60,7 @@ class TritonBridge:
                 piece = _piece(result)
                 if piece.text or piece.audio is not None:
                     yield piece
-                if result.get_response().parameters["triton_final_response"].bool_param:
+                if is_final(result):
                     complete = True
                     return
             complete = True
@@ -80,8 +69,9 @@ class TritonBridge:
             complete = True
             raise TritonRequestError(error.code().name, error.details() or str(error)) from None
         finally:
-            finished.set()
-            if not complete:
+            if complete:
+                responses.close()
+            else:
                 responses.cancel()
                 self._cancel_in_background(request_id)
 
@@ -93,36 +83,27 @@ class TritonBridge:
 
     async def cancel(self, request_id: str) -> None:
         """Send the orchestrator a control ``cancel`` for ``request_id`` (a stream of its own)."""
-        control = grpcaio.InferInput("CONTROL", [1], "BYTES")
-        control.set_data_from_numpy(np.array([b"cancel"], dtype=np.object_))
-        answered = asyncio.Event()
-
-        async def requests():
-            yield {"model_name": "orchestrator", "inputs": [control], "request_id": request_id,
-                   "parameters": FINAL_RESPONSE_PARAMETERS}
-            await answered.wait()
-
-        responses = self.client.stream_infer(requests())
+        control = {"CONTROL": np.array([b"cancel"], dtype=np.object_)}
+        responses = self.streams.open(infer_request("orchestrator", control, request_id))
         try:
             async with asyncio.timeout(CANCEL_TIMEOUT_S):
                 async for result, error in responses:
                     if error is not None:
                         logger.warning("cancel of %s failed: %s", request_id, error)
                         return
-                    if result.get_response().parameters["triton_final_response"].bool_param:
+                    if is_final(result):
                         self.cancelled.append(request_id)
                         logger.info("request %s cancelled: its client went away", request_id)
                         return
         except (TimeoutError, grpc.RpcError) as error:
             logger.warning("cancel of %s not answered: %s", request_id, error)
         finally:
-            answered.set()
             responses.cancel()
 
     async def close(self) -> None:
         if self._cancels:
             await asyncio.wait(self._cancels, timeout=CANCEL_TIMEOUT_S)
-        await self.client.close()
+        await self.streams.close()
 
 
 def _piece(result) -> Piece:

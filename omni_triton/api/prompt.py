@@ -1,4 +1,4 @@
-"""OpenAI requests -> the ``omni`` model's inputs (``omni_triton.client.build_inputs``), and back: which request
+"""OpenAI requests -> the ``omni`` model's inputs (``omni_triton.client.request_arrays``), and back: which request
 field set each Triton input, so that the model's INVALID_ARG ("SPEAKER must be one of ...") names the field
 the client sent.
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from omni_triton.api.errors import invalid
 from omni_triton.api.schema import AudioPart, ChatCompletionRequest, OmniExtensions, SpeechRequest, TextPart
-from omni_triton.client import build_inputs, read_wav
+from omni_triton.client import read_wav, request_arrays
 
 # Triton input -> request field, per endpoint (the extensions go by the input's own name)
 EXTENSION_PARAMS = {name.upper(): name for name in OmniExtensions.model_fields}
@@ -44,12 +44,13 @@ class OmniRequest:
     """What one API request asks of the ``omni`` model."""
 
     turn: UserTurn
-    scalars: dict  # build_inputs' keyword inputs
+    scalars: dict  # request_arrays' keyword inputs
     params_of_inputs: dict[str, str]
 
-    def inputs(self) -> list:
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The ``omni`` request's input tensors by name."""
         history = json.dumps(self.turn.history) if self.turn.history else None
-        return build_inputs(self.turn.text, self.turn.audio, history=history, **self.scalars)
+        return request_arrays(self.turn.text, self.turn.audio, history=history, **self.scalars)
 
 
 def user_turn(request: ChatCompletionRequest) -> UserTurn:

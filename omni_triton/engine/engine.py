@@ -498,25 +498,22 @@ class EngineLoop:
         device = self.engine.runner.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        stop = False
         while True:
             # Everything queued behind a slow consumer goes at once, a request's outputs merged into one: a
             # Triton stage sends one response per callback, and at 64 streams a response per step per request
             # fell behind the steps (the talker's first frames waited seconds in this queue), while a merged
             # output costs one send however many steps it covers. Outputs not due yet (output_batching.py) wait
             # here for the next round, or for their hold time to run out.
-            outputs = []
-            if not stop:
-                try:
-                    outputs.append(self._responses.get(timeout=self._held.wait_s(time.monotonic())))
-                except queue.Empty:
-                    pass
+            try:
+                outputs = [self._responses.get(timeout=self._held.wait_s(time.monotonic()))]
+            except queue.Empty:
+                outputs = []  # only held outputs whose hold ran out
             while outputs and outputs[-1] is not None:
                 try:
                     outputs.append(self._responses.get_nowait())
                 except queue.Empty:
                     break
-            stop = stop or (bool(outputs) and outputs[-1] is None)
+            stop = bool(outputs) and outputs[-1] is None
             outputs = [output for output in outputs if output is not None]
             # callbacks embed, cast, concatenate and export on the response thread's own stream (handoff.py); held
             # outputs were made there in an earlier round, so they need no wait

@@ -16,6 +16,7 @@ On the CPU there are no streams: both are no-ops and the work runs in program or
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
@@ -71,8 +72,8 @@ class InputStream:
 
     def owned_copies(self, tensors: list[torch.Tensor],
                      check: Callable[..., None] | None = None) -> list[torch.Tensor]:
-        """Copies of ``tensors``, complete on return; ``check(*copies)`` (a validation that reads them on the
-        host) runs on this stream too, so its read waits for the copies alone."""
+        """Copies of ``tensors`` on this stream's device, complete on return; ``check(*copies)`` (a validation
+        that reads them on the host) runs on this stream too, so its read waits for the copies alone."""
         if self.stream is None:
             copies = [tensor.clone() for tensor in tensors]
             if check is not None:
@@ -80,7 +81,11 @@ class InputStream:
             return copies
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            copies = [tensor.clone() for tensor in tensors]
+            # onto this device, not a clone where the input lies: an input from another GPU (the split layout's
+            # talker gets the thinker's rows from GPU 0) was cloned on that GPU's current stream, which this
+            # stream's synchronize does not wait for, and read before the clone was written (the talker found no
+            # assistant turn in half of its prompts under load)
+            copies = [tensor.to(self.device, copy=True) for tensor in tensors]
             if check is not None:
                 check(*copies)
         self.stream.synchronize()
@@ -97,3 +102,25 @@ def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.is_cuda:
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def complete_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A small tensor that is complete already (a request input Triton handed over, or a copy ``InputStream`` waited
+    for) on the host, read on a stream of its own: read on the thread's current stream, the copy would wait for
+    every engine step queued there first. Only for such tensors: one still being written by work queued on the
+    current stream would be read before that work ran."""
+    if not tensor.is_cuda:
+        return tensor
+    with torch.cuda.stream(_reading_stream(tensor.device)):
+        return tensor.cpu()
+
+
+_reading_streams: dict[torch.device, torch.cuda.Stream] = {}
+_reading_streams_lock = threading.Lock()
+
+
+def _reading_stream(device: torch.device) -> torch.cuda.Stream:
+    with _reading_streams_lock:
+        if device not in _reading_streams:
+            _reading_streams[device] = torch.cuda.Stream(device)
+        return _reading_streams[device]

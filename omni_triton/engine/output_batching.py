@@ -62,6 +62,8 @@ class HeldOutputs:
     def due(self, merged: list[Any], now: float) -> list[Any]:
         """Of ``merged`` (this round's outputs, one per request, each merged with its held one), those due now in
         their order; the others are held."""
+        if not self.policy.holds:  # nothing is ever held: no bookkeeping on the response thread
+            return merged
         due = []
         for output in merged:
             request_id = output.request_id
@@ -86,7 +88,7 @@ class HeldOutputs:
 
     def _is_due(self, output: Any, since: float, now: float) -> bool:
         policy = self.policy
-        if output.finished or not policy.holds or now - since >= policy.max_hold_s:
+        if output.finished or now - since >= policy.max_hold_s:
             return True
         tokens = len(output.new_token_ids)
         delivered = self._delivered.get(output.request_id)

@@ -33,6 +33,7 @@ from omni_triton.engine.sequence import Sequence
 from omni_triton.engine.stage import Chunk, StageModel
 from omni_triton.models.layers.attention import AttentionBatch, DecodeBatch
 from omni_triton.models.layers.fast_kernels import fused_steps_on, set_fast_kernels, set_linear_launch
+from omni_triton.models.layers.fp8 import activation_dtype
 
 MAIN_STREAM = ""  # the sampled token of each row; stages may name more streams (talker: "predictor")
 
@@ -70,9 +71,8 @@ class ModelRunner:
         self.fast = fast_path and self.device.type == "cuda"
         model = getattr(stage, "model", None)
         # what the graphs' static hidden-state inputs hold (a stage without a torch model: its KV dtype); FP8
-        # weights (layers.fp8) are not the activations' dtype
-        self.model_dtype = (next(p.dtype for p in model.parameters() if p.dtype != torch.float8_e4m3fn)
-                            if isinstance(model, torch.nn.Module) else kv_dtype)
+        # weights and their float32 block scales (layers.fp8) are not the activations' dtype
+        self.model_dtype = activation_dtype(model) if isinstance(model, torch.nn.Module) else kv_dtype
         if isinstance(model, torch.nn.Module):
             set_fast_kernels(model, self.fast)
             set_linear_launch(model, linear_launch)  # before the graphs capture it

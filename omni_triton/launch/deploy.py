@@ -245,13 +245,13 @@ def _adapter_rules(values: Values, labels: dict) -> dict:
     """prometheus-adapter's custom-metrics rules for the HPA's two metrics, as a ConfigMap to merge into the
     adapter's config (its Helm chart: ``rules.custom``). Per pod, so the HPA averages over the pods."""
     pod = {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}}
-    # the orchestrator's server totals carry no pipeline label (serve --pipelines adds a series per pipeline
-    # beside them), and a pipeline's vocoder is the model code2wav_p<k>
+    # the pod's streams: the sum of its orchestrator series (one, or with serve --pipelines one per pipeline, each
+    # labelled pipeline), and a pipeline's vocoder is the model code2wav_p<k>
     code2wav = 'model=~"code2wav(_p[0-9]+)?"'
     rules = [
         {"seriesQuery": 'omni_active_requests{stage="orchestrator",namespace!="",pod!=""}', "resources": pod,
          "name": {"matches": "^omni_active_requests$", "as": STREAMS_METRIC},
-         "metricsQuery": 'sum(<<.Series>>{<<.LabelMatchers>>,stage="orchestrator",pipeline=""}) by (<<.GroupBy>>)'},
+         "metricsQuery": 'sum(<<.Series>>{<<.LabelMatchers>>,stage="orchestrator"}) by (<<.GroupBy>>)'},
         {"seriesQuery": f'nv_inference_queue_duration_us{{{code2wav},namespace!="",pod!=""}}', "resources": pod,
          "name": {"matches": "^nv_inference_queue_duration_us$", "as": QUEUE_METRIC},
          "metricsQuery": (f'sum(rate(nv_inference_queue_duration_us{{<<.LabelMatchers>>,{code2wav}}}[1m])) '

@@ -312,7 +312,8 @@ def _plan_gpu(footprint: Footprint, gpu: int, free_bytes: int, device_name: str,
     stage_bytes = {"thinker": footprint.thinker_bytes, "talker": footprint.talker_bytes,
                    "code2wav": footprint.code2wav_bytes, "orchestrator": 0}
     weights = sum(stage_bytes[stage] * count for stage, count in held.items())
-    # the orchestrator handles every stage's tensors, so it holds a CUDA context on each GPU, its own or not
+    # an orchestrator handles its pipeline's tensors, so it holds a CUDA context on each GPU of its pipeline, its
+    # own or not (one per pipeline: placement.held counts it on its own GPU)
     processes = gpu_processes or (1 + sum(held.values()) + ("orchestrator" not in held))
     engines = held.get("thinker", 0) + held.get("talker", 0)
     activations = (footprint.code2wav_frame_bytes * frames * code2wav_batch

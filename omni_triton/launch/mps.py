@@ -19,8 +19,9 @@ sees their GPUs, and the device numbers tritonserver is given must be the daemon
 - ``on``: the same, but no MPS is an error. ``off``: never.
 
 Our own daemon is started with this server's environment (so its ``CUDA_VISIBLE_DEVICES``) and private pipe and
-log directories (nothing else on the host talks to it); tritonserver gets those directories and no
-``CUDA_VISIBLE_DEVICES`` (it sees exactly the daemon's GPUs, as NVIDIA's MPS guide asks of clients). It is told
+log directories (nothing else on the host talks to it); tritonserver gets those directories and the daemon's GPUs
+by their positions in it (``CUDA_VISIBLE_DEVICES=0`` for a server pinned to GPU 3: a client's list is read
+against the daemon's, and torch's NVML-based GPU count must see one GPU too). It is told
 to quit when the server stops, and a daemon left by a ``serve`` that was killed is quit by the next one's start.
 MPS is a daemon, not a GPU setting: the GPU's compute mode is left as it is.
 """
@@ -107,9 +108,18 @@ def start_mps(choice: str, gpu: bool, environ: dict[str, str] | None = None) -> 
             raise MpsError(f"--mps on: {why}")
         return MpsDaemon(note=f"off ({why})")
     gpus = f"GPUs {environ[VISIBLE]}" if VISIBLE in environ else "every GPU"
-    # tritonserver gets no CUDA_VISIBLE_DEVICES: the daemon already holds only our GPUs, numbered from 0
-    return MpsDaemon(environment={**env, VISIBLE: None}, own_directory=own, binary=binary,
-                     note=f"{passed_over}own control daemon on {gpus} (pipe {env[PIPE]})")
+    return MpsDaemon(environment={**env, VISIBLE: _own_daemon_positions(environ.get(VISIBLE))}, own_directory=own,
+                     binary=binary, note=f"{passed_over}own control daemon on {gpus} (pipe {env[PIPE]})")
+
+
+def _own_daemon_positions(our_visible: str | None) -> str | None:
+    """tritonserver's CUDA_VISIBLE_DEVICES under a daemon of our own: every one of the daemon's GPUs, by its
+    position (0..n-1), or unset when the daemon sees every GPU. Not unset for a pinned server: CUDA under MPS
+    then shows the daemon's GPUs alone, but torch counts GPUs through NVML, which knows nothing of MPS and
+    reads CUDA_VISIBLE_DEVICES: unset, it counted every GPU of the host, and torch's first CUDA call in each
+    stub failed ("device=1, num_gpus=1" on GPU 0 of a four-GPU host)."""
+    ours = _gpus(our_visible)
+    return None if ours is None else ",".join(str(position) for position in range(len(ours)))
 
 
 def _the_hosts_daemon(pipe: Path, our_visible: str | None) -> tuple[MpsDaemon | None, str]:

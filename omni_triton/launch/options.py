@@ -161,8 +161,9 @@ def add_placement_arguments(group) -> None:
     group.add_argument("--pipelines", type=int, default=Placement.pipelines, metavar="N",
                        help="whole pipelines (thinker, talker, code2wav) in this server, each on its own GPU group: "
                             "pipeline k on GPU k, or with --stage-gpus on that layout shifted by k groups; each "
-                            "request stays on one, the least loaded, from admission to its last chunk; "
-                            "--max-inflight and the admission limits count per pipeline (default: %(default)s)")
+                            "pipeline has its own orchestrator process, and a request stays on the pipeline of the "
+                            "one that took it from admission to its last chunk; --max-inflight and the admission "
+                            "limits count per pipeline (default: %(default)s)")
 
 
 def _option_type(parse: Callable[[str], dict]) -> Callable[[str], dict]:

@@ -5,7 +5,8 @@ Each template's config.pbtxt holds ``${name}`` placeholders (string.Template) fo
 as JSON (``LaunchConfig.to_json``), which every stage stub reads back with the same class
 (``omni_triton.stages.model_args.launch_settings``). Every model.py and other file is copied as-is. With
 ``--pipelines N`` the pipeline stages' templates (thinker, talker, code2wav) are rendered once per pipeline, as
-``thinker_p0`` ... (``placement.pipeline_model``), each with its pipeline's GPUs in its instance_group.
+``thinker_p0`` ... (``placement.pipeline_model``), each with its pipeline's GPUs in its instance_group; the
+orchestrator once, with an instance group per pipeline (``Placement.instance_group``).
 """
 
 from __future__ import annotations

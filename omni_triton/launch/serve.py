@@ -8,6 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
+from omni_triton.launch.first_request import send_first_requests
 from omni_triton.launch.options import (add_engine_arguments, add_load_arguments, add_memory_arguments,
                                         add_model_source_arguments, add_placement_arguments, flag_settings,
                                         model_source, placement, with_kv_budget)
@@ -16,6 +17,7 @@ from omni_triton.launch.mps import MPS_CHOICES
 from omni_triton.launch.python_backend import PYTHON_BACKEND_CHOICES
 from omni_triton.launch.tritonserver import (ServerOptions, TritonInstall, TritonServer, find_tritonserver,
                                              process_tree_rss_bytes)
+from omni_triton.shared.drain import DRAIN_S
 from omni_triton.shared.settings import CODE2WAV_RUNTIMES, INTERSTAGE_MEMORY, STAGES, LaunchConfig
 from omni_triton.warmup_progress import PROGRESS_MARK
 
@@ -98,8 +100,24 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "daemon when it sees this server's GPUs (CUDA_VISIBLE_DEVICES), else starts one of its "
                              "own on them when nvidia-cuda-mps-control is installed, else goes without; on insists; "
                              "off never (default: %(default)s)")
+    server.add_argument("--drain-seconds", type=_drain_seconds, default=DRAIN_S,
+                        help="on stop (Ctrl-C, SIGTERM), streams in flight may run this long before they are ended with "
+                             "UNAVAILABLE 'server shutting down'; new requests are refused meanwhile; keep it below "
+                             "tritonserver's 10 s exit timeout (default: %(default)s)")
     server.add_argument("--ready-timeout", type=float, default=900.0,
                         help="seconds; warm start (--warmup) is part of it (default: %(default)s)")
+
+
+def _drain_seconds(text: str) -> float:
+    """--drain-seconds: below tritonserver's exit timeout, which the aborts and unloads after the drain need too."""
+    exit_timeout_s = ServerOptions.exit_timeout_s
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= seconds < exit_timeout_s:
+        raise argparse.ArgumentTypeError(f"must be in [0, {exit_timeout_s}) (tritonserver's exit timeout), got {text}")
+    return seconds
 
 
 def _tiny_checkpoint() -> Path:
@@ -126,7 +144,8 @@ def server_options(args: argparse.Namespace, config: LaunchConfig) -> ServerOpti
     """The tritonserver options of ``serve`` (``deploy render`` checks its manifests against them)."""
     return ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                          metrics_port=args.metrics_port, gpu=config.device == "cuda",
-                         gpu_ids=config.placement.used_gpus(), stage_reload=args.allow_stage_reload, mps=args.mps)
+                         gpu_ids=config.placement.used_gpus(), stage_reload=args.allow_stage_reload, mps=args.mps,
+                         drain_s=args.drain_seconds)
 
 
 def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
@@ -148,6 +167,9 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     print(f"  CUDA MPS: {server.mps.note}", flush=True)
     try:
         waited = server.wait_ready(timeout_s=args.ready_timeout)
+        if config.resolved_warmup and models is None:  # the whole pipeline is served: one request through it
+            first_s = send_first_requests(server.grpc_url, count=config.placement.pipelines)
+            print(f"  first request through {config.placement.pipelines} pipeline(s): {first_s:.1f} s", flush=True)
     except BaseException:
         server.stop()
         raise

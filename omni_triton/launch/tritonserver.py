@@ -30,6 +30,9 @@ from typing import Callable
 from omni_triton.shared import bundled_backend
 from omni_triton.launch.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
 from omni_triton.launch.mps import MpsDaemon, start_mps
+from omni_triton.launch.drain import drain_orchestrator
+from omni_triton.shared.cancel_registry import remove_registry
+from omni_triton.shared.drain import DRAIN_S
 from omni_triton.shared.procfs import PARENT, stat_fields
 from omni_triton.shared.placement import model_stage
 from omni_triton.shared.repository_api import reload_model
@@ -216,6 +219,8 @@ class ServerOptions:
     cuda_memory_pool_bytes: int = 256 << 20  # GPU tensors cross stub processes through this pool
     log_verbose: int = 0
     exit_timeout_s: int = 10
+    # a graceful stop first lets the streams in flight run this long (the orchestrator's drain), then ends them
+    drain_s: float = DRAIN_S
     extra_args: list[str] = field(default_factory=list)
     mps: str = "off"  # CUDA MPS for the stages sharing a GPU: auto | on | off (omni_triton.launch.mps)
 
@@ -237,6 +242,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.mps: MpsDaemon | None = None
         self.stop_outcome = ""  # how the last stop ended: "graceful", or the signal it had to escalate to
+        self.drain_outcome: str | None = None  # why the last graceful stop did not drain (None: it did, or none ran)
         self._stop_echo = threading.Event()
         self._reloads = 0  # models reloaded alone (reload_alone): each reload's config names its number
 
@@ -285,6 +291,10 @@ class TritonServer:
             args += [f"--cuda-memory-pool-byte-size={gpu}:{o.cuda_memory_pool_bytes}" for gpu in o.gpu_ids]
         else:  # no CUDA driver: don't try to pin host memory
             args.append("--pinned-memory-pool-byte-size=0")
+            # Triton loads 4 models at a time: the fifth stage would start its stub only once one of the first four
+            # is loaded, a core idle meanwhile. On the CPU the loads share nothing to race on (on a GPU they share
+            # its memory): all at once.
+            args.append(f"--model-load-thread-count={max(len(self.repository_models()), 4)}")
         if self.install.supports("--allow-client-shm"):  # Triton >= 2.69 refuses client shm otherwise
             args.append("--allow-client-shm=true")
         return args + list(o.extra_args)
@@ -345,9 +355,14 @@ class TritonServer:
         return sorted(p.name for p in self.repository.iterdir() if (p / "config.pbtxt").is_file())
 
     def stop(self, timeout_s: float = 20.0, graceful: bool = True) -> int | None:
-        """SIGINT (graceful: Triton drains requests and unloads every model), then SIGTERM, then SIGKILL, to
-        the whole group; SIGKILL at once when not ``graceful``."""
+        """Drain the orchestrator (graceful: the streams in flight end while the server still takes their stage
+        calls), then SIGINT (Triton unloads every model), then SIGTERM, then SIGKILL, to the whole group; SIGKILL
+        at once when not ``graceful``."""
         self._stop_echo.set()
+        self.drain_outcome = None
+        if graceful and self.process is not None and self.process.poll() is None \
+                and "orchestrator" in self.repository_models():
+            self.drain_outcome = drain_orchestrator(self.grpc_url, self.options.drain_s)
         try:
             return self._stop_server(timeout_s, graceful)
         finally:
@@ -378,6 +393,7 @@ class TritonServer:
                 continue
         self._kill_leftover_group(process.pid)
         self._remove_shared_memory()
+        remove_registry(process.pid)  # what the orchestrator instances' cancel registry held when it went
         return process.returncode
 
     @staticmethod

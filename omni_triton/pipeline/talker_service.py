@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, TalkerStage
-from omni_triton.engine.handoff import to_device_async
+from omni_triton.engine.handoff import complete_to_host, to_device_async
 from omni_triton.engine.warmup import warm_up
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_talker, load_thinker_embedding_rows
@@ -103,7 +103,8 @@ class TalkerService:
         if speaker is None:
             raise ValueError(f"SPEAKER_ID {request.speaker_id} is not a speaker of this checkpoint "
                              f"({sorted(self._speaker_names)})")
-        prompt_ids = first_chunk.row_ids[:first_chunk.prompt_len].tolist()
+        # the rows are the request's owned copy, complete (InputStream): read without waiting for queued steps
+        prompt_ids = complete_to_host(first_chunk.row_ids[:first_chunk.prompt_len]).tolist()
         inputs = TalkerInputs(self.model, self.config, prompt_ids, speaker, self.tts_token_embeds)
         with self._lock:
             self._pending[request_id] = (inputs, request, on_output)

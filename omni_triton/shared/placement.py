@@ -8,18 +8,20 @@ talker=1:2 --instances talker=2`` runs four talker instances, two on each of GPU
 
 Only the talker and code2wav take more than one instance. Their requests either belong to one sequence (the
 talker: Triton's sequence batcher sends every chunk of a correlation id, its abort included, to the instance
-holding it) or stand alone (a code2wav chunk). The thinker and the orchestrator take control requests by
-request id (an abort, a client's cancel) that Triton would route to any instance, not the one holding the
-request; they run one instance each.
+holding it) or stand alone (a code2wav chunk). The thinker takes aborts by request id that Triton would route to
+any instance, not the one holding the request; it runs one instance (per pipeline).
 
 Pipelines (``--pipelines N``): N copies of thinker, talker and code2wav, each copy its own Triton models
-(``thinker_p0``, ``talker_p0``, ``code2wav_p0``, ``thinker_p1``, ...: ``pipeline_model``) on its own GPUs. The
-orchestrator (one for the server) sends each request to one pipeline and every call of that request to that
-pipeline's models by name, so a request's tensors stay on its pipeline's GPUs and its aborts reach the one thinker
-that holds it. ``--stage-gpus`` and ``--instances`` describe pipeline 0; pipeline k runs the same layout shifted
-by k GPU groups (a group: GPUs 0 to the highest pipeline 0 uses), so ``--pipelines 2`` puts pipeline 1 on GPU 1,
-and ``--pipelines 2 --stage-gpus thinker=0,talker=1,code2wav=1`` puts it on GPUs 2 and 3. One pipeline keeps the
-stages' own names (``thinker``, ...).
+(``thinker_p0``, ``talker_p0``, ``code2wav_p0``, ``thinker_p1``, ...: ``pipeline_model``) on its own GPUs, and one
+orchestrator instance per pipeline (the one ``orchestrator`` model, an instance group per pipeline named
+``orchestrator_p<k>`` on that pipeline's GPU: ``orchestrator_pipeline`` reads the pipeline back from the instance's
+name). Each orchestrator instance sends its requests, and every call of theirs, to its own pipeline's models by
+name, so a request's tensors stay on its pipeline's GPUs and its aborts reach the one thinker that holds it; one
+orchestrator process per pipeline keeps the orchestrator's own CPU work (one GIL) from capping the server.
+``--stage-gpus`` and ``--instances`` describe pipeline 0; pipeline k runs the same layout shifted by k GPU groups (a
+group: GPUs 0 to the highest pipeline 0 uses), so ``--pipelines 2`` puts pipeline 1 on GPU 1, and ``--pipelines 2
+--stage-gpus thinker=0,talker=1,code2wav=1`` puts it on GPUs 2 and 3. One pipeline keeps the stages' own names
+(``thinker``, ...) and its orchestrator instance group Triton's default one.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from typing import Mapping
 GPU_STAGES = ("thinker", "talker", "code2wav", "orchestrator")  # preprocess runs on the CPU
 ENGINE_STAGES = ("thinker", "talker")
 REPLICABLE_STAGES = ("talker", "code2wav")
-PIPELINE_STAGES = ("thinker", "talker", "code2wav")  # one copy per pipeline; preprocess and orchestrator: one each
+PIPELINE_STAGES = ("thinker", "talker", "code2wav")  # one model per pipeline; preprocess and orchestrator: one each
+PER_PIPELINE_STAGES = (*PIPELINE_STAGES, "orchestrator")  # instances per pipeline (the orchestrator's in one model)
 _PIPELINE_MODEL = re.compile(r"^(%s)_p(\d+)$" % "|".join(PIPELINE_STAGES))
+_ORCHESTRATOR_INSTANCE = re.compile(r"^orchestrator_p(\d+)_\d+$")  # Triton names instances <group>_<index>
 
 
 def pipeline_model(stage: str, pipeline: int, pipelines: int) -> str:
@@ -45,6 +49,18 @@ def model_stage(model: str) -> tuple[str, int]:
     """(stage, pipeline) of a model that ``pipeline_model`` named (any other model: its own name, pipeline 0)."""
     match = _PIPELINE_MODEL.match(model)
     return (match.group(1), int(match.group(2))) if match else (model, 0)
+
+
+def orchestrator_pipeline(instance_name: str, pipelines: int) -> int:
+    """The pipeline an orchestrator instance serves, from its Triton instance name (``orchestrator_p1_0``: the
+    instance of group ``orchestrator_p1``, ``Placement.instance_group``); with one pipeline, 0."""
+    if pipelines == 1:
+        return 0
+    match = _ORCHESTRATOR_INSTANCE.match(instance_name)
+    if match is None or int(match.group(1)) >= pipelines:
+        raise ValueError(f"orchestrator instance {instance_name!r} names none of {pipelines} pipelines "
+                         "(expected orchestrator_p<k>_<index>)")
+    return int(match.group(1))
 
 
 class PlacementError(ValueError):
@@ -75,18 +91,18 @@ class Placement:
                     f"--instances {stage}={count}: only {' and '.join(REPLICABLE_STAGES)} take more than one "
                     f"instance ({stage} takes control requests by request id, which Triton routes to any instance; "
                     f"for more thinkers run whole pipelines: --pipelines N)")
-        thinker_gpus = self.gpus_of("thinker")
-        if "thinker" in self.gpus and len(thinker_gpus) > 1:
-            raise PlacementError(f"--stage-gpus thinker={_ids(thinker_gpus)}: the thinker runs one instance, on "
-                                 "one GPU")
+        for stage in ("thinker", "orchestrator"):  # one instance per pipeline: control requests find it by id
+            if stage in self.gpus and len(self.gpus[stage]) > 1:
+                raise PlacementError(f"--stage-gpus {stage}={_ids(self.gpus[stage])}: the {stage} runs one instance "
+                                     "per pipeline, on one GPU")
 
     def gpus_of(self, stage: str, pipeline: int = 0) -> tuple[int, ...]:
-        """The GPUs of ``stage`` in ``pipeline``: its own, else the orchestrator follows the thinker (of pipeline
-        0: it is one for all), and every stage defaults to GPU 0; pipeline k's shifted by k GPU groups."""
+        """The GPUs of ``stage`` in ``pipeline``: its own, else the orchestrator follows the thinker, and every stage
+        defaults to GPU 0; pipeline k's shifted by k GPU groups."""
         if stage == "orchestrator" and stage not in self.gpus:
-            return self.gpus_of("thinker")
+            return self.gpus_of("thinker", pipeline)
         ids = tuple(self.gpus[stage]) if stage in self.gpus else (0,)
-        shift = pipeline * self.group_size if stage in PIPELINE_STAGES else 0
+        shift = pipeline * self.group_size if stage in PER_PIPELINE_STAGES else 0
         return tuple(gpu + shift for gpu in ids)
 
     @property
@@ -95,10 +111,9 @@ class Placement:
         return 1 + max(gpu for stage in GPU_STAGES for gpu in (self.gpus[stage] if stage in self.gpus else (0,)))
 
     def pipeline_gpu(self, pipeline: int) -> int:
-        """Where the orchestrator asks ``pipeline``'s stage outputs to land: its own GPU's counterpart in that
-        pipeline's group (the thinker's, by default; a stage on another GPU of the group gets them device to
-        device, as in one pipeline)."""
-        return self.gpus_of("orchestrator")[0] + pipeline * self.group_size
+        """Where ``pipeline``'s orchestrator instance runs and asks its stage outputs to land: the thinker's GPU of
+        that pipeline by default (a stage on another GPU of the group gets them device to device)."""
+        return self.gpus_of("orchestrator", pipeline)[0]
 
     def models(self, pipeline: int) -> dict[str, str]:
         """stage -> the Triton model of it in ``pipeline`` (``pipeline_model``)."""
@@ -108,22 +123,35 @@ class Placement:
         return self.instances.get(stage, 1)
 
     def pipelines_of(self, stage: str) -> range:
-        """The pipelines that have a copy of ``stage`` (the orchestrator is one for all: pipeline 0's)."""
+        """The pipelines that have a model of ``stage`` of their own (the orchestrator is one model for all)."""
         return range(self.pipelines) if stage in PIPELINE_STAGES else range(1)
 
+    def instance_pipelines(self, stage: str) -> range:
+        """The pipelines that have instances of ``stage`` of their own (the orchestrator too: one each)."""
+        return range(self.pipelines) if stage in PER_PIPELINE_STAGES else range(1)
+
     def used_gpus(self) -> tuple[int, ...]:
-        return tuple(sorted({gpu for stage in GPU_STAGES for pipeline in self.pipelines_of(stage)
+        return tuple(sorted({gpu for stage in GPU_STAGES for pipeline in self.instance_pipelines(stage)
                              for gpu in self.gpus_of(stage, pipeline)}))
 
     def held(self, gpu: int) -> dict[str, int]:
         """stage -> instances of it on ``gpu``, over every pipeline (stages with none left out)."""
         held = {stage: self.count(stage) * sum(gpu in self.gpus_of(stage, pipeline)
-                                               for pipeline in self.pipelines_of(stage)) for stage in GPU_STAGES}
+                                               for pipeline in self.instance_pipelines(stage)) for stage in GPU_STAGES}
         return {stage: count for stage, count in held.items() if count}
 
     def instance_group(self, stage: str, device: str, pipeline: int = 0) -> str:
         """The ``instance_group`` block of ``stage``'s config.pbtxt (in ``pipeline``) on ``device`` (cpu: the
-        count only)."""
+        count only). With pipelines, the orchestrator's has a group per pipeline, ``orchestrator_p<k>``, of one
+        instance on that pipeline's GPU: Triton names its instance ``orchestrator_p<k>_0`` on either device, which
+        tells it its pipeline (``orchestrator_pipeline``; one group listing every GPU would name all its instances
+        ``orchestrator_0_0``)."""
+        if stage == "orchestrator" and self.pipelines > 1:
+            kind = "KIND_CPU" if device == "cpu" else "KIND_GPU"
+            groups = [f'{{ name: "orchestrator_p{pipeline}" count: 1 kind: {kind}'
+                      + ("" if device == "cpu" else f" gpus: [ {self.pipeline_gpu(pipeline)} ]") + " }"
+                      for pipeline in range(self.pipelines)]
+            return f"instance_group [ {', '.join(groups)} ]"
         if device == "cpu":
             return f"instance_group [ {{ count: {self.count(stage)} kind: KIND_CPU }} ]"
         return (f"instance_group [ {{ count: {self.count(stage)} kind: KIND_GPU "
@@ -135,7 +163,8 @@ class Placement:
         def where(stage: str) -> str:
             if device != "cuda":
                 return ""
-            return " on GPU " + " | ".join(_ids(self.gpus_of(stage, pipeline)) for pipeline in self.pipelines_of(stage))
+            return " on GPU " + " | ".join(_ids(self.gpus_of(stage, pipeline))
+                                           for pipeline in self.instance_pipelines(stage))
 
         stages = ", ".join(f"{stage} x{self.count(stage)}{where(stage)}" for stage in GPU_STAGES)
         return stages if self.pipelines == 1 else f"{self.pipelines} pipelines: {stages}"

@@ -15,18 +15,17 @@ most ``max_starting`` streams may be admitted and not yet playing; the rest wait
 ``Admission`` holds the running count and a FIFO of waiting requests: a request starts at once when nothing
 waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
 frees up), else -- past ``queue_limit`` waiting -- is refused. It counts what waited, for how long, and what
-was refused (the orchestrator's gauges). With several pipelines (``serve --pipelines``) every limit is per pipeline
-and a request starts on the least loaded one that takes it (``least_loaded``). Pure logic: times come in as
-arguments.
+was refused (the orchestrator's gauges). It admits onto one pipeline: with ``serve --pipelines`` each pipeline's
+orchestrator instance has its own, so every limit holds per pipeline and each learns its own GPUs' capacity. Pure
+logic: times come in as arguments.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any
 
 FRAME_S = 1 / 12.5           # audio per codec frame
 HEADROOM = 1.1               # each stream should get at least this x real time
@@ -90,117 +89,84 @@ class Waiting:
     since: float
 
 
-@dataclass
-class PipelineLoad:
-    """What one pipeline runs (``serve --pipelines``; one otherwise) and what its admissions waited."""
-    capacity: RealtimeCapacity | None  # learned on this pipeline's own streams: its GPUs are its own
-    running: int = 0
-    starting: int = 0        # admitted, not playing yet
-    waited: int = 0          # requests that started here after waiting in the queue
-    wait_s: float = 0.0      # their waits, summed
-
-
-def least_loaded(loads: Sequence[PipelineLoad], open_: Sequence[bool]) -> int | None:
-    """The pipeline a new stream goes to: of those ``open_`` (their limits take one more), the one running the
-    fewest streams, then the one starting the fewest, then the lowest index; None when none is open."""
-    candidates = [index for index, is_open in enumerate(open_) if is_open]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda index: (loads[index].running, loads[index].starting, index))
-
-
 class Admission:
-    """Thread-safe: the orchestrator's request threads and its dispatcher call it.
-
-    With several pipelines (``pipelines``) each keeps its own limits (``max_running``, ``max_starting``, its
-    capacity: they are one GPU group's), and a request starts on the least loaded pipeline that takes it
-    (``least_loaded``); the queue is one, in arrival order, so a waiting request starts on whichever pipeline
-    frees up first."""
+    """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
 
     def __init__(self, max_running: int, queue_limit: int, capacity: RealtimeCapacity | None,
-                 max_starting: int = 0, pipelines: int = 1):
-        """Per pipeline: ``max_running`` streams, ``max_starting`` admitted and not yet playing at once (0: no
-        limit), a capacity learned from ``capacity`` (a copy each: each learns its own GPUs). ``queue_limit``:
-        requests waiting, all pipelines together."""
-        if max_running < 1 or queue_limit < 0 or max_starting < 0 or pipelines < 1:
-            raise ValueError(f"max_running and pipelines must be >= 1, queue_limit and max_starting >= 0, got "
-                             f"{max_running}, {pipelines}, {queue_limit}, {max_starting}")
+                 max_starting: int = 0):
+        """``max_running`` streams, ``max_starting`` admitted and not yet playing at once (0: no limit), a
+        ``capacity`` learned from their frames (None: by ``max_running`` alone); ``queue_limit`` requests
+        waiting."""
+        if max_running < 1 or queue_limit < 0 or max_starting < 0:
+            raise ValueError(f"max_running must be >= 1, queue_limit and max_starting >= 0, got {max_running}, "
+                             f"{queue_limit}, {max_starting}")
         self.max_running, self.queue_limit, self.max_starting = max_running, queue_limit, max_starting
-        self.pipelines = [PipelineLoad(copy.deepcopy(capacity)) for _ in range(pipelines)]
+        self.capacity = capacity
         self._lock = threading.Lock()
         self._queue: deque[Waiting] = deque()
+        self.running = 0
+        self.starting = 0        # admitted, not playing yet
+        self.waited = 0          # requests that started after waiting in the queue
+        self.wait_s = 0.0        # their waits, summed
         self.refused = 0
 
-    def _open(self, load: PipelineLoad) -> bool:
-        if load.running >= self.max_running or (self.max_starting and load.starting >= self.max_starting):
+    def _can_start(self) -> bool:
+        if self.running >= self.max_running or (self.max_starting and self.starting >= self.max_starting):
             return False
-        return load.running == 0 or load.capacity is None or load.capacity.admits(load.running)
+        return self.running == 0 or self.capacity is None or self.capacity.admits(self.running)
 
-    def _place(self, closed: Collection[int]) -> int | None:
-        """Count one more stream on the least loaded open pipeline, not one of ``closed``, and return it (None: none
-        is open)."""
-        pipeline = least_loaded(self.pipelines, [index not in closed and self._open(load)
-                                                 for index, load in enumerate(self.pipelines)])
-        if pipeline is not None:
-            self.pipelines[pipeline].running += 1
-            self.pipelines[pipeline].starting += 1
-        return pipeline
+    def _count_start(self) -> None:
+        self.running += 1
+        self.starting += 1
 
-    def arrive(self, item: Any, now: float, closed: Collection[int] = ()) -> tuple[str, int | None]:
-        """('start', the pipeline it runs on: counted as running there now), ('queued', None) or
-        ('refused', None). ``closed``: pipelines that take no new stream now (a stage of theirs is down)."""
+    def arrive(self, item: Any, now: float) -> str:
+        """'start' (counted as running now), 'queued' or 'refused'."""
         with self._lock:
-            pipeline = None if self._queue else self._place(closed)
-            if pipeline is not None:
-                return "start", pipeline
+            if not self._queue and self._can_start():
+                self._count_start()
+                return "start"
             if len(self._queue) < self.queue_limit:
                 self._queue.append(Waiting(item, now))
-                return "queued", None
+                return "queued"
             self.refused += 1
-            return "refused", None
+            return "refused"
 
     def refusal(self) -> str:
-        """Why ``arrive`` refused, naming the limit (of the pipeline that came closest to taking it)."""
+        """Why ``arrive`` refused, naming the limit."""
         with self._lock:
-            load = self.pipelines[least_loaded(self.pipelines, [True] * len(self.pipelines))]
-            each = f" on each of {len(self.pipelines)} pipelines" if len(self.pipelines) > 1 else ""
             if self.queue_limit:
                 return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
-                        f"behind {self.total().running} streaming; retry later")
-            if load.running >= self.max_running:
-                return (f"server busy: {self.max_running} requests in flight{each} (max_inflight_requests); retry "
-                        "later")
-            if load.capacity is None or (self.max_starting and load.starting >= self.max_starting):
-                return (f"server busy: {load.starting} streams starting{each} (admission_max_starting "
+                        f"behind {self.running} streaming; retry later")
+            if self.running >= self.max_running:
+                return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
+            if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
+                return (f"server busy: {self.starting} streams starting (admission_max_starting "
                         f"{self.max_starting}; admission_queue 0); retry later")
-            return (f"server busy: another stream would make the {load.running} playing{each} run dry (capacity "
-                    f"{load.capacity.audio_s_per_s(load.running + 1):.2f} audio-s/s; admission_queue 0); retry later")
+            return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
+                    f"{self.capacity.audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); retry later")
 
-    def playing(self, pipeline: int = 0) -> None:
-        """A stream started on ``pipeline`` sent its first audio: its start is over."""
+    def playing(self) -> None:
+        """A started stream sent its first audio: its start is over."""
         with self._lock:
-            self.pipelines[pipeline].starting -= 1
+            self.starting -= 1
 
-    def finished(self, pipeline: int = 0, played: bool = True) -> None:
-        """A stream started on ``pipeline`` ended; ``played``: ``playing`` was called for it."""
+    def finished(self, played: bool = True) -> None:
+        """A started stream ended; ``played``: ``playing`` was called for it."""
         with self._lock:
-            self.pipelines[pipeline].running -= 1
+            self.running -= 1
             if not played:
-                self.pipelines[pipeline].starting -= 1
+                self.starting -= 1
 
-    def due(self, now: float, closed: Collection[int] = ()) -> list[tuple[Any, float, int]]:
-        """Waiting requests that may start now, in arrival order: (request, its wait, its pipeline, not one of
-        ``closed``), each counted as running there."""
+    def due(self, now: float) -> list[tuple[Any, float]]:
+        """Waiting requests that may start now, in arrival order, with their waits (each counted as running)."""
         started = []
         with self._lock:
-            while self._queue:
-                pipeline = self._place(closed)
-                if pipeline is None:
-                    break
+            while self._queue and self._can_start():
                 waiting = self._queue.popleft()
-                self.pipelines[pipeline].waited += 1
-                self.pipelines[pipeline].wait_s += now - waiting.since
-                started.append((waiting.item, now - waiting.since, pipeline))
+                self._count_start()
+                self.waited += 1
+                self.wait_s += now - waiting.since
+                started.append((waiting.item, now - waiting.since))
         return started
 
     def drop(self, predicate) -> list[Any]:
@@ -215,8 +181,3 @@ class Admission:
     @property
     def queued(self) -> int:
         return len(self._queue)
-
-    def total(self) -> PipelineLoad:
-        """The pipelines' counts summed (no capacity: each pipeline has its own)."""
-        return PipelineLoad(None, *(sum(getattr(load, name) for load in self.pipelines)
-                                    for name in ("running", "starting", "waited", "wait_s")))

@@ -24,10 +24,10 @@ Each stage reports a snapshot of its own state (engine stats, sessions in flight
                                                 (0: admission by real-time capacity is off)
 
 A stage with several instances (``serve --instances``) labels each replica's series ``model_instance`` too, and a
-stage of one of several pipelines (``serve --pipelines``) ``pipeline``. The orchestrator, one for every pipeline,
-reports the server's totals without a ``pipeline`` label and what each pipeline runs with one (its streams, their
-pending frames, its admission waits and capacity): sum over ``pipeline!=""`` or read the unlabelled series, not
-both.
+stage of one of several pipelines (``serve --pipelines``) ``pipeline``: the orchestrator too, one instance per
+pipeline, each reporting its own pipeline's streams, pending frames and admission. The server's totals are
+``sum(omni_active_requests{stage="orchestrator"})`` (and so on): one series with one pipeline, one per pipeline
+with several.
 """
 
 from __future__ import annotations
@@ -84,23 +84,17 @@ def release_metrics(metrics: dict, families: dict) -> None:
 
 class StageMetrics:
     def __init__(self, pb_utils: Any, stage: str, snapshot: Callable[[], dict[str, float]],
-                 interval_s: float = 0.1, labels: dict[str, str] | None = None,
-                 per_pipeline: Callable[[], list[dict[str, float]]] | None = None):
-        """``labels``: more labels beside ``stage`` (a replica's ``model_instance``, ``model_args.replica_labels``).
-        ``per_pipeline``: gauge values per pipeline (list index = pipeline), reported beside ``snapshot``'s with a
-        ``pipeline`` label."""
+                 interval_s: float = 0.1, labels: dict[str, str] | None = None):
+        """``labels``: more labels beside ``stage`` (a replica's ``model_instance`` or ``pipeline``,
+        ``model_args.replica_labels``, ``model_args.instance_pipeline``)."""
         self._snapshot = snapshot
-        self._per_pipeline = per_pipeline or (lambda: [])
         self._interval_s = interval_s
-        pipelines = self._per_pipeline()
-        names = set(snapshot()).union(*pipelines)
+        names = set(snapshot())
         # families are process-wide in the stub; keep them alive as long as their metrics
         self._families = {name: pb_utils.MetricFamily(name=name, description=GAUGES[name],
                                                       kind=pb_utils.MetricFamily.GAUGE) for name in sorted(names)}
         labels = {"stage": stage, **(labels or {})}
-        self._gauges = {(name, None): family.Metric(labels=labels) for name, family in self._families.items()}
-        self._gauges.update({(name, index): self._families[name].Metric(labels={**labels, "pipeline": str(index)})
-                             for index, values in enumerate(pipelines) for name in values})
+        self._gauges = {name: family.Metric(labels=labels) for name, family in self._families.items()}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{stage}-metrics", daemon=True)
         self._thread.start()
@@ -111,10 +105,7 @@ class StageMetrics:
 
     def update(self) -> None:
         for name, value in self._snapshot().items():
-            self._gauges[(name, None)].set(float(value))
-        for index, values in enumerate(self._per_pipeline()):
-            for name, value in values.items():
-                self._gauges[(name, index)].set(float(value))
+            self._gauges[name].set(float(value))
 
     def stop(self) -> None:
         """Last update, then release the metrics: call from the model's finalize (see ``release_metrics``)."""

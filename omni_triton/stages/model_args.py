@@ -13,7 +13,7 @@ import torch
 from omni_triton.engine import EngineConfig
 from omni_triton.engine.output_batching import OutputBatching
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
-from omni_triton.shared.placement import model_stage
+from omni_triton.shared.placement import model_stage, orchestrator_pipeline
 from omni_triton.shared.settings import LaunchConfig
 
 
@@ -108,6 +108,15 @@ def replica_labels(args: dict) -> dict[str, str]:
     if instances > 1:
         labels["model_instance"] = args["model_instance_name"]
     return labels
+
+
+def instance_pipeline(settings: LaunchConfig, args: dict) -> tuple[int, dict[str, str]]:
+    """The pipeline this orchestrator instance serves (``serve --pipelines``: one instance each, told apart by
+    name, ``placement.orchestrator_pipeline``) and the labels of its metrics: ``pipeline`` with several, so that no
+    two instances write one series; none with one pipeline."""
+    pipelines = settings.placement.pipelines
+    pipeline = orchestrator_pipeline(args["model_instance_name"], pipelines)
+    return pipeline, ({"pipeline": str(pipeline)} if pipelines > 1 else {})
 
 
 def limit_torch_threads(threads: int) -> None:

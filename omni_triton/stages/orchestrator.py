@@ -10,7 +10,21 @@ otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``o
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
 orchestrator is scheduled at once. So a request with ``CONTROL="cancel"`` and the client's request id
-cancels that request here; ``omni_triton.client`` sends it along with the stream cancel.
+cancels that request here; ``omni_triton.client`` sends it along with the stream cancel. It cancels the
+requests of that id that had arrived when it came. With one orchestrator instance per pipeline the control request
+may reach an instance that holds no request of that id: that one records it in the server's ``CancelRegistry``,
+where the instance that holds it finds it at its next admission poll (``DISPATCH_S``).
+
+Draining (``omni_triton.shared.drain``): before the launcher stops tritonserver it sends ``CONTROL="drain"`` (any
+other word than cancel and drain is INVALID_ARG naming CONTROL), while the server still takes requests. From then on
+new and queued requests are refused with UNAVAILABLE "server shutting down", running sessions may run for the
+request's ``drain_s`` (default ``DRAIN_S``), then the rest are cancelled and end with UNAVAILABLE "server shutting
+down" while their stages still accept the aborts; the drain request is answered once no session is left (or
+``ABORTS_S`` after the bound). With several pipelines the instance that gets it records the drain in the
+``CancelRegistry``; every instance finds it at its next admission poll, marks its pipeline drained there once it
+holds no session, and the drain is answered once every pipeline is (one drain request suffices: Triton hands it
+to any one instance). A session whose stage call is refused with "Server not ready" (a stop that did not drain)
+ends with UNAVAILABLE too.
 
 A client that vanishes without cancelling (killed, network gone) is not seen by the running
 orchestrator step for the same reason: its request runs to its natural end. The optional request
@@ -18,23 +32,24 @@ parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes 
 bounds that: past it the request is cancelled (the session looks up from every stage wait every
 ``POLL_S``) and every stage frees its state.
 
-Pipelines (``serve --pipelines N``, ``PipelineRoute``): each admitted request runs on one pipeline, the least loaded
-one that takes it (``admission.least_loaded``), from its first call to its last: every BLS call of its session goes
-to that pipeline's models by name (``thinker_p1``, ...), so its tensors stay on that pipeline's GPUs (asked to land
-on its ``gpu``) and its aborts reach the one thinker, talker sequence and vocoder stream that hold it. Admission
-counts, limits and capacity are per pipeline; the gauges carry a ``pipeline`` label per pipeline beside the
-server's totals.
+One route per Orchestrator (``PipelineRoute``): the Triton model of each stage it calls and the GPU their outputs
+are asked to land on. With one pipeline that is the stages by their own names; with ``serve --pipelines N`` the
+server runs one orchestrator instance per pipeline (``placement.orchestrator_pipeline``), each an Orchestrator of
+its pipeline's route (``pipeline_route``): Triton hands each new request to whichever instance is free to take it,
+and the request runs on that instance's pipeline from its first call to its last: every BLS call of its session
+goes to that pipeline's models by name (``thinker_p1``, ...), so its tensors stay on that pipeline's GPUs and its
+aborts reach the one thinker, talker sequence and vocoder stream that hold it. Admission counts, limits and
+capacity are the instance's, so per pipeline.
 
 A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
 UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
-with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub. With several pipelines only the
-requests on the stage's own pipeline fail, and new ones go to the other pipelines meanwhile (refused only while
-every pipeline has a stage down).
+with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub. Each instance watches its own
+route's stages, so with several pipelines only the requests on the stage's own pipeline fail, and only that
+pipeline's instance refuses new ones.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -42,7 +57,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -55,7 +70,10 @@ from omni_triton.pipeline.code2wav.pacing import ChunkPacer
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
+from omni_triton.shared.cancel_registry import CancelRegistry
+from omni_triton.shared.drain import SHUTTING_DOWN, control_word, drain_seconds
 from omni_triton.shared.placement import Placement
+from omni_triton.shared.request_parameters import seconds_parameter
 from omni_triton.stages.admission import Admission, RealtimeCapacity
 from omni_triton.stages.bls_clients import BlsStageClients
 from omni_triton.stages.metrics import HostHopCounter
@@ -74,53 +92,68 @@ CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observatio
 # A session asks whether its stage died at every response and every poll (session.POLL_S); a stage seen alive
 # this recently counts as alive, so a death is noticed this much later at most (the final error is mapped fresh)
 STAGE_ALIVE_MAX_AGE_S = 0.05
+# Past a drain's bound the sessions left are cancelled; their aborts and final responses get this long before the
+# drain is answered anyway
+ABORTS_S = 2.0
 
 
 @dataclass(frozen=True)
 class PipelineRoute:
-    """One pipeline as the orchestrator reaches it: the Triton model of each stage, and the GPU where that
-    pipeline's stage outputs are asked to land (None: host memory, a CPU deployment)."""
+    """The pipeline an orchestrator reaches: the Triton model of each stage, the GPU where its stage outputs are
+    asked to land (None: host memory, a CPU deployment), and its index among the server's pipelines (traces)."""
     models: Mapping[str, str]
     gpu: int | None
+    index: int = 0
 
 
-def pipeline_routes(placement: Placement, device: torch.device) -> list[PipelineRoute]:
-    """The routes to ``placement``'s pipelines, for an orchestrator on ``device`` (on the CPU every output
+def pipeline_route(placement: Placement, pipeline: int, device: torch.device) -> PipelineRoute:
+    """The route to ``placement``'s ``pipeline``, for an orchestrator on ``device`` (on the CPU every output
     lands in host memory)."""
-    return [PipelineRoute(placement.models(pipeline),
-                          placement.pipeline_gpu(pipeline) if device.type == "cuda" else None)
-            for pipeline in range(placement.pipelines)]
+    return PipelineRoute(placement.models(pipeline),
+                         placement.pipeline_gpu(pipeline) if device.type == "cuda" else None, pipeline)
 
 
 class Orchestrator:
     def __init__(self, pb_utils: Any, checkpoint_dir: str | Path, device: torch.device, policy: ChunkPolicy,
                  max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
-                 max_starting: int = 0, routes: Sequence[PipelineRoute] | None = None):
+                 max_starting: int = 0, route: PipelineRoute | None = None,
+                 shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None,
+                 pipelines: int = 1):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone); ``max_starting``:
-        streams admitted and not yet playing at once (0: no limit); ``max_inflight``, ``max_starting`` and the
-        capacity are per pipeline. ``routes``: the pipelines (default: one, the stages by their own names, outputs
-        on ``device``); ``stage_instances``: stage -> instances of each of its models."""
+        streams admitted and not yet playing at once (0: no limit); all three hold for this instance's pipeline.
+        ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
+        on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where
+        the server's other orchestrator instances record cancels of requests they do not hold (None: this is the
+        only instance); ``metric_labels``: labels of this instance's metrics beside ``stage`` (its pipeline);
+        ``pipelines``: the server's orchestrator instances, one per pipeline (a drain waits for all of them)."""
         if chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
-        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device.type == "cuda")
+        self._host_hops = HostHopCounter(pb_utils, "orchestrator", on_gpu=device.type == "cuda",
+                                         labels=dict(metric_labels or {}))
         self._tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         code2wav_config = Code2WavConfig.from_pretrained(checkpoint_dir)
         self._num_quantizers = code2wav_config.num_quantizers
         self._policy = policy.resolved(exact_left_context_frames(code2wav_config))
-        self._routes = list(routes or [PipelineRoute({stage: stage for stage in BLS_STAGES},
-                                                     device.index if device.type == "cuda" else None)])
+        self._route = route or PipelineRoute({stage: stage for stage in BLS_STAGES},
+                                             device.index if device.type == "cuda" else None)
         self._chunk_pacing = chunk_pacing
-        self._admission = Admission(max_inflight, admission_queue, capacity, max_starting, len(self._routes))
-        self._pool = ThreadPoolExecutor(max_workers=max_inflight * len(self._routes),
-                                        thread_name_prefix="omni-request")
+        self._admission = Admission(max_inflight, admission_queue, capacity, max_starting)
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._request_counter = 0
         self._lock = threading.Lock()
-        self._active: dict[str, _Active] = {}  # request id -> its pipeline and audio stream
-        self._cancel_events: dict[str, set[threading.Event]] = {}  # client request id -> its sessions' flags
-        self._stages = StageSupervisor({route.models[stage]: (stage_instances or {}).get(stage, 1)
-                                        for route in self._routes for stage in BLS_STAGES})
+        self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
+        # client request id -> its sessions' flags -> when each request arrived (a cancel applies to those before it)
+        self._cancel_events: dict[str, dict[threading.Event, float]] = {}
+        self._shared_cancels = shared_cancels
+        self._pipelines = pipelines
+        self._drain_until: float | None = None  # once draining: until when running sessions may run (monotonic)
+        self._drain_expired = False  # the bound passed: the sessions left were cancelled by the drain
+        self._marked_drained = False
+        self._unanswered = 0  # sessions started whose final response is not sent yet (a drain waits for them)
+        self._stages = StageSupervisor({self._route.models[stage]: (stage_instances or {}).get(stage, 1)
+                                        for stage in BLS_STAGES})
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
         # received frames in the window before it
         self._seen_frames: dict[str, int] = {}
@@ -131,28 +164,19 @@ class Orchestrator:
         self._dispatcher.start()
 
     def snapshot(self) -> dict[str, float]:
-        """Gauge values of the server: requests in flight, codec frames they hold that are not decoded yet,
-        admission (over every pipeline)."""
-        pipelines = self.pipeline_snapshots() or [self._pipeline_snapshot(0)]
-        admission = self._admission
-        return {**{name: sum(values[name] for values in pipelines) for name in pipelines[0]},
-                "omni_admission_queue_length": admission.queued,
-                "omni_admission_refused_requests": admission.refused}
-
-    def pipeline_snapshots(self) -> list[dict[str, float]]:
-        """The gauges each pipeline has of its own, per pipeline (none with one pipeline: the server's are its)."""
-        return [self._pipeline_snapshot(index) for index in range(len(self._routes))] if len(self._routes) > 1 else []
-
-    def _pipeline_snapshot(self, pipeline: int) -> dict[str, float]:
+        """Gauge values of this instance's pipeline: requests in flight, codec frames they hold that are not
+        decoded yet, admission."""
         with self._lock:
-            active = [record for record in self._active.values() if record.pipeline == pipeline]
-        load = self._admission.pipelines[pipeline]
-        capacity = load.capacity.audio_s_per_s(max(1, load.running)) if load.capacity else 0.0
-        return {"omni_active_requests": len(active),
-                "omni_pending_audio_frames": sum(record.stream.pending_frames for record in active
-                                                 if record.stream is not None),
-                "omni_admission_waited_requests": load.waited,
-                "omni_admission_wait_seconds": load.wait_s,
+            streams = [stream for stream in self._active.values() if stream is not None]
+            active = len(self._active)
+        admission = self._admission
+        capacity = admission.capacity.audio_s_per_s(max(1, admission.running)) if admission.capacity else 0.0
+        return {"omni_active_requests": active,
+                "omni_pending_audio_frames": sum(stream.pending_frames for stream in streams),
+                "omni_admission_queue_length": admission.queued,
+                "omni_admission_waited_requests": admission.waited,
+                "omni_admission_wait_seconds": admission.wait_s,
+                "omni_admission_refused_requests": admission.refused,
                 "omni_realtime_capacity_audio_s_per_s": capacity}
 
     def submit(self, request: Any) -> None:
@@ -160,15 +184,15 @@ class Orchestrator:
         sender = request.get_response_sender()
         control = self._pb.get_input_tensor_by_name(request, "CONTROL")
         if control is not None:
-            self._control(request.request_id(), control.as_numpy().reshape(-1)[0], sender)
+            self._control(request, control.as_numpy().reshape(-1)[0], sender)
             return
-        closed = self._closed()
-        if len(closed) == len(self._routes):
-            down = self._stages.unavailable()
-            if down is not None:
-                self._refuse(sender, down)
-                return
-            closed = set()  # a death the watcher has not seen yet: the request fails at the stage, naming it
+        if self._drain_until is not None:
+            self._refuse(sender, SHUTTING_DOWN)
+            return
+        down = self._stages.unavailable()  # a death the watcher has not seen yet: the request fails at the stage
+        if down is not None:
+            self._refuse(sender, down)
+            return
         inputs = {name: self._pb.get_input_tensor_by_name(request, name) for name in REQUEST_INPUTS}
         missing = [name for name, tensor in inputs.items() if tensor is None]
         try:
@@ -186,34 +210,29 @@ class Orchestrator:
         ticket = _Ticket(request, sender, inputs, request_id, client_id, cancelled, deadline,
                          _CancelCheck(request, cancelled, deadline))
         with self._lock:  # before it may start: a cancel sent while it waits must find it
-            self._cancel_events.setdefault(client_id, set()).add(cancelled)
-        decision, pipeline = self._admission.arrive(ticket, time.monotonic(), closed)
+            self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
+        decision = self._admission.arrive(ticket, time.monotonic())
         if decision == "start":
-            self._start(ticket, pipeline, waited_s=0.0)
+            self._start(ticket, waited_s=0.0)
         elif decision == "refused":
             self._forget(ticket)
             self._refuse(sender, self._admission.refusal())
-
-    def _closed(self) -> set[int]:
-        """The pipelines with a stage down (its stub seen dead, or reloading): they take no new stream while another
-        is up."""
-        return {index for index, route in enumerate(self._routes)
-                if any(self._stages.is_down(model) for model in route.models.values())}
 
     def _refuse(self, sender: Any, message: str) -> None:
         error = triton_error(self._pb, "UNAVAILABLE", message)
         sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _start(self, ticket: "_Ticket", pipeline: int, waited_s: float) -> None:
-        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s, pipeline=pipeline)
-        with self._lock:  # before its thread runs: the gauges count it on its pipeline from now on
-            self._active[ticket.request_id] = _Active(pipeline)
-        self._pool.submit(self._run, ticket, pipeline)
+    def _start(self, ticket: "_Ticket", waited_s: float) -> None:
+        trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s, pipeline=self._route.index)
+        with self._lock:  # before its thread runs: the gauges count it from now on
+            self._active[ticket.request_id] = None
+            self._unanswered += 1
+        self._pool.submit(self._run, ticket)
 
     def _forget(self, ticket: "_Ticket") -> None:
         with self._lock:
             events = self._cancel_events[ticket.client_id]
-            events.discard(ticket.cancelled)
+            events.pop(ticket.cancelled, None)
             if not events:
                 del self._cancel_events[ticket.client_id]
 
@@ -231,50 +250,117 @@ class Orchestrator:
 
     def _dispatch_once(self, last_sample: float) -> float:
         """One look at the queue; returns when capacity was last sampled."""
+        if self._shared_cancels is not None:
+            self._take_shared_cancels()
+            until = self._shared_cancels.drain_until()
+            if until is not None:
+                self._begin_drain(until)
         now = time.monotonic()
+        if self._drain_until is not None:
+            self._drain_step(now)
         for ticket in self._admission.drop(lambda ticket: ticket.is_cancelled()):
             self._forget(ticket)
             reason = "deadline_s exceeded" if now > ticket.deadline else "request cancelled"
             error = triton_error(self._pb, "CANCELLED", f"{reason} while waiting for admission")
             ticket.sender.send(self._pb.InferenceResponse(error=error),
                                flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if self._admission.pipelines[0].capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
+        if self._admission.capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
             self._observe_capacity(now - last_sample)
             last_sample = now
-        closed = self._closed()
-        if len(closed) == len(self._routes):  # none is up: they start as they always did, and fail naming the stage
-            closed = set()
-        for ticket, waited_s, pipeline in self._admission.due(now, closed):
-            self._start(ticket, pipeline, waited_s)
+        for ticket, waited_s in self._admission.due(now):
+            self._start(ticket, waited_s)
         return last_sample
 
     def _observe_capacity(self, seconds: float) -> None:
         """Frames received since the last sample -> the capacity estimate. Only streams that received frames in
         the sample before too and still run count: one that started or ended inside the window, or waited for
-        thinker text, got frames for part of it only and would make the server look slower than it is. Each
-        pipeline's streams feed its own estimate."""
+        thinker text, got frames for part of it only and would make the server look slower than it is."""
         with self._lock:
-            totals = {rid: (record.pipeline, record.stream.total_frames) for rid, record in self._active.items()
-                      if record.stream is not None}
-        deltas = {rid: (pipeline, total - self._seen_frames.get(rid, 0)) for rid, (pipeline, total) in totals.items()}
-        steady = [(pipeline, delta) for rid, (pipeline, delta) in deltas.items() if delta > 0 and rid in self._producing]
-        self._producing = {rid for rid, (_, delta) in deltas.items() if delta > 0}
-        self._seen_frames = {rid: total for rid, (_, total) in totals.items()}
-        for index, load in enumerate(self._admission.pipelines):
-            mine = [delta for pipeline, delta in steady if pipeline == index]
-            producing = sum(1 for rid in self._producing if deltas[rid][0] == index)
-            load.capacity.observe(len(mine), sum(mine), seconds, batch=producing)
+            totals = {rid: stream.total_frames for rid, stream in self._active.items() if stream is not None}
+        deltas = {rid: total - self._seen_frames.get(rid, 0) for rid, total in totals.items()}
+        steady = [delta for rid, delta in deltas.items() if delta > 0 and rid in self._producing]
+        self._producing = {rid for rid, delta in deltas.items() if delta > 0}
+        self._seen_frames = totals
+        self._admission.capacity.observe(len(steady), sum(steady), seconds, batch=len(self._producing))
 
-    def _control(self, client_id: str, word: bytes, sender: Any) -> None:
+    def _control(self, request: Any, raw_word: bytes, sender: Any) -> None:
         pb = self._pb
-        if word != b"cancel":
-            error = triton_error(pb, "INVALID_ARG", f"CONTROL must be 'cancel', got {word!r}")
+        try:
+            word = control_word(raw_word)
+            drain_s = drain_seconds(request.parameters()) if word == "drain" else 0.0
+        except ValueError as exc:
+            error = triton_error(pb, "INVALID_ARG", str(exc))
             sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        if word == "drain":
+            self._drain(time.monotonic() + drain_s, sender)
+            return
+        client_id = request.request_id()
+        now = time.monotonic()
         with self._lock:
-            for event in self._cancel_events.get(client_id, ()):
+            events = list(self._cancel_events.get(client_id, ()))
+            for event in events:
                 event.set()
+        if not events and self._shared_cancels is not None:  # held by another instance, if any
+            self._shared_cancels.record(client_id, now)
+        # which instance a cancel reached, and whether it held the request (tests see both routings)
+        trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events), pipeline=self._route.index)
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _drain(self, until: float, sender: Any) -> None:
+        """Start draining (all instances: the registry) and answer ``sender`` once every pipeline holds no session,
+        or ``ABORTS_S`` after ``until``, from a thread of its own (Triton's ``execute`` must return)."""
+        self._begin_drain(until)
+        if self._shared_cancels is not None:
+            self._shared_cancels.record_drain(self._drain_until)
+        trace.record("orchestrator_drain", time.monotonic(), pipeline=self._route.index)
+
+        def answer() -> None:
+            while time.monotonic() < self._drain_until + ABORTS_S and not self._drained_everywhere():
+                time.sleep(DISPATCH_S)
+            sender.send(flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+        threading.Thread(target=answer, name="omni-drain", daemon=True).start()
+
+    def _begin_drain(self, until: float) -> None:
+        with self._lock:
+            if self._drain_until is None or until < self._drain_until:
+                self._drain_until = until
+        self._wake.set()
+
+    def _drain_step(self, now: float) -> None:
+        """Dispatcher, while draining: refuse what waits, cancel what runs past the bound, say when nothing is left."""
+        for ticket in self._admission.drop(lambda ticket: True):
+            self._forget(ticket)
+            self._refuse(ticket.sender, SHUTTING_DOWN)
+        if now >= self._drain_until and not self._drain_expired:
+            with self._lock:
+                self._drain_expired = True  # before the sessions see it: they end as shut down, not cancelled
+                for events in self._cancel_events.values():
+                    for event in events:
+                        event.set()
+        if self._shared_cancels is not None and not self._marked_drained and self._answered_all():
+            self._marked_drained = True
+            self._shared_cancels.mark_drained(self._route.index)
+
+    def _answered_all(self) -> bool:
+        with self._lock:
+            return self._unanswered == 0
+
+    def _drained_everywhere(self) -> bool:
+        if not self._answered_all():
+            return False
+        return self._shared_cancels is None or self._shared_cancels.drained() >= self._pipelines
+
+    def _take_shared_cancels(self) -> None:
+        """Apply the cancels other instances recorded for requests held here (those that had arrived by then)."""
+        with self._lock:
+            held = {client_id: min(events.values()) for client_id, events in self._cancel_events.items()}
+        for client_id, at in self._shared_cancels.take(held).items():
+            with self._lock:
+                for event, arrived in self._cancel_events.get(client_id, {}).items():
+                    if arrived <= at:
+                        event.set()
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -284,6 +370,8 @@ class Orchestrator:
         self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._host_hops.close()
+        if self._shared_cancels is not None:
+            self._shared_cancels.close()
 
     def _request_id(self, request: Any) -> str:
         # Triton's own id may be empty or reused by clients; stages key their state on this one.
@@ -291,10 +379,9 @@ class Orchestrator:
             self._request_counter += 1
             return f"{request.request_id() or 'req'}#{self._request_counter}"
 
-    def _run(self, ticket: "_Ticket", pipeline: int) -> None:
+    def _run(self, ticket: "_Ticket") -> None:
         pb = self._pb
         sender, inputs, request_id, deadline = ticket.sender, ticket.inputs, ticket.request_id, ticket.deadline
-        route = self._routes[pipeline]
         send_lock = threading.Lock()
 
         played = []  # its first audio went out: its start is over (admission)
@@ -310,12 +397,12 @@ class Orchestrator:
                 sender.send(pb.InferenceResponse(outputs))
                 if audio is not None and not played:
                     played.append(True)
-                    self._admission.playing(pipeline)
+                    self._admission.playing()
                     self._wake.set()  # a waiting stream may start now
 
         generations = self._stages.generations()
-        clients = BlsStageClients(pb, inputs, route.gpu, self._host_hops.check, stage_down=self._stages.is_down,
-                                  models=route.models)
+        clients = BlsStageClients(pb, inputs, self._route.gpu, self._host_hops.check, stage_down=self._stages.is_down,
+                                  models=self._route.models)
         try:
             session = Session(
                 request_id,
@@ -324,29 +411,28 @@ class Orchestrator:
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
                 is_cancelled=ticket.is_cancelled,
-                stage_failure=lambda stage: self._stages.failure(generations, route.models[stage],
+                stage_failure=lambda stage: self._stages.failure(generations, self._route.models[stage],
                                                                  max_age_s=STAGE_ALIVE_MAX_AGE_S),
             )
             session.run(emit)
             error = None
         except Cancelled:
-            reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
-            error = triton_error(pb, "CANCELLED", reason)
-        except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
-            # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
-            failure = (str(exc) if isinstance(exc, StageFailed)
-                       else self._stages.failure(generations, *route.models.values()))
-            if failure is not None:
-                logger.warning("request %s: %s", request_id, failure)
-                error = triton_error(pb, "UNAVAILABLE", failure)
+            if self._drain_expired:
+                error = triton_error(pb, "UNAVAILABLE", f"{SHUTTING_DOWN}: the drain's bound (drain_s) passed")
             else:
-                logger.exception("request %s failed", request_id)
-                error = triton_error(pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
+                reason = "deadline_s exceeded" if time.monotonic() > deadline else "request cancelled"
+                error = triton_error(pb, "CANCELLED", reason)
+        except Exception as exc:  # one request's failure is reported to its client, never raised into Triton
+            if "Server not ready" in str(exc):  # Triton stopping without a drain refuses every BLS call
+                logger.warning("request %s: %s", request_id, exc)
+                error = triton_error(pb, "UNAVAILABLE", f"{SHUTTING_DOWN}: {exc}")
+            else:
+                error = self._failure_error(exc, generations, request_id)
         finally:
             # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
             with send_lock:  # not while emit counts its first audio
-                self._admission.finished(pipeline, played=bool(played))
+                self._admission.finished(played=bool(played))
             with self._lock:
                 del self._active[request_id]
             self._wake.set()
@@ -358,30 +444,31 @@ class Orchestrator:
                     sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception:  # the client is gone: nothing left to tell it
                 logger.info("request %s: final response not delivered", request_id)
+        with self._lock:
+            self._unanswered -= 1
+
+    def _failure_error(self, exc: Exception, generations: Any, request_id: str) -> Any:
+        """The error of a session that failed: UNAVAILABLE naming a stage that died, else INTERNAL."""
+        # a call to a stage that died meanwhile fails in its own words ("Stub process ... is not healthy")
+        failure = str(exc) if isinstance(exc, StageFailed) else self._stages.failure(generations)
+        if failure is not None:
+            logger.warning("request %s: %s", request_id, failure)
+            return triton_error(self._pb, "UNAVAILABLE", failure)
+        logger.exception("request %s failed", request_id)
+        return triton_error(self._pb, "INTERNAL", f"{type(exc).__name__}: {exc}")
 
     def _open_audio_stream(self, request_id: str) -> Code2WavStream:
         pacer = ChunkPacer(self._policy) if self._chunk_pacing == "adaptive" else None
         stream = Code2WavStream(self._policy, self._num_quantizers, pacer)
         with self._lock:
-            self._active[request_id].stream = stream
+            self._active[request_id] = stream
         return stream
 
 
 def _deadline(request: Any) -> float:
     """The monotonic time by which ``request`` must end: now + its ``deadline_s`` parameter, else never."""
-    value = json.loads(request.parameters() or "{}").get("deadline_s")
-    if value is None:
-        return math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"parameter deadline_s must be a positive number of seconds, got {value!r}")
-    return time.monotonic() + value
-
-
-@dataclass
-class _Active:
-    """A request admitted and not ended yet: its pipeline, and its audio stream once opened."""
-    pipeline: int
-    stream: Code2WavStream | None = None
+    value = seconds_parameter(request.parameters(), "deadline_s", zero_allowed=False)
+    return math.inf if value is None else time.monotonic() + value
 
 
 @dataclass

@@ -7,7 +7,6 @@ built against); numpy is used only for what Triton itself hands out as numpy (CP
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 
-from omni_triton.engine.handoff import InputStream
+from omni_triton.engine.handoff import InputStream, complete_to_host
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 from omni_triton.shared import bundled_backend
@@ -97,20 +96,7 @@ def host_array(tensor: Any) -> np.ndarray:
     every engine step queued there first. The input is complete when Triton hands it over."""
     if tensor.is_cpu():
         return tensor.as_numpy()
-    value = to_torch(tensor)
-    with torch.cuda.stream(_reading_stream(value.device)):
-        return np.asarray(value.cpu().tolist())
-
-
-_reading_streams: dict[torch.device, torch.cuda.Stream] = {}
-_reading_streams_lock = threading.Lock()
-
-
-def _reading_stream(device: torch.device) -> torch.cuda.Stream:
-    with _reading_streams_lock:
-        if device not in _reading_streams:
-            _reading_streams[device] = torch.cuda.Stream(device)
-        return _reading_streams[device]
+    return np.asarray(complete_to_host(to_torch(tensor)).tolist())
 
 
 def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -165,7 +151,7 @@ def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream) -> T
     hidden_size = embeds.shape[-1]
     return ThinkerOutput(
         token_ids=torch.zeros(0, dtype=torch.long),
-        row_ids=row_ids.reshape(-1).to(torch.long),
+        row_ids=row_ids.reshape(-1).to(torch.long),  # ROW_IDS is INT64: the owned copy itself (complete)
         embeds=embeds.reshape(-1, hidden_size),
         hidden=hidden.reshape(-1, hidden_size),
         prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),

@@ -112,21 +112,26 @@ class StageSupervisor:
 
     def _check(self) -> None:
         for stage in list(self._stubs):
-            if self._dead(stage):
-                # One step under the lock: a request that saw the dead pid (``is_down``) must also see the new
-                # generation (``failure``), or it fails as INTERNAL "stage is down" instead of UNAVAILABLE.
-                # One instance gone reloads the stage (all its instances: Triton reloads a model as a whole).
-                # Without explicit model control no reload can succeed, so the stage is "down" from the first
-                # moment: saying "restarting" while a reload that must fail is tried would be untrue.
-                with self._lock:
-                    self._generation[stage] += 1
-                    self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
-                                         else f"is down: its process exited{RELOAD_HINT}")
-                    self._stubs[stage] = {}
-                if self._explicit:
-                    self._restart(stage)
-                else:
-                    logger.error("%s stage: its stub process exited; it stays down%s", stage, RELOAD_HINT)
+            if not self._dead(stage):
+                continue
+            if self._server_exiting():
+                logger.info("%s stage: its stub process exited: tritonserver is shutting down", stage)
+                self._stop.set()  # every stub goes now: nothing to reload, nothing to report
+                return
+            # One step under the lock: a request that saw the dead pid (``is_down``) must also see the new
+            # generation (``failure``), or it fails as INTERNAL "stage is down" instead of UNAVAILABLE.
+            # One instance gone reloads the stage (all its instances: Triton reloads a model as a whole).
+            # Without explicit model control no reload can succeed, so the stage is "down" from the first
+            # moment: saying "restarting" while a reload that must fail is tried would be untrue.
+            with self._lock:
+                self._generation[stage] += 1
+                self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
+                                     else f"is down: its process exited{RELOAD_HINT}")
+                self._stubs[stage] = {}
+            if self._explicit:
+                self._restart(stage)
+            else:
+                logger.error("%s stage: its stub process exited; it stays down%s", stage, RELOAD_HINT)
         missing = [stage for stage, stubs in self._stubs.items() if len(stubs) < self._instances[stage]]
         # Stages load after the orchestrator, and a reload starts new processes: look for them, not too often.
         if missing and time.monotonic() - self._scanned_at >= self._scan_every_s:
@@ -136,6 +141,21 @@ class StageSupervisor:
                     self._stubs[stage].update(stubs)
                     if len(self._stubs[stage]) >= self._instances[stage]:
                         self._down.pop(stage, None)  # e.g. restarted by a Triton build that does that itself
+
+    def _server_exiting(self) -> bool:
+        """Whether tritonserver is shutting down (its liveness says so while it unloads the models). Unknown
+        (no HTTP endpoint) is taken as no."""
+        if self._http_url is None:
+            return False
+        try:
+            urllib.request.urlopen(f"{self._http_url}/v2/health/live", timeout=2).close()
+        except urllib.error.HTTPError:
+            return True  # answered, and not live: exiting
+        except TimeoutError:  # slow under load is not exiting: a stage that died must not go unreported
+            return False
+        except OSError:  # refused: its endpoints are already closed
+            return True
+        return False
 
     def _restart(self, stage: str) -> None:
         logger.error("%s stage: its stub process exited; reloading it", stage)

@@ -1,14 +1,18 @@
-"""Triton adapter for omni_triton.stages.orchestrator.Orchestrator (BLS: thinker -> talker -> code2wav)."""
+"""Triton adapter for omni_triton.stages.orchestrator.Orchestrator (BLS: thinker -> talker -> code2wav), one
+instance per pipeline (serve --pipelines)."""
+
+import os
 
 import triton_python_backend_utils as pb_utils
 
+from omni_triton.shared.cancel_registry import CancelRegistry, registry_dir
 from omni_triton.shared.placement import GPU_STAGES
 from omni_triton.shared.settings import admission_capacity_setting
 from omni_triton.stages.admission import RealtimeCapacity
 from omni_triton.stages.metrics import StageMetrics
-from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, report_native_crashes,
-                                           stage_device)
-from omni_triton.stages.orchestrator import Orchestrator, pipeline_routes
+from omni_triton.stages.model_args import (chunk_policy, instance_pipeline, launch_settings, limit_torch_threads,
+                                           report_native_crashes, stage_device)
+from omni_triton.stages.orchestrator import Orchestrator, pipeline_route
 from omni_triton.stages.stage_io import configure_interstage_memory
 from omni_triton.stage_profile import start_watching
 
@@ -22,16 +26,20 @@ class TritonPythonModel:
         configure_interstage_memory(settings.interstage_memory)
         capacity = admission_capacity_setting(settings.resolved_admission_capacity)
         device = stage_device(settings, args)
+        pipeline, labels = instance_pipeline(settings, args)
+        several = settings.placement.pipelines > 1
         self.orchestrator = Orchestrator(
             pb_utils, settings.checkpoint_dir, device, chunk_policy(settings),
             max_inflight=settings.max_inflight_requests, chunk_pacing=settings.chunk_pacing,
             admission_queue=settings.resolved_admission_queue, max_starting=settings.resolved_admission_max_starting,
             capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity),
-            # the orchestrator watches every stage instance's process (stage_supervisor)
+            # the orchestrator watches every stage instance's process of its pipeline (stage_supervisor)
             stage_instances={stage: settings.placement.count(stage) for stage in GPU_STAGES},
-            routes=pipeline_routes(settings.placement, device))
-        self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot,
-                                    per_pipeline=self.orchestrator.pipeline_snapshots)
+            route=pipeline_route(settings.placement, pipeline, device),
+            # the other pipelines' instances: a cancel may reach one that does not hold the request
+            shared_cancels=CancelRegistry(registry_dir(os.getppid())) if several else None,
+            metric_labels=labels, pipelines=settings.placement.pipelines)
+        self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot, labels=labels)
 
     def execute(self, requests):
         for request in requests:

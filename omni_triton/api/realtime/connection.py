@@ -279,7 +279,7 @@ class RealtimeConnection:
         """Send the response's deltas as Triton makes them; then its done events (also after a cancel)."""
         item, status, details = response.item, "completed", None
         text_kind = "response.output_audio_transcript.delta" if item.output_audio else "response.output_text.delta"
-        pieces = self.bridge.stream(omni.inputs(), response.id)
+        pieces = self.bridge.stream(omni.arrays(), response.id)
         try:
             async for piece in pieces:
                 if piece.text:

@@ -20,7 +20,7 @@ from torch import nn
 
 from omni_triton.models.layers.fast_kernels import KernelSwitch
 from omni_triton.models.layers.moe import Experts
-from omni_triton.models.quantization import FP8_DTYPE, Fp8Scheme, dequantize_fp8, quantize_fp8, scale_shape
+from omni_triton.models.quantization import FP8_DTYPE, SCALE_SUFFIX, Fp8Scheme, dequantize_fp8, quantize_fp8, scale_shape
 
 
 def _frozen(*shape, dtype) -> nn.Parameter:
@@ -93,6 +93,13 @@ def set_fp8_activations(model: nn.Module, activations: str) -> None:
 
 def is_fp8(module: nn.Module) -> bool:
     return isinstance(module, (Fp8Linear, Fp8Experts))
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its first parameter that is neither an FP8 weight nor a block scale (an
+    FP8 layer's first parameters are float8 and float32: neither is the activations' dtype)."""
+    return next(p.dtype for name, p in model.named_parameters()
+                if p.dtype != FP8_DTYPE and not name.endswith(SCALE_SUFFIX))
 
 
 def quantize_modules_(root: nn.Module, scheme: Fp8Scheme, selected) -> list[str]:
