@@ -13,7 +13,7 @@ import time
 import pytest
 
 from omni_triton.stages import callers as callers_module
-from omni_triton.stages.callers import Callers
+from omni_triton.stages.callers import CallerLiveness, Callers
 
 
 @pytest.fixture
@@ -32,7 +32,8 @@ def _until(condition, timeout_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_dead_callers_requests_are_dropped_once_and_never_answered(caller):
+def test_a_dead_callers_requests_are_dropped_once_and_never_answered(caller, monkeypatch):
+    monkeypatch.setattr(callers_module, "ALIVE_MAX_AGE_S", 0.0)  # the first send after the kill sees it
     dropped, sent = [], []
     callers = Callers("talker", dropped.append, exit_process=lambda code: pytest.fail("no send was stuck"))
     try:
@@ -70,3 +71,26 @@ def test_a_send_stuck_on_a_caller_that_died_ends_the_stage(caller, monkeypatch):
     finally:
         release.set()
         callers.stop()
+
+
+def test_a_caller_seen_alive_recently_is_not_looked_up_again_and_a_death_is_never_remembered():
+    """CallerLiveness on a clock of the test's own: one /proc look per ``max_age_s`` while the caller lives, a fresh
+    look for every question once it is older, and none remembered dead (its pid may be a fresh stub's later)."""
+    now, looks, living = [100.0], [], {7}
+
+    def probe(pid: int, server_pid: int) -> bool:
+        looks.append((pid, server_pid))
+        return pid in living
+
+    liveness = CallerLiveness(server_pid=1, max_age_s=0.5, probe=probe, clock=lambda: now[0])
+    assert liveness.alive(7) and looks == [(7, 1)]
+    now[0] += 0.4
+    assert liveness.alive(7) and len(looks) == 1, "seen alive 0.4 s ago: no look"
+    living.clear()  # it dies: still alive to the cache until the age runs out
+    assert liveness.alive(7) and len(looks) == 1
+    now[0] += 0.2
+    assert not liveness.alive(7) and len(looks) == 2, "0.6 s old: looked up, dead"
+    assert not liveness.alive(7) and len(looks) == 3, "a dead caller is looked up every time"
+    living.add(7)  # the pid is a live stub's again
+    assert liveness.alive(7) and len(looks) == 4
+    assert not liveness.alive(8) and len(looks) == 5, "each caller on its own"

@@ -7,9 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from omni_triton.shared.stub_processes import find_stub_instances
 from omni_triton.stages import stage_supervisor
 from omni_triton.stages.stage_supervisor import StageSupervisor
 
@@ -42,3 +44,16 @@ def test_a_stage_seen_alive_recently_is_not_looked_up_again_and_a_death_is_never
         assert supervisor.is_down("talker")
     finally:
         supervisor.stop()
+
+
+def test_of_two_live_stubs_of_one_instance_the_one_started_last_is_found(fake_talker_stub, tmp_path):
+    """A model reloaded while an instance of its old model still runs requests has an old and a new stub of one
+    instance name (tests/test_orchestrator_reload.py): the new one is the instance now."""
+    time.sleep(0.05)  # a later start in /proc's clock ticks (10 ms), whatever the pids
+    newer = subprocess.Popen(fake_talker_stub.args)
+    try:
+        assert find_stub_instances(os.getpid(), ["talker"]) == {"talker": {"talker_0_0": newer.pid}}
+    finally:
+        newer.kill()
+        newer.wait()
+    assert find_stub_instances(os.getpid(), ["talker"]) == {"talker": {"talker_0_0": fake_talker_stub.pid}}

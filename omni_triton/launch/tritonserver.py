@@ -537,8 +537,10 @@ class TritonServer:
 
 
 def instance_model(instance: str) -> str:
-    """The model of a model instance's name (``orchestrator_0_0`` -> ``orchestrator``: Triton appends the
-    instance group's and the instance's index)."""
+    """The model of a model instance's name: Triton names an instance ``<group>_<index>``, and a group is either
+    the default ``<model>_<index>`` or one named ``<model>_<word>`` (``placement``: ``orchestrator_p1`` per
+    pipeline), so the model is what comes before the last two underscores: ``orchestrator_0_1``,
+    ``orchestrator_p1_0`` -> ``orchestrator``; ``thinker_p1_0_0`` -> ``thinker_p1``."""
     return instance.rsplit("_", 2)[0]
 
 

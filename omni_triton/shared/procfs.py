@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# indexes into stat_fields(): proc(5) fields 3, 4, 9, 14 and 15
-STATE, PARENT, FLAGS, USER_TICKS, SYSTEM_TICKS = 0, 1, 6, 11, 12
+# indexes into stat_fields(): proc(5) fields 3, 4, 9, 14, 15 and 22
+STATE, PARENT, FLAGS, USER_TICKS, SYSTEM_TICKS, START_TICKS = 0, 1, 6, 11, 12, 19
 # a process being torn down (killed, or exiting) has this kernel flag set long before it turns zombie: a large
 # process's memory takes a while to unmap
 PF_EXITING = 0x4

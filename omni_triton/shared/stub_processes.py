@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omni_triton.shared.procfs import FLAGS, PARENT, PF_EXITING, STATE, stat_fields
+from omni_triton.shared.procfs import FLAGS, PARENT, PF_EXITING, START_TICKS, STATE, stat_fields
 
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
@@ -40,8 +40,10 @@ def stub_instance(argv: list[str]) -> tuple[str, str] | None:
 
 def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, int]]:
     """stage -> {instance name: pid} of the live model-instance stubs (``stub_instance``) of ``stages`` among
-    ``parent``'s children (the config stub exiting is no death)."""
-    found: dict[str, dict[str, int]] = {}
+    ``parent``'s children (the config stub exiting is no death). Of two live stubs of one instance name the one
+    started last: a model reloaded while one of its instances still runs requests (its old model is unloaded only
+    once they end, never if a dead stub held some) has an old and a new stub of that name, and the new one serves."""
+    found: dict[str, dict[str, tuple[int, int]]] = {}  # stage -> instance -> (start ticks, pid)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
             continue
@@ -50,6 +52,9 @@ def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, i
         except OSError:
             continue
         instance = stub_instance(argv)
-        if instance is not None and instance[0] in stages:
-            found.setdefault(instance[0], {})[instance[1]] = int(entry.name)
-    return found
+        fields = stat_fields(int(entry.name))
+        if instance is not None and instance[0] in stages and fields is not None:
+            started = (int(fields[START_TICKS]), int(entry.name))
+            instances = found.setdefault(instance[0], {})
+            instances[instance[1]] = max(instances.get(instance[1], started), started)
+    return {stage: {name: pid for name, (_, pid) in instances.items()} for stage, instances in found.items()}

@@ -9,7 +9,7 @@ keeps their KV blocks and sequence slots while it waits for thinker chunks that 
 their stream states until its idle timeout (minutes).
 
 So the orchestrator names itself on every stage request (request parameter ``CALLER_PARAMETER``: its pid), and
-each stage keeps a ``Callers``: a response is sent only while its caller lives (one /proc read); a request
+each stage keeps a ``Callers``: a response is sent only while its caller lives (``CallerLiveness``); a request
 whose caller is gone is dropped (``drop``, on this module's thread: never the engine's or Triton's), whether it
 is sending or waiting; and a send already under way when the caller died, which can never return, ends the
 stage's process (``STUCK_SEND_S``), so that the fresh orchestrator's stage supervisor reloads it.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -33,6 +34,12 @@ logger = logging.getLogger(__name__)
 CALLER_PARAMETER = "omni_caller_pid"
 SWEEP_S = 0.2  # how often held requests' callers are looked at
 STUCK_SEND_S = 2.0  # a send this old whose caller is dead can never return
+# A caller seen alive this recently counts as alive without a look at /proc: one look (some 25-35 us on the 2-core
+# CPU) per response cost more than the rest of a send, and a stage's response thread sends a round of responses,
+# one per stream, back to back; this way a round costs one look per caller. Short, because a send that starts
+# after its caller died is stuck for good (the stage then exits, STUCK_SEND_S): the death must be seen by the
+# sends that follow it within a round, not 50 ms of sends later.
+ALIVE_MAX_AGE_S = 0.005
 
 
 def caller_parameters() -> dict[str, int]:
@@ -49,6 +56,26 @@ def caller_of(request: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+class CallerLiveness:
+    """Whether a caller (a stub process, a child of the same tritonserver) lives, looked up in /proc at most once
+    per ``max_age_s`` while it lives; a death is never remembered (a pid may come back as a fresh stub's)."""
+
+    def __init__(self, server_pid: int, max_age_s: float,
+                 probe: Callable[[int, int], bool] = stub_alive, clock: Callable[[], float] = time.monotonic):
+        self._server_pid, self._max_age_s, self._probe, self._clock = server_pid, max_age_s, probe, clock
+        self._seen_alive: dict[int, float] = {}  # caller pid -> when it was last seen alive
+
+    def alive(self, caller: int) -> bool:
+        now = self._clock()
+        if now - self._seen_alive.get(caller, -math.inf) < self._max_age_s:
+            return True
+        if self._probe(caller, self._server_pid):
+            self._seen_alive[caller] = now  # one float per caller: a stage sees a few orchestrator stubs a reload
+            return True
+        self._seen_alive.pop(caller, None)
+        return False
+
+
 class Callers:
     def __init__(self, stage: str, drop: Callable[[str], None], exit_process: Callable[[int], None] = os._exit):
         """``drop(key)``: free what the request (or stream) ``key`` holds in the stage; called on this object's
@@ -56,7 +83,8 @@ class Callers:
         self._stage = stage
         self._drop = drop
         self._exit = exit_process
-        self._server_pid = os.getppid()  # tritonserver: the stages and their callers are its children
+        # tritonserver: the stages and their callers are its children
+        self._liveness = CallerLiveness(os.getppid(), ALIVE_MAX_AGE_S)
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # key -> caller pid
         self._sending: dict[int, tuple[int, float]] = {}  # thread id -> (caller pid, when its send started)
@@ -77,7 +105,7 @@ class Callers:
             self._held.pop(key, None)
 
     def alive(self, caller: int | None) -> bool:
-        return caller is None or stub_alive(caller, self._server_pid)
+        return caller is None or self._liveness.alive(caller)
 
     def send(self, key: str, caller: int | None, send: Callable[[], None]) -> bool:
         """Run ``send`` (one response of ``key``) unless its caller is dead; then ``key`` is dropped instead.
