@@ -93,8 +93,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus metrics port (default: %(default)s)")
     server.add_argument("--allow-stage-reload", action="store_true",
                         help="model-control-mode explicit, so that a stage whose stub process died is reloaded "
-                             "alone, the orchestrator's by serve itself, tritonserver kept (the repository "
-                             "load/unload API is then open to clients too; default: off)")
+                             "alone, tritonserver kept: a thinker, talker or code2wav by the orchestrator, the "
+                             "orchestrator (all its instances) by serve itself (the repository load/unload API is "
+                             "then open to clients too; default: off)")
     server.add_argument("--mps", choices=MPS_CHOICES, default="auto",
                         help="CUDA MPS for the stages sharing a GPU (--device cuda): auto uses the host's control "
                              "daemon when it sees this server's GPUs (CUDA_VISIBLE_DEVICES), else starts one of its "

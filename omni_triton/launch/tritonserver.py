@@ -464,8 +464,12 @@ class TritonServer:
         """Keep the server up until Ctrl-C. A native crash in a backend takes the whole process down; a stub
         that dies leaves its model answering nothing (Triton 2.51 never restarts stubs). Either way: stop what
         is left and start again, up to ``max_restarts`` times. Stubs of ``reloaded_by_orchestrator`` are left
-        to the orchestrator (``--allow-stage-reload``), and with stage reload (``options.stage_reload``) a dead
-        orchestrator stub is reloaded alone through the repository API (``reload_alone``), the server kept.
+        to the orchestrator (``--allow-stage-reload``), and with stage reload (``options.stage_reload``), when
+        every dead stub is an orchestrator instance's, the orchestrator model is reloaded alone through the
+        repository API (``reload_alone``), the server and the stages kept. Triton reloads a model whole: every
+        orchestrator instance gets a fresh stub and takes the new requests; the requests in flight on the other,
+        live instances run to their end on their old stubs (Triton unloads the old model only once its requests
+        have ended, which the dead instance's never do: those old stubs stay, idle, until the server stops).
         Returns the exit code of the run not restarted, or 0 once ``stopped()`` (another thread stops the server:
         a bench's own server is not restarted then)."""
         def watched_stubs() -> dict[str, int]:
@@ -477,9 +481,8 @@ class TritonServer:
         while True:
             while self.process is not None and self.process.poll() is None and not stopped():
                 dead = [m for m, pid in watched.items() if not stub_alive(pid, self.process.pid)]
-                models = {instance_model(instance) for instance in dead}
-                if models == {"orchestrator"} and self.options.stage_reload and self.reload_alone(
-                        "orchestrator", ready_timeout_s, log):
+                if (dead and {instance_model(instance) for instance in dead} == {"orchestrator"}
+                        and self.options.stage_reload and self.reload_alone("orchestrator", dead, ready_timeout_s, log)):
                     watched = watched_stubs()
                     continue
                 if dead:
@@ -506,14 +509,14 @@ class TritonServer:
             watched = watched_stubs()  # before saying so: what dies after "ready" must be seen
             log(f"tritonserver ready again after restart {restarts}")
 
-    def reload_alone(self, model: str, ready_timeout_s: float, log: Callable[[str], None]) -> bool:
-        """Load ``model`` (whose stub died) again through the repository API, the server and every other stub
-        kept, and wait until every model serves (Triton reloads the ensemble on top of it in the same call);
-        whether that worked (if not, the caller restarts the whole server). The stages drop what the dead stub's
-        requests held in them themselves (``omni_triton.stages.callers``)."""
+    def reload_alone(self, model: str, dead: list[str], ready_timeout_s: float, log: Callable[[str], None]) -> bool:
+        """Load ``model`` (whose instances ``dead`` lost their stubs) again through the repository API, the server
+        and every other model's stubs kept, and wait until every model serves (Triton reloads the ensemble on top
+        of it in the same call); whether that worked (if not, the caller restarts the whole server). The stages
+        drop what the dead stubs' requests held in them themselves (``omni_triton.stages.callers``)."""
         self._reloads += 1
         start = time.monotonic()
-        log(f"the stub process of {model} died; reloading it alone ...")
+        log(f"the stub process of {dead} died; reloading {model} alone (every instance of it) ...")
         try:
             reload_model(f"http://{self.http_url}", model, f"launcher-{self._reloads}", ready_timeout_s)
             self.wait_ready(timeout_s=ready_timeout_s)

@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Mapping
 
