@@ -169,7 +169,7 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     try:
         waited = server.wait_ready(timeout_s=args.ready_timeout)
         if config.resolved_warmup and models is None:  # the whole pipeline is served: one request through it
-            first_s = send_first_requests(server.grpc_url, count=config.placement.pipelines)
+            first_s = send_first_requests(server.grpc_url, count=config.placement.orchestrator_instances)
             print(f"  first request through {config.placement.pipelines} pipeline(s): {first_s:.1f} s", flush=True)
     except BaseException:
         server.stop()

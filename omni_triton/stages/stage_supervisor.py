@@ -16,6 +16,7 @@ needs ``--model-control-mode=explicit``; without it the stage stays down, and th
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
-from omni_triton.shared.repository_api import reload_model
+from omni_triton.shared.repository_api import RESTART_PARAMETER, reload_model
 from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,13 @@ RELOAD_HINT = " (reloading a stage needs tritonserver --model-control-mode=expli
 
 class StageSupervisor:
     def __init__(self, stages: Mapping[str, int], interval_s: float = 0.1, scan_every_s: float = 0.5,
-                 reload_timeout_s: float = 600.0):
-        """``stages``: stage -> its instances (stub processes) to watch."""
+                 reload_timeout_s: float = 600.0, reloads: bool = True):
+        """``stages``: stage -> its instances (stub processes) to watch. ``reloads``: this watcher reloads a stage
+        that died (False: another orchestrator instance of the pipeline does; this one waits for the new stubs)."""
+        self._reloads = reloads
+        # stage -> its config's restart mark when this watcher saw it die (reloads False): it is back once the
+        # served config carries another (its new stubs start long before the reloaded model serves)
+        self._awaited_marks: dict[str, str | None] = {}
         self._server_pid = os.getppid()  # tritonserver: every stub is its child
         flags = _server_flags(self._server_pid)
         self._http_url = _http_url(flags)
@@ -130,19 +136,27 @@ class StageSupervisor:
                 self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
                                      else f"is down: its process exited{RELOAD_HINT}")
                 self._stubs[stage] = {}
-            if self._explicit:
+            if self._explicit and self._reloads:
                 self._restart(stage)
+            elif self._explicit:  # back once another orchestrator instance's reload is served: see below
+                self._awaited_marks[stage] = self._restart_mark(stage)
+                logger.error("%s stage: its stub process exited; another orchestrator instance reloads it", stage)
             else:
                 logger.error("%s stage: its stub process exited; it stays down%s", stage, RELOAD_HINT)
         missing = [stage for stage, stubs in self._stubs.items() if len(stubs) < self._instances[stage]]
         # Stages load after the orchestrator, and a reload starts new processes: look for them, not too often.
-        if missing and time.monotonic() - self._scanned_at >= self._scan_every_s:
+        if (missing or self._awaited_marks) and time.monotonic() - self._scanned_at >= self._scan_every_s:
             self._scanned_at = time.monotonic()
-            for stage, stubs in find_stub_instances(self._server_pid, missing).items():
-                with self._lock:
+            for stage in list(self._awaited_marks):
+                if self._restart_mark(stage) != self._awaited_marks[stage]:
+                    del self._awaited_marks[stage]  # the reloaded model serves now
+            found = find_stub_instances(self._server_pid, missing) if missing else {}
+            with self._lock:
+                for stage, stubs in found.items():
                     self._stubs[stage].update(stubs)
-                    if len(self._stubs[stage]) >= self._instances[stage]:
-                        self._down.pop(stage, None)  # e.g. restarted by a Triton build that does that itself
+                for stage, stubs in self._stubs.items():
+                    if len(stubs) >= self._instances[stage] and stage not in self._awaited_marks:
+                        self._down.pop(stage, None)  # reloaded by another instance, or a Triton that does itself
 
     def _server_exiting(self) -> bool:
         """Whether tritonserver is shutting down (its liveness says so while it unloads the models). Unknown
@@ -179,7 +193,20 @@ class StageSupervisor:
             raise ValueError("tritonserver serves no HTTP endpoint to reload it through")
         with self._lock:
             generation = self._generation[stage]
-        reload_model(self._http_url, stage, str(generation), self._reload_timeout_s)
+        # this process's pid in the mark too: a reloaded orchestrator counts from 0 again, and a mark the served
+        # config already carries would make the load a no-op (repository_api)
+        reload_model(self._http_url, stage, f"{os.getpid()}.{generation}", self._reload_timeout_s)
+
+    def _restart_mark(self, stage: str) -> str | None:
+        """The restart parameter of the config ``stage`` is served with now (None: never reloaded, or unknown)."""
+        if self._http_url is None:
+            return None
+        try:
+            with urllib.request.urlopen(f"{self._http_url}/v2/models/{stage}/config", timeout=30) as response:
+                config = json.loads(response.read())
+        except (OSError, ValueError):
+            return None
+        return config.get("parameters", {}).get(RESTART_PARAMETER, {}).get("string_value")
 
 
 def _server_flags(server_pid: int) -> dict[str, str]:
