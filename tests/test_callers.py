@@ -13,13 +13,27 @@ import time
 import pytest
 
 from omni_triton.stages import callers as callers_module
+from omni_triton.shared.stub_processes import StubWatch, stub_alive
 from omni_triton.stages.callers import CallerLiveness, Callers
+
+
+def _orchestrator_stub() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 
 
 @pytest.fixture
 def caller(monkeypatch):
     monkeypatch.setattr(callers_module.os, "getppid", os.getpid)  # the stage's parent: this process
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    process = _orchestrator_stub()
+    yield process
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture
+def other_caller(caller):
+    """A second orchestrator stub calling the same stage (another instance of the pipeline)."""
+    process = _orchestrator_stub()
     yield process
     process.kill()
     process.wait()
@@ -32,13 +46,13 @@ def _until(condition, timeout_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_dead_callers_requests_are_dropped_once_and_never_answered(caller, monkeypatch):
-    monkeypatch.setattr(callers_module, "ALIVE_MAX_AGE_S", 0.0)  # the first send after the kill sees it
+def test_a_dead_callers_requests_are_dropped_once_and_never_answered(caller, other_caller, monkeypatch):
     dropped, sent = [], []
     callers = Callers("talker", dropped.append, exit_process=lambda code: pytest.fail("no send was stuck"))
     try:
         callers.hold("waiting", caller.pid)  # holds state, sends nothing (a talker waiting for thinker chunks)
         callers.hold("sending", caller.pid)
+        callers.hold("other's", other_caller.pid)  # another orchestrator instance's request: it lives on
         callers.hold("direct", None)  # a client of the stage itself: no caller to watch
         assert callers.send("sending", caller.pid, lambda: sent.append(1))
         time.sleep(3 * callers_module.SWEEP_S)
@@ -49,8 +63,11 @@ def test_a_dead_callers_requests_are_dropped_once_and_never_answered(caller, mon
         assert not callers.send("sending", caller.pid, lambda: sent.append(2)), "never sent to a dead caller"
         _until(lambda: sorted(dropped) == ["sending", "waiting"])
         assert not callers.send("sending", caller.pid, lambda: sent.append(3))  # its last output, after the drop
+        assert callers.send("other's", other_caller.pid, lambda: sent.append(4)), "the live caller's are sent"
+        assert callers.send("direct", None, lambda: sent.append(5))
         time.sleep(3 * callers_module.SWEEP_S)
-        assert sorted(dropped) == ["sending", "waiting"] and sent == [1], "dropped once, answered never"
+        assert sorted(dropped) == ["sending", "waiting"] and sent == [1, 4, 5], \
+            "the dead caller's requests dropped once and answered never, exactly those"
     finally:
         callers.stop()
 
@@ -73,24 +90,28 @@ def test_a_send_stuck_on_a_caller_that_died_ends_the_stage(caller, monkeypatch):
         callers.stop()
 
 
-def test_a_caller_seen_alive_recently_is_not_looked_up_again_and_a_death_is_never_remembered():
-    """CallerLiveness on a clock of the test's own: one /proc look per ``max_age_s`` while the caller lives, a fresh
-    look for every question once it is older, and none remembered dead (its pid may be a fresh stub's later)."""
-    now, looks, living = [100.0], [], {7}
+def test_a_caller_is_watched_through_one_open_file_and_its_death_is_seen_at_the_next_send(caller, other_caller):
+    """CallerLiveness against real processes: one StubWatch (an open /proc file) per live caller, asked afresh each
+    time, so the first question after a kill says dead (a zombie not yet reaped too); the dead caller's file is
+    closed, and a later question looks for the pid anew (it may be a fresh stub's)."""
+    opened, closed = [], []
 
-    def probe(pid: int, server_pid: int) -> bool:
-        looks.append((pid, server_pid))
-        return pid in living
+    class CountedWatch(StubWatch):
+        def __init__(self, pid, parent):
+            opened.append(pid)
+            super().__init__(pid, parent)
 
-    liveness = CallerLiveness(server_pid=1, max_age_s=0.5, probe=probe, clock=lambda: now[0])
-    assert liveness.alive(7) and looks == [(7, 1)]
-    now[0] += 0.4
-    assert liveness.alive(7) and len(looks) == 1, "seen alive 0.4 s ago: no look"
-    living.clear()  # it dies: still alive to the cache until the age runs out
-    assert liveness.alive(7) and len(looks) == 1
-    now[0] += 0.2
-    assert not liveness.alive(7) and len(looks) == 2, "0.6 s old: looked up, dead"
-    assert not liveness.alive(7) and len(looks) == 3, "a dead caller is looked up every time"
-    living.add(7)  # the pid is a live stub's again
-    assert liveness.alive(7) and len(looks) == 4
-    assert not liveness.alive(8) and len(looks) == 5, "each caller on its own"
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    liveness = CallerLiveness(os.getpid(), watch=CountedWatch)
+    assert all(liveness.alive(caller.pid) for _ in range(5)) and liveness.alive(other_caller.pid)
+    assert opened == [caller.pid, other_caller.pid], "one open file per caller"
+    caller.kill()
+    _until(lambda: not stub_alive(caller.pid, os.getpid()))  # SIGKILL lands at once, but not instantly
+    assert not liveness.alive(caller.pid), "a killed caller (a zombie: not reaped yet) is dead at once"
+    assert len(closed) == 1 and liveness.alive(other_caller.pid)
+    caller.wait()
+    assert not liveness.alive(caller.pid) and opened[-1] == caller.pid, "looked for anew, and gone"
+    assert not liveness.alive(2 ** 22 + 1), "no such process"

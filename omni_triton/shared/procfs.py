@@ -16,6 +16,13 @@ def stat_fields(pid: int) -> list[str] | None:
     """The fields after the command name (which may hold spaces and parentheses, hence the last ')'), or None
     when the process is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return parse_stat(Path(f"/proc/{pid}/stat").read_bytes())
+    except OSError:
         return None
+
+
+def parse_stat(text: bytes, upto: int = -1) -> list[str] | None:
+    """``stat_fields`` of a stat file's contents (None: not one); with ``upto``, fields 0 to ``upto`` - 1 only (the
+    rest, unsplit, last: a third of the time)."""
+    _, paren, fields = text.rpartition(b")")
+    return fields.decode().split(None, upto) if paren else None

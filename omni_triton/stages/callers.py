@@ -21,25 +21,18 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
 from typing import Any, Callable
 
-from omni_triton.shared.stub_processes import stub_alive
+from omni_triton.shared.stub_processes import StubWatch
 
 logger = logging.getLogger(__name__)
 
 CALLER_PARAMETER = "omni_caller_pid"
 SWEEP_S = 0.2  # how often held requests' callers are looked at
 STUCK_SEND_S = 2.0  # a send this old whose caller is dead can never return
-# A caller seen alive this recently counts as alive without a look at /proc: one look (some 25-35 us on the 2-core
-# CPU) per response cost more than the rest of a send, and a stage's response thread sends a round of responses,
-# one per stream, back to back; this way a round costs one look per caller. Short, because a send that starts
-# after its caller died is stuck for good (the stage then exits, STUCK_SEND_S): the death must be seen by the
-# sends that follow it within a round, not 50 ms of sends later.
-ALIVE_MAX_AGE_S = 0.005
 
 
 def caller_parameters() -> dict[str, int]:
@@ -57,23 +50,32 @@ def caller_of(request: Any) -> int | None:
 
 
 class CallerLiveness:
-    """Whether a caller (a stub process, a child of the same tritonserver) lives, looked up in /proc at most once
-    per ``max_age_s`` while it lives; a death is never remembered (a pid may come back as a fresh stub's)."""
+    """Whether a caller (a stub process, a child of the same tritonserver) lives, asked afresh at every response:
+    through a ``StubWatch`` per caller, so a response costs a read of an open file, not a lookup of /proc by path.
+    Not through a cache of recent answers: a send that starts after its caller died is stuck for good (the stage
+    then exits, ``STUCK_SEND_S``, and is reloaded), and with answers kept 5 ms a stage exited so in 2 of 3
+    orchestrator kills under 4 streams on the CPU. A caller seen dead is forgotten (its file closed): its pid may
+    come back as a fresh stub's."""
 
-    def __init__(self, server_pid: int, max_age_s: float,
-                 probe: Callable[[int, int], bool] = stub_alive, clock: Callable[[], float] = time.monotonic):
-        self._server_pid, self._max_age_s, self._probe, self._clock = server_pid, max_age_s, probe, clock
-        self._seen_alive: dict[int, float] = {}  # caller pid -> when it was last seen alive
+    def __init__(self, server_pid: int, watch: Callable[[int, int], StubWatch] = StubWatch):
+        self._server_pid, self._watch = server_pid, watch
+        self._watches: dict[int, StubWatch] = {}
+        self._lock = threading.Lock()  # no file is closed while another thread reads it
 
     def alive(self, caller: int) -> bool:
-        now = self._clock()
-        if now - self._seen_alive.get(caller, -math.inf) < self._max_age_s:
-            return True
-        if self._probe(caller, self._server_pid):
-            self._seen_alive[caller] = now  # one float per caller: a stage sees a few orchestrator stubs a reload
-            return True
-        self._seen_alive.pop(caller, None)
-        return False
+        with self._lock:
+            watch = self._watches.get(caller)
+            if watch is None:
+                try:
+                    watch = self._watch(caller, self._server_pid)
+                except OSError:  # no such process
+                    return False
+                self._watches[caller] = watch
+            if watch.alive():
+                return True
+            watch.close()
+            del self._watches[caller]
+            return False
 
 
 class Callers:
@@ -84,7 +86,7 @@ class Callers:
         self._drop = drop
         self._exit = exit_process
         # tritonserver: the stages and their callers are its children
-        self._liveness = CallerLiveness(os.getppid(), ALIVE_MAX_AGE_S)
+        self._liveness = CallerLiveness(os.getppid())
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # key -> caller pid
         self._sending: dict[int, tuple[int, float]] = {}  # thread id -> (caller pid, when its send started)
