@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from omni_triton.shared.stub_processes import find_stub_instances
+from omni_triton.shared.stub_processes import find_stub_instances, superseded
 from omni_triton.stages import stage_supervisor
 from omni_triton.stages.stage_supervisor import StageSupervisor
 
@@ -50,10 +50,14 @@ def test_of_two_live_stubs_of_one_instance_the_one_started_last_is_found(fake_ta
     """A model reloaded while an instance of its old model still runs requests has an old and a new stub of one
     instance name (tests/test_orchestrator_reload.py): the new one is the instance now."""
     time.sleep(0.05)  # a later start in /proc's clock ticks (10 ms), whatever the pids
+    assert not superseded(fake_talker_stub.pid, os.getpid())
     newer = subprocess.Popen(fake_talker_stub.args)
     try:
         assert find_stub_instances(os.getpid(), ["talker"]) == {"talker": {"talker_0_0": newer.pid}}
+        # the old one leaves the stages' reloads to the new one (StageSupervisor)
+        assert superseded(fake_talker_stub.pid, os.getpid()) and not superseded(newer.pid, os.getpid())
     finally:
         newer.kill()
         newer.wait()
     assert find_stub_instances(os.getpid(), ["talker"]) == {"talker": {"talker_0_0": fake_talker_stub.pid}}
+    assert not superseded(fake_talker_stub.pid, os.getpid()) and not superseded(os.getpid(), os.getppid())

@@ -76,3 +76,18 @@ def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, i
             instances = found.setdefault(instance[0], {})
             instances[instance[1]] = max(instances.get(instance[1], started), started)
     return {stage: {name: pid for name, (_, pid) in instances.items()} for stage, instances in found.items()}
+
+
+def superseded(pid: int, parent: int) -> bool:
+    """Whether the stub ``pid`` (of ``parent``) no longer is its model instance's: a stub of the same instance name
+    started after it (its model was reloaded while it still ran requests, ``find_stub_instances``). False for a
+    process that is no stub."""
+    try:
+        argv = [os.fsdecode(arg) for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return False
+    instance = stub_instance(argv)
+    if instance is None:
+        return False
+    newest = find_stub_instances(parent, [instance[0]]).get(instance[0], {}).get(instance[1])
+    return newest is not None and newest != pid

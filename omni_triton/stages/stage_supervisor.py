@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Mapping
 
 from omni_triton.shared.repository_api import RESTART_PARAMETER, reload_model
-from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
+from omni_triton.shared.stub_processes import find_stub_instances, stub_alive, superseded
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,9 @@ class StageSupervisor:
                 self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
                                      else f"is down: its process exited{RELOAD_HINT}")
                 self._stubs[stage] = {}
-            if self._explicit and self._reloads:
+            # An orchestrator left running its requests after its own model was reloaded (serve reloads a dead
+            # orchestrator's model whole) leaves the reload to the fresh stub of its instance
+            if self._explicit and self._reloads and not superseded(os.getpid(), self._server_pid):
                 self._restart(stage)
             elif self._explicit:  # back once another orchestrator instance's reload is served: see below
                 self._awaited_marks[stage] = self._restart_mark(stage)
