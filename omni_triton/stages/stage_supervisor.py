@@ -159,6 +159,24 @@ class StageSupervisor:
                 for stage, stubs in self._stubs.items():
                     if len(stubs) >= self._instances[stage] and stage not in self._awaited_marks:
                         self._down.pop(stage, None)  # reloaded by another instance, or a Triton that does itself
+            # A stage Triton serves with a stub missing lost it before this watcher saw it: an orchestrator whose
+            # own model was reloaded alone starts after the stages, and a stage whose send to the dead orchestrator
+            # was stuck exits meanwhile (callers). Recorded as a death now, not at the first request it would fail.
+            for stage in missing:
+                if stage not in self._down and len(self._stubs[stage]) < self._instances[stage] and self._served(stage):
+                    with self._lock:
+                        self._locate(stage)
+
+    def _served(self, stage: str) -> bool:
+        """Whether Triton has ``stage`` loaded (ready: it says so after a stub died too; not while it first
+        loads). Unknown (no HTTP endpoint) is taken as no."""
+        if self._http_url is None:
+            return False
+        try:
+            urllib.request.urlopen(f"{self._http_url}/v2/models/{stage}/ready", timeout=2).close()
+        except OSError:  # not ready (HTTP 400), or no answer
+            return False
+        return True
 
     def _server_exiting(self) -> bool:
         """Whether tritonserver is shutting down (its liveness says so while it unloads the models). Unknown
