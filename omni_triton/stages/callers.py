@@ -53,9 +53,9 @@ class CallerLiveness:
     """Whether a caller (a stub process, a child of the same tritonserver) lives, asked afresh at every response:
     through a ``StubWatch`` per caller, so a response costs a read of an open file, not a lookup of /proc by path.
     Not through a cache of recent answers: a send that starts after its caller died is stuck for good (the stage
-    then exits, ``STUCK_SEND_S``, and is reloaded), and with answers kept 5 ms a stage exited so in 2 of 3
-    orchestrator kills under 4 streams on the CPU. A caller seen dead is forgotten (its file closed): its pid may
-    come back as a fresh stub's."""
+    then exits, ``STUCK_SEND_S``, and is reloaded), and a stage's response thread sends a round of responses back
+    to back, so under load a cache's window after a kill, even of a few ms, would let some start. A caller seen
+    dead is forgotten (its file closed): its pid may come back as a fresh stub's."""
 
     def __init__(self, server_pid: int, watch: Callable[[int, int], StubWatch] = StubWatch):
         self._server_pid, self._watch = server_pid, watch
