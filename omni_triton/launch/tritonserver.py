@@ -481,8 +481,9 @@ class TritonServer:
         while True:
             while self.process is not None and self.process.poll() is None and not stopped():
                 dead = [m for m, pid in watched.items() if not stub_alive(pid, self.process.pid)]
-                if (dead and {instance_model(instance) for instance in dead} == {"orchestrator"}
-                        and self.options.stage_reload and self.reload_alone("orchestrator", dead, ready_timeout_s, log)):
+                only_orchestrators = bool(dead) and {instance_model(instance) for instance in dead} == {"orchestrator"}
+                if only_orchestrators and self.options.stage_reload and self.reload_alone(
+                        "orchestrator", dead, ready_timeout_s, log):
                     watched = watched_stubs()
                     continue
                 if dead:

@@ -9,8 +9,8 @@ from omni_triton.stages.callers import Callers, caller_of
 from omni_triton.stages.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
                                            quantization, replica_labels, report_native_crashes, stage_device)
-from omni_triton.stages.stage_io import (OrphanSequences, answer_abort, configure_interstage_memory, host_array, input_arrays,
-                                         send_output, stage_loading, talker_output_tensors,
+from omni_triton.stages.stage_io import (OrphanSequences, answer_abort, configure_interstage_memory, host_array,
+                                         input_arrays, send_output, stage_loading, talker_output_tensors,
                                          thinker_output_from_request)
 from omni_triton.stage_profile import start_watching
 
