@@ -24,7 +24,7 @@
 # runs its own bench at those rates, all at once; a one-server layout of N GPUs (--pipelines N, the split: N=2) one
 # bench at N times them. layout_compare.py sums the servers' rates and gives each layout's goodput (the highest rate
 # that passed on every server: TTFA p95 <= 500 ms, none dry, none failed) against one GPU's. The device seconds the
-# parts should take are estimated and printed first: fit RATES, DURATION and the parts to a command's limit (at the
+# parts should take (an upper bound: each bench stops at its first failing rate) are estimated and printed first: fit RATES, DURATION and the parts to a command's limit (at the
 # defaults `side` in one command, on 2 or 4 GPUs, then `pipelines2,split` in the next, about 380-520 s each;
 # ESTIMATE_ONLY=1 prints the estimate and starts nothing).
 #
@@ -125,8 +125,9 @@ visible=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/nul
 
 bench() {  # $1: server name, $2: run dir name, $3: levels (closed loop) or rates (goodput), $4: timeout
   local load=(--concurrency "$3") line="^\\| server"  # results.md's row of the first level, or its goodput line
-  [ "$MODE" = goodput ] && load=(--request-rate "$3" --duration "$DURATION" --drain-timeout "$DRAIN_S") \
-    line="^Goodput:"
+  # a bench stops at its first failing rate: the higher ones cannot be the layout's goodput
+  [ "$MODE" = goodput ] && load=(--request-rate "$3" --duration "$DURATION" --drain-timeout "$DRAIN_S"
+                                 --stop-after-fail) line="^Goodput:"
   timeout -k 10 "$4" python3 -m omni_triton.cli bench --url "127.0.0.1:$(($(port_of "$1") + 1))" $MODEL_ARGS \
     $BENCH_ARGS --systems server "${load[@]}" --label "$2" --out "$logs/$2" >"$logs/$2.bench.log" 2>&1
   local status=$?
