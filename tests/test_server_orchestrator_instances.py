@@ -41,15 +41,17 @@ def two_orchestrators(tiny_checkpoint, tmp_path_factory):
 
 
 def instance_tags(server, client_id: str | None = None, since: float = 0.0) -> set[str]:
-    """The orchestrator instances (their request-id tags, ``<client id>#<index>.<n>``) that received a request of
-    ``client_id`` (None: any) since ``since``."""
+    """The orchestrator instances that received a request of ``client_id`` (None: any) since ``since``: request ids
+    are ``<client id>#<pid>.<n>``, the pid that of the instance's process."""
+    names = {pid: name for name, pid in find_stub_instances(server.server.process.pid, ["orchestrator"])
+             ["orchestrator"].items()}
     events = trace.read_events(server.server.log_path.parent / "trace")
     tags = set()
     for request_id, named in events.items():
         match = re.fullmatch(r"(.*)#(\d+)\.\d+", request_id)
         if match and (client_id is None or match.group(1) == client_id) and named.get(
                 "orchestrator.received", -1.0) >= since:
-            tags.add(match.group(2))
+            tags.add(names[int(match.group(2))])
     return tags
 
 
@@ -57,7 +59,7 @@ def test_two_processes_take_requests_in_turn_and_serve_what_the_inprocess_pipeli
     stubs = find_stub_instances(two_orchestrators.server.process.pid, ["orchestrator"])["orchestrator"]
     assert sorted(stubs) == list(INSTANCES) and len(set(stubs.values())) == 2
     check_concurrent_streams(two_orchestrators, inprocess)
-    assert instance_tags(two_orchestrators) == {"0", "1"}  # both took some of the concurrent streams
+    assert instance_tags(two_orchestrators) == set(INSTANCES)  # both took some of the concurrent streams
     values = wait_idle(two_orchestrators, read=series)
     # each instance writes its own series (labelled by instance), none an unlabelled one that the other overwrites
     for metric in ("omni_active_requests", "omni_admission_queue_length", "omni_interstage_host_tensors_total"):
@@ -68,7 +70,7 @@ def test_two_processes_take_requests_in_turn_and_serve_what_the_inprocess_pipeli
 
 def test_one_client_request_id_on_both_instances_stays_two_requests(two_orchestrators, inprocess):
     """The instances count their requests apart, so one client id sent twice at once would name one request in the
-    thinker twice without the instance's tag; each of the two gets its own output."""
+    thinker twice without the process's tag; each of the two gets its own output."""
     prompts = PROMPTS[:2]
     alone = [inprocess_run(inprocess, prompt, **GREEDY) for prompt in prompts]
     for _ in range(6):  # Triton hands requests to free instances in turn: both usually take one at once
@@ -79,9 +81,9 @@ def test_one_client_request_id_on_both_instances_stays_two_requests(two_orchestr
         for prompt, result, (text, audio) in zip(prompts, served, alone):
             assert result.text == text, prompt
             np.testing.assert_allclose(result.audio, audio, atol=1e-4, err_msg=prompt)
-        if instance_tags(two_orchestrators, "twin", since) == {"0", "1"}:
+        if instance_tags(two_orchestrators, "twin", since) == set(INSTANCES):
             break
-    assert instance_tags(two_orchestrators, "twin", since) == {"0", "1"}, "6 pairs each went to one instance"
+    assert instance_tags(two_orchestrators, "twin", since) == set(INSTANCES), "6 pairs each went to one instance"
     wait_idle(two_orchestrators, read=series)
 
 

@@ -41,8 +41,8 @@ goes to that pipeline's models by name (``thinker_p1``, ...), so its tensors sta
 aborts reach the one thinker, talker sequence and vocoder stream that hold it. Admission counts, limits and
 capacity are the instance's: per pipeline, and with several instances per pipeline (``--instances
 orchestrator=K``, so that the orchestrator's Python work runs in K processes) each takes 1/K of them
-(``OrchestratorSlot``, ``admission.split_limit``) and tags its request ids with its index (the pipeline's stages
-key their state on them).
+(``OrchestratorSlot``, ``admission.split_limit``). Request ids carry the process's pid (``<client id>#<pid>.<n>``:
+the pipeline's stages key their state on them).
 
 A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
 UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,8 +152,10 @@ class Orchestrator:
                                     split_limit(max_starting, slot.per_pipeline))
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._slot = slot
-        # request ids (the stages key their state on them) told apart from the other instances' of the pipeline
-        self._id_tag = f"{slot.index}." if slot.per_pipeline > 1 else ""
+        # request ids (the stages key their state on them) told apart from every other orchestrator process's:
+        # the pipeline's other instances, and the stub this one replaced (a reload alone: its requests may still
+        # be held in the stages), count from 1 too
+        self._id_tag = f"{os.getpid()}."
         self._request_counter = 0
         self._lock = threading.Lock()
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
