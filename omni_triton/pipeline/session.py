@@ -181,8 +181,11 @@ class Session:
                 until: threading.Event | None = None, coalesce: bool = False,
                 idle: Callable[[], None] | None = None) -> Iterator[Any]:
         """``items`` (a stage's response stream), read on a thread of their own and checked (default:
-        ``_check(stage)``) at every item and every ``POLL_S`` without one, when ``idle`` is called too (in the
-        consuming thread); it ends early once ``until`` is set.
+        ``_check(stage)``) at least every ``POLL_S``: at an item when the last check is that old, and at every
+        ``POLL_S`` without one, when ``idle`` is called too (in the consuming thread); it ends early once ``until``
+        is set. A check per item cost more than the item (a talker streams a frame a response; the check asks
+        the server whether the request was cancelled and the stage supervisor whether the stage lives), and
+        said nothing newer: both answers are refreshed at most every ``POLL_S`` anyway.
         With ``coalesce``, it yields lists: each item with every later one already waiting in the queue.
 
         A BLS stream in this Triton version cannot be cancelled, and one from a stage whose process died
@@ -208,12 +211,14 @@ class Session:
                 responses.put((_END, exc))
 
         threading.Thread(target=read, name=f"{stage}-stream", daemon=True).start()
+        checked_at = float("-inf")
         try:
             while until is None or not until.is_set():
                 try:
                     item, error = responses.get(timeout=POLL_S)
                 except queue.Empty:
                     check()
+                    checked_at = time.monotonic()
                     if idle is not None:
                         idle()
                     continue
@@ -221,7 +226,9 @@ class Session:
                     if error is not None:
                         raise error
                     return
-                check()
+                if (now := time.monotonic()) - checked_at >= POLL_S:
+                    check()
+                    checked_at = now
                 if not coalesce:
                     yield item
                     continue
