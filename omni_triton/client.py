@@ -157,16 +157,17 @@ class OmniStreamClient:
 
     def stream(self, text: str, audio_in: np.ndarray | None = None, *, timeout_s: float = 600.0,
                on_text: Callable[[str], None] | None = None, on_audio: Callable[[np.ndarray], None] | None = None,
-               deadline_s: float | None = None, **scalars) -> StreamResult:
+               deadline_s: float | None = None, request_id: str | None = None, **scalars) -> StreamResult:
         return self.stream_inputs(build_inputs(text, audio_in, **scalars), timeout_s=timeout_s, on_text=on_text,
-                                  on_audio=on_audio, deadline_s=deadline_s)
+                                  on_audio=on_audio, deadline_s=deadline_s, request_id=request_id)
 
     def stream_inputs(self, inputs: list, *, timeout_s: float = 600.0,
                       on_text: Callable[[str], None] | None = None,
                       on_audio: Callable[[np.ndarray], None] | None = None,
-                      deadline_s: float | None = None) -> StreamResult:
+                      deadline_s: float | None = None, request_id: str | None = None) -> StreamResult:
         """Send ready-made InferInputs (e.g. the orchestrator's, preprocessed client-side) and gather the stream.
         Raises ``StreamError`` when the request fails, DEADLINE_EXCEEDED when no response came for ``timeout_s``.
+        ``request_id``: the request's id (default: a fresh one), which ``cancel`` names.
 
         ``deadline_s``: the request fails with DEADLINE_EXCEEDED after this many seconds (gRPC's deadline on its
         stream), and the server ends it (and frees its state) then too, even if this client disappears."""
@@ -177,7 +178,7 @@ class OmniStreamClient:
             self._open_stream()
         result = StreamResult()
         try:
-            return self._gather(inputs, result, timeout_s, on_text, on_audio, deadline_s)
+            return self._gather(inputs, result, timeout_s, on_text, on_audio, deadline_s, request_id)
         except InferenceServerException as error:
             self._close_stream()  # the server ended it with the error (or it timed out): start afresh next time
             raise StreamError(error, result) from None
@@ -186,8 +187,8 @@ class OmniStreamClient:
                 self._close_stream()
 
     def _gather(self, inputs: list, result: StreamResult, timeout_s: float, on_text, on_audio,
-                deadline_s: float | None) -> StreamResult:
-        request_id = self._request_id = uuid.uuid4().hex
+                deadline_s: float | None, request_id: str | None) -> StreamResult:
+        request_id = self._request_id = request_id or uuid.uuid4().hex
         start = time.perf_counter()
         self._awaiting = True
         trace.event(request_id, "client.sent")

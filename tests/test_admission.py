@@ -34,6 +34,26 @@ def test_capacity_never_assumes_more_streams_are_cheaper():
     assert capacity.step_s(64) >= capacity.step_s(8) >= capacity.step_s(1) > 0
 
 
+def test_an_instance_of_two_learns_and_admits_in_the_pipelines_streams():
+    """--instances orchestrator=2: each instance sees half the pipeline's streams; its estimate is the pipeline's."""
+    whole, half = RealtimeCapacity(), RealtimeCapacity(share=2)
+    slow = lambda b: 0.02 + 0.004 * b  # noqa: E731 -- real time (80 ms a step) at b = 15
+    for streams in (1, 2, 4, 6):
+        for _ in range(10):
+            seen = talker(slow, 2 * streams)
+            whole.observe(*seen)
+            # the half instance gets the same frames per stream over its half of the streams
+            half.observe(streams, seen[1] // 2, seen[2], batch=streams)
+    assert half.step_s(12) == pytest.approx(whole.step_s(12), rel=0.02)
+    assert [half.admits(running) for running in range(10)] == [whole.admits(2 * r + 1) for r in range(10)]
+    assert not half.admits(7)  # 16 streams on the pipeline: past real time
+    assert half.instance_audio_s_per_s(4) == pytest.approx(whole.audio_s_per_s(8) / 2, rel=0.02)
+    forced = RealtimeCapacity(forced_audio_s_per_s=4.5, share=2)  # the pipeline's 4.5: two streams per instance
+    assert forced.admits(1) and not forced.admits(2) and forced.instance_audio_s_per_s(1) == 2.25
+    with pytest.raises(ValueError, match="share must be >= 1"):
+        RealtimeCapacity(share=0)
+
+
 def test_forced_capacity_counts_streams_at_real_time():
     capacity = RealtimeCapacity(forced_audio_s_per_s=2.5)
     capacity.observe(1, 1, 100.0)  # ignored: the number is fixed

@@ -239,6 +239,7 @@ def test_request_rate_parses_a_list_or_auto():
     (["--systems", "server,inprocess"], "--systems must be one of"),
     (["--duration", "0"], "--duration must be > 0"),
     (["--goodput-start", "8", "--goodput-max", "4"], "is above --goodput-max"),
+    (["--request-rate", "auto", "--stop-after-fail"], "--stop-after-fail goes with a list of rates"),
 ])
 def test_open_loop_refuses_closed_loop_options_and_bad_values(extra, message, capsys):
     with pytest.raises(SystemExit):

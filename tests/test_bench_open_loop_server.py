@@ -51,3 +51,15 @@ def test_open_loop_reports_every_rate_and_its_goodput(triton_server, tiny_checkp
     assert "Goodput:" in table and "| server | 0.5 |" in table and "| server | 1 |" in table
     if not any("plot skipped" in note for note in report["notes"]):
         assert (out / "open_loop.png").is_file()
+
+
+def test_stop_after_fail_skips_the_rates_after_the_first_failing_one(triton_server, tiny_checkpoint, tmp_path):
+    out = tmp_path / "stopped"
+    # a limit no request meets: the first rate fails, so the second is not run
+    main(["--url", triton_server.grpc_url, "--checkpoint", str(tiny_checkpoint), "--quick", "--warmup", "0",
+          "--request-rate", "0.5,1", "--duration", "2", "--arrival-seed", str(SEED), "--ttfa-p95-limit-ms", "0.001",
+          "--stop-after-fail", "--out", str(out)])
+    report = json.loads((out / "results.json").read_text())
+    assert [row["rate"] for row in report["rates"]] == [0.5] and not report["rates"][0]["passes"]
+    assert report["goodput"]["requests_per_s"] is None
+    assert any("--stop-after-fail: 0.5/s failed, so 1/s were not run" in note for note in report["notes"])

@@ -140,7 +140,7 @@ def test_service_monitor_hpa_and_adapter_rules_point_at_each_other(values_path):
 @pytest.mark.parametrize("change, message", [
     ({"serve": ["--stage-gpus", "thinker=0,talker=1"]}, r"uses GPU 1: set gpus: 2"),
     ({"serve": ["--pipelines", "2"]}, r"placement \(2 pipelines: .*\) uses GPU 1: set gpus: 2"),
-    ({"serve": ["--instances", "thinker=2"]}, r"--instances thinker=2: only talker and code2wav"),
+    ({"serve": ["--instances", "thinker=2"]}, r"--instances thinker=2: only talker, code2wav, orchestrator"),
     ({"serve": ["--max-inflight", "many"]}, r"argument --max-inflight: invalid int value: 'many'"),
     ({"replicas": 3}, r"unknown key 'replicas'"),
     ({"checkpoint": {"claimName": "c", "path": "/data/ckpt"}}, r"checkpoint.path must be under /checkpoints/"),

@@ -14,7 +14,8 @@ from omni_triton import cli
 from omni_triton.launch import serve
 from omni_triton.launch.options import LaunchOptionError, placement
 from omni_triton.launch.memory_plan import GIB, MIN_KV_TOKENS, DoesNotFit, Footprint, plan, plan_placement
-from omni_triton.shared.placement import Placement, PlacementError, parse_instances, parse_stage_gpus
+from omni_triton.shared.placement import (OrchestratorSlot, Placement, PlacementError, parse_instances,
+                                         parse_stage_gpus)
 from omni_triton.launch.repository import render_repository
 from omni_triton.shared.settings import LaunchConfig
 from server_fixture import rendered_settings
@@ -83,10 +84,9 @@ def test_malformed_values_are_refused_naming_option_and_value(parse, text, messa
     ({"talker": (1, 1)}, {}, r"--stage-gpus talker=1:1: expected distinct GPU ids >= 0"),
     ({"talker": (-1,)}, {}, r"--stage-gpus talker=-1: expected distinct GPU ids >= 0"),
     ({}, {"talker": 0}, r"--instances talker=0: expected a count >= 1"),
-    ({}, {"thinker": 2}, r"--instances thinker=2: only talker and code2wav take more than one instance"),
-    ({}, {"orchestrator": 2}, r"--instances orchestrator=2: only talker and code2wav"),
-    ({"thinker": (0, 1)}, {}, r"--stage-gpus thinker=0:1: the thinker runs one instance per pipeline, on one GPU"),
-    ({"orchestrator": (0, 1)}, {}, r"--stage-gpus orchestrator=0:1: the orchestrator runs one instance per pipeline"),
+    ({}, {"thinker": 2}, r"--instances thinker=2: only talker, code2wav, orchestrator take more than one instance"),
+    ({"thinker": (0, 1)}, {}, r"--stage-gpus thinker=0:1: the thinker runs on one GPU per pipeline"),
+    ({"orchestrator": (0, 1)}, {}, r"--stage-gpus orchestrator=0:1: the orchestrator runs on one GPU per pipeline"),
 ])
 def test_impossible_placements_are_refused_naming_option_and_value(gpus, instances, message):
     with pytest.raises(PlacementError, match=message):
@@ -95,7 +95,7 @@ def test_impossible_placements_are_refused_naming_option_and_value(gpus, instanc
 
 @pytest.mark.parametrize("argv, message", [
     (["--stage-gpus", "talker=1"], "--stage-gpus places stages on GPUs: it needs --device cuda"),
-    (["--device", "cuda", "--instances", "thinker=2"], "--instances thinker=2: only talker and code2wav"),
+    (["--device", "cuda", "--instances", "thinker=2"], "--instances thinker=2: only talker, code2wav, orchestrator"),
 ])
 def test_serve_refuses_placements_by_option(argv, message):
     args = cli.build_parser().parse_args(["serve", *argv])
@@ -244,17 +244,20 @@ def test_pipeline_model_names_round_trip():
 
 def test_each_orchestrator_instance_serves_the_pipeline_its_group_names():
     """Triton names an instance <group>_<index>: the orchestrator's groups are orchestrator_p<k>."""
-    from omni_triton.shared.placement import orchestrator_pipeline
+    from omni_triton.shared.placement import orchestrator_instance
 
-    assert orchestrator_pipeline("orchestrator_p0_0", 2) == 0 and orchestrator_pipeline("orchestrator_p3_0", 4) == 3
-    assert orchestrator_pipeline("orchestrator_0_0", 1) == 0  # one pipeline: Triton's default group
-    for name, pipelines in (("orchestrator_p2_0", 2), ("orchestrator_0_0", 2), ("orchestrator_p1", 2)):
+    assert orchestrator_instance("orchestrator_p0_0", 2) == (0, 0)
+    assert orchestrator_instance("orchestrator_p3_1", 4) == (3, 1)
+    assert orchestrator_instance("orchestrator_0_0", 1) == (0, 0)  # one instance: Triton's default group
+    assert orchestrator_instance("orchestrator_p0_2", 1) == (0, 2)  # one pipeline, --instances orchestrator=3
+    for name, pipelines in (("orchestrator_p2_0", 2), ("orchestrator_0_0", 2), ("orchestrator_p1", 2),
+                            ("talker_0_0", 1)):
         with pytest.raises(ValueError, match=f"orchestrator instance '{name}' names none of {pipelines} pipelines"):
-            orchestrator_pipeline(name, pipelines)
+            orchestrator_instance(name, pipelines)
 
 
 def test_each_pipeline_labels_its_stage_metrics(tiny_checkpoint, tmp_path):
-    from omni_triton.stages.model_args import instance_pipeline, launch_settings, replica_labels
+    from omni_triton.stages.model_args import launch_settings, orchestrator_slot, replica_labels
     from server_fixture import stage_args
 
     out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, placement=Placement(
@@ -267,8 +270,32 @@ def test_each_pipeline_labels_its_stage_metrics(tiny_checkpoint, tmp_path):
     groups = json.loads(orchestrator["model_config"])["instance_group"]  # the text format parses as Triton's
     assert [(group["name"], group["count"], group["kind"]) for group in groups] == [
         ("orchestrator_p0", 1, "KIND_CPU"), ("orchestrator_p1", 1, "KIND_CPU")]
-    assert instance_pipeline(launch_settings(orchestrator), {**orchestrator, "model_instance_name":
-                                                             "orchestrator_p1_0"}) == (1, {"pipeline": "1"})
+    assert orchestrator_slot(launch_settings(orchestrator), {**orchestrator, "model_instance_name":
+                                                             "orchestrator_p1_0"}) == (
+        1, OrchestratorSlot(index=0, per_pipeline=1, total=2), {"pipeline": "1"})
+
+
+def test_orchestrator_instances_of_one_pipeline_are_told_apart(tiny_checkpoint, tmp_path):
+    """--instances orchestrator=3: one group of three instances per pipeline, each with its own index, metric
+    labels and a third of the pipeline's admission limits."""
+    from omni_triton.stages.admission import split_limit
+    from omni_triton.stages.model_args import launch_settings, orchestrator_slot
+    from server_fixture import stage_args
+
+    for pipelines in (1, 2):
+        out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, placement=Placement(
+            instances={"orchestrator": 3}, pipelines=pipelines)), tmp_path / f"cpu{pipelines}")
+        orchestrator = stage_args((out / "orchestrator" / "config.pbtxt").read_text(), "orchestrator")
+        groups = json.loads(orchestrator["model_config"])["instance_group"]
+        assert [(group["name"], group["count"]) for group in groups] == [
+            (f"orchestrator_p{k}", 3) for k in range(pipelines)]
+        settings = launch_settings(orchestrator)
+        pipeline, slot, labels = orchestrator_slot(settings, {**orchestrator, "model_instance_name":
+                                                              f"orchestrator_p{pipelines - 1}_2"})
+        assert (pipeline, slot) == (pipelines - 1, OrchestratorSlot(index=2, per_pipeline=3, total=3 * pipelines))
+        assert labels == {**({"pipeline": "1"} if pipelines == 2 else {}),
+                          "model_instance": f"orchestrator_p{pipelines - 1}_2"}
+    assert [split_limit(limit, 3) for limit in (64, 6, 1, 0)] == [22, 2, 1, 0]  # 0: no limit stays none
 
 
 def test_pipelines_plan_each_gpu_as_a_whole_pipeline(full_footprint):

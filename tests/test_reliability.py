@@ -29,6 +29,7 @@ from reliability_helpers import VICTIM_REQUEST, raw_stream, read_gauges, seconds
 from tritonclient.utils import InferenceServerException
 
 from omni_triton.client import OmniStreamClient, build_inputs
+from omni_triton.shared.placement import Placement
 from omni_triton.shared.settings import STAGES, LaunchConfig
 from omni_triton.shared.stub_processes import find_stubs
 
@@ -443,17 +444,17 @@ FAULT_REQUEST = dict(max_tokens=800, max_audio_frames=400, min_audio_frames=400,
 SMALL_REQUEST = dict(max_tokens=6, max_audio_frames=8, temperature=0.0)
 
 
-def start_fault_server(tiny_checkpoint, run_dir):
+def start_fault_server(tiny_checkpoint, run_dir, placement: Placement | None = None):
     """A server of the killed-stage tests' own (killing stubs disturbs it). Explicit model-control mode lets the
     orchestrator reload a dead stage (Triton 2.51 never restarts a dead Python stub). Larger token limits than
-    TEST_LIMITS, so that the thinker is still generating when it is killed."""
+    TEST_LIMITS, so that the thinker is still generating when it is killed. ``placement``: default one pipeline."""
     from server_fixture import ServerHandle, servable_models
 
     from omni_triton.launch.repository import render_repository
     from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
-                          max_inflight_requests=MAX_INFLIGHT, admission_queue=0,
+                          max_inflight_requests=MAX_INFLIGHT, admission_queue=0, placement=placement or Placement(),
                           **dict(TEST_LIMITS, max_tokens_cap=1024, kv_cache_tokens=4096))
     models = servable_models()
     # exit_timeout_s: a killed stage's old model never unloads (its requests in flight never end), so the
@@ -464,7 +465,7 @@ def start_fault_server(tiny_checkpoint, run_dir):
                           log_path=run_dir / "tritonserver.log")
     server.start()
     try:
-        return ServerHandle(server, config, models, server.wait_ready(models))
+        return ServerHandle(server, config, models, server.wait_ready())  # every rendered model (thinker_p0, ...)
     except BaseException:
         server.stop()
         raise

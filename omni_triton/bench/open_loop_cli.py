@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-client-streams", type=int, default=512, metavar="N",
                        help="requests in flight at most on the client's side; an arrival past it is not sent and "
                             "fails its rate (default: %(default)s)")
+    group.add_argument("--stop-after-fail", action="store_true",
+                       help="with a list of rates: stop at the first that fails, in the order given (the rates after "
+                            "it are skipped: on a busy machine they cost their duration and drain each)")
     group.add_argument("--drain-timeout", type=float, default=120.0, metavar="S",
                        help="after a rate's last arrival, wait this long for its requests; the ones still running "
                             "are cancelled and fail as DRAIN_TIMEOUT (default: %(default)s)")
@@ -82,6 +85,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.max_client_streams < 1 or args.goodput_bisections < 0:
         parser.error("--max-client-streams must be >= 1 and --goodput-bisections >= 0")
+    if args.stop_after_fail and args.request_rate == AUTO:
+        parser.error("--stop-after-fail goes with a list of rates (--request-rate auto searches by itself)")
     if args.goodput_start > args.goodput_max:
         parser.error(f"--goodput-start {args.goodput_start} is above --goodput-max {args.goodput_max}")
 
@@ -140,8 +145,13 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
         if search is not None:
             search.run(measure)
         else:
-            for rate in args.request_rate:
-                measure(rate)
+            for index, rate in enumerate(args.request_rate):
+                if not measure(rate) and args.stop_after_fail:
+                    skipped = args.request_rate[index + 1:]
+                    if skipped:
+                        notes.append(f"--stop-after-fail: {rate:g}/s failed, so {', '.join(f'{r:g}' for r in skipped)}"
+                                     "/s were not run")
+                    break
     finally:
         pool.close()
 

@@ -3,7 +3,7 @@ fractions of a measured goodput, one report (results.json after every scenario, 
 
 The soak and the burst share one server (--url, or one started here: the burst then finds it warm); each killed
 stage gets a fresh server started here with --allow-stage-reload (the orchestrator reloads a dead thinker, talker
-or code2wav), watched as `omni-triton serve` watches it (a dead orchestrator restarts tritonserver).
+or code2wav), watched as `omni-triton serve` watches it (which reloads a dead orchestrator alone).
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ def plan_placement(footprint: Footprint, gpus: Mapping[int, tuple[int, str]], pl
     frames = code2wav_frames or footprint.exact_left_context_frames + 25
     sizing = dict(utilization=utilization, gpu_processes=gpu_processes, max_inflight=max_inflight,
                   code2wav_batch=code2wav_batch, frames=frames, code2wav_streams=code2wav_streams,
-                  block_size=block_size)
+                  block_size=block_size, orchestrators=placement.count("orchestrator"))
     per_gpu = tuple(_plan_gpu(footprint, gpu, *gpus[gpu], placement.held(gpu), **sizing)
                     for gpu in placement.used_gpus())
     over = [gpu for gpu in per_gpu if not gpu.fits()]
@@ -308,13 +308,13 @@ def check_visible(gpus: Mapping[int, object], placement: Placement) -> None:
 
 def _plan_gpu(footprint: Footprint, gpu: int, free_bytes: int, device_name: str, held: dict[str, int], *,
               utilization: float, gpu_processes: int | None, max_inflight: int, code2wav_batch: int, frames: int,
-              code2wav_streams: int, block_size: int) -> GpuPlan:
+              code2wav_streams: int, block_size: int, orchestrators: int = 1) -> GpuPlan:
     stage_bytes = {"thinker": footprint.thinker_bytes, "talker": footprint.talker_bytes,
                    "code2wav": footprint.code2wav_bytes, "orchestrator": 0}
     weights = sum(stage_bytes[stage] * count for stage, count in held.items())
     # an orchestrator handles its pipeline's tensors, so it holds a CUDA context on each GPU of its pipeline, its
-    # own or not (one per pipeline: placement.held counts it on its own GPU)
-    processes = gpu_processes or (1 + sum(held.values()) + ("orchestrator" not in held))
+    # own or not (``orchestrators`` per pipeline: placement.held counts them on their own GPU)
+    processes = gpu_processes or (1 + sum(held.values()) + ("orchestrator" not in held) * orchestrators)
     engines = held.get("thinker", 0) + held.get("talker", 0)
     activations = (footprint.code2wav_frame_bytes * frames * code2wav_batch
                    + footprint.code2wav_stream_bytes * code2wav_streams) * held.get("code2wav", 0)

@@ -155,9 +155,10 @@ def add_placement_arguments(group) -> None:
                             "thinker=0,talker=1,code2wav=1; several GPUs with ':' (talker=1:2); stages not named run "
                             "on GPU 0, the orchestrator on the thinker's (default: all on GPU 0)")
     group.add_argument("--instances", type=_option_type(parse_instances), default={}, metavar="STAGE=N,...",
-                       help=f"instances of {' and '.join(REPLICABLE_STAGES)} per GPU of the stage (Triton "
+                       help=f"instances of {', '.join(REPLICABLE_STAGES)} per GPU of the stage (Triton "
                             "instance_group count; the memory plan gives each its KV cache), e.g. "
-                            "talker=2,code2wav=2 (default: 1 each)")
+                            "talker=2,code2wav=2; orchestrator=K: K orchestrator processes per pipeline, each taking "
+                            "1/K of its admission limits (default: 1 each)")
     group.add_argument("--pipelines", type=int, default=Placement.pipelines, metavar="N",
                        help="whole pipelines (thinker, talker, code2wav) in this server, each on its own GPU group: "
                             "pipeline k on GPU k, or with --stage-gpus on that layout shifted by k groups; each "

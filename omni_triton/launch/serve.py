@@ -93,7 +93,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus metrics port (default: %(default)s)")
     server.add_argument("--allow-stage-reload", action="store_true",
                         help="model-control-mode explicit, so that a stage whose stub process died is reloaded "
-                             "(the repository load/unload API is then open to clients too; default: off)")
+                             "alone, tritonserver kept: a thinker, talker or code2wav by the orchestrator, the "
+                             "orchestrator (all its instances) by serve itself (the repository load/unload API is "
+                             "then open to clients too; default: off)")
     server.add_argument("--mps", choices=MPS_CHOICES, default="auto",
                         help="CUDA MPS for the stages sharing a GPU (--device cuda): auto uses the host's control "
                              "daemon when it sees this server's GPUs (CUDA_VISIBLE_DEVICES), else starts one of its "
@@ -167,7 +169,7 @@ def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
     try:
         waited = server.wait_ready(timeout_s=args.ready_timeout)
         if config.resolved_warmup and models is None:  # the whole pipeline is served: one request through it
-            first_s = send_first_requests(server.grpc_url, count=config.placement.pipelines)
+            first_s = send_first_requests(server.grpc_url, count=config.placement.orchestrator_instances)
             print(f"  first request through {config.placement.pipelines} pipeline(s): {first_s:.1f} s", flush=True)
     except BaseException:
         server.stop()

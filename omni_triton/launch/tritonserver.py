@@ -35,6 +35,7 @@ from omni_triton.shared.cancel_registry import remove_registry
 from omni_triton.shared.drain import DRAIN_S
 from omni_triton.shared.procfs import PARENT, stat_fields
 from omni_triton.shared.placement import model_stage
+from omni_triton.shared.repository_api import reload_model
 from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
@@ -243,6 +244,7 @@ class TritonServer:
         self.stop_outcome = ""  # how the last stop ended: "graceful", or the signal it had to escalate to
         self.drain_outcome: str | None = None  # why the last graceful stop did not drain (None: it did, or none ran)
         self._stop_echo = threading.Event()
+        self._reloads = 0  # models reloaded alone (reload_alone): each reload's config names its number
 
     # -- addresses -------------------------------------------------------------------------------
     @property
@@ -462,8 +464,14 @@ class TritonServer:
         """Keep the server up until Ctrl-C. A native crash in a backend takes the whole process down; a stub
         that dies leaves its model answering nothing (Triton 2.51 never restarts stubs). Either way: stop what
         is left and start again, up to ``max_restarts`` times. Stubs of ``reloaded_by_orchestrator`` are left
-        to the orchestrator (``--allow-stage-reload``). Returns the exit code of the run not restarted, or 0 once
-        ``stopped()`` (another thread stops the server: a bench's own server is not restarted then)."""
+        to the orchestrator (``--allow-stage-reload``), and with stage reload (``options.stage_reload``), when
+        every dead stub is an orchestrator instance's, the orchestrator model is reloaded alone through the
+        repository API (``reload_alone``), the server and the stages kept. Triton reloads a model whole: every
+        orchestrator instance gets a fresh stub and takes the new requests; the requests in flight on the other,
+        live instances run to their end on their old stubs (Triton unloads the old model only once its requests
+        have ended, which the dead instance's never do: those old stubs stay, idle, until the server stops).
+        Returns the exit code of the run not restarted, or 0 once ``stopped()`` (another thread stops the server:
+        a bench's own server is not restarted then)."""
         def watched_stubs() -> dict[str, int]:
             # a pipeline's copy of a stage (thinker_p1) is reloaded like the stage
             return self.stub_pids([m for m in self.repository_models()
@@ -473,6 +481,11 @@ class TritonServer:
         while True:
             while self.process is not None and self.process.poll() is None and not stopped():
                 dead = [m for m, pid in watched.items() if not stub_alive(pid, self.process.pid)]
+                only_orchestrators = bool(dead) and {instance_model(instance) for instance in dead} == {"orchestrator"}
+                if only_orchestrators and self.options.stage_reload and self.reload_alone(
+                        "orchestrator", dead, ready_timeout_s, log):
+                    watched = watched_stubs()
+                    continue
                 if dead:
                     log(f"the stub process of {dead} died; its requests can never complete")
                     break
@@ -497,6 +510,23 @@ class TritonServer:
             watched = watched_stubs()  # before saying so: what dies after "ready" must be seen
             log(f"tritonserver ready again after restart {restarts}")
 
+    def reload_alone(self, model: str, dead: list[str], ready_timeout_s: float, log: Callable[[str], None]) -> bool:
+        """Load ``model`` (whose instances ``dead`` lost their stubs) again through the repository API, the server
+        and every other model's stubs kept, and wait until every model serves (Triton reloads the ensemble on top
+        of it in the same call); whether that worked (if not, the caller restarts the whole server). The stages
+        drop what the dead stubs' requests held in them themselves (``omni_triton.stages.callers``)."""
+        self._reloads += 1
+        start = time.monotonic()
+        log(f"the stub process of {dead} died; reloading {model} alone (every instance of it) ...")
+        try:
+            reload_model(f"http://{self.http_url}", model, f"launcher-{self._reloads}", ready_timeout_s)
+            self.wait_ready(timeout_s=ready_timeout_s)
+        except (OSError, ValueError, TritonServerError) as error:
+            log(f"reloading {model} failed: {error}")
+            return False
+        log(f"{model} reloaded alone in {time.monotonic() - start:.1f} s (tritonserver pid {self.process.pid} kept)")
+        return True
+
     def __enter__(self) -> "TritonServer":
         self.start()
         try:
@@ -508,6 +538,14 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def instance_model(instance: str) -> str:
+    """The model of a model instance's name: Triton names an instance ``<group>_<index>``, and a group is either
+    the default ``<model>_<index>`` or one named ``<model>_<word>`` (``placement``: ``orchestrator_p1`` per
+    pipeline), so the model is what comes before the last two underscores: ``orchestrator_0_1``,
+    ``orchestrator_p1_0`` -> ``orchestrator``; ``thinker_p1_0_0`` -> ``thinker_p1``."""
+    return instance.rsplit("_", 2)[0]
 
 
 def process_tree_rss_bytes(pid: int) -> int:

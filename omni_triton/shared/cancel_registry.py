@@ -1,4 +1,5 @@
-"""Cancels that every orchestrator instance of one server sees (``serve --pipelines N``: one instance per pipeline).
+"""Cancels that every orchestrator instance of one server sees (``serve --pipelines N``: one instance per pipeline,
+or more with ``--instances orchestrator=K``).
 
 A client cancels a request in flight with a control request carrying its request id (``orchestrator`` module
 docstring). Triton hands that control request to any instance of the orchestrator model, not necessarily the one
@@ -15,7 +16,7 @@ never came), and the last instance to stop removes the directory; the launcher r
 
 A drain (``omni_triton.shared.drain``) reaches one instance too: it records here until when running sessions may
 run (``record_drain``), every instance finds it at its next poll (``drain_until``) and, once it holds no session,
-says so (``mark_drained``), so the instance that got the drain answers once every pipeline is done (``drained``).
+says so (``mark_drained``), so the instance that got the drain answers once every instance is done (``drained``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Mapping
 # how long a cancel nobody holds stays (a later request of the same id is safe by time, not by expiry).
 CANCEL_TTL_S = 10.0
 _PREFIX = "omni-triton-cancels-"
-_DRAIN = "drain"  # entries of a drain: "drain" (until when), "drained-<pipeline>" (that pipeline holds nothing)
+_DRAIN = "drain"  # entries of a drain: "drain" (until when), "drained-<instance>" (that instance holds nothing)
 
 
 def registry_dir(server_pid: int) -> Path:
@@ -108,12 +109,13 @@ class CancelRegistry:
         except (OSError, ValueError):
             return None
 
-    def mark_drained(self, pipeline: int) -> None:
-        """``pipeline``'s instance holds no session any more and takes none."""
-        self._write(f"{_DRAIN}ed-{pipeline}", time.monotonic())
+    def mark_drained(self, instance: str) -> None:
+        """The orchestrator instance ``instance`` (a name unique in the server) holds no session any more and
+        takes none."""
+        self._write(f"{_DRAIN}ed-{instance}", time.monotonic())
 
     def drained(self) -> int:
-        """How many pipelines' instances said they hold no session."""
+        """How many instances said they hold no session."""
         try:
             return sum(entry.name.startswith(f"{_DRAIN}ed-") for entry in os.scandir(self.directory))
         except FileNotFoundError:

@@ -6,22 +6,25 @@ each told its GPU in ``model_instance_device_id``), and read by the memory plan,
 GPU from what that GPU holds. ``count`` is per listed GPU, as in Triton's instance_group: ``--stage-gpus
 talker=1:2 --instances talker=2`` runs four talker instances, two on each of GPUs 1 and 2.
 
-Only the talker and code2wav take more than one instance. Their requests either belong to one sequence (the
-talker: Triton's sequence batcher sends every chunk of a correlation id, its abort included, to the instance
-holding it) or stand alone (a code2wav chunk). The thinker takes aborts by request id that Triton would route to
-any instance, not the one holding the request; it runs one instance (per pipeline).
+Only the talker, code2wav and the orchestrator take more than one instance. The talker's and code2wav's requests
+either belong to one sequence (the talker: Triton's sequence batcher sends every chunk of a correlation id, its
+abort included, to the instance holding it) or stand alone (a code2wav chunk). The thinker takes aborts by request
+id that Triton would route to any instance, not the one holding the request; it runs one instance (per pipeline).
+Orchestrator instances (``--instances orchestrator=K``: K per pipeline, each its own process, so the orchestrator's
+CPU work, one GIL a process, is spread over K cores) each take the requests Triton hands them and run them on their
+pipeline; their cancels and drains meet in the server's ``CancelRegistry``.
 
 Pipelines (``--pipelines N``): N copies of thinker, talker and code2wav, each copy its own Triton models
-(``thinker_p0``, ``talker_p0``, ``code2wav_p0``, ``thinker_p1``, ...: ``pipeline_model``) on its own GPUs, and one
-orchestrator instance per pipeline (the one ``orchestrator`` model, an instance group per pipeline named
-``orchestrator_p<k>`` on that pipeline's GPU: ``orchestrator_pipeline`` reads the pipeline back from the instance's
-name). Each orchestrator instance sends its requests, and every call of theirs, to its own pipeline's models by
-name, so a request's tensors stay on its pipeline's GPUs and its aborts reach the one thinker that holds it; one
-orchestrator process per pipeline keeps the orchestrator's own CPU work (one GIL) from capping the server.
-``--stage-gpus`` and ``--instances`` describe pipeline 0; pipeline k runs the same layout shifted by k GPU groups (a
-group: GPUs 0 to the highest pipeline 0 uses), so ``--pipelines 2`` puts pipeline 1 on GPU 1, and ``--pipelines 2
---stage-gpus thinker=0,talker=1,code2wav=1`` puts it on GPUs 2 and 3. One pipeline keeps the stages' own names
-(``thinker``, ...) and its orchestrator instance group Triton's default one.
+(``thinker_p0``, ``talker_p0``, ``code2wav_p0``, ``thinker_p1``, ...: ``pipeline_model``) on its own GPUs, and the
+orchestrator's instances per pipeline (the one ``orchestrator`` model, an instance group per pipeline named
+``orchestrator_p<k>`` on that pipeline's GPU: ``orchestrator_instance`` reads the pipeline and the instance's index
+back from the instance's name). Each orchestrator instance sends its requests, and every call of theirs, to its own
+pipeline's models by name, so a request's tensors stay on its pipeline's GPUs and its aborts reach the one thinker
+that holds it; one orchestrator process per pipeline (or more) keeps the orchestrator's own CPU work from capping
+the server. ``--stage-gpus`` and ``--instances`` describe pipeline 0; pipeline k runs the same layout shifted by k
+GPU groups (a group: GPUs 0 to the highest pipeline 0 uses), so ``--pipelines 2`` puts pipeline 1 on GPU 1, and
+``--pipelines 2 --stage-gpus thinker=0,talker=1,code2wav=1`` puts it on GPUs 2 and 3. One pipeline keeps the
+stages' own names (``thinker``, ...) and, with one orchestrator instance, Triton's default instance group.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from typing import Mapping
 
 GPU_STAGES = ("thinker", "talker", "code2wav", "orchestrator")  # preprocess runs on the CPU
 ENGINE_STAGES = ("thinker", "talker")
-REPLICABLE_STAGES = ("talker", "code2wav")
+REPLICABLE_STAGES = ("talker", "code2wav", "orchestrator")
 PIPELINE_STAGES = ("thinker", "talker", "code2wav")  # one model per pipeline; preprocess and orchestrator: one each
 PER_PIPELINE_STAGES = (*PIPELINE_STAGES, "orchestrator")  # instances per pipeline (the orchestrator's in one model)
 _PIPELINE_MODEL = re.compile(r"^(%s)_p(\d+)$" % "|".join(PIPELINE_STAGES))
-_ORCHESTRATOR_INSTANCE = re.compile(r"^orchestrator_p(\d+)_\d+$")  # Triton names instances <group>_<index>
+_ORCHESTRATOR_INSTANCE = re.compile(r"^orchestrator_p(\d+)_(\d+)$")  # Triton names instances <group>_<index>
+_DEFAULT_GROUP_INSTANCE = re.compile(r"^orchestrator_0_(\d+)$")  # one instance: Triton's default group
 
 
 def pipeline_model(stage: str, pipeline: int, pipelines: int) -> str:
@@ -51,16 +55,28 @@ def model_stage(model: str) -> tuple[str, int]:
     return (match.group(1), int(match.group(2))) if match else (model, 0)
 
 
-def orchestrator_pipeline(instance_name: str, pipelines: int) -> int:
-    """The pipeline an orchestrator instance serves, from its Triton instance name (``orchestrator_p1_0``: the
-    instance of group ``orchestrator_p1``, ``Placement.instance_group``); with one pipeline, 0."""
-    if pipelines == 1:
-        return 0
+def orchestrator_instance(instance_name: str, pipelines: int) -> tuple[int, int]:
+    """(pipeline, index within it) of an orchestrator instance, from its Triton instance name: ``orchestrator_p1_0``
+    is instance 0 of group ``orchestrator_p1`` (``Placement.instance_group``); with one pipeline and one instance,
+    Triton's default group, ``orchestrator_0_0``."""
     match = _ORCHESTRATOR_INSTANCE.match(instance_name)
-    if match is None or int(match.group(1)) >= pipelines:
-        raise ValueError(f"orchestrator instance {instance_name!r} names none of {pipelines} pipelines "
-                         "(expected orchestrator_p<k>_<index>)")
-    return int(match.group(1))
+    if match is not None and int(match.group(1)) < pipelines:
+        return int(match.group(1)), int(match.group(2))
+    default = _DEFAULT_GROUP_INSTANCE.match(instance_name)
+    if pipelines == 1 and default is not None:
+        return 0, int(default.group(1))
+    raise ValueError(f"orchestrator instance {instance_name!r} names none of {pipelines} pipelines "
+                     "(expected orchestrator_p<k>_<index>)")
+
+
+@dataclass(frozen=True)
+class OrchestratorSlot:
+    """Which of the server's orchestrator instances one is: ``index`` among its pipeline's ``per_pipeline``
+    (``--instances orchestrator``: the pipeline's admission limits and capacity are split among them, and only
+    index 0 reloads a stage that died), of ``total`` in the server (a drain waits for all of them)."""
+    index: int = 0
+    per_pipeline: int = 1
+    total: int = 1
 
 
 class PlacementError(ValueError):
@@ -88,13 +104,15 @@ class Placement:
                 raise PlacementError(f"--instances {stage}={count}: expected a count >= 1")
             if count > 1 and stage not in REPLICABLE_STAGES:
                 raise PlacementError(
-                    f"--instances {stage}={count}: only {' and '.join(REPLICABLE_STAGES)} take more than one "
+                    f"--instances {stage}={count}: only {', '.join(REPLICABLE_STAGES)} take more than one "
                     f"instance ({stage} takes control requests by request id, which Triton routes to any instance; "
                     f"for more thinkers run whole pipelines: --pipelines N)")
-        for stage in ("thinker", "orchestrator"):  # one instance per pipeline: control requests find it by id
+        # the thinker: one instance per pipeline (control requests find it by id); the orchestrator's instances of
+        # a pipeline share its GPU (each asks its pipeline's stage outputs to land there)
+        for stage in ("thinker", "orchestrator"):
             if stage in self.gpus and len(self.gpus[stage]) > 1:
-                raise PlacementError(f"--stage-gpus {stage}={_ids(self.gpus[stage])}: the {stage} runs one instance "
-                                     "per pipeline, on one GPU")
+                raise PlacementError(f"--stage-gpus {stage}={_ids(self.gpus[stage])}: the {stage} runs on one GPU "
+                                     "per pipeline")
 
     def gpus_of(self, stage: str, pipeline: int = 0) -> tuple[int, ...]:
         """The GPUs of ``stage`` in ``pipeline``: its own, else the orchestrator follows the thinker, and every stage
@@ -140,15 +158,20 @@ class Placement:
                                                for pipeline in self.instance_pipelines(stage)) for stage in GPU_STAGES}
         return {stage: count for stage, count in held.items() if count}
 
+    @property
+    def orchestrator_instances(self) -> int:
+        """The server's orchestrator processes: ``--instances orchestrator`` per pipeline."""
+        return self.count("orchestrator") * self.pipelines
+
     def instance_group(self, stage: str, device: str, pipeline: int = 0) -> str:
         """The ``instance_group`` block of ``stage``'s config.pbtxt (in ``pipeline``) on ``device`` (cpu: the
-        count only). With pipelines, the orchestrator's has a group per pipeline, ``orchestrator_p<k>``, of one
-        instance on that pipeline's GPU: Triton names its instance ``orchestrator_p<k>_0`` on either device, which
-        tells it its pipeline (``orchestrator_pipeline``; one group listing every GPU would name all its instances
-        ``orchestrator_0_0``)."""
-        if stage == "orchestrator" and self.pipelines > 1:
+        count only). With pipelines or several orchestrator instances, the orchestrator's has a group per pipeline,
+        ``orchestrator_p<k>``, of its instances on that pipeline's GPU: Triton names them ``orchestrator_p<k>_<i>``
+        on either device, which tells each its pipeline (``orchestrator_instance``; one group listing every GPU
+        would name all its instances ``orchestrator_0_<i>``)."""
+        if stage == "orchestrator" and self.orchestrator_instances > 1:
             kind = "KIND_CPU" if device == "cpu" else "KIND_GPU"
-            groups = [f'{{ name: "orchestrator_p{pipeline}" count: 1 kind: {kind}'
+            groups = [f'{{ name: "orchestrator_p{pipeline}" count: {self.count(stage)} kind: {kind}'
                       + ("" if device == "cpu" else f" gpus: [ {self.pipeline_gpu(pipeline)} ]") + " }"
                       for pipeline in range(self.pipelines)]
             return f"instance_group [ {', '.join(groups)} ]"

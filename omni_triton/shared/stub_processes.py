@@ -7,18 +7,37 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omni_triton.shared.procfs import PARENT, STATE, stat_fields
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a process, or None if it is gone."""
-    fields = stat_fields(pid)
-    return None if fields is None else (fields[STATE], int(fields[PARENT]))
+from omni_triton.shared.procfs import FLAGS, PARENT, PF_EXITING, START_TICKS, STATE, parse_stat, stat_fields
 
 
 def stub_alive(pid: int, parent: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[0] not in "ZX" and stat[1] == parent  # a killed stub stays a zombie
+    return _alive(stat_fields(pid), parent)
+
+
+def _alive(fields: list[str] | None, parent: int) -> bool:
+    """Whether a process's ``stat_fields`` say it runs as a child of ``parent``: a killed stub stays a zombie, and
+    before that it is exiting (and answers no IPC any more)."""
+    return (fields is not None and fields[STATE] not in "ZX" and int(fields[PARENT]) == parent
+            and not int(fields[FLAGS]) & PF_EXITING)
+
+
+class StubWatch:
+    """``stub_alive`` of one process, asked often (every response a stage sends to it): its /proc stat file is kept
+    open and read again each time, some 5 us where opening it by path costs 25-35 us. The open file stays that
+    process's: once it is gone a read fails, whatever process takes its pid later."""
+
+    def __init__(self, pid: int, parent: int):
+        """Raises OSError when there is no process ``pid``."""
+        self._fd, self._parent = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC), parent
+
+    def alive(self) -> bool:
+        try:
+            return _alive(parse_stat(os.pread(self._fd, 4096, 0), upto=FLAGS + 1), self._parent)
+        except OSError:  # gone (ESRCH)
+            return False
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:
@@ -39,8 +58,10 @@ def stub_instance(argv: list[str]) -> tuple[str, str] | None:
 
 def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, int]]:
     """stage -> {instance name: pid} of the live model-instance stubs (``stub_instance``) of ``stages`` among
-    ``parent``'s children (the config stub exiting is no death)."""
-    found: dict[str, dict[str, int]] = {}
+    ``parent``'s children (the config stub exiting is no death). Of two live stubs of one instance name the one
+    started last: a model reloaded while one of its instances still runs requests (its old model is unloaded only
+    once they end, never if a dead stub held some) has an old and a new stub of that name, and the new one serves."""
+    found: dict[str, dict[str, tuple[int, int]]] = {}  # stage -> instance -> (start ticks, pid)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
             continue
@@ -49,6 +70,24 @@ def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, i
         except OSError:
             continue
         instance = stub_instance(argv)
-        if instance is not None and instance[0] in stages:
-            found.setdefault(instance[0], {})[instance[1]] = int(entry.name)
-    return found
+        fields = stat_fields(int(entry.name))
+        if instance is not None and instance[0] in stages and fields is not None:
+            started = (int(fields[START_TICKS]), int(entry.name))
+            instances = found.setdefault(instance[0], {})
+            instances[instance[1]] = max(instances.get(instance[1], started), started)
+    return {stage: {name: pid for name, (_, pid) in instances.items()} for stage, instances in found.items()}
+
+
+def superseded(pid: int, parent: int) -> bool:
+    """Whether the stub ``pid`` (of ``parent``) no longer is its model instance's: a stub of the same instance name
+    started after it (its model was reloaded while it still ran requests, ``find_stub_instances``). False for a
+    process that is no stub."""
+    try:
+        argv = [os.fsdecode(arg) for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return False
+    instance = stub_instance(argv)
+    if instance is None:
+        return False
+    newest = find_stub_instances(parent, [instance[0]]).get(instance[0], {}).get(instance[1])
+    return newest is not None and newest != pid

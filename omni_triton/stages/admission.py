@@ -16,8 +16,12 @@ most ``max_starting`` streams may be admitted and not yet playing; the rest wait
 waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
 frees up), else -- past ``queue_limit`` waiting -- is refused. It counts what waited, for how long, and what
 was refused (the orchestrator's gauges). It admits onto one pipeline: with ``serve --pipelines`` each pipeline's
-orchestrator instance has its own, so every limit holds per pipeline and each learns its own GPUs' capacity. Pure
-logic: times come in as arguments.
+orchestrator instance has its own, so every limit holds per pipeline and each learns its own GPUs' capacity.
+
+A pipeline served by several orchestrator instances (``--instances orchestrator=K``) gives each 1/K of its limits
+(``split_limit``), and each instance's capacity sees 1/K of the pipeline's streams: Triton hands requests to the
+instances in turn, so each instance's streams stand for ``share`` x as many on the pipeline's GPUs, and its
+estimate is kept, and asked, in the pipeline's streams. Pure logic: times come in as arguments.
 """
 
 from __future__ import annotations
@@ -35,23 +39,26 @@ PRIOR_STEP_S = (0.0075, 6e-5)
 
 class RealtimeCapacity:
     def __init__(self, forced_audio_s_per_s: float | None = None, prior: tuple[float, float] = PRIOR_STEP_S,
-                 smoothing: float = 0.3, headroom: float = HEADROOM):
+                 smoothing: float = 0.3, headroom: float = HEADROOM, share: int = 1):
         """``forced_audio_s_per_s``: a fixed capacity instead of the learned one. ``prior``: (a, c) of
         ``step_s`` before observations; ``smoothing``: weight of a new observation in its batch size's running
-        mean."""
+        mean; ``share``: the pipeline's orchestrator instances (each holds 1/share of its streams)."""
         if forced_audio_s_per_s is not None and not forced_audio_s_per_s > 0:
             raise ValueError(f"admission capacity must be > 0 audio-seconds per second, got {forced_audio_s_per_s}")
+        if share < 1:
+            raise ValueError(f"share must be >= 1 orchestrator instance, got {share}")
         self.forced = forced_audio_s_per_s
-        self.prior, self.smoothing, self.headroom = prior, smoothing, headroom
-        self._step_s: dict[int, float] = {}  # streams -> running mean of seconds per frame step
+        self.prior, self.smoothing, self.headroom, self.share = prior, smoothing, headroom, share
+        self._step_s: dict[int, float] = {}  # the pipeline's streams -> running mean of seconds per frame step
 
     def observe(self, streams: int, frames: int, seconds: float, batch: int | None = None) -> None:
         """``frames`` received in ``seconds`` over ``streams`` streams that were producing them throughout, while
-        ``batch`` streams (default ``streams``) shared the server."""
+        ``batch`` streams of this instance (default ``streams``) shared the server."""
         batch = streams if batch is None else batch
         if streams < 1 or frames < 1 or seconds <= 0 or batch < streams:
             return
         step = streams * seconds / frames  # each stream got frames / streams of them
+        batch *= self.share  # the pipeline's streams, the other instances' included
         old = self._step_s.get(batch)
         self._step_s[batch] = step if old is None else old + self.smoothing * (step - old)
 
@@ -79,8 +86,20 @@ class RealtimeCapacity:
         return streams / self.step_s(streams) * FRAME_S if streams else 0.0
 
     def admits(self, running: int) -> bool:
-        """Whether ``running + 1`` streams would each still get ``headroom`` x real time."""
-        return self.audio_s_per_s(running + 1) >= (running + 1) * self.headroom
+        """Whether ``running + 1`` streams of this instance (``share`` x as many on the pipeline) would each still
+        get ``headroom`` x real time."""
+        streams = (running + 1) * self.share
+        return self.audio_s_per_s(streams) >= streams * self.headroom
+
+    def instance_audio_s_per_s(self, running: int) -> float:
+        """This instance's part of what the pipeline generates while this instance runs ``running`` streams."""
+        return self.audio_s_per_s(running * self.share) / self.share
+
+
+def split_limit(limit: int, share: int) -> int:
+    """One of ``share`` orchestrator instances' part of a pipeline's admission limit (0, no limit, stays 0); at
+    least 1 where the limit is not 0, so the parts may add up to a little more than the whole."""
+    return 0 if limit == 0 else max(1, -(-limit // share))
 
 
 @dataclass
@@ -143,7 +162,8 @@ class Admission:
                 return (f"server busy: {self.starting} streams starting (admission_max_starting "
                         f"{self.max_starting}; admission_queue 0); retry later")
             return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
-                    f"{self.capacity.audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); retry later")
+                    f"{self.capacity.instance_audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); "
+                    "retry later")
 
     def playing(self) -> None:
         """A started stream sent its first audio: its start is over."""

@@ -26,6 +26,7 @@ import torch
 
 from omni_triton.pipeline.session import ThinkerChunk
 from omni_triton.shared import bundled_backend
+from omni_triton.stages.callers import caller_parameters
 from omni_triton.stages.code2wav_call_log import send_stamp
 from omni_triton.stages.stage_io import (THINKER_ROW_TENSORS, concat_rows, device_tensors_between_stages, from_torch,
                                          host_array, to_torch)
@@ -209,6 +210,8 @@ class BlsStageClients:
         model = self._models.get(stage, stage)
         if self._stage_down(model):
             raise StageError(f"{model} stage is down")
+        # every request names this process, so that the stage drops it if this process dies (``callers``)
+        kwargs["parameters"] = {**kwargs.get("parameters", {}), **caller_parameters()}
         return self._pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,
                                          preferred_memory=self._memory, **kwargs)
 

@@ -13,7 +13,7 @@ import torch
 from omni_triton.engine import EngineConfig
 from omni_triton.engine.output_batching import OutputBatching
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
-from omni_triton.shared.placement import model_stage, orchestrator_pipeline
+from omni_triton.shared.placement import OrchestratorSlot, model_stage, orchestrator_instance
 from omni_triton.shared.settings import LaunchConfig
 
 
@@ -110,13 +110,18 @@ def replica_labels(args: dict) -> dict[str, str]:
     return labels
 
 
-def instance_pipeline(settings: LaunchConfig, args: dict) -> tuple[int, dict[str, str]]:
-    """The pipeline this orchestrator instance serves (``serve --pipelines``: one instance each, told apart by
-    name, ``placement.orchestrator_pipeline``) and the labels of its metrics: ``pipeline`` with several, so that no
-    two instances write one series; none with one pipeline."""
-    pipelines = settings.placement.pipelines
-    pipeline = orchestrator_pipeline(args["model_instance_name"], pipelines)
-    return pipeline, ({"pipeline": str(pipeline)} if pipelines > 1 else {})
+def orchestrator_slot(settings: LaunchConfig, args: dict) -> tuple[int, OrchestratorSlot, dict[str, str]]:
+    """The pipeline this orchestrator instance serves (``serve --pipelines``: one group of instances each, told
+    apart by name, ``placement.orchestrator_instance``), which of the server's instances it is, and the labels of
+    its metrics: ``pipeline`` with several, ``model_instance`` with several instances per pipeline (as
+    ``replica_labels``), so that no two instances write one series; none with one instance."""
+    placement = settings.placement
+    pipeline, index = orchestrator_instance(args["model_instance_name"], placement.pipelines)
+    labels = {"pipeline": str(pipeline)} if placement.pipelines > 1 else {}
+    if placement.count("orchestrator") > 1:
+        labels["model_instance"] = args["model_instance_name"]
+    slot = OrchestratorSlot(index, placement.count("orchestrator"), placement.orchestrator_instances)
+    return pipeline, slot, labels
 
 
 def limit_torch_threads(threads: int) -> None:

@@ -11,7 +11,7 @@ Cancellation: Triton cancels a request sent to the orchestrator directly, but an
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
 orchestrator is scheduled at once. So a request with ``CONTROL="cancel"`` and the client's request id
 cancels that request here; ``omni_triton.client`` sends it along with the stream cancel. It cancels the
-requests of that id that had arrived when it came. With one orchestrator instance per pipeline the control request
+requests of that id that had arrived when it came. With several orchestrator instances the control request
 may reach an instance that holds no request of that id: that one records it in the server's ``CancelRegistry``,
 where the instance that holds it finds it at its next admission poll (``DISPATCH_S``).
 
@@ -20,9 +20,9 @@ other word than cancel and drain is INVALID_ARG naming CONTROL), while the serve
 new and queued requests are refused with UNAVAILABLE "server shutting down", running sessions may run for the
 request's ``drain_s`` (default ``DRAIN_S``), then the rest are cancelled and end with UNAVAILABLE "server shutting
 down" while their stages still accept the aborts; the drain request is answered once no session is left (or
-``ABORTS_S`` after the bound). With several pipelines the instance that gets it records the drain in the
-``CancelRegistry``; every instance finds it at its next admission poll, marks its pipeline drained there once it
-holds no session, and the drain is answered once every pipeline is (one drain request suffices: Triton hands it
+``ABORTS_S`` after the bound). With several instances the one that gets it records the drain in the
+``CancelRegistry``; every instance finds it at its next admission poll, marks itself drained there once it
+holds no session, and the drain is answered once every instance is (one drain request suffices: Triton hands it
 to any one instance). A session whose stage call is refused with "Server not ready" (a stop that did not drain)
 ends with UNAVAILABLE too.
 
@@ -34,18 +34,22 @@ bounds that: past it the request is cancelled (the session looks up from every s
 
 One route per Orchestrator (``PipelineRoute``): the Triton model of each stage it calls and the GPU their outputs
 are asked to land on. With one pipeline that is the stages by their own names; with ``serve --pipelines N`` the
-server runs one orchestrator instance per pipeline (``placement.orchestrator_pipeline``), each an Orchestrator of
+server runs orchestrator instances per pipeline (``placement.orchestrator_instance``), each an Orchestrator of
 its pipeline's route (``pipeline_route``): Triton hands each new request to whichever instance is free to take it,
 and the request runs on that instance's pipeline from its first call to its last: every BLS call of its session
 goes to that pipeline's models by name (``thinker_p1``, ...), so its tensors stay on that pipeline's GPUs and its
 aborts reach the one thinker, talker sequence and vocoder stream that hold it. Admission counts, limits and
-capacity are the instance's, so per pipeline.
+capacity are the instance's: per pipeline, and with several instances per pipeline (``--instances
+orchestrator=K``, so that the orchestrator's Python work runs in K processes) each takes 1/K of them
+(``OrchestratorSlot``, ``admission.split_limit``) and tags its request ids with its index (the pipeline's stages
+key their state on them).
 
 A stage whose stub process dies (see ``stage_supervisor``): the requests waiting on it end with an
 UNAVAILABLE error naming the stage, the other stages drop their state for them, new requests are refused
 with UNAVAILABLE until the stage is reloaded, and then served by its fresh stub. Each instance watches its own
 route's stages, so with several pipelines only the requests on the stage's own pipeline fail, and only that
-pipeline's instance refuses new ones.
+pipeline's instances refuse new ones; of several instances of one pipeline only the first reloads the stage, the
+others wait until the reloaded model serves.
 """
 
 from __future__ import annotations
@@ -72,9 +76,9 @@ from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
 from omni_triton.shared.cancel_registry import CancelRegistry
 from omni_triton.shared.drain import SHUTTING_DOWN, control_word, drain_seconds
-from omni_triton.shared.placement import Placement
+from omni_triton.shared.placement import OrchestratorSlot, Placement
 from omni_triton.shared.request_parameters import seconds_parameter
-from omni_triton.stages.admission import Admission, RealtimeCapacity
+from omni_triton.stages.admission import Admission, RealtimeCapacity, split_limit
 from omni_triton.stages.bls_clients import BlsStageClients
 from omni_triton.stages.metrics import HostHopCounter
 from omni_triton.shared.settings import CHUNK_PACING
@@ -119,14 +123,15 @@ class Orchestrator:
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
                  max_starting: int = 0, route: PipelineRoute | None = None,
                  shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None,
-                 pipelines: int = 1):
-        """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone); ``max_starting``:
-        streams admitted and not yet playing at once (0: no limit); all three hold for this instance's pipeline.
-        ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
-        on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where
-        the server's other orchestrator instances record cancels of requests they do not hold (None: this is the
-        only instance); ``metric_labels``: labels of this instance's metrics beside ``stage`` (its pipeline);
-        ``pipelines``: the server's orchestrator instances, one per pipeline (a drain waits for all of them)."""
+                 slot: OrchestratorSlot = OrchestratorSlot()):
+        """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone; its ``share`` is
+        ``slot.per_pipeline``); ``max_starting``: streams admitted and not yet playing at once (0: no limit);
+        ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for this instance's pipeline, and each of its
+        ``slot.per_pipeline`` instances takes its part (``split_limit``). ``route``: the stages' models and where
+        their outputs land (default: the stages by their own names, outputs on ``device``); ``stage_instances``:
+        stage -> instances of each of its models. ``shared_cancels``: where the server's other orchestrator
+        instances record cancels of requests they do not hold (None: this is the only instance);
+        ``metric_labels``: labels of this instance's metrics beside ``stage``; ``slot``: which instance this is."""
         if chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
@@ -139,21 +144,27 @@ class Orchestrator:
         self._route = route or PipelineRoute({stage: stage for stage in BLS_STAGES},
                                              device.index if device.type == "cuda" else None)
         self._chunk_pacing = chunk_pacing
-        self._admission = Admission(max_inflight, admission_queue, capacity, max_starting)
+        if capacity is not None and capacity.share != slot.per_pipeline:
+            raise ValueError(f"capacity share {capacity.share} != {slot.per_pipeline} instances per pipeline")
+        max_inflight = split_limit(max_inflight, slot.per_pipeline)
+        self._admission = Admission(max_inflight, split_limit(admission_queue, slot.per_pipeline), capacity,
+                                    split_limit(max_starting, slot.per_pipeline))
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
+        self._slot = slot
+        # request ids (the stages key their state on them) told apart from the other instances' of the pipeline
+        self._id_tag = f"{slot.index}." if slot.per_pipeline > 1 else ""
         self._request_counter = 0
         self._lock = threading.Lock()
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
         # client request id -> its sessions' flags -> when each request arrived (a cancel applies to those before it)
         self._cancel_events: dict[str, dict[threading.Event, float]] = {}
         self._shared_cancels = shared_cancels
-        self._pipelines = pipelines
         self._drain_until: float | None = None  # once draining: until when running sessions may run (monotonic)
         self._drain_expired = False  # the bound passed: the sessions left were cancelled by the drain
         self._marked_drained = False
         self._unanswered = 0  # sessions started whose final response is not sent yet (a drain waits for them)
         self._stages = StageSupervisor({self._route.models[stage]: (stage_instances or {}).get(stage, 1)
-                                        for stage in BLS_STAGES})
+                                        for stage in BLS_STAGES}, reloads=slot.index == 0)
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
         # received frames in the window before it
         self._seen_frames: dict[str, int] = {}
@@ -170,7 +181,8 @@ class Orchestrator:
             streams = [stream for stream in self._active.values() if stream is not None]
             active = len(self._active)
         admission = self._admission
-        capacity = admission.capacity.audio_s_per_s(max(1, admission.running)) if admission.capacity else 0.0
+        capacity = (admission.capacity.instance_audio_s_per_s(max(1, admission.running)) if admission.capacity
+                    else 0.0)
         return {"omni_active_requests": active,
                 "omni_pending_audio_frames": sum(stream.pending_frames for stream in streams),
                 "omni_admission_queue_length": admission.queued,
@@ -304,7 +316,8 @@ class Orchestrator:
         if not events and self._shared_cancels is not None:  # held by another instance, if any
             self._shared_cancels.record(client_id, now)
         # which instance a cancel reached, and whether it held the request (tests see both routings)
-        trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events), pipeline=self._route.index)
+        trace.record("orchestrator_cancel", now, client_id=client_id, held=len(events), pipeline=self._route.index,
+                     instance=self._slot.index)
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _drain(self, until: float, sender: Any) -> None:
@@ -341,7 +354,7 @@ class Orchestrator:
                         event.set()
         if self._shared_cancels is not None and not self._marked_drained and self._answered_all():
             self._marked_drained = True
-            self._shared_cancels.mark_drained(self._route.index)
+            self._shared_cancels.mark_drained(f"{self._route.index}.{self._slot.index}")
 
     def _answered_all(self) -> bool:
         with self._lock:
@@ -350,7 +363,7 @@ class Orchestrator:
     def _drained_everywhere(self) -> bool:
         if not self._answered_all():
             return False
-        return self._shared_cancels is None or self._shared_cancels.drained() >= self._pipelines
+        return self._shared_cancels is None or self._shared_cancels.drained() >= self._slot.total
 
     def _take_shared_cancels(self) -> None:
         """Apply the cancels other instances recorded for requests held here (those that had arrived by then)."""
@@ -377,7 +390,7 @@ class Orchestrator:
         # Triton's own id may be empty or reused by clients; stages key their state on this one.
         with self._lock:
             self._request_counter += 1
-            return f"{request.request_id() or 'req'}#{self._request_counter}"
+            return f"{request.request_id() or 'req'}#{self._id_tag}{self._request_counter}"
 
     def _run(self, ticket: "_Ticket") -> None:
         pb = self._pb

@@ -17,6 +17,7 @@ import torch.utils.dlpack
 from omni_triton.engine.handoff import InputStream, complete_to_host
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
+from omni_triton.shared import bundled_backend
 
 THINKER_ROW_TENSORS = ("ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN")
 
@@ -169,3 +170,43 @@ def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors
         sender.send(pb.InferenceResponse(error=pb.TritonError(out.error, pb.TritonError.INTERNAL)), flags=flags)
     else:
         sender.send(pb.InferenceResponse(tensors(pb, out)), flags=flags)
+
+
+
+def request_self(pb: Any, model: str, inputs: list[Any], **kwargs: Any) -> None:
+    """Send this stage's own model ``model`` a request and wait for its answers (raises on an error answer). A
+    request whose caller died is ended this way (``callers``): through Triton, like the caller's own end, so it
+    runs in turn with the stage's other requests and frees what Triton holds for it too."""
+    request = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=[], **kwargs)
+    iterator = request.exec(decoupled=True)
+    try:
+        for response in iterator:
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+    finally:
+        bundled_backend.release_iterator(iterator)
+
+
+class OrphanSequences:
+    """The talker's sequences (request id -> correlation id) while they run, and the END that closes one whose
+    caller died: the abort the orchestrator sends to end a sequence (``BlsStageClients``), sent by the stage to
+    itself, so that Triton's sequence batcher frees the sequence's slot too (else it holds it for
+    ``max_sequence_idle_microseconds``) and routes the abort to the instance that holds it."""
+
+    def __init__(self, pb: Any, model: str):
+        self._pb, self._model = pb, model
+        self._correlation_ids: dict[str, int] = {}
+
+    def started(self, request_id: str, correlation_id: int) -> None:
+        self._correlation_ids[request_id] = correlation_id
+
+    def forget(self, request_id: str) -> None:
+        self._correlation_ids.pop(request_id, None)
+
+    def end(self, request_id: str) -> None:
+        correlation_id = self._correlation_ids.pop(request_id, None)
+        if correlation_id is None:  # ended already (its frames stream finished, or an earlier drop)
+            return
+        control = self._pb.Tensor("CONTROL", np.array([[b"abort"]], dtype=np.object_))  # batch dim: sequence-batched
+        request_self(self._pb, self._model, [control], request_id=request_id, correlation_id=correlation_id,
+                     flags=self._pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)

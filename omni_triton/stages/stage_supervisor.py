@@ -26,7 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
-from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
+from omni_triton.shared.repository_api import RESTART_PARAMETER, reload_model
+from omni_triton.shared.stub_processes import find_stub_instances, stub_alive, superseded
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,13 @@ RELOAD_HINT = " (reloading a stage needs tritonserver --model-control-mode=expli
 
 class StageSupervisor:
     def __init__(self, stages: Mapping[str, int], interval_s: float = 0.1, scan_every_s: float = 0.5,
-                 reload_timeout_s: float = 600.0):
-        """``stages``: stage -> its instances (stub processes) to watch."""
+                 reload_timeout_s: float = 600.0, reloads: bool = True):
+        """``stages``: stage -> its instances (stub processes) to watch. ``reloads``: this watcher reloads a stage
+        that died (False: another orchestrator instance of the pipeline does; this one waits for the new stubs)."""
+        self._reloads = reloads
+        # stage -> its config's restart mark when this watcher saw it die (reloads False): it is back once the
+        # served config carries another (its new stubs start long before the reloaded model serves)
+        self._awaited_marks: dict[str, str | None] = {}
         self._server_pid = os.getppid()  # tritonserver: every stub is its child
         flags = _server_flags(self._server_pid)
         self._http_url = _http_url(flags)
@@ -130,19 +136,47 @@ class StageSupervisor:
                 self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
                                      else f"is down: its process exited{RELOAD_HINT}")
                 self._stubs[stage] = {}
-            if self._explicit:
+            # An orchestrator left running its requests after its own model was reloaded (serve reloads a dead
+            # orchestrator's model whole) leaves the reload to the fresh stub of its instance
+            if self._explicit and self._reloads and not superseded(os.getpid(), self._server_pid):
                 self._restart(stage)
+            elif self._explicit:  # back once another orchestrator instance's reload is served: see below
+                self._awaited_marks[stage] = self._restart_mark(stage)
+                logger.error("%s stage: its stub process exited; another orchestrator instance reloads it", stage)
             else:
                 logger.error("%s stage: its stub process exited; it stays down%s", stage, RELOAD_HINT)
         missing = [stage for stage, stubs in self._stubs.items() if len(stubs) < self._instances[stage]]
         # Stages load after the orchestrator, and a reload starts new processes: look for them, not too often.
-        if missing and time.monotonic() - self._scanned_at >= self._scan_every_s:
+        if (missing or self._awaited_marks) and time.monotonic() - self._scanned_at >= self._scan_every_s:
             self._scanned_at = time.monotonic()
-            for stage, stubs in find_stub_instances(self._server_pid, missing).items():
-                with self._lock:
+            for stage in list(self._awaited_marks):
+                if self._restart_mark(stage) != self._awaited_marks[stage]:
+                    del self._awaited_marks[stage]  # the reloaded model serves now
+            found = find_stub_instances(self._server_pid, missing) if missing else {}
+            with self._lock:
+                for stage, stubs in found.items():
                     self._stubs[stage].update(stubs)
-                    if len(self._stubs[stage]) >= self._instances[stage]:
-                        self._down.pop(stage, None)  # e.g. restarted by a Triton build that does that itself
+                for stage, stubs in self._stubs.items():
+                    if len(stubs) >= self._instances[stage] and stage not in self._awaited_marks:
+                        self._down.pop(stage, None)  # reloaded by another instance, or a Triton that does itself
+            # A stage Triton serves with a stub missing lost it before this watcher saw it: an orchestrator whose
+            # own model was reloaded alone starts after the stages, and a stage whose send to the dead orchestrator
+            # was stuck exits meanwhile (callers). Recorded as a death now, not at the first request it would fail.
+            for stage in missing:
+                if stage not in self._down and len(self._stubs[stage]) < self._instances[stage] and self._served(stage):
+                    with self._lock:
+                        self._locate(stage)
+
+    def _served(self, stage: str) -> bool:
+        """Whether Triton has ``stage`` loaded (ready: it says so after a stub died too; not while it first
+        loads). Unknown (no HTTP endpoint) is taken as no."""
+        if self._http_url is None:
+            return False
+        try:
+            urllib.request.urlopen(f"{self._http_url}/v2/models/{stage}/ready", timeout=2).close()
+        except OSError:  # not ready (HTTP 400), or no answer
+            return False
+        return True
 
     def _server_exiting(self) -> bool:
         """Whether tritonserver is shutting down (its liveness says so while it unloads the models). Unknown
@@ -177,22 +211,22 @@ class StageSupervisor:
     def _reload(self, stage: str) -> None:
         if self._http_url is None:
             raise ValueError("tritonserver serves no HTTP endpoint to reload it through")
-        # Triton's core reloads a loaded model only when its files or its config changed; after a stub died
-        # neither did, so a plain load is a no-op ("successfully loaded" in 0 s, the model still answering
-        # "Stub process is not healthy"). The load therefore passes the model's own config back as an override
-        # with one parameter that names this restart, which makes it a new config and the load a real one.
+        with self._lock:
+            generation = self._generation[stage]
+        # this process's pid in the mark too: a reloaded orchestrator counts from 0 again, and a mark the served
+        # config already carries would make the load a no-op (repository_api)
+        reload_model(self._http_url, stage, f"{os.getpid()}.{generation}", self._reload_timeout_s)
+
+    def _restart_mark(self, stage: str) -> str | None:
+        """The restart parameter of the config ``stage`` is served with now (None: never reloaded, or unknown)."""
+        if self._http_url is None:
+            return None
         try:
             with urllib.request.urlopen(f"{self._http_url}/v2/models/{stage}/config", timeout=30) as response:
                 config = json.loads(response.read())
-            with self._lock:
-                generation = self._generation[stage]
-            config.setdefault("parameters", {})["omni_triton_restart"] = {"string_value": str(generation)}
-            body = json.dumps({"parameters": {"config": json.dumps(config)}}).encode()
-            request = urllib.request.Request(f"{self._http_url}/v2/repository/models/{stage}/load", data=body,
-                                             headers={"Content-Type": "application/json"}, method="POST")
-            urllib.request.urlopen(request, timeout=self._reload_timeout_s).close()
-        except urllib.error.HTTPError as error:  # Triton's reason, e.g. not in explicit model-control mode
-            raise ValueError(json.loads(error.read() or b"{}").get("error", str(error))) from None
+        except (OSError, ValueError):
+            return None
+        return config.get("parameters", {}).get(RESTART_PARAMETER, {}).get("string_value")
 
 
 def _server_flags(server_pid: int) -> dict[str, str]:

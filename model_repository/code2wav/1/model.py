@@ -20,13 +20,14 @@ from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates
 from omni_triton.pipeline.code2wav.chunking import StreamDecoder
 from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
+from omni_triton.stages.callers import Callers, GuardedSender, caller_of
 from omni_triton.stages.code2wav_call_log import Code2WavCallLog
 from omni_triton.stages.code2wav_requests import Code2WavRequests
 from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 from omni_triton.stages.metrics import HostHopCounter
 from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, load_options,
                                            replica_labels, report_native_crashes, stage_device)
-from omni_triton.stages.stage_io import configure_interstage_memory, from_torch, stage_loading
+from omni_triton.stages.stage_io import configure_interstage_memory, from_torch, request_self, stage_loading
 from omni_triton.stage_profile import start_watching
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
@@ -89,6 +90,8 @@ class TritonPythonModel:
                                          None if self.streams is not None else self.vocoder.kind,
                                          InputStream(self.device))
         self.sends = DeferredSends(pb_utils, self.device)
+        self.model_name = args["model_name"]
+        self.callers = Callers("code2wav", self._end_orphan_stream)  # streams whose orchestrator died: closed
         self.call_log = Code2WavCallLog(self.device)  # a trace record per call while tracing is on
 
     @torch.inference_mode()
@@ -102,7 +105,9 @@ class TritonPythonModel:
         call = self.call_log.begin(requests)  # None while tracing is off
         if self.streams is not None:
             self.streams.evict_idle()
+        keys = [""] * len(requests)  # per request: the stream it holds state for ("": none)
         for index, request in enumerate(requests):
+            caller = caller_of(request)
             try:
                 parsed = self.requests.parse(request)
             except ValueError as error:
@@ -112,8 +117,12 @@ class TritonPythonModel:
                 jobs.extend(parsed)
                 owners.extend([index] * len(parsed))
                 continue
+            keys[index] = parsed.stream_id
+            if parsed.chunk is not None and parsed.chunk.first:
+                self.callers.hold(parsed.stream_id, caller)
             if parsed.end:
                 ending.append(parsed.stream_id)
+                self.callers.release(parsed.stream_id)
             if parsed.chunk is None:  # STREAM_END alone
                 responses[index] = _no_audio
             else:
@@ -145,8 +154,11 @@ class TritonPythonModel:
         self.decoded_frames.increment(sum(decoded for decoded, _ in frames))
         self.open_streams.set(self.streams.open_streams if self.streams is not None else 0)
         decoded = ready_event(self.device)
-        self.sends.send_after(decoded, outputs, [PendingResponse(request.get_response_sender(), make)
-                                                 for request, make in zip(requests, responses)],
+        # senders guarded against a caller that died (callers)
+        senders = [GuardedSender(self.callers, key, caller_of(request), request.get_response_sender())
+                   for key, request in zip(keys, requests)]
+        self.sends.send_after(decoded, outputs, [PendingResponse(sender, make)
+                                                 for sender, make in zip(senders, responses)],
                               on_sent=self.call_log.when_sent(call))
         # back to Triton once this batch's decode is done, not before: the chunks that arrive meanwhile make the
         # next batch (returning at once left the batcher a chunk or two a call: 2x the first chunk's time at 64
@@ -156,7 +168,17 @@ class TritonPythonModel:
         self.call_log.end(call, frames)
         return None
 
+    def _end_orphan_stream(self, stream_id):
+        """Close a stream whose caller died with the STREAM_END its caller would have sent: through Triton, so it
+        runs between this stage's calls like any other chunk (a stateless chunk has no stream to close)."""
+        if stream_id:
+            request_self(pb_utils, self.model_name, [
+                pb_utils.Tensor("STREAM_ID", np.array([[stream_id.encode()]], dtype=np.object_)),
+                pb_utils.Tensor("STREAM_START", np.array([[False]])),
+                pb_utils.Tensor("STREAM_END", np.array([[True]]))])
+
     def finalize(self):
+        self.callers.stop()
         self.sends.close()
         self.call_log.close()
         del self.batch_chunks, self.decoded_frames, self.open_streams  # metrics before their families

@@ -1,5 +1,5 @@
 """Triton adapter for omni_triton.stages.orchestrator.Orchestrator (BLS: thinker -> talker -> code2wav), one
-instance per pipeline (serve --pipelines)."""
+instance or more (--instances orchestrator) per pipeline (serve --pipelines)."""
 
 import os
 
@@ -10,7 +10,7 @@ from omni_triton.shared.placement import GPU_STAGES
 from omni_triton.shared.settings import admission_capacity_setting
 from omni_triton.stages.admission import RealtimeCapacity
 from omni_triton.stages.metrics import StageMetrics
-from omni_triton.stages.model_args import (chunk_policy, instance_pipeline, launch_settings, limit_torch_threads,
+from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, orchestrator_slot,
                                            report_native_crashes, stage_device)
 from omni_triton.stages.orchestrator import Orchestrator, pipeline_route
 from omni_triton.stages.stage_io import configure_interstage_memory
@@ -26,19 +26,19 @@ class TritonPythonModel:
         configure_interstage_memory(settings.interstage_memory)
         capacity = admission_capacity_setting(settings.resolved_admission_capacity)
         device = stage_device(settings, args)
-        pipeline, labels = instance_pipeline(settings, args)
-        several = settings.placement.pipelines > 1
+        pipeline, slot, labels = orchestrator_slot(settings, args)
+        forced = None if capacity == "auto" else capacity
         self.orchestrator = Orchestrator(
             pb_utils, settings.checkpoint_dir, device, chunk_policy(settings),
             max_inflight=settings.max_inflight_requests, chunk_pacing=settings.chunk_pacing,
             admission_queue=settings.resolved_admission_queue, max_starting=settings.resolved_admission_max_starting,
-            capacity=None if capacity == "off" else RealtimeCapacity(None if capacity == "auto" else capacity),
+            capacity=None if capacity == "off" else RealtimeCapacity(forced, share=slot.per_pipeline),
             # the orchestrator watches every stage instance's process of its pipeline (stage_supervisor)
             stage_instances={stage: settings.placement.count(stage) for stage in GPU_STAGES},
             route=pipeline_route(settings.placement, pipeline, device),
-            # the other pipelines' instances: a cancel may reach one that does not hold the request
-            shared_cancels=CancelRegistry(registry_dir(os.getppid())) if several else None,
-            metric_labels=labels, pipelines=settings.placement.pipelines)
+            # the other instances: a cancel may reach one that does not hold the request
+            shared_cancels=CancelRegistry(registry_dir(os.getppid())) if slot.total > 1 else None,
+            metric_labels=labels, slot=slot)
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot, labels=labels)
 
     def execute(self, requests):

@@ -5,11 +5,12 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.engine.handoff import InputStream
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
+from omni_triton.stages.callers import Callers, caller_of
 from omni_triton.stages.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
                                            quantization, replica_labels, report_native_crashes, stage_device)
-from omni_triton.stages.stage_io import (answer_abort, configure_interstage_memory, host_array, input_arrays,
-                                         send_output, stage_loading, talker_output_tensors,
+from omni_triton.stages.stage_io import (OrphanSequences, answer_abort, configure_interstage_memory, host_array,
+                                         input_arrays, send_output, stage_loading, talker_output_tensors,
                                          thinker_output_from_request)
 from omni_triton.stage_profile import start_watching
 
@@ -35,6 +36,10 @@ class TritonPythonModel:
         self.host_hops = HostHopCounter(pb_utils, "talker", on_gpu=settings.device != "cpu", labels=labels)
         self.metrics = StageMetrics(pb_utils, "talker", lambda: engine_snapshot(
             self.service.loop.stats(), extra_active=self.service.num_pending), labels=labels)
+        # a sequence whose orchestrator died is ended like one it aborted: through the sequence batcher, which
+        # frees the sequence's slot there and routes the END to this instance
+        self.orphans = OrphanSequences(pb_utils, args["model_name"])
+        self.callers = Callers("talker", self.orphans.end)
 
     def execute(self, requests):
         for request in requests:
@@ -47,6 +52,14 @@ class TritonPythonModel:
         if answer_abort(pb_utils, request, sender, self.service.abort, request_id):
             return
         is_start = bool(host_array(pb_utils.get_input_tensor_by_name(request, "START")).reshape(-1)[0])
+        caller = caller_of(request)
+
+        def send(out):
+            self.callers.send(request_id, caller, lambda: send_output(pb_utils, sender, out, talker_output_tensors))
+            if out.finished:
+                self.callers.release(request_id)
+                self.orphans.forget(request_id)
+
         try:
             self.host_hops.check(*(pb_utils.get_input_tensor_by_name(request, name) for name in ("EMBEDS", "HIDDEN")))
             chunk = thinker_output_from_request(pb_utils, request, self.inputs)
@@ -56,11 +69,12 @@ class TritonPythonModel:
                 # BLS exec() returns only with a first response, and the caller still has thinker chunks
                 # to append: acknowledge at once with an empty frame batch so it never waits on the talker.
                 sender.send(pb_utils.InferenceResponse(talker_output_tensors(pb_utils, self.service.no_frames())))
-                self.service.start(request_id, talker, chunk,
-                                   lambda out: send_output(pb_utils, sender, out, talker_output_tensors))
+                self.orphans.started(request_id, request.correlation_id())
+                self.callers.hold(request_id, caller)
+                self.service.start(request_id, talker, chunk, send)
             else:
                 self.service.append(request_id, chunk)
-                sender.send(flags=FINAL)
+                self.callers.send(request_id, caller, lambda: sender.send(flags=FINAL))
         except (AttributeError, KeyError, ValueError) as error:
             sender.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"talker request {request_id}: {error}", pb_utils.TritonError.INVALID_ARG)),
@@ -71,6 +85,7 @@ class TritonPythonModel:
                 flags=FINAL)
 
     def finalize(self):
+        self.callers.stop()
         self.service.shutdown()
         self.metrics.stop()
         self.host_hops.close()

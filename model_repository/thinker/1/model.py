@@ -5,6 +5,7 @@ import itertools
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.pipeline.stage_requests import thinker_request
+from omni_triton.stages.callers import Callers, caller_of
 from omni_triton.stages.metrics import StageMetrics, engine_snapshot
 from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
                                            quantization, replica_labels, report_native_crashes, stage_device)
@@ -31,6 +32,7 @@ class TritonPythonModel:
         self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()),
                                     labels=replica_labels(args))
         self._anonymous = itertools.count()
+        self.callers = Callers("thinker", self.service.abort)  # requests whose orchestrator died: dropped
 
     def execute(self, requests):
         for request in requests:
@@ -49,14 +51,23 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
+        caller = caller_of(request)
+
+        def send(out):
+            self.callers.send(request_id, caller, lambda: send_output(pb_utils, sender, out, thinker_output_tensors))
+            if out.finished:
+                self.callers.release(request_id)
+
+        self.callers.hold(request_id, caller)
         try:
-            self.service.submit(request_id, thinker,
-                                lambda out: send_output(pb_utils, sender, out, thinker_output_tensors))
+            self.service.submit(request_id, thinker, send)
         except Exception as error:  # a caller blocked on this request must always get its final response
+            self.callers.release(request_id)
             sender.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"thinker request {request_id}: {type(error).__name__}: {error}")),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
+        self.callers.stop()
         self.service.shutdown()
         self.metrics.stop()
