@@ -2,12 +2,15 @@
 # Sampling profiles of every stage's Python stub (py-spy, every thread, raw collapsed stacks) while a served level
 # runs: which thread of which stage spends its time where. Starts when the server is ready plus DELAY seconds
 # (warm-up requests and the level's ramp), records SECONDS at RATE Hz, non-blocking (the stub is not paused).
-#   bash benchmarks/pyspy_stages.sh OUTDIR [DELAY=40] [SECONDS=10] [RATE=200] [HEALTH=http://127.0.0.1:18000]
-# then: python -m omni_triton.bench.pyspy_summary OUTDIR   (top frames per thread)
+#   bash benchmarks/pyspy_stages.sh OUTDIR [DELAY=40] [SECONDS=10] [RATE=200] [HEALTH=http://127.0.0.1:18000] [MODE=idle]
+# then: python -m omni_triton.bench.pyspy_summary OUTDIR   (top frames over all threads, then per thread)
+# MODE idle: every thread at every sample, waits included; gil: only the thread holding the GIL (the stub's Python
+# time: its all-threads summary is where a stub near 100% of a core spends it).
 # py-spy is a PyPI wheel (carried to the GPU machine: pip install py_spy-*.whl).
 set -uo pipefail
 out=${1:?output directory}
-delay=${2:-40}; seconds=${3:-10}; rate=${4:-200}; health=${5:-http://127.0.0.1:18000}
+delay=${2:-40}; seconds=${3:-10}; rate=${4:-200}; health=${5:-http://127.0.0.1:18000}; mode=${6:-idle}
+case "$mode" in idle|gil) ;; *) echo "MODE must be idle or gil, got $mode" >&2; exit 2 ;; esac
 mkdir -p "$out"
 for _ in $(seq 900); do
   curl -sf "$health/v2/health/ready" >/dev/null 2>&1 && break
@@ -18,7 +21,7 @@ pids=()
 while read -r pid args; do
   model=$(sed -n "s#.*/\([a-z0-9_]*\)/1/model.py.*#\1#p" <<<"$args")
   [ -n "$model" ] || model=$(awk '{print $2}' <<<"$args" | xargs -r basename)
-  py-spy record --nonblocking --threads --idle --format raw --rate "$rate" --duration "$seconds" \
+  py-spy record --nonblocking --threads "--$mode" --format raw --rate "$rate" --duration "$seconds" \
     --pid "$pid" --output "$out/$model-$pid.txt" >"$out/$model-$pid.log" 2>&1 &
   pids+=($!)
   echo "$pid $args" >>"$out/stubs.txt"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two trees side by side on this machine, alternating (base, new, base, new, ...): each serves the same model, one
 # `omni-triton bench` level runs against it, and the server processes' CPU per request is compared (bench's
-# server_cpu_pct / requests/s: CPU-milliseconds each process spent per request). For host-side changes such as
+# server_cpu_ms_per_request: CPU-milliseconds each process spent per completed request). For host-side changes such as
 # the orchestrator's per-response work; absolute numbers belong to this machine, the ratio is the result.
 #
 #   bash benchmarks/server_cpu_ab.sh BASE_TREE NEW_TREE OUT     # e.g. a `git archive main` copy and this tree
@@ -47,11 +47,10 @@ rows = []
 for round_ in range(1, rounds + 1):
     for side in ("base", "new"):
         result = json.loads((out / f"{side}-{round_}" / "results.json").read_text())["results"][0]
-        if not result["server_cpu_pct"]:
+        if not result["server_cpu_ms_per_request"]:
             sys.exit(f"{side} round {round_}: no CPU reading of the server (bench.server_cpu found no single "
                      f"tritonserver serving port 28101)")
-        per_request = {name: round(pct * 10 / result["requests_per_s"], 1)  # % of a core / (req/s) -> ms a request
-                       for name, pct in (result["server_cpu_pct"] or {}).items()}
+        per_request = {name: round(ms, 1) for name, ms in result["server_cpu_ms_per_request"].items()}
         rows.append({"side": side, "round": round_, "requests_per_s": result["requests_per_s"],
                      "ttfa_p50_ms": round(result["ttfa_p50"] * 1e3, 1), "cpu_ms_per_request": per_request})
 names = sorted({name for row in rows for name in row["cpu_ms_per_request"]})

@@ -35,6 +35,10 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
     assert {"tritonserver", "orchestrator_0_0", "thinker_0_0", "talker_0_0", "code2wav_0_0"} <= set(cpu)
     assert all(cpu[stage] > 0 for stage in ("orchestrator_0_0", "thinker_0_0", "talker_0_0", "code2wav_0_0"))
     assert rows["inprocess", 1]["server_cpu_pct"] is None
+    per_request = rows["server", 2]["server_cpu_ms_per_request"]
+    assert set(per_request) == set(cpu) and per_request["orchestrator_0_0"] > 0
+    assert rows["inprocess", 1]["server_cpu_ms_per_request"] is None
+    assert "CPU per completed request, ms" in (out / "results.md").read_text()
     assert "| system | conc | tritonserver | code2wav_0_0 |" in (out / "results.md").read_text()
     # --trace: a TTFA breakdown per level; this server was started without a trace dir, so its rows hold the
     # client's own span only, while the in-process pipeline's show every stage (tests/test_trace_breakdown.py

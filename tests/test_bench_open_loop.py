@@ -263,6 +263,7 @@ def synthetic_report(tmp_path) -> dict:
         row = summarize_rate("server", rate, 3.0, RateRun(timings, [0.0] * len(timings), 0, 0, 3, 3.0))
         row.verdict = verdict(row)
         row.metrics.server_cpu_pct = {"tritonserver": 10.0 * rate, "thinker_0_0": 50.0}
+        row.metrics.server_cpu_ms_per_request = {"tritonserver": 4.0, "thinker_0_0": 12.5 * rate}
         rows.append(row)
     return {"label": "synthetic", "command": "omni-triton bench --request-rate 1,2,4", "machine": {"cpu": "x"},
             "workload": {"prompt_tokens": 16, "thinker_tokens": 16, "audio_frames": 25, "warmup_requests": 0},
@@ -282,6 +283,7 @@ def test_markdown_has_the_goodput_line_and_a_row_per_rate(tmp_path):
     assert "no: 1 failed; TTFA p95 900 ms > 500 ms" in text
     assert "- server @ 4/s: UNAVAILABLE x 1" in text and "a note" in text
     assert "| system | rate | tritonserver | thinker_0_0 |" in text and "| server | 4/s | 40 | 50 |" in text
+    assert "CPU per completed request, ms" in text and "| server | 4/s | 4.0 | 50.0 |" in text
 
 
 def test_plot_draws_the_png(tmp_path):

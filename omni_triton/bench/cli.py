@@ -55,7 +55,7 @@ from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
-from omni_triton.bench.server_cpu import ServerCpu
+from omni_triton.bench.server_cpu import ServerCpu, ms_per_request
 from omni_triton.bench.stage_profiles import ProfileWindows
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
 from omni_triton.launch.options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
@@ -253,7 +253,8 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
     """Every level of ``workload`` through ``runner``. With ``trace_dir``, each level's requests are traced
     and its TTFA breakdown row is appended to ``breakdowns``; ``after_level`` is called after each level with
     ``summaries`` (this system's so far) not yet returned: see main's ``save_partial``. With ``server_url`` (a
-    server on this machine), each level also records its processes' CPU (bench.server_cpu)."""
+    server on this machine), each level also records its processes' CPU (bench.server_cpu), as % of a core and per
+    completed request (printed too)."""
     from tqdm import tqdm
 
     tensors = client_tensors(workload, text, sequential=runner.sequential)
@@ -276,10 +277,14 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
                                                 on_done=lambda _: progress.update())
             finally:
                 trace.configure(None)
-            summaries.append(replace(summarize(runner.name, concurrency, timings, wall_s),
-                                     gpu_memory_peak_gib=gpu_memory.gib,
+            summary = summarize(runner.name, concurrency, timings, wall_s)
+            cpu_ms = ms_per_request(server_cpu.seconds, summary.requests - summary.failed)
+            summaries.append(replace(summary, gpu_memory_peak_gib=gpu_memory.gib,
                                      gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu,
-                                     server_cpu_pct=server_cpu.percent))
+                                     server_cpu_pct=server_cpu.percent, server_cpu_ms_per_request=cpu_ms))
+            if cpu_ms:
+                progress.write(f"{runner.name} c{concurrency}: server CPU ms per completed request: "
+                               + ", ".join(f"{name} {value:.1f}" for name, value in cpu_ms.items()), file=sys.stderr)
             if level_dir is not None and breakdowns is not None:
                 server_dir = trace_dir / "server" if runner.name.startswith("server") else None
                 breakdowns.append(breakdown.level_row(runner.name, concurrency, level_dir, server_dir))

@@ -130,6 +130,7 @@ class LevelSummary:
     gpu_memory_peak_gib_per_gpu: list[float] | None = None  # the same per visible GPU, in nvidia-smi's order
     # a local server's processes (tritonserver, each stage instance's stub): CPU during the level, % of one core
     server_cpu_pct: dict[str, float] | None = None
+    server_cpu_ms_per_request: dict[str, float] | None = None  # the same processes' CPU ms per completed request
 
     def to_dict(self) -> dict:
         return asdict(self)

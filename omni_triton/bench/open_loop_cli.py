@@ -16,7 +16,7 @@ from omni_triton.bench.goodput import Search, highest_passing, verdict
 from omni_triton.bench.open_loop import (LATE_START_S, RateSummary, StreamPool, arrival_times, run_rate,
                                          summarize_rate)
 from omni_triton.bench.runners.triton_stream import TritonStreamRunner
-from omni_triton.bench.server_cpu import ServerCpu
+from omni_triton.bench.server_cpu import ServerCpu, ms_per_request
 from omni_triton.bench.workload import Workload, client_tensors
 
 AUTO = "auto"
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
                                 drain_timeout_s=args.drain_timeout)
         row = summarize_rate(runner.name, rate, args.duration, rate_run)
         row.metrics = replace(row.metrics, gpu_memory_peak_gib=gpu_memory.gib,
-                              gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu, server_cpu_pct=server_cpu.percent)
+                              gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu, server_cpu_pct=server_cpu.percent,
+                              server_cpu_ms_per_request=ms_per_request(server_cpu.seconds, row.completed))
         row.verdict = verdict(row, limit_s)
         rows.append(row)
         print(f"  {row.completed}/{row.sent} completed, TTFA p50/p95 {reporting.ms(row.metrics.ttfa_p50)}/"

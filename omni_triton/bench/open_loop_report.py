@@ -61,8 +61,8 @@ def markdown(report: dict) -> str:
                   f"{open_loop['late_start_s'] * 1000:.0f} ms after their arrival time (the client fell behind); "
                   "peak in flight: most requests running at once; req/s, audio s/s: completed requests over the "
                   "time from the rate's start to its last request's end (the drain included)."]
-    lines += server_cpu_table([(row["system"], f"{row['rate']:g}/s", row["server_cpu_pct"])
-                               for row in rows], "rate")
+    lines += server_cpu_table([(row["system"], f"{row['rate']:g}/s", row["server_cpu_pct"]) for row in rows], "rate",
+                              [row.get("server_cpu_ms_per_request") for row in rows])
     failures = [(row["system"], row["rate"], code, count) for row in report["rates"]
                 for code, count in row["failed_by_code"].items()]
     failures += [(row["system"], row["rate"], "not sent (client cap)", row["not_started"])

@@ -1,6 +1,8 @@
 """Summaries of py-spy raw profiles (``py-spy record --threads --idle --format raw``, as
-``benchmarks/pyspy_stages.sh`` writes one per stage stub): per stub and thread, where its samples end (the leaf
-frame) and which of this project's frames they pass through (inclusive), as % of the thread's samples.
+``benchmarks/pyspy_stages.sh`` writes one per stage stub): per stub, over all its threads together and then per
+thread, where its samples end (the leaf frame) and which of this project's frames they pass through (inclusive), as
+% of those samples. Recorded with ``--gil`` instead of ``--idle`` (pyspy_stages.sh's MODE gil), a sample is a
+moment some thread held the stub's GIL, so the all-threads section says where the stub's Python time goes.
 
     python -m omni_triton.bench.pyspy_summary DIR [--top 8] [--out DIR/pyspy_summary.md]
 """
@@ -50,16 +52,24 @@ def report(directory: Path, top: int) -> str:
     for path in sorted(directory.glob("*.txt")):
         if path.name in ("stubs.txt", "top_threads.txt"):
             continue
-        for thread, stacks in sorted(parse(path.read_text()).items()):
-            total, leaves, inclusive = summarise(stacks, top)
-            if total == 0:
-                continue
-            lines += [f"## {path.stem} / {thread} ({total} samples)", "", "| leaf frame | % |", "|---|---:|"]
-            lines += [f"| `{frame}` | {pct:.1f} |" for frame, pct in leaves]
-            lines += ["", "| project frame (inclusive) | % |", "|---|---:|"]
-            lines += [f"| `{frame}` | {pct:.1f} |" for frame, pct in inclusive]
-            lines.append("")
+        threads = parse(path.read_text())
+        # a stub's work is spread over many short-lived threads (one per request and stream in the orchestrator):
+        # each one alone looks small, so the sum over all of them comes first
+        everything = [stack for stacks in threads.values() for stack in stacks]
+        for thread, stacks in [("all threads", everything), *sorted(threads.items())]:
+            lines += _section(f"{path.stem} / {thread}", stacks, top)
     return "\n".join(lines)
+
+
+def _section(title: str, stacks: list[tuple[list[str], int]], top: int) -> list[str]:
+    total, leaves, inclusive = summarise(stacks, top)
+    if total == 0:
+        return []
+    lines = [f"## {title} ({total} samples)", "", "| leaf frame | % |", "|---|---:|"]
+    lines += [f"| `{frame}` | {pct:.1f} |" for frame, pct in leaves]
+    lines += ["", "| project frame (inclusive) | % |", "|---|---:|"]
+    lines += [f"| `{frame}` | {pct:.1f} |" for frame, pct in inclusive]
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -112,7 +112,8 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
                      f"{num(s.rtf_p95, 3)} | {num(s.audio_s_per_request)} | {num(s.requests_per_s)} | {num(s.audio_s_per_s)} | "
                      f"{num(s.continuity)} | {_gpu_gib(s)} |")
     lines += listener_table(summaries)
-    lines += server_cpu_table([(s.system, str(s.concurrency), s.server_cpu_pct) for s in summaries], "conc")
+    lines += server_cpu_table([(s.system, str(s.concurrency), s.server_cpu_pct) for s in summaries], "conc",
+                              [s.server_cpu_ms_per_request for s in summaries])
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
                       "audio s/s: <1 is less throughput):", "",
@@ -147,19 +148,31 @@ def listener_table(summaries: list[LevelSummary]) -> list[str]:
     return lines
 
 
-def server_cpu_table(levels: list[tuple[str, str, dict[str, float] | None]], level_name: str) -> list[str]:
+def server_cpu_table(levels: list[tuple[str, str, dict[str, float] | None]], level_name: str,
+                     per_request: list[dict[str, float] | None] | None = None) -> list[str]:
     """The local server's processes' CPU per level (bench.server_cpu), from (system, level, CPU % by process) per
     level (``level_name``: what the level is, e.g. conc): a stage's stub near 100% is bound by its one Python
-    thread at a time, whatever its GPU does."""
+    thread at a time, whatever its GPU does. ``per_request``: each level's CPU ms per completed request by
+    process, a second table (what bounds a stub's requests/s: 1000 / ms)."""
+    lines = _process_table(levels, level_name, "Server processes' CPU during each level, % of one core (tritonserver "
+                           "and each stage instance's Python stub; a stub near 100% is bound by its Python thread):", 0)
+    if per_request is not None:
+        lines += _process_table([(system, level, cpu) for (system, level, _), cpu in zip(levels, per_request)],
+                                level_name, "Server processes' CPU per completed request, ms (a stub's one core "
+                                "serves at most 1000 / ms requests/s):", 1)
+    return lines
+
+
+def _process_table(levels: list[tuple[str, str, dict[str, float] | None]], level_name: str, title: str,
+                   digits: int) -> list[str]:
     rows = [(system, level, cpu) for system, level, cpu in levels if cpu]
     if not rows:
         return []
     names = sorted({name for _, _, cpu in rows for name in cpu}, key=lambda name: (name != "tritonserver", name))
-    lines = ["", "Server processes' CPU during each level, % of one core (tritonserver and each stage instance's "
-                 "Python stub; a stub near 100% is bound by its Python thread):", "",
-             f"| system | {level_name} | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    lines = ["", title, "", f"| system | {level_name} | " + " | ".join(names) + " |",
+             "|---|---:|" + "---:|" * len(names)]
     for system, level, cpu in rows:
-        lines.append(f"| {system} | {level} | " + " | ".join(num(cpu.get(name), 0) for name in names) + " |")
+        lines.append(f"| {system} | {level} | " + " | ".join(num(cpu.get(name), digits) for name in names) + " |")
     return lines
 
 

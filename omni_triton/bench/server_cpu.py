@@ -1,9 +1,10 @@
-"""CPU time of a local server's processes while a benchmark level runs, as % of one core: tritonserver itself and
-each stage instance's Python-backend stub (``orchestrator_0_0``, ``talker_0_1``, ...).
+"""CPU time of a local server's processes while a benchmark level runs, as % of one core and in ms per completed
+request: tritonserver itself and each stage instance's Python-backend stub (``orchestrator_0_0``, ``talker_0_1``, ...).
 
 A stub runs its Python one thread at a time (the GIL), so one near 100% is a stage bound by its host work however
 idle its GPU is: what the TTFA breakdown's delivery segments ("first frame to the orchestrator") cannot tell
-apart from GPU queueing. Read from /proc, so only for a server on this machine (the bench's own or one started
+apart from GPU queueing. Its CPU per request says how many requests/s that one core allows (1000 / ms), and, unlike
+the %, the same on a CPU-only machine as on a GPU host for the orchestrator (its work per request is the same Python). Read from /proc, so only for a server on this machine (the bench's own or one started
 beside it); None otherwise.
 """
 
@@ -84,14 +85,22 @@ def local_grpc_port(url: str | None) -> int | None:
     return int(port) if port.isdigit() and host in ("127.0.0.1", "localhost", "0.0.0.0", "[::1]") else None
 
 
+def ms_per_request(seconds: dict[str, float] | None, completed: int) -> dict[str, float] | None:
+    """CPU seconds by process over a level -> ms per completed request; None without a reading or a completion."""
+    if not seconds or completed <= 0:
+        return None
+    return {name: round(1000.0 * used / completed, 2) for name, used in seconds.items()}
+
+
 class ServerCpu:
-    """``with ServerCpu(url) as cpu: ...`` then ``cpu.percent``: per process of the server at ``url`` (gRPC
-    host:port, on this machine; None: no server), its CPU time during the block as % of one core; None if not
-    measurable."""
+    """``with ServerCpu(url) as cpu: ...`` then ``cpu.percent`` and ``cpu.seconds``: per process of the server at
+    ``url`` (gRPC host:port, on this machine; None: no server), its CPU time during the block as % of one core and
+    in seconds; None if not measurable."""
 
     def __init__(self, url: str | None):
         self._port = local_grpc_port(url)
         self.percent: dict[str, float] | None = None
+        self.seconds: dict[str, float] | None = None
 
     def __enter__(self) -> "ServerCpu":
         self._start = (time.monotonic(), server_cpu_ticks(self._port) if self._port else None)
@@ -102,7 +111,8 @@ class ServerCpu:
         after = server_cpu_ticks(self._port) if before else None
         if not after:
             return
-        per_tick_pct = 100.0 / os.sysconf("SC_CLK_TCK") / max(time.monotonic() - started, 1e-9)
+        elapsed_s = max(time.monotonic() - started, 1e-9)
         # a process only in one snapshot (a stage restarted in between) has no interval to report
-        self.percent = {name: round((after[name] - before[name]) * per_tick_pct, 1)
+        self.seconds = {name: (after[name] - before[name]) / os.sysconf("SC_CLK_TCK")
                         for name in sorted(after) if name in before}
+        self.percent = {name: round(100.0 * used / elapsed_s, 1) for name, used in self.seconds.items()}

@@ -129,9 +129,11 @@ class Session:
                     stopped = threading.Event()
                     audio_stream = self.audio_stream_factory()
                     self.audio_stream_stateful = audio_stream.policy.stateful
+                    # the frames' checks stand for the whole audio path: join looks up only during code2wav calls
                     audio_worker = _AudioWorker(
-                        lambda idle: self._stream("talker", frames, until=stopped, idle=idle), self.clients,
-                        audio_stream, emit, stopped, self.request_id)
+                        lambda idle: self._stream("talker", frames, lambda: self._check("talker", "code2wav"),
+                                                  until=stopped, idle=idle),
+                        self.clients, audio_stream, emit, stopped, self.request_id)
                     chunks = chunks[1:]
                 if chunks:
                     self.clients.talker_append(self.request_id, self._merged(chunks))
@@ -169,20 +171,24 @@ class Session:
         return ThinkerChunk([token for chunk in chunks for token in chunk.token_ids], chunks[-1].finished,
                             self.clients.merge_payloads([chunk.payload for chunk in chunks]))
 
-    def _check(self, stage: str) -> None:
-        """Raise if the request must stop while it waits on ``stage``."""
+    def _check(self, *stages: str) -> None:
+        """Raise if the request must stop while it waits on ``stages``."""
         if self.is_cancelled():
             raise Cancelled(self.request_id)
-        failure = self.stage_failure(stage)
-        if failure is not None:
-            raise StageFailed(failure)
+        for stage in stages:
+            failure = self.stage_failure(stage)
+            if failure is not None:
+                raise StageFailed(failure)
 
     def _stream(self, stage: str, items: Iterable[T], check: Callable[[], None] | None = None,
                 until: threading.Event | None = None, coalesce: bool = False,
                 idle: Callable[[], None] | None = None) -> Iterator[Any]:
         """``items`` (a stage's response stream), read on a thread of their own and checked (default:
-        ``_check(stage)``) at every item and every ``POLL_S`` without one, when ``idle`` is called too (in the
-        consuming thread); it ends early once ``until`` is set.
+        ``_check(stage)``) at least every ``POLL_S``: at an item when the last check is that old, and at every
+        ``POLL_S`` without one, when ``idle`` is called too (in the consuming thread); it ends early once ``until``
+        is set. A check per item cost more than the item (a talker streams a frame a response; the check asks
+        the server whether the request was cancelled and the stage supervisor whether the stage lives), and
+        said nothing newer: both answers are refreshed at most every ``POLL_S`` anyway.
         With ``coalesce``, it yields lists: each item with every later one already waiting in the queue.
 
         A BLS stream in this Triton version cannot be cancelled, and one from a stage whose process died
@@ -208,12 +214,14 @@ class Session:
                 responses.put((_END, exc))
 
         threading.Thread(target=read, name=f"{stage}-stream", daemon=True).start()
+        checked_at = float("-inf")
         try:
             while until is None or not until.is_set():
                 try:
                     item, error = responses.get(timeout=POLL_S)
                 except queue.Empty:
                     check()
+                    checked_at = time.monotonic()
                     if idle is not None:
                         idle()
                     continue
@@ -221,7 +229,9 @@ class Session:
                     if error is not None:
                         raise error
                     return
-                check()
+                if (now := time.monotonic()) - checked_at >= POLL_S:
+                    check()
+                    checked_at = now
                 if not coalesce:
                     yield item
                     continue
@@ -269,6 +279,7 @@ class _AudioWorker:
         self._stopped = stopped  # ``frames`` ends once it is set
         self._done = threading.Event()
         self._in_call = threading.Event()  # inside a code2wav call
+        self._call_or_done = threading.Condition()  # notified when a code2wav call starts and when the worker ends
         self._request_id = request_id  # for trace events only
         self._traced: set[str] = set()  # trace events cover the way to the first audio, once each
         self._thread = threading.Thread(target=self._run, name="talker-frames", daemon=True)
@@ -287,14 +298,18 @@ class _AudioWorker:
         except BaseException as exc:  # surfaced in the request's thread
             self._error = exc
         finally:
-            self._done.set()
+            with self._call_or_done:
+                self._done.set()
+                self._call_or_done.notify_all()
 
     def _decode_due(self, final: bool) -> None:
         while (job := self._stream.next_job(final=final)) is not None:
             self._trace_once("session.code2wav_first_call")
             started = time.monotonic()
             buffered_s = self._pacer.buffered_s(started) if self._pacer is not None else None
-            self._in_call.set()
+            with self._call_or_done:
+                self._in_call.set()
+                self._call_or_done.notify_all()
             try:
                 if self._stream.policy.stateful:
                     audio = self._clients.code2wav_stream(job.codes, first=job.start_frame == 0)
@@ -336,10 +351,20 @@ class _AudioWorker:
             raise self._error
 
     def join(self, check: Callable[[], None]) -> None:
-        """Wait for the last audio; ``check`` raises if the request must stop meanwhile (a code2wav call to a
-        stage that died never returns)."""
-        while not self._done.wait(POLL_S):
-            check()
+        """Wait for the last audio; ``check`` raises if the request must stop meanwhile. It is asked every ``POLL_S``
+        while the worker is inside a code2wav call (one to a stage that died never returns). Outside one the worker
+        reads its frame stream, whose own checks (every ``POLL_S``: a cancel, the deadline, a dead talker or
+        code2wav) end it with the error raised here, so this thread sleeps: a wake-up per stream every ``POLL_S``
+        was a good part of the orchestrator's CPU under load."""
+        while True:
+            with self._call_or_done:
+                self._call_or_done.wait_for(lambda: self._done.is_set() or self._in_call.is_set())
+                if self._done.is_set():
+                    break
+                self._call_or_done.wait(POLL_S)  # a call's end is not notified: the next look tells
+                in_call = self._in_call.is_set() and not self._done.is_set()
+            if in_call:
+                check()
         self.raise_error()
 
     def stop(self, timeout_s: float = 10.0, leave_call: bool = False) -> None:

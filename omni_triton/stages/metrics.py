@@ -1,7 +1,8 @@
 """Prometheus gauges on Triton's metrics port (8002), one set per stage.
 
 Each stage reports a snapshot of its own state (engine stats, sessions in flight) every
-``interval_s`` from a small daemon thread, so no request path pays for metrics. Names:
+``interval_s`` from a small daemon thread, so no request path pays for metrics (only the values that changed:
+see ``StageMetrics.update``). Names:
 
     omni_active_requests{stage}      requests the stage holds (running + waiting + waiting for input)
     omni_waiting_requests{stage}     requests queued for admission (engine waiting queue)
@@ -95,6 +96,7 @@ class StageMetrics:
                                                       kind=pb_utils.MetricFamily.GAUGE) for name in sorted(names)}
         labels = {"stage": stage, **(labels or {})}
         self._gauges = {name: family.Metric(labels=labels) for name, family in self._families.items()}
+        self._set_values: dict[str, float] = {}  # what each gauge was last set to (update skips the same again)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{stage}-metrics", daemon=True)
         self._thread.start()
@@ -104,8 +106,13 @@ class StageMetrics:
             self.update()
 
     def update(self) -> None:
+        """Set the gauges whose value changed since the last update. A ``set`` is a round trip to tritonserver that
+        holds the stub's GIL (python_backend r26.07 binds it without releasing it), stalling every other thread of
+        the stage meanwhile: most gauges stay put between updates, so most of those stalls are skipped."""
         for name, value in self._snapshot().items():
-            self._gauges[name].set(float(value))
+            if self._set_values.get(name) != float(value):
+                self._gauges[name].set(float(value))
+                self._set_values[name] = float(value)
 
     def stop(self) -> None:
         """Last update, then release the metrics: call from the model's finalize (see ``release_metrics``)."""
