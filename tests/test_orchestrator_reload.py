@@ -174,6 +174,10 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
             assert len(lost) == held[victim], outcomes
             until(lambda: all(reaped(pid, server_pid) for pid in orchestrators.values()),
                   "the old orchestrator version unloaded (its stubs reaped)", 60)
+            # by the unload, not by a crash that took the server and its stubs down
+            assert triton.process.poll() is None, triton.log_tail()
+            _until_served(server, time.monotonic(), timeout_s=30)
+            assert "Signal (" not in triton.log_path.read_text(errors="replace"), triton.log_tail()
         else:
             # Triton 2.51's Python backend never answers a request whose stub died (the stub held its response
             # factory): the client's own timeout ends it, and the old model version never unloads
