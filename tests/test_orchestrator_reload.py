@@ -6,9 +6,10 @@ without that, the first response a stage sends to the dead stub blocks that stag
 With several orchestrator instances (``--pipelines 2``: one per pipeline; ``--instances orchestrator=2``: two on one
 pipeline) Triton reloads the whole orchestrator model: both instances get fresh stubs, and the requests in flight on
 the live instance run to their end on its old stub. The dead instance's requests end at once with UNAVAILABLE naming
-it, and the old model version unloads (its stubs exit), on the built Python backend with
-``python_backend-dead-stub-requests.patch``; on any other they get no answer (they end at the client's own timeout)
-and the old version's stubs stay."""
+it on the built Python backend with ``python_backend-dead-stub-requests.patch``; on any other they get no answer
+(they end at the client's own timeout). Either way the old model version stays loaded, its stubs idle (the patch
+keeps the lost requests' response factories: unloading an orchestrator version that served streams crashes
+tritonserver, see the patch)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from omni_triton.launch.python_backend import load_built_backend
 from omni_triton.launch.serve import STAGE_RELOADED
 from omni_triton.launch.tritonserver import instance_model
 from omni_triton.shared.placement import Placement, model_stage
-from omni_triton.shared.procfs import PARENT, stat_fields
 from omni_triton.shared.stub_processes import find_stub_instances, find_stubs
 
 pytestmark = pytest.mark.reliability
@@ -83,12 +83,6 @@ def ends_dead_stub_requests(install) -> bool:
     built, _ = load_built_backend(install.backend_dir) if install.python_backend == "built" else (None, "")
     return built is not None and built.ends_dead_stub_requests
 
-
-def reaped(pid: int, parent: int) -> bool:
-    """Whether the stub ``pid`` of ``parent`` is gone, not even a zombie: its model instance was unloaded (the
-    backend reaps a stub when it unloads the instance, never before)."""
-    fields = stat_fields(pid)
-    return fields is None or int(fields[PARENT]) != parent
 
 
 def until(condition, what: str, timeout_s: float = 30.0):
@@ -167,17 +161,11 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
         # The live instances' requests run to their end on their old stubs, unless a stage they share with the dead
         # one exited (then UNAVAILABLE naming it, as for any dead stage).
         if ends_dead_stub_requests(triton.install):
-            # the backend ends each request the dead stub held with UNAVAILABLE naming the instance; once the live
-            # instances' requests have ended too, the old model version unloads: its stubs are reaped
+            # the backend ends each request the dead stub held with UNAVAILABLE naming the instance, at once (the
+            # client's timeout is only a hang guard)
             lost = [outcome for outcome in outcomes
                     if outcome is not None and f"stub process of model instance '{victim}' exited" in outcome]
             assert len(lost) == held[victim], outcomes
-            until(lambda: all(reaped(pid, server_pid) for pid in orchestrators.values()),
-                  "the old orchestrator version unloaded (its stubs reaped)", 60)
-            # by the unload, not by a crash that took the server and its stubs down
-            assert triton.process.poll() is None, triton.log_tail()
-            _until_served(server, time.monotonic(), timeout_s=30)
-            assert "Signal (" not in triton.log_path.read_text(errors="replace"), triton.log_tail()
         else:
             # Triton 2.51's Python backend never answers a request whose stub died (the stub held its response
             # factory): the client's own timeout ends it, and the old model version never unloads
@@ -185,6 +173,7 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
             assert len(lost) == held[victim], outcomes
         assert all(outcome is None or outcome in lost or any(f"{model} stage failed" in outcome
                                                               for model in reloaded) for outcome in outcomes)
+        assert "Signal (" not in triton.log_path.read_text(errors="replace"), triton.log_tail()
     finally:
         stopping.set()
         watcher.join(10)

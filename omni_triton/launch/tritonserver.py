@@ -469,8 +469,7 @@ class TritonServer:
         repository API (``reload_alone``), the server and the stages kept. Triton reloads a model whole: every
         orchestrator instance gets a fresh stub and takes the new requests; the requests in flight on the other,
         live instances run to their end on their old stubs (Triton unloads the old model only once its requests
-        have ended: the dead instance's end with an error on the built backend, ``python_backend.DEAD_STUB_PATCH``;
-        on the bundled one they never do, and those old stubs stay, idle, until the server stops).
+        have ended, which the dead instance's never do: those old stubs stay, idle, until the server stops).
         Returns the exit code of the run not restarted, or 0 once ``stopped()`` (another thread stops the server:
         a bench's own server is not restarted then)."""
         def watched_stubs() -> dict[str, int]:

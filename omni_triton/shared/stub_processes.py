@@ -60,8 +60,7 @@ def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, i
     """stage -> {instance name: pid} of the live model-instance stubs (``stub_instance``) of ``stages`` among
     ``parent``'s children (the config stub exiting is no death). Of two live stubs of one instance name the one
     started last: a model reloaded while one of its instances still runs requests (its old model is unloaded only
-    once they end; without python_backend-dead-stub-requests.patch, never if a dead stub held some) has an old and
-    a new stub of that name, and the new one serves."""
+    once they end, never if a dead stub held some) has an old and a new stub of that name, and the new one serves."""
     found: dict[str, dict[str, tuple[int, int]]] = {}  # stage -> instance -> (start ticks, pid)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
