@@ -84,7 +84,6 @@ def ends_dead_stub_requests(install) -> bool:
     return built is not None and built.ends_dead_stub_requests
 
 
-
 def until(condition, what: str, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
