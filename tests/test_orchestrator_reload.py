@@ -5,8 +5,11 @@ without that, the first response a stage sends to the dead stub blocks that stag
 
 With several orchestrator instances (``--pipelines 2``: one per pipeline; ``--instances orchestrator=2``: two on one
 pipeline) Triton reloads the whole orchestrator model: both instances get fresh stubs, and the requests in flight on
-the live instance run to their end on its old stub, while the dead instance's get no answer (they end at the
-client's own timeout)."""
+the live instance run to their end on its old stub. The dead instance's requests end at once with UNAVAILABLE naming
+it on the built Python backend with ``python_backend-dead-stub-requests.patch``; on any other they get no answer
+(they end at the client's own timeout). Either way the old model version stays loaded, its stubs idle (the patch
+keeps the lost requests' response factories: unloading an orchestrator version that served streams crashes
+tritonserver, see the patch)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from test_reliability import FAULT_REQUEST, MAX_INFLIGHT, _until_served, start_f
 from test_server_replicas import series
 
 from omni_triton.client import build_inputs
+from omni_triton.launch.python_backend import load_built_backend
 from omni_triton.launch.serve import STAGE_RELOADED
 from omni_triton.launch.tritonserver import instance_model
 from omni_triton.shared.placement import Placement, model_stage
@@ -74,6 +78,12 @@ def holding_every_stream(server) -> dict[str, float] | None:
     return None
 
 
+def ends_dead_stub_requests(install) -> bool:
+    """Whether the server's Python backend ends a dead stub's requests (``BuiltBackend.ends_dead_stub_requests``)."""
+    built, _ = load_built_backend(install.backend_dir) if install.python_backend == "built" else (None, "")
+    return built is not None and built.ends_dead_stub_requests
+
+
 def until(condition, what: str, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
@@ -106,12 +116,17 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
         orchestrators = find_stub_instances(server_pid, ["orchestrator"])["orchestrator"]
         stages = find_stubs(server_pid, [m for m in triton.repository_models() if m not in ("omni", "orchestrator")])
 
+        ended_at: dict[int, float] = {}
+
         def in_flight(index: int):
             try:
-                return raw_stream(server.grpc_url, build_inputs(f"Orchestrator fault {index}: a long story.",
-                                                                **RELOAD_REQUEST), timeout_s=CLIENT_TIMEOUT_S).error
-            except TimeoutError as error:  # the dead instance's requests: see the assertion below
-                return f"no response: {error}"
+                error = raw_stream(server.grpc_url, build_inputs(f"Orchestrator fault {index}: a long story.",
+                                                                 **RELOAD_REQUEST), timeout_s=CLIENT_TIMEOUT_S).error
+            except TimeoutError as timeout:  # the dead instance's requests: see the assertion below
+                error = f"no response: {timeout}"
+            if error is not None:
+                ended_at[index] = time.monotonic()
+            return error
 
         with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
             futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
@@ -120,6 +135,7 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
             assert sorted(name for name, count in held.items() if count) == sorted(orchestrators), held
             victim = min(orchestrators)
             os.kill(orchestrators[victim], signal.SIGKILL)
+            killed_at = time.monotonic()
             refusals, served_after = _until_served(server, time.monotonic(), timeout_s=90)
             outcomes = [future.result() for future in futures]  # each ends: answered, or at the client's timeout
         until(lambda: any("orchestrator reloaded alone" in line for line in log), "the reload", 120)
@@ -131,7 +147,8 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
         reloaded = {model for model, pid in find_stubs(server_pid, list(stages)).items() if pid != stages[model]}
         print(f"\norchestrator {victim} killed under {MAX_INFLIGHT} streams ({held}): served again {served_after:.1f} "
               f"s after the kill ({len(refusals)} refused meanwhile: {refusals[:1]}); in flight: {outcomes}; "
-              f"launcher: {log}; stages reloaded (a send under way at the kill): {sorted(reloaded)}")
+              f"launcher: {log}; stages reloaded (a send under way at the kill): {sorted(reloaded)}; streams "
+              f"failed {sorted(round(at - killed_at, 2) for at in ended_at.values())} s after the kill")
 
         assert triton.process.pid == server_pid and triton.process.poll() is None, "the server is not restarted"
         after = find_stub_instances(server_pid, ["orchestrator"])["orchestrator"]
@@ -140,13 +157,22 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
         server_log = triton.log_path.read_text(errors="replace")
         assert all(re.search(rf"{model_stage(model)[0]} stage: a response to a caller that died .* exiting", server_log)
                    for model in reloaded), f"{reloaded} died of something else than a send stuck on the dead stub"
-        # Triton 2.51's Python backend never answers a request whose stub died (the stub held its response
-        # factory): the client's own timeout ends it. The live instances' run to their end on their old stubs,
-        # unless a stage they share with the dead one exited (then UNAVAILABLE naming it, as for any dead stage).
-        unanswered = [outcome for outcome in outcomes if outcome is not None and outcome.startswith("no response")]
-        assert len(unanswered) == held[victim], outcomes
-        assert all(outcome is None or outcome in unanswered or any(f"{model} stage failed" in outcome
-                                                                    for model in reloaded) for outcome in outcomes)
+        # The live instances' requests run to their end on their old stubs, unless a stage they share with the dead
+        # one exited (then UNAVAILABLE naming it, as for any dead stage).
+        if ends_dead_stub_requests(triton.install):
+            # the backend ends each request the dead stub held with UNAVAILABLE naming the instance, at once (the
+            # client's timeout is only a hang guard)
+            lost = [outcome for outcome in outcomes
+                    if outcome is not None and f"stub process of model instance '{victim}' exited" in outcome]
+            assert len(lost) == held[victim], outcomes
+        else:
+            # Triton 2.51's Python backend never answers a request whose stub died (the stub held its response
+            # factory): the client's own timeout ends it, and the old model version never unloads
+            lost = [outcome for outcome in outcomes if outcome is not None and outcome.startswith("no response")]
+            assert len(lost) == held[victim], outcomes
+        assert all(outcome is None or outcome in lost or any(f"{model} stage failed" in outcome
+                                                              for model in reloaded) for outcome in outcomes)
+        assert "Signal (" not in triton.log_path.read_text(errors="replace"), triton.log_tail()
     finally:
         stopping.set()
         watcher.join(10)

@@ -86,6 +86,8 @@ def test_our_patches_apply_to_the_pinned_sources(tmp_path):
     src = builder.fetch_sources(THIRD_PARTY, tmp_path)
     patched = (src / "python_backend" / "src" / "pb_response_iterator.cc").read_text()
     assert "give the GIL up before taking mu_" in patched
+    # python_backend-dead-stub-requests.patch, applied after it and before the ones that touch other files
+    assert "ModelInstanceState::StubExited()" in (src / "python_backend" / "src" / "python_be.cc").read_text()
     assert "TRITON_COMMON_ENABLE_TESTS" in (src / "common" / "src" / "CMakeLists.txt").read_text()
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 PYTHON_BACKEND_CHOICES = ("auto", "built", "bundled")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_stub", "triton_python_backend_utils.py")
 BUILD_INFO = "build.json"
+# Ends the requests of a decoupled model whose stub died, an error each, where they got no answer.
+DEAD_STUB_PATCH = "python_backend-dead-stub-requests.patch"
 
 
 def default_built_dir() -> Path:
@@ -43,6 +45,12 @@ class BuiltBackend:
     @property
     def gpu(self) -> bool:
         return bool(self.info.get("gpu"))
+
+    @property
+    def ends_dead_stub_requests(self) -> bool:
+        """Whether a decoupled request whose stub died ends with an UNAVAILABLE error naming the model instance
+        (``DEAD_STUB_PATCH``); without it the request gets no answer (the client's own timeout ends it)."""
+        return DEAD_STUB_PATCH in self.info.get("patches", {})
 
     def describe(self) -> str:
         sources = self.info.get("sources", {})
