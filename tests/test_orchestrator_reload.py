@@ -131,7 +131,7 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
         with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
             futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
             # with several each orchestrator instance holds some (Triton hands new requests out in turn)
-            held = until(lambda: holding_every_stream(server), "every stage holding every stream")
+            held = until(lambda: holding_every_stream(server), "every stage holding every stream", 60)
             assert sorted(name for name, count in held.items() if count) == sorted(orchestrators), held
             victim = min(orchestrators)
             os.kill(orchestrators[victim], signal.SIGKILL)

@@ -453,8 +453,12 @@ def start_fault_server(tiny_checkpoint, run_dir, placement: Placement | None = N
     from omni_triton.launch.repository import render_repository
     from omni_triton.launch.tritonserver import ServerOptions, TritonServer, find_tritonserver, free_port
 
+    placement = placement or Placement()
+    # every orchestrator instance of a pipeline takes MAX_INFLIGHT (its part of the limit): Triton hands requests
+    # to them in turn, not evenly enough that MAX_INFLIGHT at once always fit a split limit with no queue
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
-                          max_inflight_requests=MAX_INFLIGHT, admission_queue=0, placement=placement or Placement(),
+                          max_inflight_requests=MAX_INFLIGHT * placement.count("orchestrator"), admission_queue=0,
+                          placement=placement,
                           **dict(TEST_LIMITS, max_tokens_cap=1024, kv_cache_tokens=4096))
     models = servable_models()
     # exit_timeout_s: a killed stage's old model never unloads (its requests in flight never end), so the
