@@ -63,15 +63,15 @@ def find_stub_instances(parent: int, stages: list[str]) -> dict[str, dict[str, i
     once they end, never if a dead stub held some) has an old and a new stub of that name, and the new one serves."""
     found: dict[str, dict[str, tuple[int, int]]] = {}  # stage -> instance -> (start ticks, pid)
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or not stub_alive(int(entry.name), parent):
+        fields = stat_fields(int(entry.name)) if entry.name.isdigit() else None
+        if not _alive(fields, parent):
             continue
         try:
             argv = [os.fsdecode(arg) for arg in (entry / "cmdline").read_bytes().split(b"\0")]
         except OSError:
             continue
         instance = stub_instance(argv)
-        fields = stat_fields(int(entry.name))
-        if instance is not None and instance[0] in stages and fields is not None:
+        if instance is not None and instance[0] in stages:
             started = (int(fields[START_TICKS]), int(entry.name))
             instances = found.setdefault(instance[0], {})
             instances[instance[1]] = max(instances.get(instance[1], started), started)
