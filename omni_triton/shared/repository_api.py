@@ -21,13 +21,28 @@ class ReloadError(ValueError):
     """The server refused or failed the load; the message is Triton's reason."""
 
 
+def _served_config(http_url: str, model: str) -> dict:
+    """The config ``model`` is served with now."""
+    with urllib.request.urlopen(f"{http_url}/v2/models/{model}/config", timeout=30) as response:
+        return json.loads(response.read())
+
+
+def restart_mark(http_url: str, model: str) -> str | None:
+    """The restart the config ``model`` is served with names (None: never reloaded, or the server did not answer):
+    it changes once a reload's model serves."""
+    try:
+        config = _served_config(http_url, model)
+    except (OSError, ValueError):
+        return None
+    return config.get("parameters", {}).get(RESTART_PARAMETER, {}).get("string_value")
+
+
 def reload_model(http_url: str, model: str, restart: str, timeout_s: float = 600.0) -> None:
     """Load ``model`` again with a fresh stub (``restart`` names this restart; a new value per restart). Returns
     once Triton says it is loaded (its dependents too); raises ReloadError with Triton's reason, OSError when the
     server cannot be reached."""
     try:
-        with urllib.request.urlopen(f"{http_url}/v2/models/{model}/config", timeout=30) as response:
-            config = json.loads(response.read())
+        config = _served_config(http_url, model)
         config.setdefault("parameters", {})[RESTART_PARAMETER] = {"string_value": restart}
         body = json.dumps({"parameters": {"config": json.dumps(config)}}).encode()
         request = urllib.request.Request(f"{http_url}/v2/repository/models/{model}/load", data=body,

@@ -16,7 +16,6 @@ needs ``--model-control-mode=explicit``; without it the stage stays down, and th
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -26,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
-from omni_triton.shared.repository_api import RESTART_PARAMETER, reload_model
+from omni_triton.shared.repository_api import reload_model, restart_mark
 from omni_triton.shared.stub_processes import find_stub_instances, stub_alive, superseded
 
 logger = logging.getLogger(__name__)
@@ -218,15 +217,8 @@ class StageSupervisor:
         reload_model(self._http_url, stage, f"{os.getpid()}.{generation}", self._reload_timeout_s)
 
     def _restart_mark(self, stage: str) -> str | None:
-        """The restart parameter of the config ``stage`` is served with now (None: never reloaded, or unknown)."""
-        if self._http_url is None:
-            return None
-        try:
-            with urllib.request.urlopen(f"{self._http_url}/v2/models/{stage}/config", timeout=30) as response:
-                config = json.loads(response.read())
-        except (OSError, ValueError):
-            return None
-        return config.get("parameters", {}).get(RESTART_PARAMETER, {}).get("string_value")
+        """The restart the config ``stage`` is served with names (None: never reloaded, or unknown)."""
+        return None if self._http_url is None else restart_mark(self._http_url, stage)
 
 
 def _server_flags(server_pid: int) -> dict[str, str]:
