@@ -25,11 +25,10 @@ import numpy as np
 import torch
 
 from omni_triton.pipeline.session import ThinkerChunk
-from omni_triton.shared import bundled_backend
 from omni_triton.stages.callers import caller_parameters
 from omni_triton.stages.code2wav_call_log import send_stamp
-from omni_triton.stages.stage_io import (THINKER_ROW_TENSORS, concat_rows, device_tensors_between_stages, from_torch,
-                                         host_array, to_torch)
+from omni_triton.stages.stage_io import (THINKER_ROW_TENSORS, bls_stream, concat_rows, device_tensors_between_stages,
+                                         from_torch, host_array, to_torch)
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
 # Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
@@ -74,7 +73,7 @@ class BlsStageClients:
     def thinker(self, request_id: str) -> Iterable[ThinkerChunk]:
         inputs = [self._inputs[name] for name in ("INPUT_IDS", "AUDIO_FEATURES", *THINKER_PARAMS)]
         request = self._request("thinker", inputs, THINKER_OUTPUTS, request_id=request_id)
-        for response in _stream(request):
+        for response in bls_stream(request):
             outputs = self._outputs(response)
             if outputs is None:
                 continue  # the empty final response that closes the stream
@@ -89,7 +88,7 @@ class BlsStageClients:
         self._talker_correlation_id = _next_correlation_id()
         extra = [self._pb.Tensor(name, host_array(self._inputs[name]).reshape(1, -1)) for name in TALKER_PARAMS]
         request = self._talker_request(request_id, chunk, start=True, extra=extra)
-        return self._frames(request_id, _stream(request))
+        return self._frames(request_id, bls_stream(request))
 
     def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None:
         # Sent under the lock that ends the sequence: a talker that reached its last frame before the thinker
@@ -97,7 +96,7 @@ class BlsStageClients:
         with self._talker_end_lock:
             if self._talker_ended:
                 return
-            responses = _stream(self._talker_request(request_id, chunk, start=False, extra=[]))
+            responses = bls_stream(self._talker_request(request_id, chunk, start=False, extra=[]))
         for response in responses:
             self._outputs(response)  # raises on error; append requests carry no outputs
 
@@ -141,7 +140,7 @@ class BlsStageClients:
                 if self._talker_correlation_id is None or self._talker_ended:
                     return
                 self._talker_ended = True
-                responses = _stream(self._request("talker", [control], [], request_id=request_id,
+                responses = bls_stream(self._request("talker", [control], [], request_id=request_id,
                                                   correlation_id=self._talker_correlation_id,
                                                   flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END))
             for response in responses:
@@ -183,7 +182,7 @@ class BlsStageClients:
         of its own once the decode is done, ``deferred_sends``), so the call is a decoupled one."""
         outputs: dict[str, Any] = {}
         # stamped with its send time while tracing: the stage's call log says how long it took to get there
-        for response in _stream(self._request("code2wav", inputs, ["AUDIO"], parameters=send_stamp())):
+        for response in bls_stream(self._request("code2wav", inputs, ["AUDIO"], parameters=send_stamp())):
             outputs.update(self._outputs(response) or {})
         if "AUDIO" not in outputs:
             raise StageError("code2wav answered without AUDIO")
@@ -216,7 +215,7 @@ class BlsStageClients:
                                          preferred_memory=self._memory, **kwargs)
 
     def _drain(self, request: Any) -> None:
-        for response in _stream(request):
+        for response in bls_stream(request):
             self._outputs(response)
 
     def _outputs(self, response: Any) -> dict[str, Any] | None:
@@ -224,20 +223,6 @@ class BlsStageClients:
             raise StageError(response.error().message())
         tensors = response.output_tensors()
         return {t.name(): t for t in tensors} if tensors else None
-
-
-def _stream(request: Any) -> Iterator[Any]:
-    """Send ``request`` now (a decoupled BLS call returns once the stage accepted it: a talker START must
-    reach the stage before its appends) and iterate its responses."""
-    iterator = request.exec(decoupled=True)
-
-    def responses() -> Iterator[Any]:
-        try:
-            yield from iterator
-        finally:
-            bundled_backend.release_iterator(iterator)
-
-    return responses()
 
 
 def _batched(pb: Any, tensor: Any, name: str) -> Any:

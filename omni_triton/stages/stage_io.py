@@ -172,19 +172,28 @@ def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors
         sender.send(pb.InferenceResponse(tensors(pb, out)), flags=flags)
 
 
+def bls_stream(request: Any) -> Iterator[Any]:
+    """Send a decoupled BLS ``request`` now (``exec`` returns once the stage accepted it: a talker START must reach
+    the stage before its appends) and iterate its responses, the iterator released however the reading ends."""
+    iterator = request.exec(decoupled=True)
+
+    def responses() -> Iterator[Any]:
+        try:
+            yield from iterator
+        finally:
+            bundled_backend.release_iterator(iterator)
+
+    return responses()
+
 
 def request_self(pb: Any, model: str, inputs: list[Any], **kwargs: Any) -> None:
     """Send this stage's own model ``model`` a request and wait for its answers (raises on an error answer). A
     request whose caller died is ended this way (``callers``): through Triton, like the caller's own end, so it
     runs in turn with the stage's other requests and frees what Triton holds for it too."""
     request = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=[], **kwargs)
-    iterator = request.exec(decoupled=True)
-    try:
-        for response in iterator:
-            if response.has_error():
-                raise RuntimeError(response.error().message())
-    finally:
-        bundled_backend.release_iterator(iterator)
+    for response in bls_stream(request):
+        if response.has_error():
+            raise RuntimeError(response.error().message())
 
 
 class OrphanSequences:
