@@ -3,9 +3,8 @@ request: tritonserver itself and each stage instance's Python-backend stub (``or
 
 A stub runs its Python one thread at a time (the GIL), so one near 100% is a stage bound by its host work however
 idle its GPU is: what the TTFA breakdown's delivery segments ("first frame to the orchestrator") cannot tell
-apart from GPU queueing. Its CPU per request says how many requests/s that one core allows (1000 / ms), and, unlike
-the %, the same on a CPU-only machine as on a GPU host for the orchestrator (its work per request is the same Python). Read from /proc, so only for a server on this machine (the bench's own or one started
-beside it); None otherwise.
+apart from GPU queueing. Its CPU per request says how many requests/s that one core allows (1000 / ms). Read from
+/proc, so only for a server on this machine (the bench's own or one started beside it); None otherwise.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def first_request_inputs() -> dict[str, np.ndarray]:
 
 def send_first_requests(grpc_url: str, count: int = 1, model: str = "omni", timeout_s: float = 300.0) -> float:
     """``count`` requests at once (one per orchestrator instance: Triton hands requests to the free instances in
-    turn), each to its final response; the seconds they took. Raises RuntimeError naming the error of one that failed."""
+    turn), each to its final response; the seconds they took. Raises RuntimeError naming the error of one that
+    failed."""
     import tritonclient.grpc as grpcclient
 
     inputs = []

@@ -94,8 +94,8 @@ REQUEST_INPUTS = ("INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", "MIN_TOKENS", "SP
 BLS_STAGES = ("thinker", "talker", "code2wav")
 DISPATCH_S = 0.05  # how often waiting requests are looked at (cancelled? capacity freed?) without an event
 CAPACITY_SAMPLE_S = 0.5  # frames received are turned into a capacity observation this often
-# A session asks whether its stage died at every response and every poll (session.POLL_S); a stage seen alive
-# this recently counts as alive, so a death is noticed this much later at most (the final error is mapped fresh)
+# A session asks whether its stage died at most every poll (session.POLL_S); a stage seen alive this recently
+# counts as alive, so a death is noticed this much later at most (the final error is mapped fresh)
 STAGE_ALIVE_MAX_AGE_S = 0.05
 # Past a drain's bound the sessions left are cancelled; their aborts and final responses get this long before the
 # drain is answered anyway
@@ -152,10 +152,6 @@ class Orchestrator:
                                     split_limit(max_starting, slot.per_pipeline))
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._slot = slot
-        # request ids (the stages key their state on them) told apart from every other orchestrator process's:
-        # the pipeline's other instances, and the stub this one replaced (a reload alone: its requests may still
-        # be held in the stages), count from 1 too
-        self._id_tag = f"{os.getpid()}."
         self._request_counter = 0
         self._lock = threading.Lock()
         self._active: dict[str, Code2WavStream | None] = {}  # request id -> its audio stream, once opened
@@ -324,7 +320,7 @@ class Orchestrator:
         sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _drain(self, until: float, sender: Any) -> None:
-        """Start draining (all instances: the registry) and answer ``sender`` once every pipeline holds no session,
+        """Start draining (all instances: the registry) and answer ``sender`` once every instance holds no session,
         or ``ABORTS_S`` after ``until``, from a thread of its own (Triton's ``execute`` must return)."""
         self._begin_drain(until)
         if self._shared_cancels is not None:
@@ -390,10 +386,12 @@ class Orchestrator:
             self._shared_cancels.close()
 
     def _request_id(self, request: Any) -> str:
-        # Triton's own id may be empty or reused by clients; stages key their state on this one.
+        # Triton's own id may be empty or reused by clients; stages key their state on this one. The pid tells it
+        # apart from every other orchestrator process's, which count from 1 too: the pipeline's other instances, and
+        # the stub this one replaced (a reload alone: its requests may still be held in the stages).
         with self._lock:
             self._request_counter += 1
-            return f"{request.request_id() or 'req'}#{self._id_tag}{self._request_counter}"
+            return f"{request.request_id() or 'req'}#{os.getpid()}.{self._request_counter}"
 
     def _run(self, ticket: "_Ticket") -> None:
         pb = self._pb
