@@ -51,7 +51,10 @@ class Fp8Linear(KernelSwitch, nn.Module):
             from omni_triton.kernels.fp8_linear import fp8_linear, supports
 
             if supports(self.block):
-                return fp8_linear(x, weight, weight_scale_inv, self.block, bias, act_quant=self.act_quant)
+                # the small-row launches where bf16's decode-step linears take theirs (``fast_kernels.step_linear``)
+                small_rows = self.use_fused_steps and self.linear_launch == "gemv"
+                return fp8_linear(x, weight, weight_scale_inv, self.block, bias, act_quant=self.act_quant,
+                                  small_rows=small_rows)
         return F.linear(x, dequantize_fp8(weight, weight_scale_inv, self.block, x.dtype), bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
