@@ -1,6 +1,6 @@
 """Linear layers with block-FP8 weights (``models.quantization``): ``x @ dequant(W).T (+ bias)`` reading W as FP8.
 
-Two schemes, one kernel body:
+Two schemes, one tiled kernel body (and, below, the launches for a decode step's few rows):
 
 - w8a16 (the default): each [BLOCK_K, BLOCK_N] weight tile is loaded as FP8, multiplied by its block's scales in
   fp32 and rounded to the activations' dtype, then a ``tl.dot`` with the bf16 activations into an fp32 accumulator:
