@@ -96,7 +96,7 @@ def test_w8a8_linear_matches_quantized_activations_reference(rows):
 
 
 # (rows, K, N, block): K not a multiple of the block (a partial last scale column) nor of the K step, N not a
-# multiple of the column block; the GEMV at 1-2 rows, split-K at 3-16 (GEMV_MAX_ROWS = 2, SMALL_MAX_ROWS = 16)
+# multiple of the column block; the GEMV at 1-2 rows, split-K at 3-16 (GEMV_ROWS = 2, SMALL_MAX_ROWS = 16)
 SMALL_ROWS = [(1, 200, 70, (32, 32)), (2, 96, 42, (16, 16)), (3, 200, 70, (32, 32)), (9, 112, 33, (16, 16)),
               (16, 200, 70, (32, 32))]
 
@@ -124,11 +124,12 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SMALL_ROWS, ids=["x".join(map(str, s[:3])) for s in SMALL_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_row_launches_match_the_dequantized_linear(dtype, shape, bias, launches):
+def test_small_row_launches_match_the_dequantized_linear(dtype, shape, bias, launches, monkeypatch):
     """The GEMV (1-2 rows) and the split tiled kernel (3-16 rows) against the torch path's product and against the
     tiled kernel in one pass (``small_rows=False``, the launch before them)."""
-    from omni_triton.kernels.fp8_linear import GEMV_MAX_ROWS
+    from omni_triton.kernels import fp8_linear as module
 
+    monkeypatch.setattr(module, "GEMV_CHUNK", 128)  # several chunks at these sizes (the last one partial)
     rows, depth, cols, block = shape
     weight, scale_inv = fp8_weight(cols, depth, block, seed=rows)
     gen = torch.Generator().manual_seed(rows)
@@ -137,7 +138,7 @@ def test_small_row_launches_match_the_dequantized_linear(dtype, shape, bias, lau
     want = F.linear(x, dequantize_fp8(weight, scale_inv, block, dtype), bias_tensor)
     got = fp8_linear(x, weight, scale_inv, block, bias_tensor)
     (kernel, grid), = launches
-    if rows <= GEMV_MAX_ROWS:
+    if rows <= module.GEMV_ROWS:
         assert kernel == "_fp8_gemv_kernel" and grid[0] > 1
     else:
         assert kernel == "_fp8_linear_kernel" and grid[2] > 1  # K in slices
@@ -196,6 +197,74 @@ def test_fp8_linear_takes_the_small_row_launches_under_the_gemv_launch_only(laun
     assert kernel_of_one_call() == "_fp8_linear_kernel"
     linear.linear_launch, linear.use_fused_steps = "gemv", False
     assert kernel_of_one_call() == "_fp8_linear_kernel"
+
+
+# Compiles the small-row kernels for sm_90 (no GPU needed: Triton's own compiler, outside the interpreter) at the
+# thinker's qkv (K 2048, 5120 columns, 128 x 128 blocks, bf16), and prints per kernel the PTX lines that order the
+# split launch's partials and ticket, and the GEMV's global loads and barriers.
+SM90_PTX = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from omni_triton.kernels import fp8_linear
+
+
+def compiled(kernel, types, constants, warps, stages):
+    names = kernel.arg_names
+    signature = {name: "constexpr" for name in names}
+    signature.update(types)
+    aligned = [n for n in types if n.endswith("_ptr") or n in ("stride_xm", "stride_wn", "stride_om", "depth")]
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+common = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", cols="i32",
+              stride_xm="i32", stride_wn="i32", stride_wsn="i32", stride_om="i32")
+split = compiled(fp8_linear._fp8_linear_kernel, dict(common, x_scale_ptr="*bf16", partial_ptr="*fp32",
+                 counter_ptr="*i32", rows="i32", depth="i32", k_per_split="i32", stride_xsm="i32"),
+                 dict(BLOCK_ROWS=128, BLOCK_COLS=128, ACT_QUANT=False, HAS_BIAS=True, SPLITS=3, BLOCK_M=16,
+                      BLOCK_N=32, BLOCK_K=128, PRECISION="tf32", PDL=True), 4, 3)
+block_n, groups = fp8_linear.gemv_chunk(2, 5120, 2048, 128)
+gemv = compiled(fp8_linear._fp8_gemv_kernel, common,
+                dict(K=2048, BLOCK_ROWS=128, BLOCK_COLS=128, HAS_BIAS=False, TWO_ROWS=True, BLOCK_N=block_n,
+                     GROUPS=groups, SPAN=128, PDL=True, PREFETCH_LINES=16), 4, 1)
+for name, kernel in (("split", split), ("gemv", gemv)):
+    for line in kernel.asm["ptx"].splitlines():
+        if re.search(r"\\b(atom|bar\\.sync|st\\.global|ld\\.global)", line):
+            print(name, line.strip())
+print("gemv chunks", 2048 // (groups * 128))
+"""
+
+
+def test_small_row_kernels_compile_for_sm90():
+    """What the interpreter cannot show. The split launch: every thread's partial stores (L2 only) before the
+    barrier that precedes its one acq_rel atomic at GPU scope, the sum's loads (L2 only) after it. The GEMV at two
+    rows: its weights and x read in 16-byte vectors, and no register exchange through shared memory per chunk
+    (a barrier or two for the final sums, fewer than its chunks)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_PTX], capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode and "backend" in done.stderr.lower():
+        pytest.skip(f"no Triton CUDA backend to compile with: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    split = [line for line in lines if line.startswith("split ")]
+    atomics = [i for i, line in enumerate(split) if "atom." in line]
+    assert len(atomics) == 1 and "atom.global.gpu.acq_rel.add" in split[atomics[0]], split
+    partial_stores = [i for i, line in enumerate(split) if "st.global.cg" in line]
+    assert partial_stores and max(partial_stores) < atomics[0]
+    assert any("bar.sync" in line for line in split[max(partial_stores):atomics[0]])
+    partial_loads = [i for i, line in enumerate(split) if "ld.global.cg" in line]
+    assert partial_loads and min(partial_loads) > atomics[0]
+    gemv = [line for line in lines if line.startswith("gemv ")]
+    chunks = int(lines[-1].split()[-1])
+    assert chunks > 1
+    assert sum("ld.global.v4" in line for line in gemv) >= 2 * chunks  # weights and x, every chunk
+    assert sum("bar.sync" in line for line in gemv) < chunks
 
 
 def fp8_experts(num_experts: int, hidden: int, inter: int, block, seed: int):

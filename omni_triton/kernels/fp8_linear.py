@@ -16,10 +16,10 @@ A decode step's few rows (``small_rows``, as ``fast_kernels.step_linear`` picks 
 bandwidth-bound: what counts is how many weight bytes are in flight, and a column tile per program (64-128
 programs for the thinker's projections, 8 for its k or v alone) left most of HBM idle. So, w8a16:
 
-- up to ``GEMV_MAX_ROWS`` rows (``kernels.small_linear``'s, where its multiply-add GEMV beat split-K), a GEMV:
-  2-8 output columns a program over the whole K (a compile-time constant: the loop unrolls and every weight load
-  issues at once), ~512 programs, each FP8 chunk dequantized in registers with its column's block scale, rounded
-  to the activations' dtype as the torch path rounds, multiplied and summed in fp32 per row;
+- up to ``GEMV_ROWS`` (two) rows (``kernels.small_linear``'s, where its multiply-add GEMV beat split-K), a
+  GEMV: 2-8 output columns a program over the whole K (a compile-time constant: the loop unrolls and every weight
+  load issues at once), ~512 programs, each FP8 chunk dequantized in registers with its block scales, rounded to
+  the activations' dtype as the torch path rounds, multiplied and summed in fp32 per row;
 - up to ``SMALL_MAX_ROWS`` rows (w8a8 too), the tiled kernel with its rows padded to one 16-row tile and K cut
   into slices as well (``small_linear``'s split plan: ~512 programs), each slice's fp32 partials summed in split
   order by the program that arrives last (the same bits whoever it is), which adds the bias and stores.
@@ -39,6 +39,10 @@ from omni_triton.kernels.small_linear import GEMV_MAX_ROWS, block_sizes, gemv_bl
 
 FP8_MAX = 448.0
 SMALL_MAX_ROWS = 16  # up to here ``small_rows`` takes the GEMV or the split tiled kernel (a decode step's rows)
+GEMV_ROWS = min(GEMV_MAX_ROWS, 2)  # the GEMV's rows: as bf16's, and its accumulators hold two
+# Weights a GEMV program holds per (unrolled) chunk: compiled for sm_90 at two rows, 2048 took 64-69 registers a
+# thread (4 warps), 4096 took 144
+GEMV_CHUNK = 2048
 
 
 def k_tile(block_cols: int) -> int:
@@ -120,33 +124,49 @@ def _store_tile(acc, bias_ptr, out_ptr, row, col, row_mask, col_mask, stride_om,
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, rows, cols, stride_xm, stride_wn, stride_wsn,
-                     stride_om, K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, cols, stride_xm, stride_wn, stride_wsn, stride_om,
+                     K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPAN: tl.constexpr,
                      PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
-    """w8a16 for a few rows: multiply-adds, no MMA tile. BLOCK_N output columns a program over the whole K; BLOCK_K
-    divides the block's width, so each chunk has one scale per column."""
+    """w8a16 for one or two rows: multiply-adds, no MMA tile. BLOCK_N output columns a program over the whole K, in
+    chunks of [BLOCK_N, GROUPS, SPAN] weights (SPAN divides the block's width: one scale per column and group). The
+    products are summed elementwise per row and reduced across the threads once at the end; x is loaded in the
+    chunk's own shape (each column's copy from L1), so the product needs no exchange of registers between threads
+    (the sm_90 compile of a row-broadcast x moved it through shared memory on every chunk)."""
     col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = col < cols
-    row = tl.arange(0, BLOCK_M)
     prefetch_weight_slice(w_ptr, col, col_mask, 0, K, cols, stride_wn, False, PDL, PREFETCH_LINES)
     wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
-    w_rows = w_ptr + col[:, None].to(tl.int64) * stride_wn
-    w_scale_rows = w_scale_ptr + (col // BLOCK_ROWS) * stride_wsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+    col3 = col[:, None, None]
+    group3 = tl.arange(0, GROUPS)[None, :, None]
+    span3 = tl.arange(0, SPAN)[None, None, :]
+    w_rows = w_ptr + col3.to(tl.int64) * stride_wn
+    w_scale_rows = w_scale_ptr + (col3 // BLOCK_ROWS) * stride_wsn
+    acc = tl.zeros([BLOCK_N, GROUPS, SPAN], dtype=tl.float32)
+    acc_second = tl.zeros([BLOCK_N, GROUPS, SPAN], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, GROUPS * SPAN):  # K a compile-time constant: unrolled, every load issued at once
+        kk = k0 + group3 * SPAN + span3
         k_mask = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        w_scale = tl.load(w_scale_rows + k0 // BLOCK_COLS, mask=col_mask, other=0.0)
+        w = tl.load(w_rows + kk, mask=(col3 < cols) & k_mask, other=0.0)
+        group_start = k0 + group3 * SPAN
+        w_scale = tl.load(w_scale_rows + group_start // BLOCK_COLS, mask=(col3 < cols) & (group_start < K), other=0.0)
         # the torch path's weight: dequantized in fp32, rounded once to the activations' dtype
-        w = (w.to(tl.float32) * w_scale[:, None]).to(dtype).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            # rows past ``rows`` (padding to BLOCK_M) re-read the last row: never stored
-            a = tl.load(x_ptr + tl.minimum(m, rows - 1) * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
-            acc = tl.where((row == m)[:, None], acc + tl.sum(w * a[None, :], axis=1)[None, :], acc)
-    _store_tile(acc, bias_ptr, out_ptr, row, col, row < rows, col_mask, stride_om, HAS_BIAS)
+        w = (w.to(tl.float32) * w_scale).to(dtype).to(tl.float32)
+        x_mask = k_mask & (col3 >= 0)  # the chunk's shape
+        acc += w * tl.load(x_ptr + kk + col3 * 0, mask=x_mask, other=0.0).to(tl.float32)
+        if TWO_ROWS:
+            acc_second += w * tl.load(x_ptr + stride_xm + kk + col3 * 0, mask=x_mask, other=0.0).to(tl.float32)
+    _store_row(tl.sum(tl.sum(acc, axis=2), axis=1), bias_ptr, out_ptr, col, col_mask, HAS_BIAS)
+    if TWO_ROWS:
+        _store_row(tl.sum(tl.sum(acc_second, axis=2), axis=1), bias_ptr, out_ptr + stride_om, col, col_mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_row(out, bias_ptr, out_ptr, col, col_mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + col, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -200,12 +220,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     block_k = k_tile(block[1])
     bias_arg = bias if bias is not None else out
     pdl = enabled_for(x)
-    if small_rows and not act_quant and rows <= GEMV_MAX_ROWS:
-        block_m, block_n, gemv_k = gemv_blocks(rows, cols, depth)
+    if small_rows and not act_quant and rows <= GEMV_ROWS:
+        block_n, groups = gemv_chunk(rows, cols, depth, block_k)
         _fp8_gemv_kernel[(triton.cdiv(cols, block_n),)](
-            x2, weight, weight_scale_inv, bias_arg, out, rows, cols, x2.stride(0), weight.stride(0),
+            x2, weight, weight_scale_inv, bias_arg, out, cols, x2.stride(0), weight.stride(0),
             weight_scale_inv.stride(0), out.stride(0), K=depth, BLOCK_ROWS=block[0], BLOCK_COLS=block[1],
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(gemv_k, block_k), PDL=pdl,
+            HAS_BIAS=bias is not None, TWO_ROWS=rows == 2, BLOCK_N=block_n, GROUPS=groups, SPAN=block_k, PDL=pdl,
             PREFETCH_LINES=prefetch_lines(depth, weight.element_size()), num_warps=4, launch_pdl=pdl)
         return out.reshape(*lead, cols)
     x_scales = None
@@ -225,6 +245,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3, PDL=pdl,
         launch_pdl=pdl)
     return out.reshape(*lead, cols)
+
+
+def gemv_chunk(rows: int, cols: int, depth: int, span: int) -> tuple[int, int]:
+    """(BLOCK_N, GROUPS) of the GEMV: ``small_linear``'s 2-8 columns a program (~512 programs), and as many
+    ``span``-wide groups of K as make a chunk of about ``GEMV_CHUNK`` weights (no more than K needs)."""
+    block_n = gemv_blocks(rows, cols, depth)[1]
+    groups = max(1, min(GEMV_CHUNK // block_n, triton.next_power_of_2(depth)) // span)
+    return block_n, groups
 
 
 def tiled_plan(rows: int, cols: int, depth: int, block_k: int, small_rows: bool
