@@ -242,24 +242,10 @@ def test_small_row_kernels_compile_for_sm90():
     barrier that precedes its one acq_rel atomic at GPU scope, the sum's loads (L2 only) after it. The GEMV at two
     rows: its weights and x read in 16-byte vectors, and no register exchange through shared memory per chunk
     (a barrier or two for the final sums, fewer than its chunks)."""
-    import os
-    import subprocess
-    import sys
+    from test_small_linear_splitk import assert_ticket_orders_partials, sm90_output
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SM90_PTX], capture_output=True, text=True, env=env, timeout=300)
-    if done.returncode and "backend" in done.stderr.lower():
-        pytest.skip(f"no Triton CUDA backend to compile with: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    split = [line for line in lines if line.startswith("split ")]
-    atomics = [i for i, line in enumerate(split) if "atom." in line]
-    assert len(atomics) == 1 and "atom.global.gpu.acq_rel.add" in split[atomics[0]], split
-    partial_stores = [i for i, line in enumerate(split) if "st.global.cg" in line]
-    assert partial_stores and max(partial_stores) < atomics[0]
-    assert any("bar.sync" in line for line in split[max(partial_stores):atomics[0]])
-    partial_loads = [i for i, line in enumerate(split) if "ld.global.cg" in line]
-    assert partial_loads and min(partial_loads) > atomics[0]
+    lines = sm90_output(SM90_PTX)
+    assert_ticket_orders_partials([line for line in lines if line.startswith("split ")])
     gemv = [line for line in lines if line.startswith("gemv ")]
     chunks = int(lines[-1].split()[-1])
     assert chunks > 1
