@@ -185,8 +185,9 @@ def test_tiny_fp8_checkpoint_packs_and_serves_the_same_output(fp8_checkpoint, ke
                 module.use_kernels = True
         kernels_packed, kernels_apart = prefill(model, embeds), prefill(apart, embeds)
         assert all(p is None for p in packs(apart))
-        assert rel_error(kernels_packed, kernels_apart) < 1e-6
-        assert rel_error(kernels_packed, served_apart) < 1e-5
+        # fp32: the launches' own summation orders (a misplaced block scale would be off by percents)
+        assert rel_error(kernels_packed, kernels_apart) < 1e-5
+        assert rel_error(kernels_packed, served_apart) < 1e-4
 
 
 def test_quantized_at_load_packs_only_where_a_width_ends_on_a_block(fp8_checkpoint):
