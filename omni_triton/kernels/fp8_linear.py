@@ -13,8 +13,8 @@ Two schemes, one tiled kernel body (and, below, the launches for a decode step's
   accumulator (so the tensor cores' reduced-precision accumulation never runs past one block).
 
 A decode step's few rows (``small_rows``, as ``fast_kernels.step_linear`` picks bf16's small-row kernels) are
-bandwidth-bound: what counts is how many weight bytes are in flight, and a column tile per program (64-128
-programs for the thinker's projections, 8 for its k or v alone) left most of HBM idle. So, w8a16:
+bandwidth-bound: what counts is how many weight bytes are in flight, and a 64-column tile per program (64
+programs for the thinker's q, 32 for its o_proj, 8 for its k or v alone) left most of HBM idle. So, w8a16:
 
 - up to ``GEMV_ROWS`` (two) rows (``kernels.small_linear``'s, where its multiply-add GEMV beat split-K), a
   GEMV: 2-8 output columns a program over the whole K (a compile-time constant: the loop unrolls and every weight
