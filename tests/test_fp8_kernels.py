@@ -213,7 +213,9 @@ def compiled(kernel, types, constants, warps, stages):
     names = kernel.arg_names
     signature = {name: "constexpr" for name in names}
     signature.update(types)
-    aligned = [n for n in types if n.endswith("_ptr") or n in ("stride_xm", "stride_wn", "stride_om", "depth")]
+    # what the launcher tells the compiler of pointers and of integers that are multiples of 16 at these shapes
+    aligned = [n for n in types if n.endswith("_ptr") or n in ("stride_xm", "stride_wn", "stride_om", "depth",
+                                                                 "stride_ht", "stride_we", "stride_ot", "hidden")]
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -229,7 +231,13 @@ block_n, groups = fp8_linear.gemv_chunk(2, 5120, 2048, 128)
 gemv = compiled(fp8_linear._fp8_gemv_kernel, common,
                 dict(K=2048, BLOCK_ROWS=128, BLOCK_COLS=128, HAS_BIAS=False, TWO_ROWS=True, BLOCK_N=block_n,
                      GROUPS=groups, SPAN=128, PDL=True, PREFETCH_LINES=16), 4, 1)
-for name, kernel in (("split", split), ("gemv", gemv)):
+from omni_triton.kernels import fused_moe
+pair = compiled(fused_moe._down_weighted_gemv_kernel,
+                dict(h_ptr="*bf16", w_ptr="*fp8e4nv", ids_ptr="*i32", pair_weights_ptr="*bf16", out_ptr="*bf16",
+                     hidden="i32", stride_ht="i32", stride_we="i32", stride_wn="i32", stride_ot="i32",
+                     w_scale_ptr="*fp32", stride_wse="i32", stride_wsn="i32"),
+                dict(K=768, BLOCK_N=16, BLOCK_K=256, PDL=True, FP8=True, BLOCK_ROWS=128, BLOCK_COLS=128, SPAN=128), 8, 1)
+for name, kernel in (("split", split), ("gemv", gemv), ("pair", pair)):
     for line in kernel.asm["ptx"].splitlines():
         if re.search(r"\\b(atom|bar\\.sync|st\\.global|ld\\.global)", line):
             print(name, line.strip())
@@ -241,7 +249,8 @@ def test_small_row_kernels_compile_for_sm90():
     """What the interpreter cannot show. The split launch: every thread's partial stores (L2 only) before the
     barrier that precedes its one acq_rel atomic at GPU scope, the sum's loads (L2 only) after it. The GEMV at two
     rows: its weights and x read in 16-byte vectors, and no register exchange through shared memory per chunk
-    (a barrier or two for the final sums, fewer than its chunks)."""
+    (a barrier or two for the final sums, fewer than its chunks). The experts' per-pair FP8 GEMV: one scale load
+    per row and group of a chunk."""
     from test_small_linear_splitk import assert_ticket_orders_partials, sm90_output
 
     lines = sm90_output(SM90_PTX)
@@ -251,6 +260,11 @@ def test_small_row_kernels_compile_for_sm90():
     assert chunks > 1
     assert sum("ld.global.v4" in line for line in gemv) >= 2 * chunks  # weights and x, every chunk
     assert sum("bar.sync" in line for line in gemv) < chunks
+    # the thinker's per-pair down GEMV (K 768 in 3 chunks of two 128-wide groups): a scale load per row and group
+    # (and the pair's expert id), not one per weight (the per-element gather loaded 48 scales)
+    pair = [line for line in lines if line.startswith("pair ")]
+    assert sum("ld.global.b32" in line for line in pair) <= 3 * 2 + 1
+    assert sum("ld.global.v4" in line for line in pair) >= 3
 
 
 def fp8_experts(num_experts: int, hidden: int, inter: int, block, seed: int):
@@ -282,6 +296,22 @@ def test_fp8_fused_experts_match_the_dequantized_expert_loop(dtype, num_tokens):
         assert rel_error(got, want) < tolerance(dtype)
     by_pair = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True, fp8_scales=scales)
     assert rel_error(by_pair, want) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_fp8_pair_gemvs_over_several_chunks(num_tokens, monkeypatch):
+    """The per-pair GEMVs with K chunks shorter than K (the last one partial) and several scale blocks per chunk:
+    gate/up over hidden 80 in chunks of 64 (two 32-wide groups), down over intermediate 48 in chunks of 32."""
+    num_experts, hidden, inter, top_k, block = 5, 80, 48, 2, (32, 32)
+    monkeypatch.setattr(fused_moe, "PAIR_GEMV_TUNED", {("gate_up", hidden, inter): (4, 64, 4),
+                                                       ("down", inter, hidden): (8, 32, 4)})
+    gate_up, down, scales, (gate_up_full, down_full) = fp8_experts(num_experts, hidden, inter, block, seed=3)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    weights, ids = moe.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE), top_k, True)
+    want = moe.run_experts(x, gate_up_full, down_full, ids, weights)
+    got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True, fp8_scales=scales)
+    assert rel_error(got, want) < 1e-5
 
 
 def test_fp8_experts_without_scales_are_refused():
