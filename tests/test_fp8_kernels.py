@@ -178,7 +178,7 @@ def test_fp8_linear_takes_the_small_row_launches_under_the_gemv_launch_only(laun
     from omni_triton.models.layers.fp8 import Fp8Linear
 
     monkeypatch.setattr(KernelSwitch, "kernels_for", lambda self, x: self.use_kernels)
-    linear = Fp8Linear(64, 32, False, (16, 16))
+    linear = Fp8Linear(64, 32, False, (16, 16)).to(DEVICE)
     weight, scale_inv = fp8_weight(32, 64, (16, 16), seed=8)
     with torch.no_grad():
         linear.weight.copy_(weight)
