@@ -95,6 +95,178 @@ def test_w8a8_linear_matches_quantized_activations_reference(rows):
     assert rel_error(got, F.linear(x, dequantize_fp8(weight, scale_inv, block))) < 0.06
 
 
+# (rows, K, N, block): K not a multiple of the block (a partial last scale column) nor of the K step, N not a
+# multiple of the column block; the GEMV at 1-2 rows, split-K at 3-16 (GEMV_ROWS = 2, SMALL_MAX_ROWS = 16)
+SMALL_ROWS = [(1, 200, 70, (32, 32)), (2, 96, 42, (16, 16)), (3, 200, 70, (32, 32)), (9, 112, 33, (16, 16)),
+              (16, 200, 70, (32, 32))]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The FP8 linear kernels, launched as usual, with each launch noted: [(kernel, grid)]."""
+    from omni_triton.kernels import fp8_linear as module
+
+    noted = []
+
+    class Noting:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(module, name)
+
+        def __getitem__(self, grid):
+            noted.append((self.name, grid))
+            return self.kernel[grid]
+
+    for name in ("_fp8_gemv_kernel", "_fp8_linear_kernel"):
+        monkeypatch.setattr(module, name, Noting(name))
+    return noted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SMALL_ROWS, ids=["x".join(map(str, s[:3])) for s in SMALL_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_row_launches_match_the_dequantized_linear(dtype, shape, bias, launches, monkeypatch):
+    """The GEMV (1-2 rows) and the split tiled kernel (3-16 rows) against the torch path's product and against the
+    tiled kernel in one pass (``small_rows=False``, the launch before them)."""
+    from omni_triton.kernels import fp8_linear as module
+
+    monkeypatch.setattr(module, "GEMV_CHUNK", 128)  # several chunks at these sizes (the last one partial)
+    rows, depth, cols, block = shape
+    weight, scale_inv = fp8_weight(cols, depth, block, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, depth, generator=gen).to(DEVICE, dtype)
+    bias_tensor = torch.randn(cols, generator=gen).to(DEVICE, dtype) if bias else None
+    want = F.linear(x, dequantize_fp8(weight, scale_inv, block, dtype), bias_tensor)
+    got = fp8_linear(x, weight, scale_inv, block, bias_tensor)
+    (kernel, grid), = launches
+    if rows <= module.GEMV_ROWS:
+        assert kernel == "_fp8_gemv_kernel" and grid[0] > 1
+    else:
+        assert kernel == "_fp8_linear_kernel" and grid[2] > 1  # K in slices
+    launches.clear()
+    one_pass = fp8_linear(x, weight, scale_inv, block, bias_tensor, small_rows=False)
+    assert [(kernel, grid[2]) for kernel, grid in launches] == [("_fp8_linear_kernel", 1)]
+    assert got.dtype == dtype and got.shape == (rows, cols)
+    assert rel_error(got, want) < tolerance(dtype)
+    assert rel_error(got, one_pass) < tolerance(dtype)
+
+
+def test_split_launch_repeats_its_bits_and_leaves_its_tickets_at_zero():
+    from omni_triton.kernels.scratch import buffers_of
+
+    block = (16, 16)
+    weight, scale_inv = fp8_weight(40, 160, block, seed=5)
+    x = torch.randn(7, 160, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    first = fp8_linear(x, weight, scale_inv, block)
+    assert torch.equal(fp8_linear(x, weight, scale_inv, block), first)
+    assert buffers_of("fp8_linear") and all(not bool(t.any()) for t in buffers_of("fp8_linear"))
+
+
+def test_w8a8_takes_the_split_launch_at_few_rows(launches):
+    block = (32, 32)
+    weight, scale_inv = fp8_weight(48, 192, block, seed=6)
+    x = torch.randn(2, 192, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    got = fp8_linear(x, weight, scale_inv, block, act_quant=True)
+    assert [kernel for kernel, _ in launches] == ["_fp8_linear_kernel"] and launches[0][1][2] > 1  # no GEMV
+    quantized, scales = quantize_act_groups(x, block[1])
+    x_restored = quantized.float() * scales.repeat_interleave(block[1], dim=1)
+    assert rel_error(got, F.linear(x_restored, dequantize_fp8(weight, scale_inv, block))) < 1e-5
+
+
+def test_fp8_linear_takes_the_small_row_launches_under_the_gemv_launch_only(launches, monkeypatch):
+    """As bf16's decode-step linears: with the fused steps on and ``linear_launch`` "gemv" (the default)."""
+    from omni_triton.models.layers.fast_kernels import KernelSwitch
+    from omni_triton.models.layers.fp8 import Fp8Linear
+
+    monkeypatch.setattr(KernelSwitch, "kernels_for", lambda self, x: self.use_kernels)
+    linear = Fp8Linear(64, 32, False, (16, 16)).to(DEVICE)
+    weight, scale_inv = fp8_weight(32, 64, (16, 16), seed=8)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.weight_scale_inv.copy_(scale_inv)
+    x = torch.randn(1, 64).to(DEVICE)
+
+    def kernel_of_one_call() -> str:
+        launches.clear()
+        with torch.no_grad():
+            linear(x)
+        (kernel, _), = launches
+        return kernel
+
+    assert kernel_of_one_call() == "_fp8_gemv_kernel"
+    linear.linear_launch = "split-k"
+    assert kernel_of_one_call() == "_fp8_linear_kernel"
+    linear.linear_launch, linear.use_fused_steps = "gemv", False
+    assert kernel_of_one_call() == "_fp8_linear_kernel"
+
+
+# Compiles the small-row kernels for sm_90 (no GPU needed: Triton's own compiler, outside the interpreter) at the
+# thinker's qkv (K 2048, 5120 columns, 128 x 128 blocks, bf16), and prints per kernel the PTX lines that order the
+# split launch's partials and ticket, and the GEMV's global loads and barriers.
+SM90_PTX = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from omni_triton.kernels import fp8_linear
+
+
+def compiled(kernel, types, constants, warps, stages):
+    names = kernel.arg_names
+    signature = {name: "constexpr" for name in names}
+    signature.update(types)
+    # what the launcher tells the compiler of pointers and of integers that are multiples of 16 at these shapes
+    aligned = [n for n in types if n.endswith("_ptr") or n in ("stride_xm", "stride_wn", "stride_om", "depth",
+                                                                 "stride_ht", "stride_we", "stride_ot", "hidden")]
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+common = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", cols="i32",
+              stride_xm="i32", stride_wn="i32", stride_wsn="i32", stride_om="i32")
+split = compiled(fp8_linear._fp8_linear_kernel, dict(common, x_scale_ptr="*bf16", partial_ptr="*fp32",
+                 counter_ptr="*i32", rows="i32", depth="i32", k_per_split="i32", stride_xsm="i32"),
+                 dict(BLOCK_ROWS=128, BLOCK_COLS=128, ACT_QUANT=False, HAS_BIAS=True, SPLITS=3, BLOCK_M=16,
+                      BLOCK_N=32, BLOCK_K=128, PRECISION="tf32", PDL=True), 4, 3)
+block_n, groups = fp8_linear.gemv_chunk(2, 5120, 2048, 128)
+gemv = compiled(fp8_linear._fp8_gemv_kernel, common,
+                dict(K=2048, BLOCK_ROWS=128, BLOCK_COLS=128, HAS_BIAS=False, TWO_ROWS=True, BLOCK_N=block_n,
+                     GROUPS=groups, SPAN=128, PDL=True, PREFETCH_LINES=16), 4, 1)
+from omni_triton.kernels import fused_moe
+pair = compiled(fused_moe._down_weighted_gemv_kernel,
+                dict(h_ptr="*bf16", w_ptr="*fp8e4nv", ids_ptr="*i32", pair_weights_ptr="*bf16", out_ptr="*bf16",
+                     hidden="i32", stride_ht="i32", stride_we="i32", stride_wn="i32", stride_ot="i32",
+                     w_scale_ptr="*fp32", stride_wse="i32", stride_wsn="i32"),
+                dict(K=768, BLOCK_N=16, BLOCK_K=256, PDL=True, FP8=True, BLOCK_ROWS=128, BLOCK_COLS=128, SPAN=128), 8, 1)
+for name, kernel in (("split", split), ("gemv", gemv), ("pair", pair)):
+    for line in kernel.asm["ptx"].splitlines():
+        if re.search(r"\\b(atom|bar\\.sync|st\\.global|ld\\.global)", line):
+            print(name, line.strip())
+print("gemv chunks", 2048 // (groups * 128))
+"""
+
+
+def test_small_row_kernels_compile_for_sm90():
+    """What the interpreter cannot show. The split launch: every thread's partial stores (L2 only) before the
+    barrier that precedes its one acq_rel atomic at GPU scope, the sum's loads (L2 only) after it. The GEMV at two
+    rows: its weights and x read in 16-byte vectors, and no register exchange through shared memory per chunk
+    (a barrier or two for the final sums, fewer than its chunks). The experts' per-pair FP8 GEMV: one scale load
+    per row and group of a chunk."""
+    from test_small_linear_splitk import assert_ticket_orders_partials, sm90_output
+
+    lines = sm90_output(SM90_PTX)
+    assert_ticket_orders_partials([line for line in lines if line.startswith("split ")])
+    gemv = [line for line in lines if line.startswith("gemv ")]
+    chunks = int(lines[-1].split()[-1])
+    assert chunks > 1
+    assert sum("ld.global.v4" in line for line in gemv) >= 2 * chunks  # weights and x, every chunk
+    assert sum("bar.sync" in line for line in gemv) < chunks
+    # the thinker's per-pair down GEMV (K 768 in 3 chunks of two 128-wide groups): a scale load per row and group
+    # (and the pair's expert id), not one per weight (the per-element gather loaded 48 scales)
+    pair = [line for line in lines if line.startswith("pair ")]
+    assert sum("ld.global.b32" in line for line in pair) <= 3 * 2 + 1
+    assert sum("ld.global.v4" in line for line in pair) >= 3
+
+
 def fp8_experts(num_experts: int, hidden: int, inter: int, block, seed: int):
     """FP8 stacked experts as ``layers.fp8.Fp8Experts`` holds them (gate and up halves blocked apart) and their
     dequantized fp32 weights."""
@@ -124,6 +296,22 @@ def test_fp8_fused_experts_match_the_dequantized_expert_loop(dtype, num_tokens):
         assert rel_error(got, want) < tolerance(dtype)
     by_pair = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True, fp8_scales=scales)
     assert rel_error(by_pair, want) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_fp8_pair_gemvs_over_several_chunks(num_tokens, monkeypatch):
+    """The per-pair GEMVs with K chunks shorter than K (the last one partial) and several scale blocks per chunk:
+    gate/up over hidden 80 in chunks of 64 (two 32-wide groups), down over intermediate 48 in chunks of 32."""
+    num_experts, hidden, inter, top_k, block = 5, 80, 48, 2, (32, 32)
+    monkeypatch.setattr(fused_moe, "PAIR_GEMV_TUNED", {("gate_up", hidden, inter): (4, 64, 4),
+                                                       ("down", inter, hidden): (8, 32, 4)})
+    gate_up, down, scales, (gate_up_full, down_full) = fp8_experts(num_experts, hidden, inter, block, seed=3)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    weights, ids = moe.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE), top_k, True)
+    want = moe.run_experts(x, gate_up_full, down_full, ids, weights)
+    got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True, fp8_scales=scales)
+    assert rel_error(got, want) < 1e-5
 
 
 def test_fp8_experts_without_scales_are_refused():
@@ -187,6 +375,36 @@ def test_fp8_linear_full_size_bf16(rows, act_quant, depth, cols):
 
 
 @cuda
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("depth,cols", [(2048, 4096 + 2 * 512), (4096, 2048), (1024, 2048 + 2 * 256), (2048, 1024),
+                                        (1024, 2 * 768), (1024, 2 * 1024 + 2 * 1024), (1024, 2 * 3072), (3072, 1024)])
+def test_fp8_small_row_launches_full_size_bf16(rows, depth, cols):
+    """A decode step's rows at the released shapes, 128 x 128 blocks, bf16: the thinker's packed qkv and o_proj,
+    the talker's packed qkv, o_proj and shared-expert gate/up, the code predictor's packed qkv, gate/up and down;
+    against the dequantized product and the one-pass launch, and replayed under a CUDA graph (the split launch's
+    partials from the graph's pool, its tickets back at 0 between replays: the same bits every time)."""
+    block = (128, 128)
+    weight, scale_inv = fp8_weight(cols, depth, block, seed=rows)
+    x = torch.randn(rows, depth, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x, dequantize_fp8(weight, scale_inv, block, torch.bfloat16))
+    got = fp8_linear(x, weight, scale_inv, block)
+    assert rel_error(got, want) < 1e-2
+    assert rel_error(got, fp8_linear(x, weight, scale_inv, block, small_rows=False)) < 1e-2
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = fp8_linear(static, weight, scale_inv, block)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graphed, got)
+    static.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, fp8_linear(static, weight, scale_inv, block))
+
+
+@cuda
 @pytest.mark.parametrize("num_tokens", [1, 2, 64, 1024])
 @pytest.mark.parametrize("shape", [(128, 2048, 768, 8), (128, 1024, 384, 6)])
 def test_fp8_fused_experts_full_size_bf16(num_tokens, shape):
@@ -244,15 +462,26 @@ def test_fp8_thinker_and_talker_kernels_match_their_torch_path(tmp_path):
 
 
 @cuda
-def test_fp8_thinker_engine_under_cuda_graphs_matches_its_torch_path(tmp_path):
+@pytest.mark.parametrize("weights", ["quantized-at-load", "fp8-checkpoint"])
+def test_fp8_thinker_engine_under_cuda_graphs_matches_its_torch_path(tmp_path, weights):
     """The engine's fast path (FP8 kernels inside the decode and prefill CUDA graphs) and its plain torch path
-    give the tiny FP8 thinker's greedy tokens alike (fp32 activations: the two paths differ by rounding only)."""
+    give the tiny FP8 thinker's greedy tokens alike (fp32 activations: the two paths differ by rounding only).
+    Quantized at load (128 x 128 blocks: q/k/v apart), and the FP8 checkpoint of 32 x 32 blocks (q/k/v packed,
+    ``layers.fp8_packed``)."""
     from omni_triton.checkpoints.tiny import build
     from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, ThinkerStage
+    from omni_triton.models.layers.fp8_packed import PackedFp8Linear
     from omni_triton.models.weights import load_thinker
 
-    model = load_thinker(build(tmp_path / "tiny", "tiny"), "cuda", torch.float32, with_audio=False,
-                         quantization="fp8")
+    source = build(tmp_path / "tiny", "tiny")
+    if weights == "fp8-checkpoint":
+        pytest.importorskip("transformers")
+        from build_engines.fp8_checkpoint import write_fp8_checkpoint
+
+        model = load_thinker(write_fp8_checkpoint(source, tmp_path / "fp8", (32, 32)), "cuda", torch.float32,
+                             with_audio=False)
+    else:
+        model = load_thinker(source, "cuda", torch.float32, with_audio=False, quantization="fp8")
     prompts = [list(range(3, 3 + n)) for n in (5, 37, 16)]
     runs = []
     for fast in (True, False):
@@ -268,3 +497,5 @@ def test_fp8_thinker_engine_under_cuda_graphs_matches_its_torch_path(tmp_path):
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         runs.append(tokens)
     assert runs[0] == runs[1] and all(len(t) == 32 for t in runs[0].values())
+    packed = isinstance(model.model.layers[0].self_attn.packed_qkv, PackedFp8Linear)
+    assert packed == (weights == "fp8-checkpoint")

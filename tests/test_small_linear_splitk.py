@@ -204,19 +204,24 @@ for line in compiled.asm["ptx"].splitlines():
 """
 
 
-def test_the_ticket_orders_the_partials_in_the_compiled_kernel():
-    """What the interpreter cannot show: on the GPU, every thread's partial stores (L2 only) come before the
-    barrier that precedes the one acq_rel atomic at GPU scope, and the reduction's loads (L2 only) after it."""
+def sm90_output(script: str) -> list[str]:
+    """The lines ``script`` prints, run outside the interpreter (Triton's own compiler: no GPU needed); skips where
+    no Triton CUDA backend is installed."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SM90_PTX], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     if done.returncode and "backend" in done.stderr.lower():
         pytest.skip(f"no Triton CUDA backend to compile with: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+    return done.stdout.splitlines()
+
+
+def assert_ticket_orders_partials(lines: list[str]) -> None:
+    """In a split kernel's PTX lines: every partial store (L2 only) before the barrier that precedes the one acq_rel
+    atomic at GPU scope, the reduction's loads (L2 only) after it."""
     atomics = [i for i, line in enumerate(lines) if "atom." in line]
     assert len(atomics) == 1 and "atom.global.gpu.acq_rel.add" in lines[atomics[0]], lines
     ticket = atomics[0]
@@ -225,6 +230,12 @@ def test_the_ticket_orders_the_partials_in_the_compiled_kernel():
     assert any("bar.sync" in line for line in lines[max(partial_stores):ticket])
     partial_loads = [i for i, line in enumerate(lines) if "ld.global.cg" in line]
     assert partial_loads and min(partial_loads) > ticket
+
+
+def test_the_ticket_orders_the_partials_in_the_compiled_kernel():
+    """What the interpreter cannot show: on the GPU, every thread's partial stores (L2 only) come before the
+    barrier that precedes the one acq_rel atomic at GPU scope, and the reduction's loads (L2 only) after it."""
+    assert_ticket_orders_partials(sm90_output(SM90_PTX))
 
 
 # ---------------------------------------------------------------------------------------------- GPU

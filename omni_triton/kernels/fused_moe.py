@@ -18,7 +18,9 @@ accumulation order of the dot products and of the top-k sum differ.
 
 FP8 experts (``fp8_scales``: ``layers.fp8.Fp8Experts``' block scales): the same launches read the float8_e4m3fn
 weights and dequantize each tile in the kernel with its block's scale, rounded to the activations' dtype (the
-weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``): w8a16, half the weight bytes.
+weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``): w8a16, half the weight bytes. The
+per-pair GEMVs read FP8 chunks as [columns, groups, span] tiles, a group inside one block of scales
+(``_fp8_pair_gemv``): one scale load per row and group rather than per weight.
 
 Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate), per
 token-count bucket; written by ``python -m omni_triton.bench.tune_fused_moe``), else from a size rule.
@@ -134,22 +136,49 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
 
 @triton.jit
 def _pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               scale_rows, FP8: tl.constexpr, BLOCK_COLS: tl.constexpr):
+               scale_rows, FP8: tl.constexpr, BLOCK_COLS: tl.constexpr, SPAN: tl.constexpr):
     """fp32 dot products of one activation row with BLOCK_N weight rows over the whole K (K a compile-time
-    constant: the loop unrolls, every weight load issues at once). FP8: each weight times its block's scale
-    (``scale_rows``: [BLOCK_N] pointers to each row's block scales), rounded to the activations' dtype."""
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < K
-        a = tl.load(x_row + kk, mask=k_mask, other=0.0)
-        mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if FP8:
-            scale = tl.load(scale_rows[:, None] + (kk // BLOCK_COLS)[None, :], mask=mask, other=0.0)
-            w = (w * scale).to(a.dtype).to(tl.float32)
-        acc += tl.sum(w * a.to(tl.float32)[None, :], axis=1)
+    constant: the loop unrolls, every weight load issues at once). FP8: ``_fp8_pair_gemv``."""
+    if FP8:
+        acc = _fp8_pair_gemv(x_row, w_rows, col_mask, K, BLOCK_N, BLOCK_K, scale_rows, BLOCK_COLS, SPAN)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = kk < K
+            a = tl.load(x_row + kk, mask=k_mask, other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a.to(tl.float32)[None, :], axis=1)
     return acc
+
+
+@triton.jit
+def _fp8_pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   scale_rows, BLOCK_COLS: tl.constexpr, SPAN: tl.constexpr):
+    """``_pair_gemv`` of FP8 weights (``scale_rows``: [BLOCK_N] pointers to each row's block scales): each chunk a
+    [BLOCK_N, BLOCK_K / SPAN, SPAN] tile (SPAN divides the block's width: one scale per row and group), each weight
+    times its scale rounded to the activations' dtype, the products summed elementwise and reduced across the
+    threads once at the end; x read in the chunk's own shape. As ``fp8_linear``'s GEMV: the sm_90 compile of a
+    per-element scale gather and a per-chunk reduction issued a 4-byte scale load per weight and exchanged
+    registers through shared memory."""
+    GROUPS: tl.constexpr = BLOCK_K // SPAN
+    w_rows3 = w_rows[:, :, None]  # [BLOCK_N, 1, 1]
+    row_mask3 = col_mask[:, None, None]
+    group3 = tl.arange(0, GROUPS)[None, :, None]
+    span3 = tl.arange(0, SPAN)[None, None, :]
+    chunk_shape = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)  # x broadcast over the rows: loaded in their layout
+    dtype = x_row.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, GROUPS, SPAN], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        kk = k0 + group3 * SPAN + span3
+        k_mask = kk < K
+        w = tl.load(w_rows3 + kk, mask=row_mask3 & k_mask, other=0.0)
+        group_start = k0 + group3 * SPAN
+        scale = tl.load(scale_rows[:, None, None] + group_start // BLOCK_COLS, mask=row_mask3 & (group_start < K),
+                        other=0.0)
+        w = (w.to(tl.float32) * scale).to(dtype).to(tl.float32)
+        acc += w * tl.load(x_row + kk + chunk_shape, mask=k_mask & (chunk_shape == 0), other=0.0).to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -173,14 +202,14 @@ def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, 
                               w_scale_ptr, stride_wse, stride_wsn, gate_blocks,
                               K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               PDL: tl.constexpr, FP8: tl.constexpr = False, BLOCK_ROWS: tl.constexpr = 1,
-                              BLOCK_COLS: tl.constexpr = 1):
+                              BLOCK_COLS: tl.constexpr = 1, SPAN: tl.constexpr = 1):
     wait_for_previous(PDL)
     pair, cols, col_mask, gate_rows = _pair_tile(ids_ptr, w_ptr, inter, stride_we, stride_wn, BLOCK_N)
     x_row = x_ptr + (pair // TOP_K) * stride_xt
     gate_scales = _pair_scale_rows(ids_ptr, w_scale_ptr, stride_wse, stride_wsn, cols, BLOCK_ROWS)
-    acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K, gate_scales, FP8, BLOCK_COLS)
+    acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K, gate_scales, FP8, BLOCK_COLS, SPAN)
     acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K,
-                        gate_scales + gate_blocks * stride_wsn, FP8, BLOCK_COLS)
+                        gate_scales + gate_blocks * stride_wsn, FP8, BLOCK_COLS, SPAN)
     dtype = out_ptr.dtype.element_ty
     activated = silu_times(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
     tl.store(out_ptr + pair * stride_ot + cols, activated, mask=col_mask)
@@ -190,11 +219,12 @@ def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, 
 def _down_weighted_gemv_kernel(h_ptr, w_ptr, ids_ptr, pair_weights_ptr, out_ptr, hidden, stride_ht, stride_we,
                                stride_wn, stride_ot, w_scale_ptr, stride_wse, stride_wsn, K: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                               FP8: tl.constexpr = False, BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1):
+                               FP8: tl.constexpr = False, BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1,
+                               SPAN: tl.constexpr = 1):
     wait_for_previous(PDL)
     pair, cols, col_mask, rows = _pair_tile(ids_ptr, w_ptr, hidden, stride_we, stride_wn, BLOCK_N)
     scales = _pair_scale_rows(ids_ptr, w_scale_ptr, stride_wse, stride_wsn, cols, BLOCK_ROWS)
-    acc = _pair_gemv(h_ptr + pair * stride_ht, rows, col_mask, K, BLOCK_N, BLOCK_K, scales, FP8, BLOCK_COLS)
+    acc = _pair_gemv(h_ptr + pair * stride_ht, rows, col_mask, K, BLOCK_N, BLOCK_K, scales, FP8, BLOCK_COLS, SPAN)
     dtype = out_ptr.dtype.element_ty
     router_weight = tl.load(pair_weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * stride_ot + cols, (acc.to(dtype).to(tl.float32) * router_weight).to(dtype),
@@ -338,15 +368,21 @@ def _experts_by_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     _gate_up_silu_gemv_kernel[(triton.cdiv(inter, block_n), num_pairs)](
         x, gate_up, ids, activated, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
         *_scale_args(gate_up_scales, x), 0 if gate_up_scales is None else gate_up_scales.shape[1] // 2,
-        K=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, PDL=pdl, launch_pdl=pdl,
-        **quant["consts"])
+        K=hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=_span(quant, block_k), num_warps=warps,
+        PDL=pdl, launch_pdl=pdl, **quant["consts"])
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = pair_gemv_launch("down", num_pairs, hidden, inter)
     _down_weighted_gemv_kernel[(triton.cdiv(hidden, block_n), num_pairs)](
         activated, down, ids, expert_weights.reshape(-1), per_pair, hidden, activated.stride(0), down.stride(0),
         down.stride(1), per_pair.stride(0), *_scale_args(down_scales, x), K=inter, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, PDL=pdl, launch_pdl=pdl, **quant["consts"])
+        SPAN=_span(quant, block_k), num_warps=warps, PDL=pdl, launch_pdl=pdl, **quant["consts"])
     return per_pair
+
+
+def _span(quant: dict, block_k: int) -> int:
+    """FP8 per-pair GEMVs: the width of a chunk's groups (inside one block of scales; divides the power-of-two
+    ``block_k``); plain weights: unused."""
+    return 1 if quant["block_k"] is None else min(quant["block_k"], block_k)
 
 
 def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,

@@ -5,7 +5,7 @@ is a SparseMoE or a dense GatedMLP per layer. Inputs are flat token batches ``[T
 and rotary run as one kernel for q and k, and each residual add joins the norm after it (``kernels.norm``:
 the post-attention norm, the next layer's input norm, the final norm; a layer hands the next its feed-forward
 output and residual stream unsummed); at a decode step's few rows the packed qkv and o_proj are multiply-add
-GEMVs (``fast_kernels.step_linear``).
+GEMVs (``fast_kernels.step_linear``). FP8 q/k/v pack where their block scales stack (``layers.fp8_packed``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 
 from omni_triton.models.config import TextModelConfig
 from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_, step_linear
+from omni_triton.models.layers.fp8_packed import PackedFp8Linear, is_fp8_linear, pack_fp8_linears_
 from omni_triton.models.layers.mlp import GatedMLP
 from omni_triton.models.layers.moe import SparseMoE
 from omni_triton.models.layers.norm import RMSNorm
@@ -33,22 +34,21 @@ class SelfAttention(KernelSwitch, nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.packed_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.packed_qkv: tuple[torch.Tensor, torch.Tensor | None] | PackedFp8Linear | None = None
 
     def pack_projections_(self) -> None:
-        # FP8 projections keep their own launches (their block scales would not stack at every width)
-        if self.packed_qkv is None and not self.fp8:
-            self.packed_qkv = pack_linears_([self.q_proj, self.k_proj, self.v_proj])
-
-    @property
-    def fp8(self) -> bool:
-        return self.o_proj.weight.dtype == torch.float8_e4m3fn
+        if self.packed_qkv is None:
+            parts = [self.q_proj, self.k_proj, self.v_proj]
+            # FP8: packed where the block scales stack, else (None) their own launches
+            self.packed_qkv = pack_fp8_linears_(parts) if is_fp8_linear(self.q_proj) else pack_linears_(parts)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
         num_tokens = x.shape[0]
         if self.kernels_for(x) and self.packed_qkv is not None:
             sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-            q, k, v = step_linear(self, x, *self.packed_qkv).split(sizes, dim=-1)
+            qkv = (self.packed_qkv(x) if isinstance(self.packed_qkv, PackedFp8Linear)
+                   else step_linear(self, x, *self.packed_qkv))
+            q, k, v = qkv.split(sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -65,7 +65,7 @@ class SelfAttention(KernelSwitch, nn.Module):
         else:
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         out = batch.attend(self.layer_idx, q, k, v, scale=self.head_dim ** -0.5).reshape(num_tokens, -1)
-        if self.kernels_for(x) and not self.fp8:
+        if self.kernels_for(x) and not is_fp8_linear(self.o_proj):  # FP8: its own kernel
             return step_linear(self, out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
 

@@ -41,13 +41,21 @@ class Fp8Linear(KernelSwitch, nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.weight, self.weight_scale_inv, self.bias)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ dequant(weight).T (+ bias)`` under this layer's switches: its own parameters (``forward``) or the
+        packed ones of it and its siblings (``layers.fp8_packed``), which share its block."""
         if self.kernels_for(x):
             from omni_triton.kernels.fp8_linear import fp8_linear, supports
 
             if supports(self.block):
-                return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias,
-                                  act_quant=self.act_quant)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+                # the small-row launches where bf16's decode-step linears take theirs (``fast_kernels.step_linear``)
+                small_rows = self.use_fused_steps and self.linear_launch == "gemv"
+                return fp8_linear(x, weight, weight_scale_inv, self.block, bias, act_quant=self.act_quant,
+                                  small_rows=small_rows)
+        return F.linear(x, dequantize_fp8(weight, weight_scale_inv, self.block, x.dtype), bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.weight_scale_inv, self.block, dtype)

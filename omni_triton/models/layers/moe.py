@@ -102,9 +102,11 @@ class SparseMoE(KernelSwitch, nn.Module):
     def pack_projections_(self) -> None:
         """One weight for every projection of the block's input; the nn.Linear weights become its row views
         (state dicts unchanged) and the shared expert's packed gate/up is its first rows, so that the shared
-        expert (which ``set_fast_kernels`` visits after this block) does not pack its own."""
+        expert (which ``set_fast_kernels`` visits after this block) does not pack its own. An FP8 shared expert
+        does not join the router and its gate (model dtype): it packs its own gate/up where it can, the router and
+        the gate keep their launches."""
         if (self.shared_expert is None or self.packed_input_proj is not None
-                or self.shared_expert.gate_proj.weight.dtype == torch.float8_e4m3fn):  # FP8: its own launches
+                or self.shared_expert.gate_proj.weight.dtype == torch.float8_e4m3fn):
             return
         shared = self.shared_expert
         self.packed_input_proj, _ = pack_linears_([shared.gate_proj, shared.up_proj, self.gate,
