@@ -6,10 +6,10 @@ without that, the first response a stage sends to the dead stub blocks that stag
 With several orchestrator instances (``--pipelines 2``: one per pipeline; ``--instances orchestrator=2``: two on one
 pipeline) Triton reloads the whole orchestrator model: both instances get fresh stubs, and the requests in flight on
 the live instance run to their end on its old stub. The dead instance's requests end at once with UNAVAILABLE naming
-it on the built Python backend with ``python_backend-dead-stub-requests.patch``; on any other they get no answer
-(they end at the client's own timeout). Either way the old model version stays loaded, its stubs idle (the patch
-keeps the lost requests' response factories: unloading an orchestrator version that served streams crashes
-tritonserver, see the patch)."""
+the orchestrator stage and the instance on the built Python backend with ``python_backend-dead-stub-requests.patch``;
+on any other they get no answer (they end at the client's own timeout). Either way the old model version stays
+loaded, its stubs idle (the patch keeps the lost requests' response factories: unloading an orchestrator version that
+served streams crashes tritonserver, see the patch)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from test_reliability import FAULT_REQUEST, MAX_INFLIGHT, _until_served, start_f
 from test_server_replicas import series
 
 from omni_triton.client import build_inputs
+from omni_triton.error_tags import code_of
 from omni_triton.launch.python_backend import load_built_backend
 from omni_triton.launch.serve import STAGE_RELOADED
 from omni_triton.launch.tritonserver import instance_model
@@ -160,11 +161,19 @@ def test_killed_orchestrator_is_reloaded_alone_and_the_stages_drop_its_requests(
         # The live instances' requests run to their end on their old stubs, unless a stage they share with the dead
         # one exited (then UNAVAILABLE naming it, as for any dead stage).
         if ends_dead_stub_requests(triton.install):
-            # the backend ends each request the dead stub held with UNAVAILABLE naming the instance, at once (the
-            # client's timeout is only a hang guard)
+            # the backend ends each request the dead stub held at once (the client's timeout is only a hang guard),
+            # with UNAVAILABLE naming the stage and the instance: the code as the pipeline's tag, which the
+            # ensemble keeps (its own code it turns into UNKNOWN)
             lost = [outcome for outcome in outcomes
                     if outcome is not None and f"stub process of model instance '{victim}' exited" in outcome]
             assert len(lost) == held[victim], outcomes
+            assert all(code_of(outcome) == "UNAVAILABLE" and "orchestrator stage failed" in outcome
+                       for outcome in lost), lost
+            # what Triton handed the dead instance until the reload was refused the same way, not with upstream's
+            # "Stub process '<instance>' is not healthy." (INTERNAL, no stage named)
+            to_dead = [refusal for refusal in refusals if f"'{victim}'" in refusal]
+            assert all(code_of(refusal) == "UNAVAILABLE" and "orchestrator stage" in refusal
+                       for refusal in to_dead), to_dead
         else:
             # Triton 2.51's Python backend never answers a request whose stub died (the stub held its response
             # factory): the client's own timeout ends it, and the old model version never unloads

@@ -29,6 +29,7 @@ from reliability_helpers import VICTIM_REQUEST, raw_stream, read_gauges, seconds
 from tritonclient.utils import InferenceServerException
 
 from omni_triton.client import OmniStreamClient, build_inputs
+from omni_triton.error_tags import code_of
 from omni_triton.shared.placement import Placement
 from omni_triton.shared.settings import STAGES, LaunchConfig
 from omni_triton.shared.stub_processes import find_stubs
@@ -544,6 +545,7 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
 
         for outcome in outcomes:
             assert outcome.error is not None and f"{victim} stage failed" in outcome.error, outcome.error
+            assert code_of(outcome.error) == "UNAVAILABLE", outcome.error
             assert outcome.text, "the request was streaming when the stub was killed"
         # the supervisor sees the death within ~0.1 s; a request whose thread is inside a BLS call to the dead stub
         # (a talker append) waits for Triton's own verdict on it, "Stub process ... is not healthy", 1-3 s later.
@@ -553,7 +555,7 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
         assert reloads, "the supervisor logs the reload"
         assert failed_within < float(reloads[0]) + 0.5, "the requests in flight must fail at once, not wait for the reload"
         for message in refusals:
-            assert f"{victim} stage is restarting" in message, message
+            assert f"{victim} stage is restarting" in message and code_of(message) == "UNAVAILABLE", message
         assert restarted[victim] != stubs[victim], "a fresh stub serves the stage"
         assert {stage: pid for stage, pid in restarted.items() if stage != victim} == \
             {stage: pid for stage, pid in stubs.items() if stage != victim}, "only the dead stage is restarted"
