@@ -78,10 +78,10 @@ def checkpoint_scheme(config_dir: str | Path) -> Fp8Scheme | None:
 
 def quantized_at_load(module_name: str, module: torch.nn.Module) -> bool:
     """Whether quantizing at load converts this module (see the module docstring)."""
-    from omni_triton.models.layers.moe import Experts
-
-    if isinstance(module, Experts):
-        return bool(_QUANTIZED_EXPERTS.search(module_name))
+    if _QUANTIZED_EXPERTS.search(module_name):
+        # the stacked experts (``layers.moe.Experts``), known by their stacked weight: the layers import this
+        # module (``layers.fp8_packed``), so importing theirs here would close a circle
+        return isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
     return isinstance(module, torch.nn.Linear) and bool(_QUANTIZED_LINEAR.search(module_name))
 
 
