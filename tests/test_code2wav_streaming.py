@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from _code2wav_helpers import calibrate_output_gain_, one_torch_thread, stateful_decode  # noqa: F401 (fixture)
@@ -78,6 +78,7 @@ def test_streams_at_different_points_batch_together(model64):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(split=st.lists(st.integers(1, 30), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+@example(split=[16, 27, 21, 30], seed=278)  # 1.5e-8 off on "tiny" while the norm rounded fp64 inputs to fp32
 def test_any_split_equals_one_pass(model64, split, seed):
     codes = codes_for(model64, 1, sum(split), seed)
     (streamed,) = stateful_decode(StreamingCode2Wav(model64), codes, [split])
