@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_triton.models.layers.fast_kernels import KernelSwitch, pack_linears_, step_linear
+from omni_triton.models.layers.fp8_packed import is_fp8_linear
 from omni_triton.models.layers.mlp import GatedMLP, activation
 from omni_triton.models.layers.side_stream import SideBranch
 
@@ -106,7 +107,7 @@ class SparseMoE(KernelSwitch, nn.Module):
         does not join the router and its gate (model dtype): it packs its own gate/up where it can, the router and
         the gate keep their launches."""
         if (self.shared_expert is None or self.packed_input_proj is not None
-                or self.shared_expert.gate_proj.weight.dtype == torch.float8_e4m3fn):
+                or is_fp8_linear(self.shared_expert.gate_proj)):
             return
         shared = self.shared_expert
         self.packed_input_proj, _ = pack_linears_([shared.gate_proj, shared.up_proj, self.gate,
