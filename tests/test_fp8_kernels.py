@@ -8,9 +8,6 @@ layers through their kernels against the same layers' torch path.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -218,7 +215,8 @@ def compiled(kernel, types, constants, warps, stages):
     signature.update(types)
     # what the launcher tells the compiler of pointers and of integers that are multiples of 16 at these shapes
     aligned = [n for n in types if n.endswith("_ptr") or n in ("stride_xm", "stride_wn", "stride_om", "depth",
-                                                                 "stride_ht", "stride_we", "stride_ot", "hidden")]
+                                                                 "stride_ht", "stride_we", "stride_ot", "hidden",
+                                                                 "stride_xt", "inter")]
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -240,7 +238,14 @@ pair = compiled(fused_moe._down_weighted_gemv_kernel,
                      hidden="i32", stride_ht="i32", stride_we="i32", stride_wn="i32", stride_ot="i32",
                      w_scale_ptr="*fp32", stride_wse="i32", stride_wsn="i32"),
                 dict(K=768, BLOCK_N=16, BLOCK_K=256, PDL=True, FP8=True, BLOCK_ROWS=128, BLOCK_COLS=128, SPAN=128), 8, 1)
-for name, kernel in (("split", split), ("gemv", gemv), ("pair", pair)):
+block_n, block_k, warps = fused_moe.pair_gemv_launch("gate_up", 8, 768, 2048)
+gate_up = compiled(fused_moe._gate_up_silu_gemv_kernel,
+                   dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ids_ptr="*i32", out_ptr="*bf16", inter="i32", stride_xt="i32",
+                        stride_we="i32", stride_wn="i32", stride_ot="i32", w_scale_ptr="*fp32", stride_wse="i32",
+                        stride_wsn="i32", gate_blocks="i32"),
+                   dict(K=2048, TOP_K=8, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, FP8=True, BLOCK_ROWS=128,
+                        BLOCK_COLS=128, SPAN=128), warps, 1)
+for name, kernel in (("split", split), ("gemv", gemv), ("pair", pair), ("gate_up", gate_up)):
     for line in kernel.asm["ptx"].splitlines():
         if re.search(r"\\b(atom|bar\\.sync|st\\.global|ld\\.global)", line):
             print(name, line.strip())
@@ -248,16 +253,21 @@ print("gemv chunks", 2048 // (groups * 128))
 """
 
 
-SM90_TRITON = (tuple(int(part) for part in importlib.metadata.version("triton").split(".")[:2])
-               if importlib.util.find_spec("triton") else (0, 0))
-
-
 def test_small_row_kernels_compile_for_sm90():
     """What the interpreter cannot show. The split launch: every thread's partial stores (L2 only) before the
     barrier that precedes its one acq_rel atomic at GPU scope, the sum's loads (L2 only) after it. The GEMV at two
-    rows: its weights and x read in 16-byte vectors, and no register exchange through shared memory per chunk
-    (a barrier or two for the final sums, fewer than its chunks). The experts' per-pair FP8 GEMV: one scale load
-    per row and group of a chunk."""
+    rows: its weights and x read in 16-byte vectors, one scale load per column and group, and no register exchange
+    through shared memory per chunk (a barrier or two for the final sums, fewer than its chunks). The experts'
+    per-pair FP8 GEMVs: one scale load per row and group of a chunk, and the gate/up halves' weights all in flight at
+    once.
+
+    Compiled by the Triton installed here; the GPU machine's may be older (torch 2.11's wheel: Triton 3.6, whose
+    layouts differ: a [rows, groups, span] tile with its scales broadcast along span loaded every scale once per
+    weight a thread holds, 16 times). To check another version without a GPU::
+
+        pip install --target /tmp/tri36 triton==3.6.0
+        PYTHONPATH=/tmp/tri36 python -m pytest -q tests/test_fp8_kernels.py -k sm90
+    """
     from test_small_linear_splitk import assert_ticket_orders_partials, sm90_output
 
     lines = sm90_output(SM90_PTX)
@@ -266,17 +276,20 @@ def test_small_row_kernels_compile_for_sm90():
     chunks = int(lines[-1].split()[-1])
     assert chunks > 1
     assert sum("ld.global.v4" in line for line in gemv) >= 2 * chunks  # weights and x, every chunk
+    assert sum("bar.sync" in line for line in gemv) < chunks
+    # 8 chunks of [8 columns, 2 groups, 128]: a scale load per column and group (one a thread), not one per weight
+    assert sum("ld.global.b32" in line for line in gemv) <= chunks
     pair = [line for line in lines if line.startswith("pair ")]
     assert sum("ld.global.v4" in line for line in pair) >= 3
-    # The load and barrier counts below are what Triton 3.9 (the CPU machine's) emits. Triton 3.6 (the GPU
-    # machine's torch 2.11 wheel, 2026-11-27) emits 9 barriers for the GEMV's 8 chunks (the two rows' partial sums
-    # exchanged through shared memory once a chunk) and 49 scalar loads in the per-pair GEMV (the scales gathered
-    # per element again): slower code, the same values (the GPU tests check those).
-    if SM90_TRITON >= (3, 9):
-        assert sum("bar.sync" in line for line in gemv) < chunks
-        # the thinker's per-pair down GEMV (K 768 in 3 chunks of two 128-wide groups): a scale load per row and
-        # group (and the pair's expert id), not one per weight (the per-element gather loaded 48 scales)
-        assert sum("ld.global.b32" in line for line in pair) <= 3 * 2 + 1
+    # the thinker's per-pair down GEMV (K 768 in 3 chunks of two 128-wide groups): a scale load per row and group
+    # (and the pair's expert id), not one per weight (the per-element gather loaded 48 scales)
+    assert sum("ld.global.b32" in line for line in pair) <= 3 * 2 + 1
+    # the thinker's per-pair gate/up GEMV (K 2048 in one chunk a half): the up half's weights loaded before the
+    # gate's sums are exchanged across warps (a barrier between them would hold the up loads back until then)
+    gate_up = [line for line in lines if line.startswith("gate_up ")]
+    weight_loads = [i for i, line in enumerate(gate_up) if "ld.global.v4" in line]
+    barriers = [i for i, line in enumerate(gate_up) if "bar.sync" in line]
+    assert len(weight_loads) >= 2 and barriers and max(weight_loads) < min(barriers)
 
 
 def fp8_experts(num_experts: int, hidden: int, inter: int, block, seed: int):

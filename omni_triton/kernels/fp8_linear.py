@@ -129,37 +129,49 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, cols, stride_
                      TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPAN: tl.constexpr,
                      PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     """w8a16 for one or two rows: multiply-adds, no MMA tile. BLOCK_N output columns a program over the whole K, in
-    chunks of [BLOCK_N, GROUPS, SPAN] weights (SPAN divides the block's width: one scale per column and group). The
-    products are summed elementwise per row and reduced across the threads once at the end; x is loaded in the
-    chunk's own shape (each column's copy from L1), so the product needs no exchange of registers between threads
-    (the sm_90 compile of a row-broadcast x moved it through shared memory on every chunk)."""
+    chunks of [BLOCK_N, GROUPS * SPAN] weights (SPAN divides the block's width: one scale per column and group,
+    ``group_scales``). The products are summed elementwise per row and reduced across the threads once at the end;
+    x is loaded in the chunk's own shape (each column's copy from L1), so the product needs no exchange of registers
+    between threads (the sm_90 compile of a row-broadcast x moved it through shared memory on every chunk). The
+    chunk stays two-dimensional: how Triton lays out a [columns, groups, span] tile depends on its version (3.6 put
+    warps across the groups and loaded each broadcast scale once per weight a thread holds)."""
     col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = col < cols
     prefetch_weight_slice(w_ptr, col, col_mask, 0, K, cols, stride_wn, False, PDL, PREFETCH_LINES)
     wait_for_previous(PDL)
     dtype = x_ptr.dtype.element_ty
-    col3 = col[:, None, None]
-    group3 = tl.arange(0, GROUPS)[None, :, None]
-    span3 = tl.arange(0, SPAN)[None, None, :]
-    w_rows = w_ptr + col3.to(tl.int64) * stride_wn
-    w_scale_rows = w_scale_ptr + (col3 // BLOCK_ROWS) * stride_wsn
-    acc = tl.zeros([BLOCK_N, GROUPS, SPAN], dtype=tl.float32)
-    acc_second = tl.zeros([BLOCK_N, GROUPS, SPAN], dtype=tl.float32)
+    ks = tl.arange(0, GROUPS * SPAN)[None, :]
+    w_rows = w_ptr + col[:, None].to(tl.int64) * stride_wn
+    w_scale_rows = w_scale_ptr + (col // BLOCK_ROWS) * stride_wsn
+    chunk_shape = tl.zeros([BLOCK_N, 1], dtype=tl.int32)  # x broadcast over the columns: loaded in their layout
+    acc = tl.zeros([BLOCK_N, GROUPS * SPAN], dtype=tl.float32)
+    acc_second = tl.zeros([BLOCK_N, GROUPS * SPAN], dtype=tl.float32)
     for k0 in tl.static_range(0, K, GROUPS * SPAN):  # K a compile-time constant: unrolled, every load issued at once
-        kk = k0 + group3 * SPAN + span3
+        kk = k0 + ks
         k_mask = kk < K
-        w = tl.load(w_rows + kk, mask=(col3 < cols) & k_mask, other=0.0)
-        group_start = k0 + group3 * SPAN
-        w_scale = tl.load(w_scale_rows + group_start // BLOCK_COLS, mask=(col3 < cols) & (group_start < K), other=0.0)
+        w = tl.load(w_rows + kk, mask=col_mask[:, None] & k_mask, other=0.0)
+        w_scale = group_scales(w_scale_rows, col_mask, k0, K, BLOCK_N, BLOCK_COLS, GROUPS, SPAN)
         # the torch path's weight: dequantized in fp32, rounded once to the activations' dtype
         w = (w.to(tl.float32) * w_scale).to(dtype).to(tl.float32)
-        x_mask = k_mask & (col3 >= 0)  # the chunk's shape
-        acc += w * tl.load(x_ptr + kk + col3 * 0, mask=x_mask, other=0.0).to(tl.float32)
+        x_mask = k_mask & (chunk_shape == 0)
+        acc += w * tl.load(x_ptr + kk + chunk_shape, mask=x_mask, other=0.0).to(tl.float32)
         if TWO_ROWS:
-            acc_second += w * tl.load(x_ptr + stride_xm + kk + col3 * 0, mask=x_mask, other=0.0).to(tl.float32)
-    _store_row(tl.sum(tl.sum(acc, axis=2), axis=1), bias_ptr, out_ptr, col, col_mask, HAS_BIAS)
+            acc_second += w * tl.load(x_ptr + stride_xm + kk + chunk_shape, mask=x_mask, other=0.0).to(tl.float32)
+    _store_row(tl.sum(acc, axis=1), bias_ptr, out_ptr, col, col_mask, HAS_BIAS)
     if TWO_ROWS:
-        _store_row(tl.sum(tl.sum(acc_second, axis=2), axis=1), bias_ptr, out_ptr + stride_om, col, col_mask, HAS_BIAS)
+        _store_row(tl.sum(acc_second, axis=1), bias_ptr, out_ptr + stride_om, col, col_mask, HAS_BIAS)
+
+
+@triton.jit
+def group_scales(scale_rows, row_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                 GROUPS: tl.constexpr, SPAN: tl.constexpr):
+    """[BLOCK_N, GROUPS * SPAN]: the block scale of each weight of a chunk of BLOCK_N rows (``scale_rows``: [BLOCK_N]
+    pointers to their rows of block scales) from column k0, loaded once per row and group (SPAN divides the block's
+    width) and repeated over the group's SPAN columns."""
+    group_start = k0 + tl.arange(0, GROUPS)[None, :] * SPAN
+    scale = tl.load(scale_rows[:, None] + group_start // BLOCK_COLS, mask=row_mask[:, None] & (group_start < K),
+                    other=0.0)
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, SPAN]), [BLOCK_N, GROUPS * SPAN])
 
 
 @triton.jit

@@ -19,8 +19,8 @@ accumulation order of the dot products and of the top-k sum differ.
 FP8 experts (``fp8_scales``: ``layers.fp8.Fp8Experts``' block scales): the same launches read the float8_e4m3fn
 weights and dequantize each tile in the kernel with its block's scale, rounded to the activations' dtype (the
 weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``): w8a16, half the weight bytes. The
-per-pair GEMVs read FP8 chunks as [columns, groups, span] tiles, a group inside one block of scales
-(``_fp8_pair_gemv``): one scale load per row and group rather than per weight.
+per-pair GEMVs load a chunk's scales as a [columns, groups] block, a group inside one block of scales
+(``_fp8_pair_products``): one scale load per row and group rather than per weight.
 
 Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate), per
 token-count bucket; written by ``python -m omni_triton.bench.tune_fused_moe``), else from a size rule.
@@ -38,6 +38,7 @@ import triton.language as tl
 
 from omni_triton.kernels.activation import silu_times
 from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+from omni_triton.kernels.fp8_linear import group_scales, k_tile
 
 from omni_triton.kernels.routing import expert_sorted_layout
 
@@ -138,9 +139,10 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
 def _pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                scale_rows, FP8: tl.constexpr, BLOCK_COLS: tl.constexpr, SPAN: tl.constexpr):
     """fp32 dot products of one activation row with BLOCK_N weight rows over the whole K (K a compile-time
-    constant: the loop unrolls, every weight load issues at once). FP8: ``_fp8_pair_gemv``."""
+    constant: the loop unrolls, every weight load issues at once). FP8: ``_fp8_pair_products``."""
     if FP8:
-        acc = _fp8_pair_gemv(x_row, w_rows, col_mask, K, BLOCK_N, BLOCK_K, scale_rows, BLOCK_COLS, SPAN)
+        acc = tl.sum(_fp8_pair_products(x_row, w_rows, col_mask, K, BLOCK_N, BLOCK_K, scale_rows, BLOCK_COLS, SPAN),
+                     axis=1)
     else:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
@@ -153,32 +155,27 @@ def _pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _fp8_pair_gemv(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   scale_rows, BLOCK_COLS: tl.constexpr, SPAN: tl.constexpr):
+def _fp8_pair_products(x_row, w_rows, col_mask, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       scale_rows, BLOCK_COLS: tl.constexpr, SPAN: tl.constexpr):
     """``_pair_gemv`` of FP8 weights (``scale_rows``: [BLOCK_N] pointers to each row's block scales): each chunk a
-    [BLOCK_N, BLOCK_K / SPAN, SPAN] tile (SPAN divides the block's width: one scale per row and group), each weight
-    times its scale rounded to the activations' dtype, the products summed elementwise and reduced across the
-    threads once at the end; x read in the chunk's own shape. As ``fp8_linear``'s GEMV: the sm_90 compile of a
-    per-element scale gather and a per-chunk reduction issued a 4-byte scale load per weight and exchanged
-    registers through shared memory."""
-    GROUPS: tl.constexpr = BLOCK_K // SPAN
-    w_rows3 = w_rows[:, :, None]  # [BLOCK_N, 1, 1]
-    row_mask3 = col_mask[:, None, None]
-    group3 = tl.arange(0, GROUPS)[None, :, None]
-    span3 = tl.arange(0, SPAN)[None, None, :]
-    chunk_shape = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)  # x broadcast over the rows: loaded in their layout
+    [BLOCK_N, BLOCK_K] tile of BLOCK_K / SPAN groups (SPAN divides the block's width: one scale per row and group,
+    ``fp8_linear.group_scales``), each weight times its scale rounded to the activations' dtype, the products summed
+    elementwise ([BLOCK_N, BLOCK_K], for the caller to reduce across the threads once); x read in the chunk's own
+    shape. As
+    ``fp8_linear``'s GEMV: the sm_90 compile of a per-element scale gather and a per-chunk reduction issued a 4-byte
+    scale load per weight and exchanged registers through shared memory."""
+    row_mask = col_mask[:, None]
+    chunk_shape = tl.zeros([BLOCK_N, 1], dtype=tl.int32)  # x broadcast over the rows: loaded in their layout
     dtype = x_row.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, GROUPS, SPAN], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
-        kk = k0 + group3 * SPAN + span3
+        kk = k0 + tl.arange(0, BLOCK_K)[None, :]
         k_mask = kk < K
-        w = tl.load(w_rows3 + kk, mask=row_mask3 & k_mask, other=0.0)
-        group_start = k0 + group3 * SPAN
-        scale = tl.load(scale_rows[:, None, None] + group_start // BLOCK_COLS, mask=row_mask3 & (group_start < K),
-                        other=0.0)
+        w = tl.load(w_rows + kk, mask=row_mask & k_mask, other=0.0)
+        scale = group_scales(scale_rows, col_mask, k0, K, BLOCK_N, BLOCK_COLS, BLOCK_K // SPAN, SPAN)
         w = (w.to(tl.float32) * scale).to(dtype).to(tl.float32)
         acc += w * tl.load(x_row + kk + chunk_shape, mask=k_mask & (chunk_shape == 0), other=0.0).to(tl.float32)
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+    return acc
 
 
 @triton.jit
@@ -207,9 +204,15 @@ def _gate_up_silu_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, inter, stride_xt, 
     pair, cols, col_mask, gate_rows = _pair_tile(ids_ptr, w_ptr, inter, stride_we, stride_wn, BLOCK_N)
     x_row = x_ptr + (pair // TOP_K) * stride_xt
     gate_scales = _pair_scale_rows(ids_ptr, w_scale_ptr, stride_wse, stride_wsn, cols, BLOCK_ROWS)
-    acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K, gate_scales, FP8, BLOCK_COLS, SPAN)
-    acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K,
-                        gate_scales + gate_blocks * stride_wsn, FP8, BLOCK_COLS, SPAN)
+    if FP8:  # both halves' products before either sum: the up loads issue before the gate's exchange across warps
+        gate = _fp8_pair_products(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K, gate_scales, BLOCK_COLS, SPAN)
+        up = _fp8_pair_products(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K,
+                                gate_scales + gate_blocks * stride_wsn, BLOCK_COLS, SPAN)
+        acc_gate, acc_up = tl.sum(gate, axis=1), tl.sum(up, axis=1)
+    else:
+        acc_gate = _pair_gemv(x_row, gate_rows, col_mask, K, BLOCK_N, BLOCK_K, gate_scales, FP8, BLOCK_COLS, SPAN)
+        acc_up = _pair_gemv(x_row, gate_rows + inter * stride_wn, col_mask, K, BLOCK_N, BLOCK_K,
+                            gate_scales + gate_blocks * stride_wsn, FP8, BLOCK_COLS, SPAN)
     dtype = out_ptr.dtype.element_ty
     activated = silu_times(acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
     tl.store(out_ptr + pair * stride_ot + cols, activated, mask=col_mask)
@@ -305,8 +308,6 @@ def _fp8_launch(fp8_scales) -> dict:
     if fp8_scales is None:
         return dict(scales=(None, None), consts=dict(FP8=False, BLOCK_ROWS=1, BLOCK_COLS=1), block_k=None)
     gate_up_scales, down_scales, block = fp8_scales
-    from omni_triton.kernels.fp8_linear import k_tile
-
     return dict(scales=(gate_up_scales, down_scales), block_k=k_tile(block[1]),
                 consts=dict(FP8=True, BLOCK_ROWS=block[0], BLOCK_COLS=block[1]))
 
