@@ -25,6 +25,7 @@ same component loaded whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -159,7 +160,14 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
     by_file: dict[Path, list[str]] = {}
     for name, path in sorted(files.items()):
         by_file.setdefault(path, []).append(name)
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as opened:
+        handles: dict[Path, object] = {}  # the scales' files, each opened once
+
+        def handle_of(path: Path):
+            if path not in handles:
+                handles[path] = opened.enter_context(safe_open(path, "pt"))
+            return handles[path]
+
         for path, names in by_file.items():
             with safe_open(path, "pt") as handle:
                 for name in names:
@@ -172,7 +180,7 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
                         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(view.shape)}")
                     if tensor.dtype == FP8_DTYPE and view.dtype != FP8_DTYPE and dequantize is not None:
-                        tensor = _dequantized(name, tensor, scales, dequantize.block, view.dtype)
+                        tensor = _dequantized(name, tensor, scales, handle_of, dequantize.block, view.dtype)
                     if tensor.dtype == FP8_DTYPE and view.dtype != FP8_DTYPE:
                         raise ValueError(f"tensor {name!r} is {tensor.dtype} but the model's is {view.dtype}: "
                                          "an FP8 weight needs its weight_scale_inv and a quantization_config")
@@ -195,14 +203,14 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
     return module
 
 
-def _dequantized(name: str, weight: torch.Tensor, scales: dict[str, Path], block: tuple[int, int],
+def _dequantized(name: str, weight: torch.Tensor, scales: dict[str, Path], handle_of, block: tuple[int, int],
                  dtype: torch.dtype) -> torch.Tensor:
-    """The checkpoint's FP8 ``weight`` (tensor ``name``) times its block scales (taken out of ``scales``)."""
+    """The checkpoint's FP8 ``weight`` (tensor ``name``) times its block scales (taken out of ``scales``, read
+    through ``handle_of(file)``)."""
     scale_name = name + SCALE_SUFFIX
     if scale_name not in scales:
         raise ValueError(f"tensor {name!r} is FP8 but {scale_name!r} is missing: an FP8 weight needs its block scales")
-    with safe_open(scales.pop(scale_name), "pt") as handle:
-        scale_inv = handle.get_tensor(scale_name)
+    scale_inv = handle_of(scales.pop(scale_name)).get_tensor(scale_name)
     if scale_inv.shape != scale_shape(*weight.shape, block):
         raise ValueError(f"tensor {scale_name!r} has shape {tuple(scale_inv.shape)}, expected "
                          f"{scale_shape(*weight.shape, block)} for {block[0]} x {block[1]} blocks")
