@@ -37,6 +37,14 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {name: handle.get_tensor(name) for name in handle.keys()}
 
 
+def _rewrite(checkpoint: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``checkpoint`` copied to ``out`` with ``tensors`` as its weights."""
+    save_file(tensors, out / "model.safetensors")
+    for path in checkpoint.iterdir():
+        if path.name != "model.safetensors":
+            (out / path.name).write_bytes(path.read_bytes())
+
+
 def test_quantize_matches_transformers_writer_bit_for_bit(checkpoints):
     source, fp8 = checkpoints
     full, written = _tensors(source), _tensors(fp8)
@@ -204,10 +212,7 @@ def test_missing_scale_is_named(checkpoints, tmp_path, name, load):
     _, fp8 = checkpoints
     tensors = _tensors(fp8)
     del tensors[name]
-    save_file(tensors, tmp_path / "model.safetensors")
-    for path in fp8.iterdir():
-        if path.name != "model.safetensors":
-            (tmp_path / path.name).write_bytes(path.read_bytes())
+    _rewrite(fp8, tmp_path, tensors)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         load(tmp_path)
 
@@ -217,10 +222,7 @@ def test_scale_without_its_fp8_weight_is_named(checkpoints, tmp_path):
     tensors = _tensors(fp8)
     name = "talker.model.layers.0.self_attn.o_proj.weight"
     tensors[name] = dequantize_fp8(tensors[name], tensors[name + "_scale_inv"], BLOCK)  # a plain weight, its scale left
-    save_file(tensors, tmp_path / "model.safetensors")
-    for path in fp8.iterdir():
-        if path.name != "model.safetensors":
-            (tmp_path / path.name).write_bytes(path.read_bytes())
+    _rewrite(fp8, tmp_path, tensors)
     with pytest.raises(ValueError, match=r"o_proj\.weight_scale_inv.*without its FP8 weight"):
         load_talker(tmp_path)
 
