@@ -27,8 +27,9 @@ thinker/talker layers to fit smaller GPUs (the floors scale with it).
 ``--quantization none,fp8`` measures the thinker and the talker with bf16 weights, then with the same seeded
 weights quantized to block-FP8 at load (what ``serve --quantization fp8`` serves: the thinker FP8, the talker in the
 model dtype, ``models.quantization.served_in_fp8``; ``fp8-w8a8``: the linears' kernels quantize their activations
-too; ``fp8-all``: the talker FP8 as well, what that policy declines), one model in memory at a time, and adds a table of each step's ms against the
-first quantization's (``ratios`` in the JSON; the FP8 floors count the bytes as stored: 1 per FP8 weight + scales):
+too; ``fp8-all``: the talker FP8 as well, what that policy declines), one model in memory at a time, and adds a
+table of each step's ms against the first quantization's (``ratios`` in the JSON; the FP8 floors count the bytes as
+stored: 1 per FP8 weight + scales):
 
     python benchmarks/engine_microbench.py --device cuda --stages thinker,talker --batch-sizes 1,64 \
         --prefill-lens 108 --variants pdl --quantization none,fp8 --out-dir OUT/steps
