@@ -102,6 +102,21 @@ def test_talker_warm_up_never_waits_for_input_and_changes_no_frame():
         torch.testing.assert_close(frames[request_id], codes, rtol=0, atol=0)
 
 
+def test_talker_warm_up_runs_on_fp8_weights(tiny_checkpoint):
+    """The FP8 talker's first parameters are float8 weights; its warm-up requests are rows of its embedding's dtype
+    (they were float8 once, and the first step failed to stack them with bf16 frames: the H100 FP8 serve refused)."""
+    from omni_triton.models.weights import load_talker
+
+    # FP8 everywhere: served, the talker stays bf16 (models.quantization.served_in_fp8); benchmarks still build it FP8
+    talker = load_talker(tiny_checkpoint, "cpu", torch.bfloat16, quantization="fp8",
+                         fp8_everywhere=True).eval().requires_grad_(False)
+    assert next(talker.parameters()).dtype == torch.float8_e4m3fn
+    engine = LLMEngine(TalkerStage(talker), EngineConfig(device="cpu", **TOY_CONFIG))
+    assert engine.stage.warmup_inputs(3)["prompt_embeds"].dtype == torch.bfloat16
+    warm_up(engine, log=lambda line: None)
+    assert not engine.requests and engine.block_manager.num_used == 0
+
+
 def test_warm_up_refuses_a_busy_engine():
     engine = LLMEngine(ThinkerStage(ToyThinker().eval()), EngineConfig(**TOY_CONFIG))
     engine.add_request("r", PARAMS[0], prompt_token_ids=[1, 2])

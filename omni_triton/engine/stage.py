@@ -338,7 +338,9 @@ class TalkerStage:
         self._feed(seq)
 
     def warmup_inputs(self, num_positions):
-        weight = next(self.model.parameters())
+        # the talker's inputs are sums of codec embedding rows: their dtype, not its first parameter's (an FP8
+        # weight when the talker's linears are FP8)
+        weight = next(module.weight for module in self.model.modules() if isinstance(module, torch.nn.Embedding))
         zeros = torch.zeros(num_positions, self.hidden_size, dtype=weight.dtype, device=weight.device)
         # trailing text finished at once: tts_eos then tts_pad every step, so the request never waits for input
         return {"prompt_embeds": zeros, "talker_inputs": TrailingTextQueue(zeros[0], zeros[0]),
