@@ -25,9 +25,11 @@ context), and peak GPU memory per stage. Weights are random (``dummy`` load form
 thinker/talker layers to fit smaller GPUs (the floors scale with it).
 
 ``--quantization none,fp8`` measures the thinker and the talker with bf16 weights, then with the same seeded
-weights quantized to block-FP8 at load (what ``serve --quantization fp8`` serves; ``fp8-w8a8``: the linears' kernels
-quantize their activations too), one model in memory at a time, and adds a table of each step's ms against the
-first quantization's (``ratios`` in the JSON; the FP8 floors count the bytes as stored: 1 per FP8 weight + scales):
+weights quantized to block-FP8 at load (what ``serve --quantization fp8`` serves: the thinker FP8, the talker in the
+model dtype, ``models.quantization.served_in_fp8``; ``fp8-w8a8``: the linears' kernels quantize their activations
+too; ``fp8-all``: the talker FP8 as well, what that policy declines), one model in memory at a time, and adds a
+table of each step's ms against the first quantization's (``ratios`` in the JSON; the FP8 floors count the bytes as
+stored: 1 per FP8 weight + scales):
 
     python benchmarks/engine_microbench.py --device cuda --stages thinker,talker --batch-sizes 1,64 \
         --prefill-lens 108 --variants pdl --quantization none,fp8 --out-dir OUT/steps
@@ -77,8 +79,10 @@ VARIANTS = {"eager": (False, False, False, "one-pass", False), "landed": (True, 
             "pdl": (True, True, True, "gemv", True)}
 FIRST_CHUNK_FRAMES, CHUNK_FRAMES = 4, 25
 # --quantization -> (the weights loaded as: load_thinker/load_talker's ``quantization``, the FP8 linears' kernel
-# scheme: layers.fp8.set_fp8_activations, "bf16" = w8a16 as served, "fp8" = w8a8); the experts are w8a16 in both
-QUANTIZATIONS = {"none": (None, None), "fp8": ("fp8", "bf16"), "fp8-w8a8": ("fp8", "fp8")}
+# scheme: layers.fp8.set_fp8_activations, "bf16" = w8a16 as served, "fp8" = w8a8; the experts are w8a16 in both,
+# the loaders' ``fp8_everywhere``: FP8 in the talker too, past the served policy)
+QUANTIZATIONS = {"none": (None, None, False), "fp8": ("fp8", "bf16", False), "fp8-w8a8": ("fp8", "fp8", False),
+                 "fp8-all": ("fp8", "bf16", True)}
 QUANTIZED_STAGES = ("thinker", "talker")  # code2wav's weights stay in the model dtype
 
 
@@ -329,9 +333,9 @@ def run_batch(engine: LLMEngine, adder, case, device: torch.device) -> tuple[flo
 def load_weights(load, args, quantization: str, **kwargs) -> torch.nn.Module:
     """``load`` (load_thinker / load_talker) of the random weights, FP8 where ``quantization`` says
     (``QUANTIZATIONS``): the same seeded values either way, FP8 rounded at load as ``serve --quantization fp8``."""
-    weights, activations = QUANTIZATIONS[quantization]
+    weights, activations, everywhere = QUANTIZATIONS[quantization]
     model = load(args.config_dir, torch.device(args.device), args.dtype, load_format="dummy", quantization=weights,
-                 **kwargs)
+                 fp8_everywhere=everywhere, **kwargs)
     if activations is not None:
         set_fp8_activations(model, activations)
     return model
@@ -639,9 +643,12 @@ def stage_tables(result: dict, variants: list[str]) -> list[str]:
     return lines
 
 
-QUANTIZATION_NOTES = {"fp8": "block-FP8 thinker and talker linears and experts, w8a16 kernels as served",
-                      "fp8-w8a8": "block-FP8, the linears' kernels w8a8 (activations quantized per row and 128 "
-                                  "columns), the experts w8a16"}
+QUANTIZATION_NOTES = {"fp8": "block-FP8 thinker linears and experts, w8a16 kernels, the talker in the model dtype: "
+                             "as served",
+                      "fp8-w8a8": "block-FP8 thinker, the linears' kernels w8a8 (activations quantized per row and 128 "
+                                  "columns), the experts w8a16, the talker in the model dtype",
+                      "fp8-all": "block-FP8 thinker and talker linears and experts, w8a16 kernels (the talker FP8 "
+                                 "too: what the served policy declines)"}
 RATIO_STEPS = {"thinker": ("decode", "prefill"), "talker": ("frame", "prefill")}
 
 

@@ -24,7 +24,8 @@
 # STEP_ARGS (steps: --device cuda --config CONFIG --batch-sizes 1,64 --prefill-lens 108 --variants pdl --sampling
 # served), STEP_STAGES (steps: thinker,talker; in that order, each bf16 then FP8, the files rewritten after each:
 # a run cut short before the talker's FP8 part is finished by a second command with STEP_STAGES=talker),
-# QUANTIZATIONS (steps: none,fp8; none,fp8,fp8-w8a8 adds the w8a8 kernels).
+# QUANTIZATIONS (steps: none,fp8; none,fp8,fp8-w8a8 adds the w8a8 kernels, fp8-all the FP8 talker the served
+# policy declines).
 # CPU, the tiny checkpoint (a test of this script; `omni-triton build tiny` writes checkpoints/tiny first):
 #   MODEL_ARGS="--device cpu --checkpoint checkpoints/tiny" BENCH_ARGS=--quick LEVELS=1,2 COMPARE_LEVELS=2 \
 #     KV_TARGET=1000 GOODPUT_START=0.5 GOODPUT_BISECTIONS=0 GOODPUT_DURATION=4 \

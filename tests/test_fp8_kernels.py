@@ -465,7 +465,7 @@ def test_fp8_thinker_and_talker_kernels_match_their_torch_path(tmp_path):
 
     checkpoint = build(tmp_path / "tiny", "tiny")
     loaders = (lambda dtype: load_thinker(checkpoint, "cuda", dtype, with_audio=False, quantization="fp8"),
-               lambda dtype: load_talker(checkpoint, "cuda", dtype, quantization="fp8"))
+               lambda dtype: load_talker(checkpoint, "cuda", dtype, quantization="fp8", fp8_everywhere=True))
     for load in loaders:
         def prefill(model, embeds, kernels, activations="bf16"):
             set_fast_kernels(model, kernels)

@@ -167,8 +167,9 @@ def prefill(model, embeds: torch.Tensor) -> torch.Tensor:
 def test_tiny_fp8_checkpoint_packs_and_serves_the_same_output(fp8_checkpoint, kernels_on_cpu):
     from omni_triton.models.weights import load_talker, load_thinker
 
-    for load in (lambda: load_thinker(fp8_checkpoint, DEVICE, with_audio=False), lambda: load_talker(fp8_checkpoint,
-                                                                                                     DEVICE)):
+    # the talker FP8 too (``fp8_everywhere``: served, it is dequantized at load)
+    for load in (lambda: load_thinker(fp8_checkpoint, DEVICE, with_audio=False),
+                 lambda: load_talker(fp8_checkpoint, DEVICE, fp8_everywhere=True)):
         model, apart = load(), load()
         embeds = torch.randn(5, model.hidden_size, generator=torch.Generator().manual_seed(5)).to(DEVICE)
         before = snapshot([model])
@@ -198,7 +199,8 @@ def test_quantized_at_load_packs_only_where_a_width_ends_on_a_block(fp8_checkpoi
     from omni_triton.models.layers.mlp import GatedMLP
     from omni_triton.models.weights import load_talker
 
-    talker = load_talker(build(fp8_checkpoint.parent / "plain", "tiny"), DEVICE, quantization="fp8")
+    talker = load_talker(build(fp8_checkpoint.parent / "plain", "tiny"), DEVICE, quantization="fp8",
+                         fp8_everywhere=True)
     pack_as_set_fast_kernels(talker)
     attentions = [m for m in talker.modules() if isinstance(m, SelfAttention)]
     assert attentions and all(m.packed_qkv is None for m in attentions)

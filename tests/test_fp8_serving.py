@@ -52,10 +52,26 @@ def test_memory_plan_counts_fp8_weights_at_one_byte():
     config_dir = resolve_config_dir(FULL_SIZE_CONFIG)
     plain = Footprint.from_checkpoint(config_dir, torch.bfloat16)
     fp8 = Footprint.from_checkpoint(config_dir, torch.bfloat16, "fp8")
-    # the experts and attention halve; embeddings, lm heads, routers, audio encoder and Code2Wav stay bf16
+    # the experts and attention halve; embeddings, lm heads, routers, audio encoder and Code2Wav stay bf16, and the
+    # talker whole (served in bf16: quantization.served_in_fp8)
     assert 0.5 < fp8.thinker_bytes / plain.thinker_bytes < 0.55
-    assert fp8.code2wav_bytes == plain.code2wav_bytes
-    assert fp8.weight_bytes < 36 * 2 ** 30 < 64 * 2 ** 30 < plain.weight_bytes
+    assert fp8.code2wav_bytes == plain.code2wav_bytes and fp8.talker_bytes == plain.talker_bytes
+    assert fp8.weight_bytes < 37 * 2 ** 30 < 64 * 2 ** 30 < plain.weight_bytes
+
+
+def test_fp8_on_an_80gb_h100_plans_the_thinker_kv_target_with_the_talker_in_bf16(monkeypatch):
+    """Issue 44's target (>= 200k thinker KV tokens on one 80 GB H100, 78.7 GiB free at launch) with the talker's
+    ~3 GiB the served policy keeps in bf16: the plan serve prints (``--max-inflight 64``, fp8_device.sh's)."""
+    from omni_triton.launch import memory_plan
+    from omni_triton.launch.options import with_kv_budget
+    from omni_triton.models.config import FULL_SIZE_CONFIG, resolve_config_dir
+
+    monkeypatch.setattr(memory_plan, "gpu_memory", lambda: {0: (int(78.7 * 2 ** 30), "NVIDIA H100 80GB HBM3")})
+    config = LaunchConfig(checkpoint_dir=resolve_config_dir(FULL_SIZE_CONFIG), load_format="dummy", device="cuda",
+                          quantization="fp8", max_inflight_requests=64)
+    planned, note = with_kv_budget(config, "auto", memory_plan.DEFAULT_UTILIZATION)
+    assert planned.kv_cache_tokens >= 200_000, note
+    assert "talker 20 layers 6.2 GiB" in note  # bf16: 2 bytes a weight
 
 
 @pytest.mark.server
@@ -68,6 +84,9 @@ def test_served_fp8_streams_as_the_fp8_inprocess_pipeline(tiny_checkpoint, tmp_p
         with OmniStreamClient(server.grpc_url) as client:
             served = client.stream(PROMPT, timeout_s=120, **GREEDY)
     assert served.text and served.audio.size > 0
+    # the talker stage served its weights in the model dtype and said so (quantization.served_in_fp8); the thinker FP8
+    log = (tmp_path / "triton" / "tritonserver.log").read_text(errors="replace")
+    assert "talker: served in float32, not FP8" in log and "thinker: served in" not in log, log[-3000:]
     request = {"TEXT": np.array([PROMPT.encode()], dtype=np.object_), "TEMPERATURE": np.array([0.0], np.float32),
                "REPETITION_PENALTY": np.array([1.0], np.float32), "MAX_TOKENS": np.array([10], np.int32),
                "MAX_AUDIO_FRAMES": np.array([16], np.int32)}

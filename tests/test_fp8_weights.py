@@ -37,6 +37,14 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {name: handle.get_tensor(name) for name in handle.keys()}
 
 
+def _rewrite(checkpoint: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``checkpoint`` copied to ``out`` with ``tensors`` as its weights."""
+    save_file(tensors, out / "model.safetensors")
+    for path in checkpoint.iterdir():
+        if path.name != "model.safetensors":
+            (out / path.name).write_bytes(path.read_bytes())
+
+
 def test_quantize_matches_transformers_writer_bit_for_bit(checkpoints):
     source, fp8 = checkpoints
     full, written = _tensors(source), _tensors(fp8)
@@ -85,9 +93,37 @@ def test_fp8_checkpoint_loads_as_fp8_and_matches_transformers(checkpoints):
     assert (logits - expected).abs().max() <= 1e-4
 
 
-def test_talker_and_code_predictor_linears_load_as_fp8(checkpoints):
+def test_fp8_checkpoint_talker_is_served_dequantized_in_the_model_dtype(checkpoints, caplog):
+    """The talker (and its code predictor) is served in the model dtype (``quantization.served_in_fp8``): an FP8
+    checkpoint's talker tensors dequantized once at load, their block scales consumed, a log line naming the
+    memory that costs; the thinker of the same checkpoint stays FP8."""
     _, fp8 = checkpoints
-    talker = load_talker(fp8)
+    with caplog.at_level("WARNING", logger="omni_triton.models.weights"):
+        talker = load_talker(fp8, dtype=torch.bfloat16)
+    assert {p.dtype for p in talker.parameters()} == {torch.bfloat16}
+    written = _tensors(fp8)
+    experts = talker.model.layers[1].mlp.experts
+    inter = experts.gate_up_proj.shape[1] // 2
+    for name, got in (("talker.model.layers.1.mlp.experts.2.up_proj", experts.gate_up_proj[2, inter:]),
+                      ("talker.code_predictor.model.layers.0.self_attn.q_proj",
+                       talker.code_predictor.model.layers[0].self_attn.q_proj.weight),
+                      ("talker.model.layers.0.mlp.shared_expert.down_proj",
+                       talker.model.layers[0].mlp.shared_expert.down_proj.weight)):
+        assert written[name + ".weight"].dtype == FP8_DTYPE, name
+        want = dequantize_fp8(written[name + ".weight"], written[name + ".weight_scale_inv"], BLOCK, torch.bfloat16)
+        assert torch.equal(got, want), name
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("talker:")]
+    # a byte more per weight the checkpoint has in FP8 (bf16: 2 bytes), less their fp32 scales
+    talker_fp8 = sum(t.numel() for n, t in written.items() if n.startswith("talker.") and t.dtype == FP8_DTYPE)
+    talker_scales = sum(t.numel() for n, t in written.items() if n.startswith("talker.") and n.endswith("_scale_inv"))
+    assert talker_fp8 > 0 and "served in bfloat16, not FP8" in line
+    assert f"{(talker_fp8 - 4 * talker_scales) / 2 ** 20:.1f} MiB more" in line, line
+    assert load_thinker(fp8, with_audio=False).model.layers[0].self_attn.q_proj.weight.dtype == FP8_DTYPE
+
+
+def test_fp8_everywhere_loads_the_talker_and_code_predictor_linears_as_fp8(checkpoints):
+    _, fp8 = checkpoints
+    talker = load_talker(fp8, fp8_everywhere=True)
     moe = talker.model.layers[0].mlp
     assert isinstance(moe.experts, Fp8Experts) and isinstance(moe.shared_expert.down_proj, Fp8Linear)
     assert moe.shared_expert_gate.weight.dtype == torch.float32 and moe.gate.weight.dtype == torch.float32
@@ -115,10 +151,21 @@ def test_quantize_at_load_equals_quantizing_the_loaded_weights(checkpoints):
     assert torch.equal(gate_up[:, inter:], dequantize_fp8(*quantize_fp8(full.gate_up_proj[:, inter:], block), block))
 
 
+def test_quantize_at_load_leaves_the_talker_as_it_is(checkpoints, caplog):
+    source, _ = checkpoints
+    for load_format in ("safetensors", "dummy"):
+        plain = load_talker(source, load_format=load_format, seed=3)
+        with caplog.at_level("WARNING", logger="omni_triton.models.weights"):
+            served = load_talker(source, load_format=load_format, seed=3, quantization="fp8")
+        assert all(torch.equal(tensor, served.state_dict()[name]) for name, tensor in plain.state_dict().items())
+        assert served.state_dict().keys() == plain.state_dict().keys()
+    assert any(r.getMessage().startswith("talker: served in float32, not FP8") for r in caplog.records)
+
+
 def test_dummy_fp8_matches_dummy_bf16(checkpoints):
     source, _ = checkpoints
     plain = load_talker(source, load_format="dummy", seed=3)
-    quantized = load_talker(source, load_format="dummy", seed=3, quantization="fp8")
+    quantized = load_talker(source, load_format="dummy", seed=3, quantization="fp8", fp8_everywhere=True)
     layer, want = quantized.model.layers[0], plain.model.layers[0]
     assert torch.equal(layer.self_attn.k_proj.dequantized(torch.float32),
                        dequantize_fp8(*quantize_fp8(want.self_attn.k_proj.weight, (128, 128)), (128, 128)))
@@ -133,7 +180,7 @@ def test_activation_dtype_skips_fp8_weights_and_their_scales(checkpoints):
     # an FP8 decoder layer's first parameters are float8 and its float32 scales: neither is what it computes in
     source, _ = checkpoints
     for load in (lambda q: load_thinker(source, dtype=torch.bfloat16, with_audio=False, quantization=q),
-                 lambda q: load_talker(source, dtype=torch.bfloat16, quantization=q)):
+                 lambda q: load_talker(source, dtype=torch.bfloat16, quantization=q, fp8_everywhere=True)):
         plain, quantized = load(None), load("fp8")
         assert next(quantized.parameters()).dtype == FP8_DTYPE
         assert activation_dtype(quantized) == activation_dtype(plain) == torch.bfloat16
@@ -156,17 +203,28 @@ def test_unknown_quantization_is_named(checkpoints):
         load_thinker(source, with_audio=False, quantization="int4")
 
 
-def test_missing_scale_is_named(checkpoints, tmp_path):
+@pytest.mark.parametrize("name, load", [
+    ("thinker.model.layers.2.mlp.experts.5.down_proj.weight_scale_inv", lambda d: load_thinker(d, with_audio=False)),
+    # the talker dequantizes at load (served in the model dtype): the same refusal
+    ("talker.model.layers.1.mlp.experts.4.gate_proj.weight_scale_inv", load_talker),
+    ("talker.code_predictor.model.layers.0.mlp.down_proj.weight_scale_inv", load_talker)])
+def test_missing_scale_is_named(checkpoints, tmp_path, name, load):
     _, fp8 = checkpoints
     tensors = _tensors(fp8)
-    name = "thinker.model.layers.2.mlp.experts.5.down_proj.weight_scale_inv"
     del tensors[name]
-    save_file(tensors, tmp_path / "model.safetensors")
-    for path in fp8.iterdir():
-        if path.name != "model.safetensors":
-            (tmp_path / path.name).write_bytes(path.read_bytes())
+    _rewrite(fp8, tmp_path, tensors)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-        load_thinker(tmp_path, with_audio=False)
+        load(tmp_path)
+
+
+def test_scale_without_its_fp8_weight_is_named(checkpoints, tmp_path):
+    _, fp8 = checkpoints
+    tensors = _tensors(fp8)
+    name = "talker.model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = dequantize_fp8(tensors[name], tensors[name + "_scale_inv"], BLOCK)  # a plain weight, its scale left
+    _rewrite(fp8, tmp_path, tensors)
+    with pytest.raises(ValueError, match=r"o_proj\.weight_scale_inv.*without its FP8 weight"):
+        load_talker(tmp_path)
 
 
 def test_unsupported_quantization_config_is_named(checkpoints, tmp_path):
@@ -187,7 +245,7 @@ def test_quantized_copy_is_the_model_quantized_at_load(checkpoints):
     plain = load_talker(source)
     before = {name: tensor.clone() for name, tensor in plain.state_dict().items()}
     copy = quantized_copy(plain)
-    loaded = load_talker(source, quantization="fp8")
+    loaded = load_talker(source, quantization="fp8", fp8_everywhere=True)
     # the model copied is left as it was
     assert type(plain.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     assert all(torch.equal(before[name], tensor) for name, tensor in plain.state_dict().items())

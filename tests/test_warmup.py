@@ -107,7 +107,9 @@ def test_talker_warm_up_runs_on_fp8_weights(tiny_checkpoint):
     (they were float8 once, and the first step failed to stack them with bf16 frames: the H100 FP8 serve refused)."""
     from omni_triton.models.weights import load_talker
 
-    talker = load_talker(tiny_checkpoint, "cpu", torch.bfloat16, quantization="fp8").eval().requires_grad_(False)
+    # FP8 everywhere: served, the talker stays bf16 (models.quantization.served_in_fp8); benchmarks still build it FP8
+    talker = load_talker(tiny_checkpoint, "cpu", torch.bfloat16, quantization="fp8",
+                         fp8_everywhere=True).eval().requires_grad_(False)
     assert next(talker.parameters()).dtype == torch.float8_e4m3fn
     engine = LLMEngine(TalkerStage(talker), EngineConfig(device="cpu", **TOY_CONFIG))
     assert engine.stage.warmup_inputs(3)["prompt_embeds"].dtype == torch.bfloat16

@@ -15,7 +15,8 @@ runs the same path, its weights dequantized per call. Over a fixed prompt set (`
   the floor that the reference's own rounding sets.
 - talker (``--talker-prompts`` of them, the bf16 thinker's text in both runs): greedy codes of the bf16 talker and
   of the FP8 talker: codes equal over the common frames (all code groups), frames each, and the relative L2
-  difference of the two waveforms Code2Wav (bf16, not quantized) decodes from them.
+  difference of the two waveforms Code2Wav (bf16, not quantized) decodes from them. Served, the talker stays bf16
+  (``models.quantization.served_in_fp8``): these measure the FP8 talker that policy declines (``fp8_everywhere``).
 
 ``--weights``: ``as-loaded`` (the checkpoint's or the seeded random weights), or ``heavy-tailed``: every tensor the
 FP8 twin quantizes redrawn with a trained model's shape of statistics instead of a Gaussian's: Student-t entries

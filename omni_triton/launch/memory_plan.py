@@ -81,8 +81,9 @@ class Footprint:
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, dtype: torch.dtype,
                         quantization: str | None = None) -> "Footprint":
-        """``quantization`` "fp8" (or a checkpoint with an FP8 quantization_config): the thinker's and talker's
-        FP8 modules count one byte a weight plus their fp32 block scales."""
+        """``quantization`` "fp8" (or a checkpoint with an FP8 quantization_config): the FP8 modules of the
+        components served in FP8 (``quantization.served_in_fp8``: the thinker) count one byte a weight plus their
+        fp32 block scales; the talker counts in ``dtype``, as the loader serves it."""
         import torch
 
         from omni_triton.models.audio_encoder import AudioEncoder
@@ -97,7 +98,7 @@ class Footprint:
         with torch.device("meta"):
             thinker, audio = Thinker(config.thinker), AudioEncoder(config.thinker.audio)
             talker, code2wav = Talker(config.talker), Code2Wav(config.code2wav)
-            _quantize_like_the_loader(checkpoint_dir, quantization, thinker, talker)
+            _quantize_like_the_loader(checkpoint_dir, quantization, {"thinker": thinker, "talker": talker})
         thinker_text, talker_text = config.thinker.text, config.talker.text
         return cls(
             thinker_bytes=_bytes(thinker, element) + _bytes(audio, element), talker_bytes=_bytes(talker, element),
@@ -140,16 +141,20 @@ def _bytes(module: torch.nn.Module, element: int, prefix: str = "") -> int:
                for name, t in tensors if name.startswith(prefix) and t.is_floating_point())
 
 
-def _quantize_like_the_loader(checkpoint_dir: str | Path, quantization: str | None, *models) -> None:
-    """The FP8 twins the loader builds (``models.weights``), by the quantize-at-load rule: the plan's estimate
-    of an FP8 checkpoint that converts other modules is off by their bytes only."""
+def _quantize_like_the_loader(checkpoint_dir: str | Path, quantization: str | None,
+                              components: dict[str, torch.nn.Module]) -> None:
+    """The FP8 twins the loader builds (``models.weights``) in the components it serves in FP8, by the
+    quantize-at-load rule: the plan's estimate of an FP8 checkpoint that converts other modules is off by their
+    bytes only."""
     from omni_triton.models.layers.fp8 import quantize_modules_
-    from omni_triton.models.quantization import Fp8Scheme, check_quantization, checkpoint_scheme, quantized_at_load
+    from omni_triton.models.quantization import Fp8Scheme, check_quantization, checkpoint_scheme, \
+        quantized_at_load, served_in_fp8
 
     check_quantization(quantization)
     scheme = checkpoint_scheme(checkpoint_dir) or (Fp8Scheme() if quantization == "fp8" else None)
-    for model in models if scheme is not None else ():
-        quantize_modules_(model, scheme, quantized_at_load)
+    for component, model in components.items() if scheme is not None else ():
+        if served_in_fp8(component):
+            quantize_modules_(model, scheme, quantized_at_load)
 
 
 def _kv_token_bytes(text, dtype: torch.dtype) -> int:

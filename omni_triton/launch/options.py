@@ -55,9 +55,9 @@ def add_model_source_arguments(group) -> None:
                        help="with --config: cut thinker and talker to at most N layers (full width), e.g. to fit "
                             "a smaller GPU (default: the config's)")
     group.add_argument("--quantization", choices=QUANTIZATIONS, default=LaunchConfig.quantization,
-                       help="fp8: the thinker's and talker's decoder linears and experts quantized at load to "
-                            "block-FP8 (128 x 128 blocks, docs/fp8.md), the checkpoint's or the random weights; a "
-                            "checkpoint with an FP8 quantization_config is served as FP8 either way "
+                       help="fp8: the thinker's decoder linears and experts quantized at load to block-FP8 (128 x "
+                            "128 blocks, docs/fp8.md), the checkpoint's or the random weights; the talker stays in "
+                            "the model dtype; a checkpoint with an FP8 quantization_config is served so either way "
                             "(default: %(default)s)")
 
 

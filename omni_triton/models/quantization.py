@@ -15,6 +15,16 @@ shared-expert gate (1 row), the lm heads, the talker's text/hidden projections, 
 stay in the model dtype, as in the community Qwen3-Omni FP8 checkpoint (audio tower, vision, Code2Wav,
 embeddings, norms and MoE gates in bf16): routers and lm heads pick tokens and experts from small logit gaps,
 and they and the projections are a few percent of a step's bytes.
+
+Which components are served in FP8 (``served_in_fp8``, decided here and nowhere else): the thinker. The talker and
+its code predictor are served in the model dtype under ``--quantization fp8`` and from an FP8 checkpoint (its FP8
+tensors dequantized once at load), because FP8 made them slower and saves little there: their ~6 GiB of bf16
+weights (~9% of the model) would save ~2.9 GiB, while their steps are bound by launches and latency, not bytes
+(a frame is one talker step and 15 code-predictor steps at a few rows), and the bf16 path's fusions read bf16
+weights only. FP8 took the code predictor off its fused frame (~28 launches a step) onto its modules (~65), and
+split the talker MoE's packed input projection (shared gate/up, router, shared-expert gate: one launch, the
+shared expert on a side stream, its gated sum inside the top-k sum) into separate launches plus a sigmoid, a
+product and a sum per layer; its prefill's products ran on the tiled FP8 kernel instead of cuBLAS.
 """
 
 from __future__ import annotations
@@ -27,6 +37,9 @@ from pathlib import Path
 import torch
 
 QUANTIZATIONS = ("fp8",)
+# the components (loader prefixes without the dot) whose FP8 weights are served as FP8; the others in the model dtype
+# (see the module docstring)
+FP8_SERVED_COMPONENTS = ("thinker",)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 DEFAULT_BLOCK = (128, 128)
@@ -74,6 +87,11 @@ def checkpoint_scheme(config_dir: str | Path) -> Fp8Scheme | None:
     path = Path(config_dir) / "config.json"
     cfg = json.loads(path.read_text()).get("quantization_config")
     return None if cfg is None else Fp8Scheme.from_quantization_config(cfg, str(path))
+
+
+def served_in_fp8(component: str) -> bool:
+    """Whether ``component`` ("thinker", "talker") keeps FP8 weights FP8 (``FP8_SERVED_COMPONENTS``)."""
+    return component in FP8_SERVED_COMPONENTS
 
 
 def quantized_at_load(module_name: str, module: torch.nn.Module) -> bool:

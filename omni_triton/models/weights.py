@@ -11,7 +11,10 @@ components' tensors are ignored.
 Block-FP8 (``models.quantization``): a checkpoint whose config.json has an FP8 ``quantization_config`` is
 served as it is, every module with a ``weight_scale_inv`` built as its FP8 twin (``layers.fp8``) and filled
 with the FP8 weight and its scales; ``quantization="fp8"`` quantizes a full-precision checkpoint (or the dummy
-weights, the same values as the unquantized dummy model's) at load, tensor by tensor, in the same layout.
+weights, the same values as the unquantized dummy model's) at load, tensor by tensor, in the same layout. Only the
+components ``quantization.served_in_fp8`` names (the thinker) are built FP8; the talker is built in the model dtype,
+an FP8 checkpoint's talker tensors dequantized as they are read (``fp8_everywhere=True``: FP8 wherever the checkpoint
+or ``quantization`` says, to measure what that policy avoids), with a log line naming the memory it costs.
 
 ``load_format="dummy"`` reads only config.json (a checkpoint dir or a shipped config name such as
 ``qwen3_omni_30b_a3b``) and fills every parameter with seeded random values generated on the target device:
@@ -22,7 +25,9 @@ same component loaded whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import re
 import zlib
@@ -34,8 +39,9 @@ from torch import nn
 
 from omni_triton.models.config import OmniConfig, resolve_config_dir
 from omni_triton.models.layers.fp8 import Fp8Experts, is_fp8, quantize_modules_, store_quantized_
+from omni_triton.models.layers.moe import Experts
 from omni_triton.models.quantization import FP8_DTYPE, SCALE_SUFFIX, Fp8Scheme, check_quantization, \
-    checkpoint_scheme, quantized_at_load
+    checkpoint_scheme, dequantize_fp8, quantized_at_load, scale_shape, served_in_fp8
 from omni_triton.models.talker import Talker
 from omni_triton.models.thinker import Thinker
 
@@ -46,6 +52,8 @@ AUDIO_ENCODER_PREFIX = "thinker.audio_tower."
 # Thinker sub-trees this package does not load (vision is not served; audio has its own loader).
 THINKER_SKIPPED = ("thinker.visual.", "thinker.audio_tower.")
 LOAD_FORMATS = ("safetensors", "dummy")
+
+logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                      r"\.weight(?P<scale>_scale_inv)?$")
@@ -77,8 +85,8 @@ def _materialise(build, device, dtype, fp8: tuple[Fp8Scheme, object] | None = No
 
 def _fp8_plan(checkpoint_dir: str | Path, prefix: str, quantization: str | None,
               load_format: str) -> tuple[Fp8Scheme, object] | None:
-    """(scheme, selected(name, module)) of the modules to build as FP8, or None. An FP8 checkpoint picks its own
-    (every module it has a ``weight_scale_inv`` for); quantizing at load (or random weights from an FP8
+    """(scheme, selected(name, module)) of the modules FP8 weights would cover, or None. An FP8 checkpoint picks its
+    own (every module it has a ``weight_scale_inv`` for); quantizing at load (or random weights from an FP8
     checkpoint's config), ``quantization.quantized_at_load``'s rule."""
     check_quantization(quantization)
     dummy = load_format == "dummy"
@@ -92,6 +100,37 @@ def _fp8_plan(checkpoint_dir: str | Path, prefix: str, quantization: str | None,
     return None
 
 
+def _served_plan(checkpoint_dir: str | Path, prefix: str, quantization: str | None, load_format: str,
+                 fp8_everywhere: bool) -> tuple[tuple[Fp8Scheme, object] | None, tuple[Fp8Scheme, object] | None]:
+    """(the FP8 modules to build, the FP8 plan this component declines): by ``quantization.served_in_fp8``, unless
+    ``fp8_everywhere``. At most one of the two is set."""
+    plan = _fp8_plan(checkpoint_dir, prefix, quantization, load_format)
+    if plan is None or fp8_everywhere or served_in_fp8(prefix.rstrip(".")):
+        return plan, None
+    return None, plan
+
+
+def _log_declined_fp8(module: nn.Module, component: str, declined: tuple[Fp8Scheme, object]) -> None:
+    """The log line of a component served in the model dtype where FP8 was asked for (or the checkpoint is FP8),
+    with the bytes that costs: each declined weight's (element size - 1) bytes less its fp32 block scales."""
+    (scheme, selected), dtype = declined, next(module.parameters()).dtype
+    extra = 0
+    for name, owner in module.named_modules():
+        if not (name and selected(name, owner)):
+            continue
+        if isinstance(owner, Experts):  # stacked [E, rows, cols]; gate and up rows blocked apart (Fp8Experts)
+            weights = [(owner.gate_up_proj, 2), (owner.down_proj, 1)]
+        else:
+            weights = [(owner.weight, 1)]
+        for weight, halves in weights:
+            rows, cols = weight.shape[-2:]
+            scales = weight[..., 0, 0].numel() * halves * math.prod(scale_shape(rows // halves, cols, scheme.block))
+            extra += weight.numel() * (weight.element_size() - 1) - scales * 4
+    logger.warning("%s: served in %s, not FP8 (quantization.FP8_SERVED_COMPONENTS: its steps are launch-bound and "
+                   "its weights small): %.1f MiB more than its FP8 weights would take", component,
+                   str(dtype).removeprefix("torch."), extra / 2 ** 20)
+
+
 def _module_of(scale_name: str) -> str:
     """``a.q_proj.weight_scale_inv`` -> ``a.q_proj``; a per-expert scale -> the layer's stacked ``...experts``."""
     match = _EXPERT.match(scale_name)
@@ -99,11 +138,16 @@ def _module_of(scale_name: str) -> str:
 
 
 def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
-                    skip_prefixes: tuple[str, ...] = ()) -> nn.Module:
-    """Fill ``module`` from every checkpoint tensor under ``prefix`` (strict), streaming one at a time."""
+                    skip_prefixes: tuple[str, ...] = (), dequantize: Fp8Scheme | None = None) -> nn.Module:
+    """Fill ``module`` from every checkpoint tensor under ``prefix`` (strict), streaming one at a time.
+    ``dequantize``: the FP8 checkpoint's scheme, for a module built in the model dtype: each FP8 weight is
+    dequantized with its ``weight_scale_inv`` (read with it) into its full-precision parameter."""
     targets = dict(module.state_dict())
     files = {name: path for name, path in checkpoint_index(checkpoint_dir).items()
              if name.startswith(prefix) and not name.startswith(skip_prefixes)}
+    # scales read with their weights, not on their own; any left at the end had no weight
+    scales = {name: files.pop(name) for name in list(files)
+              if dequantize is not None and name.endswith(".weight" + SCALE_SUFFIX)}
     pending: dict[str, set] = {}  # target name -> parts still to fill (stacked experts fill in pieces)
     for name in targets:
         if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj" + SCALE_SUFFIX)):
@@ -116,7 +160,14 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
     by_file: dict[Path, list[str]] = {}
     for name, path in sorted(files.items()):
         by_file.setdefault(path, []).append(name)
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as opened:
+        handles: dict[Path, object] = {}  # the scales' files, each opened once
+
+        def handle_of(path: Path):
+            if path not in handles:
+                handles[path] = opened.enter_context(safe_open(path, "pt"))
+            return handles[path]
+
         for path, names in by_file.items():
             with safe_open(path, "pt") as handle:
                 for name in names:
@@ -128,6 +179,8 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
                     if tensor.shape != view.shape:
                         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(view.shape)}")
+                    if tensor.dtype == FP8_DTYPE and view.dtype != FP8_DTYPE and dequantize is not None:
+                        tensor = _dequantized(name, tensor, scales, handle_of, dequantize.block, view.dtype)
                     if tensor.dtype == FP8_DTYPE and view.dtype != FP8_DTYPE:
                         raise ValueError(f"tensor {name!r} is {tensor.dtype} but the model's is {view.dtype}: "
                                          "an FP8 weight needs its weight_scale_inv and a quantization_config")
@@ -138,6 +191,9 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
                     else:
                         view.copy_(tensor)
                     pending[target_name].discard(part)
+    if scales:
+        name = min(scales)
+        raise ValueError(f"unexpected tensor {name!r} in {str(scales[name])!r}: a block scale without its FP8 weight")
     missing = [_checkpoint_name(prefix, target, part) for target, parts in pending.items() for part in sorted(
         parts, key=str)]
     if missing:
@@ -145,6 +201,20 @@ def load_component_(module: nn.Module, checkpoint_dir: str | Path, prefix: str,
         raise ValueError(f"{len(missing)} tensor(s) missing from {str(checkpoint_dir)!r}: {shown}"
                          + (" ..." if len(missing) > 8 else ""))
     return module
+
+
+def _dequantized(name: str, weight: torch.Tensor, scales: dict[str, Path], handle_of, block: tuple[int, int],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The checkpoint's FP8 ``weight`` (tensor ``name``) times its block scales (taken out of ``scales``, read
+    through ``handle_of(file)``)."""
+    scale_name = name + SCALE_SUFFIX
+    if scale_name not in scales:
+        raise ValueError(f"tensor {name!r} is FP8 but {scale_name!r} is missing: an FP8 weight needs its block scales")
+    scale_inv = handle_of(scales.pop(scale_name)).get_tensor(scale_name)
+    if scale_inv.shape != scale_shape(*weight.shape, block):
+        raise ValueError(f"tensor {scale_name!r} has shape {tuple(scale_inv.shape)}, expected "
+                         f"{scale_shape(*weight.shape, block)} for {block[0]} x {block[1]} blocks")
+    return dequantize_fp8(weight, scale_inv, block, dtype)
 
 
 def _fp8_block(module: nn.Module, target_name: str) -> tuple[int, int]:
@@ -230,17 +300,21 @@ def init_dummy_(module: nn.Module, seed: int = 0) -> nn.Module:
 
 def load_thinker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, with_audio: bool = True, *, load_format: str = "safetensors",
-                 seed: int = 0, quantization: str | None = None) -> Thinker:
-    """``quantization`` "fp8": block-FP8 weights quantized at load (an FP8 checkpoint is FP8 without it)."""
+                 seed: int = 0, quantization: str | None = None, fp8_everywhere: bool = False) -> Thinker:
+    """``quantization`` "fp8": block-FP8 weights quantized at load (an FP8 checkpoint is FP8 without it), where
+    ``quantization.served_in_fp8`` (or ``fp8_everywhere``) says."""
     _check_load_format(load_format)
     config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir) if load_format == "dummy"
                                         else checkpoint_dir)
-    thinker = _materialise(lambda: Thinker(config.thinker), device, dtype,
-                           _fp8_plan(checkpoint_dir, THINKER_PREFIX, quantization, load_format))
+    fp8, declined = _served_plan(checkpoint_dir, THINKER_PREFIX, quantization, load_format, fp8_everywhere)
+    thinker = _materialise(lambda: Thinker(config.thinker), device, dtype, fp8)
     if load_format == "dummy":
         init_dummy_(thinker, seed)
     else:
-        load_component_(thinker, checkpoint_dir, THINKER_PREFIX, THINKER_SKIPPED)
+        load_component_(thinker, checkpoint_dir, THINKER_PREFIX, THINKER_SKIPPED,
+                        dequantize=None if declined is None else declined[0])
+    if declined is not None:
+        _log_declined_fp8(thinker, "thinker", declined)
     if with_audio:
         if load_format == "dummy":
             from omni_triton.models.audio_encoder import AudioEncoder
@@ -254,16 +328,21 @@ def load_thinker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
 
 def load_talker(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, *, load_format: str = "safetensors", seed: int = 0,
-                quantization: str | None = None) -> Talker:
-    """``quantization`` as ``load_thinker``'s."""
+                quantization: str | None = None, fp8_everywhere: bool = False) -> Talker:
+    """``quantization`` and ``fp8_everywhere`` as ``load_thinker``'s: the talker stays in ``dtype`` unless
+    ``fp8_everywhere`` (``quantization.served_in_fp8``)."""
     _check_load_format(load_format)
-    fp8 = _fp8_plan(checkpoint_dir, TALKER_PREFIX, quantization, load_format)
-    if load_format == "dummy":
-        config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir))
-        return init_dummy_(_materialise(lambda: Talker(config.talker), device, dtype, fp8), seed)
-    config = OmniConfig.from_pretrained(checkpoint_dir)
+    fp8, declined = _served_plan(checkpoint_dir, TALKER_PREFIX, quantization, load_format, fp8_everywhere)
+    config = OmniConfig.from_pretrained(resolve_config_dir(checkpoint_dir) if load_format == "dummy"
+                                        else checkpoint_dir)
     talker = _materialise(lambda: Talker(config.talker), device, dtype, fp8)
-    return load_component_(talker, checkpoint_dir, TALKER_PREFIX)
+    if load_format == "dummy":
+        init_dummy_(talker, seed)
+    else:
+        load_component_(talker, checkpoint_dir, TALKER_PREFIX, dequantize=None if declined is None else declined[0])
+    if declined is not None:
+        _log_declined_fp8(talker, "talker", declined)
+    return talker
 
 
 def load_code2wav(checkpoint_dir: str | Path, device: str | torch.device = "cpu",

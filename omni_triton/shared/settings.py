@@ -51,7 +51,7 @@ class LaunchConfig:
     device: str = "cpu"                   # cpu | cuda
     load_format: str = "safetensors"      # safetensors | dummy (see LOAD_FORMATS)
     dummy_seed: int = 0                   # load_format dummy: the weights' seed
-    quantization: str = "none"            # none | fp8: thinker/talker weights quantized at load (QUANTIZATIONS)
+    quantization: str = "none"            # none | fp8: thinker weights quantized at load (QUANTIZATIONS)
     interstage_memory: str = "device"     # device | host (see INTERSTAGE_MEMORY)
     dtype: str | None = None              # None: float32 on cpu, bfloat16 on cuda
     # Audio chunking: a small first chunk for a low time-to-first-audio, larger ones after it.

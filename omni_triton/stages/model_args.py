@@ -89,7 +89,8 @@ def load_options(settings: LaunchConfig) -> dict[str, Any]:
 
 def quantization(settings: LaunchConfig) -> str | None:
     """The thinker's and talker's weights quantized at load (``--quantization``): "fp8", or None (the
-    checkpoint's own)."""
+    checkpoint's own). Each stage's loader decides what it serves in FP8 (``models.quantization.served_in_fp8``:
+    the talker keeps the model dtype)."""
     return None if settings.quantization == "none" else settings.quantization
 
 

@@ -136,9 +136,10 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantized_copy(model: nn.Module, scheme: Fp8Scheme | None = None) -> nn.Module:
-    """A copy of ``model`` whose modules ``--quantization fp8`` converts (``quantization.quantized_at_load``) are FP8
-    twins holding its weights quantized; every other tensor copied as it is (the same model, FP8 where served so:
-    what accuracy measurements compare against ``model``)."""
+    """A copy of ``model`` whose modules quantizing at load converts (``quantization.quantized_at_load``) are FP8
+    twins holding its weights quantized; every other tensor copied as it is (what accuracy measurements compare
+    against ``model``). Whatever the component: the thinker as ``--quantization fp8`` serves it, the talker as the
+    loaders' ``fp8_everywhere`` builds it (served in the model dtype: ``quantization.served_in_fp8``)."""
     import copy
 
     from omni_triton.models.quantization import quantized_at_load
