@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_toy_model import ToyTalker, ToyThinker
+from engine_toy_model import ToyTalker, ToyThinker, reference_greedy
 from omni_triton import trace
 from omni_triton.bench import breakdown, step_breakdown
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
@@ -15,7 +15,7 @@ PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11]
 MAX_NEW = [12, 7, 20]
 FIELDS = {"record", "t", "pid", "engine", "kind", "rows", "tokens", "prefill_tokens", "decode_rows", "sampled",
           "completion_rows", "graph", "preempted", "waiting", "waiting_input", "left_runnable", "left_waiting_input",
-          "host_ms", "gpu_ms", "gap_ms"}
+          "ahead", "not_ahead", "host_ms", "gpu_ms", "gap_ms"}
 
 
 def test_thinker_steps_are_logged_and_add_up_to_what_was_generated(traced):
@@ -38,6 +38,57 @@ def test_thinker_steps_are_logged_and_add_up_to_what_was_generated(traced):
     assert all(r["gpu_ms"] is None and r["host_ms"] > 0 and r["completion_rows"] == 0 for r in records)
     assert records[0]["gap_ms"] is None and all(r["gap_ms"] >= 0 for r in records[1:])
     assert records[-1]["left_runnable"] == 0
+
+
+def test_steps_say_whether_they_were_launched_ahead_and_why_not(traced):
+    """The thinker on one stream overlaps its decode steps (engine/overlap.py): steps launched by the step before
+    say ``ahead``; the others say why not: a prefill, an admission queued mid-decode ("waiting"), a stop token,
+    a row's last token."""
+    model = ToyThinker().eval()
+    engine = LLMEngine(ThinkerStage(model), EngineConfig(block_size=4, num_blocks=256))
+    assert engine.overlap is not None
+    engine.add_request("a", SamplingParams(temperature=0.0, max_new_tokens=30), prompt_token_ids=PROMPTS[1])
+    for _ in range(8):
+        engine.step()
+    greedy = reference_greedy(model, PROMPTS[0], 6)
+    stop = next(t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
+    engine.add_request("b", SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(stop,)),
+                       prompt_token_ids=PROMPTS[0])
+    while engine.has_work():
+        engine.step()
+    records = trace.read_records(traced, "step")
+    # a step is ahead exactly when the one before launched it
+    assert [r["ahead"] for r in records] == [False] + [r["not_ahead"] is None for r in records[:-1]]
+    # a's prefill, then a synchronous decode step that launches the next: a's steady decode is ahead
+    assert records[0]["not_ahead"] == "prefill" and not records[1]["ahead"] and records[1]["not_ahead"] is None
+    assert all(r["ahead"] for r in records[2:9])
+    # the 9th step was launched before b arrived, and could not launch its successor with b queued
+    assert records[8]["not_ahead"] == "waiting"
+    assert records[9]["kind"] == "mixed" and records[9]["not_ahead"] == "prefill"
+    assert not records[10]["ahead"] and records[10]["kind"] == "decode" and records[10]["rows"] == 2
+    # b's stop is read while the step after it is in flight: that step's successor is not launched ahead
+    stopped = [i for i, r in enumerate(records) if r["not_ahead"] == "stopped"]
+    assert len(stopped) == 1 and records[stopped[0]]["rows"] == 2 and records[stopped[0] + 1]["rows"] == 1
+    assert records[-1]["not_ahead"] == "length"
+    assert sum(r["ahead"] for r in records) >= 20
+
+
+def test_steps_without_overlap_say_so(traced):
+    engine = LLMEngine(ThinkerStage(ToyThinker().eval()),
+                       EngineConfig(block_size=4, num_blocks=64, overlap_steps=False))
+    talker = ToyTalker().eval()
+    hidden = talker.hidden_size
+    stage = TalkerStage(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
+    talker_engine = LLMEngine(stage, EngineConfig(block_size=4, num_blocks=64))  # (the CPU: no decode graphs)
+    engine.add_request("r", SamplingParams(temperature=0.0, max_new_tokens=4), prompt_token_ids=[1, 2])
+    talker_engine.add_request("t", SamplingParams(temperature=0.0, max_new_tokens=4),
+                              prompt_embeds=torch.randn(5, hidden), thinker_finished=True)
+    while engine.has_work() or talker_engine.has_work():
+        engine.step()
+        talker_engine.step()
+    records = trace.read_records(traced, "step")
+    assert {(r["engine"], r["ahead"], r["not_ahead"]) for r in records} == {("thinker", False, "off"),
+                                                                           ("talker", False, "not_supported")}
 
 
 def test_tracing_off_logs_no_step(tmp_path):
@@ -129,3 +180,20 @@ def test_breakdown_table_gets_engine_rows_per_level(tmp_path):
     table = breakdown.markdown([row, {**row, "concurrency": 32}])
     assert "| talker steps: GPU % of wall | 15 | 15 |" in table
     assert "| thinker steps: decode batch (mean rows) | 2.0 | 2.0 |" in table
+
+
+def test_share_of_steps_launched_ahead_and_the_commonest_reasons():
+    reasons = [None, None, "waiting", None, "inputs", "waiting", None, "prefill", "waiting", None]
+    steps = [dict(step("talker", 0.01 * (i + 1), 5), ahead=i > 0 and reasons[i - 1] is None, not_ahead=reason)
+             for i, reason in enumerate(reasons)]
+    shares = step_breakdown.engine_shares(steps, 0.0, 1.0)["talker"]
+    assert shares["ahead_pct"] == pytest.approx(40)  # steps 2, 3, 5, 8 of 10 followed a launch
+    assert shares["not_ahead_top"] == "waiting 30%, inputs 10%, prefill 10%"
+    row = {"concurrency": 64, "engines": {"talker": shares}}
+    lines = step_breakdown.markdown_rows([row])
+    assert "| talker steps: steps launched ahead % | 40 |" in lines
+    assert "| talker steps: not ahead: top reasons | waiting 30%, inputs 10%, prefill 10% |" in lines
+    # step records from before the step log said so: no such rows
+    old = step_breakdown.engine_shares([step("talker", 0.01, 5)], 0.0, 1.0)
+    assert old["talker"]["ahead_pct"] is None
+    assert not [line for line in step_breakdown.markdown_rows([{"engines": old}]) if "ahead" in line]

@@ -11,10 +11,14 @@ process, in exactly one of:
 - idle: between steps with nothing to do at all (no request, or requests still on their way in).
 So the four shares add up to 100% of the window. Besides them: mean decode batch, mean rows waiting for input
 per step, and prefill stalls: how much longer the steps that ran prefill next to decoding rows (mixed steps)
-took than the median decode step (what those decoding streams waited for the prefill riding along).
+took than the median decode step (what those decoding streams waited for the prefill riding along). And how
+often a step was launched before the previous one's tokens reached the host (overlapped steps, ``ahead``), with
+the commonest reasons the next step was not (``not_ahead``, each as a share of all steps).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 
@@ -30,6 +34,8 @@ TABLE_ROWS = (
     ("rows waiting for input (mean per step)", "waiting_input_mean", "{:.1f}"),
     ("decode step p50 (ms)", "decode_step_p50_ms", "{:.1f}"),
     ("prefill stalls of decoding rows (ms)", "prefill_stall_ms", "{:.0f}"),
+    ("steps launched ahead %", "ahead_pct", "{:.0f}"),
+    ("not ahead: top reasons", "not_ahead_top", "{}"),
 )
 
 
@@ -96,7 +102,19 @@ def _step_stats(steps: list[dict]) -> dict:
     return {"steps": len(steps),
             "decode_rows_mean": float(np.mean(rows_with_decode)) if rows_with_decode else 0.0,
             "waiting_input_mean": float(np.mean([s["waiting_input"] for s in steps])),
-            "decode_step_p50_ms": decode_p50, "mixed_steps": len(mixed), "prefill_stall_ms": stall}
+            "decode_step_p50_ms": decode_p50, "mixed_steps": len(mixed), "prefill_stall_ms": stall,
+            **_ahead_stats(steps)}
+
+
+def _ahead_stats(steps: list[dict], top: int = 3) -> dict:
+    """Share of steps launched ahead, and the ``top`` reasons the next step was not, as "reason N%" (shares of
+    all steps); None for records from before the step log said so."""
+    logged = [s for s in steps if "ahead" in s]
+    if not logged:
+        return {"ahead_pct": None, "not_ahead_top": None}
+    commonest = Counter(s["not_ahead"] for s in logged if s.get("not_ahead") is not None).most_common(top)
+    return {"ahead_pct": 100 * sum(bool(s["ahead"]) for s in logged) / len(logged),
+            "not_ahead_top": ", ".join(f"{reason} {100 * n / len(logged):.0f}%" for reason, n in commonest) or "-"}
 
 
 def markdown_rows(rows: list[dict]) -> list[str]:

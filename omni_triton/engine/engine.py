@@ -131,6 +131,8 @@ class LLMEngine:
         self.overlap = (StepOverlap(self.scheduler, self.block_manager, self.runner, config.max_num_seqs)
                         if config.overlap_steps and StepOverlap.supported(self.runner) else None)
         self._inflight: LaunchedStep | None = None  # launched by the last step, finished by the next (overlap)
+        # the step log's not_ahead when no step is ever launched ahead
+        self._no_overlap = None if self.overlap is not None else "off" if not config.overlap_steps else "not_supported"
 
     # -- client API -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, sampling_params: SamplingParams, *,
@@ -201,22 +203,26 @@ class LLMEngine:
         last call, after launching the one after it."""
         began = self.step_log.begin() if trace.enabled() else None
         current, self._inflight = self._inflight, None
+        ahead = current is not None  # launched by the last call's launch_next
         if current is None:
             current = self._launch_scheduled(traced=began is not None)
             if current is None:
                 return []
         self.last_step_size = len(current.batch)
+        not_ahead = self._no_overlap
         if self.overlap is not None:
             self._inflight = self.overlap.launch_next(current)
+            not_ahead = self.overlap.not_ahead
             if self._inflight is not None and began is not None:
                 self._inflight.shape = self._step_shape(self._inflight.batch, decoding=True)
         outputs, completion_rows = self._finish(current)
         if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
-            self._inflight = None  # every row stopped: nothing of it to deliver
+            self._inflight, not_ahead = None, "stopped"  # every row stopped: nothing of it to deliver
         if began is not None and current.shape is not None:  # (tracing turned on since its launch: no shape)
             result = current.result
             completes = len(self.runner.streams) > 1  # the stage's completion samples (talker: code predictor)
-            self.step_log.end(began, **current.shape, sampled=len(result.sampled_seqs),
+            self.step_log.end(began, **current.shape, ahead=ahead, not_ahead=not_ahead,
+                              sampled=len(result.sampled_seqs),
                               completion_rows=completion_rows if completes else 0,
                               left_runnable=self.scheduler.count(SequenceStatus.RUNNING) + len(self.scheduler.waiting),
                               left_waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))

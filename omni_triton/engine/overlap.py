@@ -48,6 +48,13 @@ class LaunchedStep:
         return id(seq) in self._rows
 
 
+# why a step's successor was not launched ahead (the step log's ``not_ahead``): a row of the step computed a
+# prefill chunk, or did not sample; a row stopped or was aborted; a row reaches max_new_tokens with its next token;
+# the host sampler would read the unread token; requests wait for admission; another row became runnable (a talker
+# row whose text arrived); a row's next input is not on the device; too few free blocks
+NOT_AHEAD = ("prefill", "stopped", "length", "sampler", "waiting", "runnable_changed", "inputs", "blocks")
+
+
 class StepOverlap:
     def __init__(self, scheduler: Scheduler, block_manager: BlockManager, runner: ModelRunner, max_num_seqs: int):
         self.scheduler = scheduler
@@ -58,6 +65,7 @@ class StepOverlap:
                               if cuda else [None, None])
         self._next_buffer = 0
         self.launched = 0  # overlapped steps launched (tests, diagnostics)
+        self.not_ahead: str | None = None  # why the last launch_next launched nothing (NOT_AHEAD), else None
 
     @staticmethod
     def supported(runner: ModelRunner) -> bool:
@@ -77,14 +85,18 @@ class StepOverlap:
 
     def launch_next(self, current: LaunchedStep) -> LaunchedStep | None:
         """The step after ``current`` (not finished yet), launched with its inputs on the device; None when the
-        batch could change (the caller then finishes ``current`` and schedules as usual)."""
+        batch could change (the caller then finishes ``current`` and schedules as usual), ``not_ahead`` saying
+        why."""
         seqs = current.batch.seqs
-        if not self._same_batch_next(current):
+        self.not_ahead = self._why_not_same_batch(current)
+        if self.not_ahead is not None:
             return None
         inputs = self._next_inputs(current)
         if inputs is None:
+            self.not_ahead = "inputs"
             return None
         if not self.block_manager.allocate_next_positions(seqs):
+            self.not_ahead = "blocks"
             return None
         chunks = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1) for seq in seqs]
         result = self.runner.run_ahead(chunks, **inputs)
@@ -106,21 +118,25 @@ class StepOverlap:
         inputs_embeds = stage.inputs_ahead(current.batch.seqs, result.completed)
         return None if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
 
-    def _same_batch_next(self, current: LaunchedStep) -> bool:
-        """Whether the scheduler would run exactly ``current``'s rows once more, each decoding the token
-        ``current`` samples, whatever those tokens are (short of a stop)."""
+    def _why_not_same_batch(self, current: LaunchedStep) -> str | None:
+        """None when the scheduler would run exactly ``current``'s rows once more, each decoding the token
+        ``current`` samples, whatever those tokens are (short of a stop); else why not (``NOT_AHEAD``)."""
         result, seqs = current.result, current.batch.seqs
-        if (self.scheduler.waiting or not seqs or len(result.sampled_seqs) != len(seqs)
+        if (not seqs or len(result.sampled_seqs) != len(seqs)
                 or any(n != 1 for n in current.batch.num_new_tokens)):
-            return False
+            return "prefill"
         if any(seq.status != SequenceStatus.RUNNING for seq in seqs):
-            return False  # aborted or stopped since
-        if self.scheduler.count(SequenceStatus.RUNNING) != len(seqs):
-            return False  # another row can run now
+            return "stopped"  # aborted or stopped since
         # the row's token count after current's token: another token still allowed
         if any(seq.num_generated + 1 >= seq.params.max_new_tokens for seq in seqs):
-            return False
-        return self.runner.samplers or all(_host_sampling_ahead_exact(seq) for seq in seqs)
+            return "length"
+        if not (self.runner.samplers or all(_host_sampling_ahead_exact(seq) for seq in seqs)):
+            return "sampler"
+        if self.scheduler.waiting:
+            return "waiting"
+        if self.scheduler.count(SequenceStatus.RUNNING) != len(seqs):
+            return "runnable_changed"  # another row can run now
+        return None
 
 
 def _host_sampling_ahead_exact(seq: Sequence) -> bool:

@@ -6,6 +6,9 @@ A record (``engine``: "thinker" / "talker"; times in ms, ``t`` = the step's end,
 - ``rows``, ``tokens`` (positions computed), ``prefill_tokens``, ``decode_rows``, ``sampled`` (tokens
   generated), ``completion_rows`` (rows whose stage completion ran: the talker's code predictor), ``graph``
   (the step replayed a CUDA graph: decode, or prefill/mixed), ``preempted``;
+- ``ahead``: the step was launched by the previous step, before that one's tokens reached the host
+  (``overlap.py``); ``not_ahead``: null when the next step is launched so, else why not (``overlap.NOT_AHEAD``,
+  "stopped" when every row of the one launched stopped, "off" / "not_supported" without overlapped steps);
 - ``host_ms``: the step's wall time on the engine thread; ``gpu_ms``: the GPU-stream span between events
   recorded at the step's start and end (CUDA only, else null; it includes the stream's idle gaps while the
   host launches, and time the GPU spent on other processes' work);
