@@ -16,6 +16,13 @@ order makes safe), a row at max_new_tokens, too few free blocks, a talker row wh
 arrived, and on the host sampler rows whose repetition penalty or min_new_tokens ban depends on the token not
 read yet. Tokens, states and draws are the synchronous engine's: every sampler draw is keyed by the row's
 generated-token count, told one token ahead.
+
+With ``admit_ahead`` (``EngineConfig.overlap_admit``), rows that only want to join (requests waiting for
+admission, a talker row whose text arrived) do not stop the launch: the same rows go ahead once more, and that
+step's successor is scheduled as a synchronous step would be, with the new rows in it (their prefill under the
+scheduler's token budget as usual). They join one step later; no row's tokens change, as no row's draws depend
+on the batch it runs in. Requests queued behind a full running set are no reason at all: none is admitted before
+a row finishes, and a finish stops the launches anyway.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class LaunchedStep:
     host_ids: HostIds
     shape: dict | None = None  # the step log's fields (tracing on at its launch)
     ready: torch.cuda.Event | None = None  # after the work that writes its outputs (handoff.py; CUDA only)
+    # launched ahead while new rows wanted to join (admit_ahead): its successor is scheduled, with them in it
+    joiners_next: bool = False
 
     def __post_init__(self):
         self._rows = frozenset(map(id, self.batch.seqs))
@@ -53,11 +62,14 @@ class LaunchedStep:
 # the host sampler would read the unread token; requests wait for admission; another row became runnable (a talker
 # row whose text arrived); a row's next input is not on the device; too few free blocks
 NOT_AHEAD = ("prefill", "stopped", "length", "sampler", "waiting", "runnable_changed", "inputs", "blocks")
+JOINING = ("waiting", "runnable_changed")  # the reasons that only say new rows want to join (admit_ahead)
 
 
 class StepOverlap:
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, runner: ModelRunner, max_num_seqs: int):
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, runner: ModelRunner, max_num_seqs: int,
+                 admit_ahead: bool = False):
         self.scheduler = scheduler
+        self.admit_ahead = admit_ahead
         self.block_manager = block_manager
         self.runner = runner
         cuda = runner.device.type == "cuda"
@@ -65,6 +77,7 @@ class StepOverlap:
                               if cuda else [None, None])
         self._next_buffer = 0
         self.launched = 0  # overlapped steps launched (tests, diagnostics)
+        self.launched_before_joiners = 0  # of those, launched while new rows wanted to join (admit_ahead)
         self.not_ahead: str | None = None  # why the last launch_next launched nothing (NOT_AHEAD), else None
 
     @staticmethod
@@ -89,8 +102,12 @@ class StepOverlap:
         why."""
         seqs = current.batch.seqs
         self.not_ahead = self._why_not_same_batch(current)
-        if self.not_ahead is not None:
+        # rows that want to join are passed over by one launch at most: the step launched despite them is
+        # followed by a scheduled one (else an admission could wait behind launch after launch)
+        before_joiners = self.admit_ahead and self.not_ahead in JOINING and not current.joiners_next
+        if self.not_ahead is not None and not before_joiners:
             return None
+        self.not_ahead = None
         inputs = self._next_inputs(current)
         if inputs is None:
             self.not_ahead = "inputs"
@@ -103,8 +120,10 @@ class StepOverlap:
         for seq in seqs:
             seq.num_computed_tokens += 1
         self.launched += 1
+        self.launched_before_joiners += before_joiners
         batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
-        return LaunchedStep(batch, result, self.host_ids(result), ready=ready_event(self.runner.device))
+        return LaunchedStep(batch, result, self.host_ids(result), ready=ready_event(self.runner.device),
+                            joiners_next=before_joiners)
 
     def _next_inputs(self, current: LaunchedStep) -> dict | None:
         """``run_ahead``'s inputs for the rows after ``current``: its sampled ids (token-input stages), or the
@@ -132,7 +151,9 @@ class StepOverlap:
             return "length"
         if not (self.runner.samplers or all(_host_sampling_ahead_exact(seq) for seq in seqs)):
             return "sampler"
-        if self.scheduler.waiting:
+        # (admit_ahead: requests that cannot be admitted before a row finishes, which stops the launches then
+        # anyway, are no reason)
+        if self.scheduler.waiting and (not self.admit_ahead or self.scheduler.admits_any()):
             return "waiting"
         if self.scheduler.count(SequenceStatus.RUNNING) != len(seqs):
             return "runnable_changed"  # another row can run now
