@@ -137,12 +137,20 @@ class StepOverlap:
         inputs_embeds = stage.inputs_ahead(current.batch.seqs, result.completed)
         return None if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
 
+    def _prefills_end_ahead(self) -> bool:
+        """Whether a step whose rows all sampled, some of them at the end of a prefill, may be followed ahead
+        (admit_ahead): its rows then decode one token each, as after a decode step, where the next inputs are
+        the sampled ids' embeddings. Not the talker's: a step with prefill rows completes its sampled rows (the
+        code predictor) when it is finished, not under the graph, so their next inputs are not on the device."""
+        return self.admit_ahead and getattr(self.runner.stage, "embed_token_ids", None) is not None
+
     def _why_not_same_batch(self, current: LaunchedStep) -> str | None:
         """None when the scheduler would run exactly ``current``'s rows once more, each decoding the token
         ``current`` samples, whatever those tokens are (short of a stop); else why not (``NOT_AHEAD``)."""
         result, seqs = current.result, current.batch.seqs
-        if (not seqs or len(result.sampled_seqs) != len(seqs)
-                or any(n != 1 for n in current.batch.num_new_tokens)):
+        if not seqs or len(result.sampled_seqs) != len(seqs):
+            return "prefill"  # a prefill goes on (a chunk that did not sample): the next batch is the scheduler's
+        if any(n != 1 for n in current.batch.num_new_tokens) and not self._prefills_end_ahead():
             return "prefill"
         if any(seq.status != SequenceStatus.RUNNING for seq in seqs):
             return "stopped"  # aborted or stopped since
