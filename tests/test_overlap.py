@@ -284,11 +284,15 @@ def test_tracing_turned_on_while_a_step_is_in_flight(thinker, tmp_path):
 def random_scenario(seed: int):
     """Requests (params, prompt) of greedy and seeded sampling, some with stop ids, and events: half of them
     arrive mid-decode, some are aborted later; plus a token budget and pool small enough, for some seeds, to
-    chunk prefills, leave runnable rows out of a step and preempt."""
+    chunk prefills (an arrival's prompt in one chunk or several), leave runnable rows out of a step and preempt;
+    for half of the seeds prefix caching, over prompts of which half begin with a shared prefix."""
     rng = random.Random(seed)
     requests, events = [], []
+    shared = [rng.randrange(64) for _ in range(12)]
     for i in range(rng.randint(5, 8)):
         prompt = [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        if rng.random() < 0.5:
+            prompt = shared[:rng.randint(4, 12)] + prompt[:rng.randint(0, 8)]
         stop = tuple(rng.sample(range(64), rng.randint(0, 2)))
         if rng.random() < 0.5:
             params = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 30), stop_token_ids=stop)
@@ -302,7 +306,8 @@ def random_scenario(seed: int):
             events.append((added, "add", f"r{i}"))
         if rng.random() < 0.25:
             events.append((added + rng.randint(1, 15), "abort", f"r{i}"))
-    config = {"max_num_batched_tokens": rng.choice((3, 8, 16, 64)), "num_blocks": rng.choice((16, 256))}
+    config = {"max_num_batched_tokens": rng.choice((3, 8, 16, 64)), "num_blocks": rng.choice((16, 256)),
+              "prefix_caching": seed % 2 == 1}
     return requests, sorted(events), config
 
 
@@ -310,8 +315,9 @@ def test_launching_ahead_of_joining_rows_gives_the_synchronous_tokens(thinker):
     """Randomized interleavings of admissions, aborts, stops and max_new_tokens (and, for some seeds, block
     pressure and a token budget under the running rows): overlapped steps with and without ``overlap_admit``
     give every request the tokens, states and finish of the synchronous engine (an aborted one: the same
-    stream, cut where the abort found it); no block leaks."""
-    launched_before_joiners = []
+    stream, cut where the abort found it), also where ``overlap_admit`` launches ahead after rows finished
+    their prefill (over cached prefixes for some seeds); no block leaks."""
+    launched_before_joiners, launched_after_prefills, hits = [], [], []
     for seed in range(12):
         requests, events, config = random_scenario(seed)
         aborted = {request_id for _, kind, request_id in events if kind == "abort"}
@@ -333,7 +339,14 @@ def test_launching_ahead_of_joining_rows_gives_the_synchronous_tokens(thinker):
                     torch.testing.assert_close(states[request_id], full_states[request_id], rtol=1e-5, atol=1e-5)
             if admit:
                 launched_before_joiners.append(engine.overlap.launched_before_joiners)
-    assert sum(n > 0 for n in launched_before_joiners) >= 8, launched_before_joiners  # the relaxed path ran
+                launched_after_prefills.append(engine.overlap.launched_after_prefills)
+                hits.append(engine.block_manager.num_hit_tokens)
+            elif overlap:
+                assert engine.overlap.launched_after_prefills == 0
+    # the relaxed paths ran
+    assert sum(n > 0 for n in launched_before_joiners) >= 8, launched_before_joiners
+    assert all(n > 0 for n in launched_after_prefills), launched_after_prefills
+    assert sum(n > 0 for n in hits[1::2]) >= 4, hits  # (prefix caching on odd seeds)
 
 
 def traced_drive(engine: LLMEngine, requests, events, directory):
@@ -357,16 +370,19 @@ def joining_scenario(name: str):
                 (SamplingParams(temperature=0.8, seed=2, max_new_tokens=50), PROMPTS[2])]
     requests += [(SamplingParams(temperature=0.0, max_new_tokens=3), PROMPTS[3 + i % 2]) for i in range(6)]
     events = [(4 + 7 * i, "add", f"r{2 + i}") for i in range(6)]  # mid-decode, each while a step is in flight
-    # queue_full: no room for them until the first two finish
-    return requests, events, {"max_num_seqs": 2} if name == "queue_full" else {}
+    # queue_full: no room for them until the first two finish; chunked: an 8-token budget under two decoding rows
+    # prefills the 18-token prompts in three chunks, the 7-token ones in two, with prefix caching on
+    return requests, events, {"queue_full": {"max_num_seqs": 2},
+                              "chunked": {"max_num_batched_tokens": 8, "prefix_caching": True}}.get(name, {})
 
 
-@pytest.mark.parametrize("scenario", ["admissions", "queue_full", "budget_full"])
+@pytest.mark.parametrize("scenario", ["admissions", "chunked", "queue_full", "budget_full"])
 def test_joining_rows_wait_one_launched_step_at_most(thinker, tmp_path, scenario):
-    """Requests arriving mid-decode (admitted at once, or queued behind a full running set), or a request that
-    waits for the token budget: with ``overlap_admit`` the step after the one that sees them is launched ahead
-    anyway and they join on the step after it (queued requests that cannot be admitted hold nothing back); the
-    same tokens, and at least as many steps launched ahead (more where they keep waiting)."""
+    """Requests arriving mid-decode (admitted at once, their prompts in one chunk or several, or queued behind a
+    full running set), or a request that waits for the token budget: with ``overlap_admit`` the step after the
+    one that sees them is launched ahead anyway and they join on the step after it (queued requests that cannot
+    be admitted hold nothing back), and the step after the one that ends their prefill is launched ahead too;
+    the same tokens, and more steps launched ahead."""
     requests, events, config = joining_scenario(scenario)
     reason = "waiting"
     runs = {}
@@ -380,16 +396,29 @@ def test_joining_rows_wait_one_launched_step_at_most(thinker, tmp_path, scenario
     assert sum(r["not_ahead"] == reason for r in records) >= 6
     ahead = sum(r["ahead"] for r in records) / len(records)
     admit_ahead = sum(r["ahead"] for r in admit_records) / len(admit_records)
-    # admissions: the new row's prefill step and the step after it are synchronous either way, the admission only
-    # one step later; a queue that cannot be admitted holds no step back; one the budget holds, every other one
-    assert admit_ahead >= ahead + {"admissions": 0.0, "queue_full": 0.5, "budget_full": 0.1}[scenario]
-    assert joiners == {"admissions": 6, "queue_full": 0, "budget_full": 4}[scenario]
+    # admissions: the step after the one that ends a prefill goes ahead (before: synchronous, 60% ahead); chunked:
+    # so does the one after a prefill's last chunk, not after a chunk that samples nothing; a queue that cannot be
+    # admitted holds no step back; one the budget holds, every other one
+    gain = {"admissions": 0.1, "chunked": 0.1, "queue_full": 0.5, "budget_full": 0.1}[scenario]
+    assert admit_ahead >= ahead + gain, (ahead, admit_ahead)
+    if scenario == "admissions":
+        assert ahead == pytest.approx(0.6) and admit_ahead > 0.7
+    # (chunked: an arrival seen while a prefill goes on joins after it, no step launched before it)
+    assert joiners == {"admissions": 6, "chunked": 5, "queue_full": 0, "budget_full": 4}[scenario]
     # a step launched despite joining rows is followed by a scheduled step: it says why it launched nothing
     launched_despite = [i for i, r in enumerate(admit_records[:-1]) if r["not_ahead"] is None
                         and admit_records[i + 1]["not_ahead"] == reason]
-    assert len(launched_despite) >= {"admissions": 6, "queue_full": 0, "budget_full": 3}[scenario]
+    assert len(launched_despite) >= {"admissions": 6, "chunked": 5, "queue_full": 0, "budget_full": 3}[scenario]
     for i in launched_despite:
         assert not admit_records[i + 2]["ahead"]
+    # steps with prefill rows (budget_full: none, its prompts are one token): followed ahead where every row
+    # sampled (a prefill ended), else not (one goes on)
+    prefills = [r for r in admit_records if r["kind"] != "decode"]
+    assert all((r["not_ahead"] == "prefill") == (r["sampled"] < r["rows"]) for r in prefills)
+    assert sum(r["not_ahead"] is None for r in prefills) >= {"queue_full": 3, "budget_full": 0}.get(scenario, 5)
+    if scenario == "chunked":  # the first 18- and 7-token prompts' chunks before their last (the later ones: cached)
+        assert sum(r["not_ahead"] == "prefill" for r in prefills) >= 3
+        assert sum(r["prefill_tokens"] for r in prefills) < sum(len(prompt) for _, prompt in requests)  # cached
 
 
 def test_overlap_admit_is_off_unless_the_environment_turns_it_on(thinker, monkeypatch):

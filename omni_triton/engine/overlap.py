@@ -22,7 +22,13 @@ admission, a talker row whose text arrived) do not stop the launch: the same row
 step's successor is scheduled as a synchronous step would be, with the new rows in it (their prefill under the
 scheduler's token budget as usual). They join one step later; no row's tokens change, as no row's draws depend
 on the batch it runs in. Requests queued behind a full running set are no reason at all: none is admitted before
-a row finishes, and a finish stops the launches anyway.
+a row finishes, and a finish stops the launches anyway. And a step whose rows all sampled, some of them at the end
+of their prefill (a prompt in one chunk, or a chunked prefill's last chunk), is followed ahead like a decode step
+on a stage whose next inputs are the sampled ids' embeddings (the thinker): every row decodes one token next, at
+position ``num_computed_tokens`` (the chunk's end), its blocks taken as for any decode row, its draw and bans one
+token ahead, its device token history slot given at that first draw. A step with a chunk that did not sample
+(a prefill going on) still waits for the ids, and so does the talker's after prefill rows: their frames are
+completed (the code predictor) when the step is finished, so their next inputs are not on the device at launch.
 """
 
 from __future__ import annotations
@@ -57,8 +63,8 @@ class LaunchedStep:
         return id(seq) in self._rows
 
 
-# why a step's successor was not launched ahead (the step log's ``not_ahead``): a row of the step computed a
-# prefill chunk, or did not sample; a row stopped or was aborted; a row reaches max_new_tokens with its next token;
+# why a step's successor was not launched ahead (the step log's ``not_ahead``): a row of the step did not sample
+# (a prefill goes on), or computed a prefill chunk (without admit_ahead; the talker always); a row stopped or was aborted; a row reaches max_new_tokens with its next token;
 # the host sampler would read the unread token; requests wait for admission; another row became runnable (a talker
 # row whose text arrived); a row's next input is not on the device; too few free blocks
 NOT_AHEAD = ("prefill", "stopped", "length", "sampler", "waiting", "runnable_changed", "inputs", "blocks")
@@ -78,6 +84,7 @@ class StepOverlap:
         self._next_buffer = 0
         self.launched = 0  # overlapped steps launched (tests, diagnostics)
         self.launched_before_joiners = 0  # of those, launched while new rows wanted to join (admit_ahead)
+        self.launched_after_prefills = 0  # of those, after a step in which rows finished their prefill (admit_ahead)
         self.not_ahead: str | None = None  # why the last launch_next launched nothing (NOT_AHEAD), else None
 
     @staticmethod
@@ -121,6 +128,7 @@ class StepOverlap:
             seq.num_computed_tokens += 1
         self.launched += 1
         self.launched_before_joiners += before_joiners
+        self.launched_after_prefills += any(n != 1 for n in current.batch.num_new_tokens)
         batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
         return LaunchedStep(batch, result, self.host_ids(result), ready=ready_event(self.runner.device),
                             joiners_next=before_joiners)
