@@ -402,7 +402,7 @@ def test_joining_rows_wait_one_launched_step_at_most(thinker, tmp_path, scenario
     gain = {"admissions": 0.1, "chunked": 0.1, "queue_full": 0.5, "budget_full": 0.1}[scenario]
     assert admit_ahead >= ahead + gain, (ahead, admit_ahead)
     if scenario == "admissions":
-        assert ahead == pytest.approx(0.6) and admit_ahead > 0.7
+        assert admit_ahead > 0.7
     # (chunked: an arrival seen while a prefill goes on joins after it, no step launched before it)
     assert joiners == {"admissions": 6, "chunked": 5, "queue_full": 0, "budget_full": 4}[scenario]
     # a step launched despite joining rows is followed by a scheduled step: it says why it launched nothing
