@@ -27,8 +27,8 @@ of their prefill (a prompt in one chunk, or a chunked prefill's last chunk), is 
 on a stage whose next inputs are the sampled ids' embeddings (the thinker): every row decodes one token next, at
 position ``num_computed_tokens`` (the chunk's end), its blocks taken as for any decode row, its draw and bans one
 token ahead, its device token history slot given at that first draw. A step with a chunk that did not sample
-(a prefill going on) still waits for the ids, and so does the talker's after prefill rows: their frames are
-completed (the code predictor) when the step is finished, so their next inputs are not on the device at launch.
+(a prefill going on) still waits for the ids, and so does a talker step with prefill rows: its frames are
+completed (the code predictor) when the step is finished, so the next inputs are not on the device at launch.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ class LaunchedStep:
 
 
 # why a step's successor was not launched ahead (the step log's ``not_ahead``): a row of the step did not sample
-# (a prefill goes on), or computed a prefill chunk (without admit_ahead; the talker always); a row stopped or was aborted; a row reaches max_new_tokens with its next token;
-# the host sampler would read the unread token; requests wait for admission; another row became runnable (a talker
-# row whose text arrived); a row's next input is not on the device; too few free blocks
+# (a prefill goes on), or computed a prefill chunk (without admit_ahead; the talker's always); a row stopped or was
+# aborted; a row reaches max_new_tokens with its next token; the host sampler would read the unread token; requests
+# wait for admission; another row became runnable (a talker row whose text arrived); a row's next input is not on
+# the device; too few free blocks
 NOT_AHEAD = ("prefill", "stopped", "length", "sampler", "waiting", "runnable_changed", "inputs", "blocks")
 JOINING = ("waiting", "runnable_changed")  # the reasons that only say new rows want to join (admit_ahead)
 
