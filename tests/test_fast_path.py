@@ -57,17 +57,24 @@ def thinker_tokens(model, fast: bool, prompts: list[list[int]], params: Sampling
     return thinker_run(model, prompts, params, fast_path=fast, **config)[0]
 
 
-def thinker_run(model, prompts, params: list[SamplingParams], **config):
-    """Tokens and finish reasons per request, and the engine (for its overlap counter)."""
+def thinker_run(model, prompts, params: list[SamplingParams], arrivals: dict[int, int] | None = None, **config):
+    """Tokens and finish reasons per request, and the engine (for its overlap counter). ``arrivals``: request
+    index -> the engine call before which it is added (else: before the first)."""
+    arrivals = arrivals or {}
     engine = gpu_engine(ThinkerStage(model), next(model.parameters()).dtype, **config)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), params[i], prompt_token_ids=prompt)
     tokens, reasons = {}, {}
-    while engine.has_work():
+    for call in range(1000):
+        for i, prompt in enumerate(prompts):
+            if arrivals.get(i, 0) == call:
+                engine.add_request(str(i), params[i], prompt_token_ids=prompt)
+        if not engine.has_work() and call >= max(arrivals.values(), default=0):
+            break
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
+    else:
+        raise AssertionError(f"the engine did not go idle: {engine.stats()}")
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
     return tokens, reasons, engine
 
@@ -152,6 +159,35 @@ def test_overlapped_steps_on_the_fast_path_equal_synchronous_steps(tiny_checkpoi
         assert (tokens, reasons) == sync[:2], config
 
 
+@cuda
+def test_overlap_admit_after_prefills_on_the_fast_path_equals_synchronous_steps(tiny_checkpoint):
+    """EngineConfig.overlap_admit on the thinker under the decode and prefill CUDA graphs (and eagerly), with
+    prefix caching: requests arriving mid-decode, their prompts in one chunk or several (the 64-token budget),
+    some over a cached prefix; the step after one whose rows all sampled, some at the end of their prefill, goes
+    ahead (its new rows' first draws and device token history one token ahead): the synchronous tokens."""
+    model = load_thinker(tiny_checkpoint, "cuda", torch.float32, with_audio=False)
+    gen = torch.Generator().manual_seed(9)
+    shared = torch.randint(0, model.vocab_size, (40,), generator=gen).tolist()
+    tails = [torch.randint(0, model.vocab_size, (n,), generator=gen).tolist() for n in (5, 90, 3, 12, 70, 1)]
+    prompts = [tails[0], shared + tails[1], tails[2], shared + tails[3], tails[4], shared[:33] + tails[5]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=5,
+                             max_new_tokens=30, min_new_tokens=4, stop_token_ids=(3, 5)),
+              SamplingParams(temperature=0.8, top_k=0, seed=6, max_new_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=7, max_new_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=50, seed=8, max_new_tokens=15, repetition_penalty=1.1)]
+    arrivals = {2: 6, 3: 11, 4: 12, 5: 20}
+    sync = thinker_run(model, prompts, params, arrivals, overlap_steps=False, prefix_caching=True)
+    for config in ({}, {"cuda_graphs": False}):
+        tokens, reasons, engine = thinker_run(model, prompts, params, arrivals, overlap_steps=True,
+                                              overlap_admit=True, prefix_caching=True, **config)
+        assert engine.overlap.launched_after_prefills >= 3 and engine.block_manager.num_hit_tokens > 0, config
+        assert (tokens, reasons) == sync[:2], config
+        if not config:
+            assert engine.runner.prefill_graphs.replays > 0
+
+
 def talker_run(model, prompts, texts, params: list[SamplingParams], feed_plan, **config):
     """Codes and finish reasons per request; ``feed_plan(call, i)`` says how many more trailing-text rows
     request i gets before engine call ``call`` (its text finishes once all are given)."""
@@ -184,8 +220,8 @@ def talker_run(model, prompts, texts, params: list[SamplingParams], feed_plan, *
 def test_overlapped_talker_frames_equal_synchronous_frames(tiny_checkpoint):
     """The talker's overlapped steps (next input = the frame's codec embeds on the device + the trailing text
     peeked before after_sample takes it) under CUDA graphs: the synchronous engine's codes and finishes, with
-    text arriving a row a call, a row starved of text for a while (it waits; nothing overlaps over it), served
-    sampling with a repetition penalty, and a stop in flight."""
+    text arriving a row a call, a row starved of text for a while (it waits; nothing overlaps over it, or with
+    overlap_admit one step does), served sampling with a repetition penalty, and a stop in flight."""
     model = load_talker(tiny_checkpoint, "cuda", torch.float32)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randn(n, model.hidden_size, generator=gen).cuda() for n in PROMPT_LENS]
@@ -206,6 +242,11 @@ def test_overlapped_talker_frames_equal_synchronous_frames(tiny_checkpoint):
     codes, reasons, engine = talker_run(model, prompts, texts, params, feed_plan, overlap_steps=True)
     assert sync[1]["0"] == "stop" and sync[2].overlap is None
     assert engine.overlap is not None and engine.overlap.launched > 15
+    assert (codes, reasons) == sync[:2]
+    # EngineConfig.overlap_admit: request 2, runnable again once its text comes, joins a step later; the same codes
+    codes, reasons, engine = talker_run(model, prompts, texts, params, feed_plan, overlap_steps=True,
+                                        overlap_admit=True)
+    assert engine.overlap.launched_before_joiners > 0
     assert (codes, reasons) == sync[:2]
 
 

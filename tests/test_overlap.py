@@ -5,6 +5,8 @@ loop; nothing leaks. (The CUDA-graph path runs the same engine logic: tests/test
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -20,6 +22,16 @@ PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11, list(range(20, 2, -1)), [9, 
 @pytest.fixture(scope="module")
 def thinker():
     return ToyThinker().eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The toy model's ops are tiny: on a shared 2-core machine a second intra-op thread mostly waits (these
+    tests ran ~10x slower with two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def make_engine(model, overlap: bool, **config) -> LLMEngine:
@@ -265,3 +277,153 @@ def test_tracing_turned_on_while_a_step_is_in_flight(thinker, tmp_path):
     steps = [entry for entry in steps if entry.get("record") == "step"]
     assert len(steps) == calls - 1 and all(entry["kind"] == "decode" and entry["rows"] == 1 for entry in steps)
     assert_no_leaks(engine)
+
+
+# -- EngineConfig.overlap_admit: launched ahead while new rows want to join, which join on the step after --------
+
+def random_scenario(seed: int):
+    """Requests (params, prompt) of greedy and seeded sampling, some with stop ids, and events: half of them
+    arrive mid-decode, some are aborted later; plus a token budget and pool small enough, for some seeds, to
+    chunk prefills (an arrival's prompt in one chunk or several), leave runnable rows out of a step and preempt;
+    for half of the seeds prefix caching, over prompts of which half begin with a shared prefix."""
+    rng = random.Random(seed)
+    requests, events = [], []
+    shared = [rng.randrange(64) for _ in range(12)]
+    for i in range(rng.randint(5, 8)):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 30))]
+        if rng.random() < 0.5:
+            prompt = shared[:rng.randint(4, 12)] + prompt[:rng.randint(0, 8)]
+        stop = tuple(rng.sample(range(64), rng.randint(0, 2)))
+        if rng.random() < 0.5:
+            params = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 30), stop_token_ids=stop)
+        else:
+            params = SamplingParams(temperature=rng.uniform(0.7, 1.2), top_k=rng.choice((0, 8, 20)),
+                                    top_p=rng.choice((1.0, 0.8)), seed=rng.randrange(1000),
+                                    max_new_tokens=rng.randint(1, 30), stop_token_ids=stop)
+        requests.append((params, prompt))
+        added = rng.randint(1, 40) if i and rng.random() < 0.5 else 0
+        if added:
+            events.append((added, "add", f"r{i}"))
+        if rng.random() < 0.25:
+            events.append((added + rng.randint(1, 15), "abort", f"r{i}"))
+    config = {"max_num_batched_tokens": rng.choice((3, 8, 16, 64)), "num_blocks": rng.choice((16, 256)),
+              "prefix_caching": seed % 2 == 1}
+    return requests, sorted(events), config
+
+
+def test_launching_ahead_of_joining_rows_gives_the_synchronous_tokens(thinker):
+    """Randomized interleavings of admissions, aborts, stops and max_new_tokens (and, for some seeds, block
+    pressure and a token budget under the running rows): overlapped steps with and without ``overlap_admit``
+    give every request the tokens, states and finish of the synchronous engine (an aborted one: the same
+    stream, cut where the abort found it), also where ``overlap_admit`` launches ahead after rows finished
+    their prefill (over cached prefixes for some seeds); no block leaks."""
+    launched_before_joiners, launched_after_prefills, hits = [], [], []
+    for seed in range(12):
+        requests, events, config = random_scenario(seed)
+        aborted = {request_id for _, kind, request_id in events if kind == "abort"}
+        full_tokens, full_states, full_reasons = drive(make_engine(thinker, False, **config), requests,
+                                                       [e for e in events if e[1] == "add"])
+        for overlap, admit in ((False, False), (True, False), (True, True)):
+            engine = make_engine(thinker, overlap, overlap_admit=admit, **config)
+            tokens, states, reasons = drive(engine, requests, events)
+            assert_no_leaks(engine)
+            assert engine.block_manager.num_used == 0
+            assert reasons.keys() == full_reasons.keys()
+            for request_id in full_reasons:
+                got, case = tokens.get(request_id, []), (seed, request_id, overlap, admit)
+                if request_id in aborted and reasons[request_id] == "abort":
+                    assert got == full_tokens[request_id][:len(got)], case
+                    continue
+                assert (got, reasons[request_id]) == (full_tokens[request_id], full_reasons[request_id]), case
+                if request_id in full_states:
+                    torch.testing.assert_close(states[request_id], full_states[request_id], rtol=1e-5, atol=1e-5)
+            if admit:
+                launched_before_joiners.append(engine.overlap.launched_before_joiners)
+                launched_after_prefills.append(engine.overlap.launched_after_prefills)
+                hits.append(engine.block_manager.num_hit_tokens)
+            elif overlap:
+                assert engine.overlap.launched_after_prefills == 0
+    # the relaxed paths ran
+    assert sum(n > 0 for n in launched_before_joiners) >= 8, launched_before_joiners
+    assert all(n > 0 for n in launched_after_prefills), launched_after_prefills
+    assert sum(n > 0 for n in hits[1::2]) >= 4, hits  # (prefix caching on odd seeds)
+
+
+def traced_drive(engine: LLMEngine, requests, events, directory):
+    """``drive`` with the step log on: also its step records."""
+    from omni_triton import trace
+
+    trace.configure(directory)
+    try:
+        tokens, _, reasons = drive(engine, requests, events)
+    finally:
+        trace.configure(None)
+    return tokens, reasons, trace.read_records(directory, "step")
+
+
+def joining_scenario(name: str):
+    """(requests, events, engine config) of requests that wait for admission while others decode."""
+    if name == "budget_full":  # a 3-token budget under three decoding rows: a fourth waits until one finishes
+        requests = [(SamplingParams(temperature=0.0, max_new_tokens=n), [5 + n]) for n in (20, 14, 9, 16)]
+        return requests, [], {"max_num_batched_tokens": 3}
+    requests = [(SamplingParams(temperature=0.0, max_new_tokens=50), PROMPTS[0]),
+                (SamplingParams(temperature=0.8, seed=2, max_new_tokens=50), PROMPTS[2])]
+    requests += [(SamplingParams(temperature=0.0, max_new_tokens=3), PROMPTS[3 + i % 2]) for i in range(6)]
+    events = [(4 + 7 * i, "add", f"r{2 + i}") for i in range(6)]  # mid-decode, each while a step is in flight
+    # queue_full: no room for them until the first two finish; chunked: an 8-token budget under two decoding rows
+    # prefills the 18-token prompts in three chunks, the 7-token ones in two, with prefix caching on
+    return requests, events, {"queue_full": {"max_num_seqs": 2},
+                              "chunked": {"max_num_batched_tokens": 8, "prefix_caching": True}}.get(name, {})
+
+
+@pytest.mark.parametrize("scenario", ["admissions", "chunked", "queue_full", "budget_full"])
+def test_joining_rows_wait_one_launched_step_at_most(thinker, tmp_path, scenario):
+    """Requests arriving mid-decode (admitted at once, their prompts in one chunk or several, or queued behind a
+    full running set), or a request that waits for the token budget: with ``overlap_admit`` the step after the
+    one that sees them is launched ahead anyway and they join on the step after it (queued requests that cannot
+    be admitted hold nothing back), and the step after the one that ends their prefill is launched ahead too;
+    the same tokens, and more steps launched ahead."""
+    requests, events, config = joining_scenario(scenario)
+    reason = "waiting"
+    runs = {}
+    for admit in (False, True):
+        engine = make_engine(thinker, True, overlap_admit=admit, **config)
+        tokens, reasons, records = traced_drive(engine, requests, events, tmp_path / str(admit))
+        assert_no_leaks(engine)
+        runs[admit] = tokens, reasons, records, engine.overlap.launched_before_joiners
+    (tokens, reasons, records, _), (admit_tokens, admit_reasons, admit_records, joiners) = runs[False], runs[True]
+    assert (admit_tokens, admit_reasons) == (tokens, reasons)
+    assert sum(r["not_ahead"] == reason for r in records) >= 6
+    ahead = sum(r["ahead"] for r in records) / len(records)
+    admit_ahead = sum(r["ahead"] for r in admit_records) / len(admit_records)
+    # admissions: the step after the one that ends a prefill goes ahead (before: synchronous, 60% ahead); chunked:
+    # so does the one after a prefill's last chunk, not after a chunk that samples nothing; a queue that cannot be
+    # admitted holds no step back; one the budget holds, every other one
+    gain = {"admissions": 0.1, "chunked": 0.1, "queue_full": 0.5, "budget_full": 0.1}[scenario]
+    assert admit_ahead >= ahead + gain, (ahead, admit_ahead)
+    if scenario == "admissions":
+        assert admit_ahead > 0.7
+    # (chunked: an arrival seen while a prefill goes on joins after it, no step launched before it)
+    assert joiners == {"admissions": 6, "chunked": 5, "queue_full": 0, "budget_full": 4}[scenario]
+    # a step launched despite joining rows is followed by a scheduled step: it says why it launched nothing
+    launched_despite = [i for i, r in enumerate(admit_records[:-1]) if r["not_ahead"] is None
+                        and admit_records[i + 1]["not_ahead"] == reason]
+    assert len(launched_despite) >= {"admissions": 6, "chunked": 5, "queue_full": 0, "budget_full": 3}[scenario]
+    for i in launched_despite:
+        assert not admit_records[i + 2]["ahead"]
+    # steps with prefill rows (budget_full: none, its prompts are one token): followed ahead where every row
+    # sampled (a prefill ended), else not (one goes on)
+    prefills = [r for r in admit_records if r["kind"] != "decode"]
+    assert all((r["not_ahead"] == "prefill") == (r["sampled"] < r["rows"]) for r in prefills)
+    assert sum(r["not_ahead"] is None for r in prefills) >= {"queue_full": 3, "budget_full": 0}.get(scenario, 5)
+    if scenario == "chunked":  # the first 18- and 7-token prompts' chunks before their last (the later ones: cached)
+        assert sum(r["not_ahead"] == "prefill" for r in prefills) >= 3
+        assert sum(r["prefill_tokens"] for r in prefills) < sum(len(prompt) for _, prompt in requests)  # cached
+
+
+def test_overlap_admit_is_off_unless_the_environment_turns_it_on(thinker, monkeypatch):
+    monkeypatch.delenv("OMNI_TRITON_OVERLAP_ADMIT", raising=False)
+    assert not EngineConfig().overlap_admit and not make_engine(thinker, True).overlap.admit_ahead
+    monkeypatch.setenv("OMNI_TRITON_OVERLAP_ADMIT", "1")
+    assert EngineConfig().overlap_admit and make_engine(thinker, True).overlap.admit_ahead
+    assert not make_engine(thinker, True, overlap_admit=False).overlap.admit_ahead

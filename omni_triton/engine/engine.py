@@ -4,6 +4,7 @@ EngineLoop: the same behind a background step thread plus a response thread, for
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -56,6 +57,12 @@ class EngineConfig:
     # launch the next decode step before this one's tokens reach the host where the stage's next input can be
     # made on the device (the thinker; the talker under its decode graphs: overlap.py); the same tokens either way
     overlap_steps: bool = True
+    # with overlapped steps: also while new rows want to join (requests queued for admission, talker rows whose text
+    # arrived), the same rows are launched ahead once and the new rows join on the step after, and (the thinker)
+    # the step after one whose rows all sampled, some at the end of their prefill, is launched ahead too
+    # (overlap.py); the same tokens either way. Default: $OMNI_TRITON_OVERLAP_ADMIT=1 turns it on (off: they join
+    # on a synchronous step, and prefill steps are followed by one)
+    overlap_admit: bool = field(default_factory=lambda: os.environ.get("OMNI_TRITON_OVERLAP_ADMIT", "0") == "1")
     # computed KV blocks named by their content and reused by later requests whose inputs begin the same way
     # (block_manager, prefix_cache); the streamed states of cached positions are kept or recomputed (kept_states)
     prefix_caching: bool = False
@@ -128,7 +135,8 @@ class LLMEngine:
         self.name = type(stage).__name__.removesuffix("Stage").lower()  # "thinker", "talker": trace event names
         self.last_step_size = 0  # sequences scheduled by the last step (0: nothing could run)
         self.step_log = StepLog(self.name, self.runner.device)  # written while tracing is on
-        self.overlap = (StepOverlap(self.scheduler, self.block_manager, self.runner, config.max_num_seqs)
+        self.overlap = (StepOverlap(self.scheduler, self.block_manager, self.runner, config.max_num_seqs,
+                                    admit_ahead=config.overlap_admit)
                         if config.overlap_steps and StepOverlap.supported(self.runner) else None)
         self._inflight: LaunchedStep | None = None  # launched by the last step, finished by the next (overlap)
         # the step log's not_ahead when no step is ever launched ahead
