@@ -117,12 +117,13 @@ def run_session(stages: TensorStages, is_cancelled) -> str:
         return "failed"
 
 
-def wait_for_stream_threads(timeout_s: float = 30.0) -> None:
-    """The session's reader threads read their stage streams to the end after it returns (see Session._stream)."""
-    ends_at = time.monotonic() + timeout_s
-    while any(thread.name in STREAM_THREADS for thread in threading.enumerate()):
-        assert time.monotonic() < ends_at, "a stage stream's reader thread never ended"
-        time.sleep(0.01)
+def join_stream_threads(before: set[threading.Thread], timeout_s: float = 30.0) -> None:
+    """The session's reader threads (started since ``before``) read their stage streams to the end after it returns
+    (see Session._stream); the audio worker ends with it."""
+    for thread in set(threading.enumerate()) - before:
+        if thread.name in STREAM_THREADS:
+            thread.join(timeout_s)
+            assert not thread.is_alive(), f"{thread.name} never ended"
 
 
 def deadline_after_first_audio(stages: TensorStages):
@@ -156,8 +157,9 @@ CASES = {
 def test_a_session_frees_its_requests_tensors_without_the_cyclic_collector(case, no_cyclic_collector):
     chunks, frames, fail, is_cancelled, ends = CASES[case]
     stages = TensorStages(chunks, frames, fail)
+    before = set(threading.enumerate())
     assert run_session(stages, is_cancelled(stages)) == ends
-    wait_for_stream_threads()
+    join_stream_threads(before)
     assert stages.made, "the stages handed out no tensors: the case tests nothing"
     assert stages.alive() == 0, (f"{stages.alive()} of {len(stages.made)} tensors (the session and its audio stream "
                                  "among them) still held after the request ended")
