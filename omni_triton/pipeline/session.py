@@ -258,7 +258,7 @@ class Session:
                 listening.clear()
                 while _get_nowait(responses) is not None:
                     pass
-            item = error = batch = waiting = None  # noqa: F841 (cleared for the traceback's sake, see above)
+            item = error = batch = waiting = None  # (for the traceback's sake: see above)
 
 
 _END = object()  # a stream's end in _stream's queue
