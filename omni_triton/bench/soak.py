@@ -284,8 +284,9 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
         if pid is None:
             event["error"] = f"no stub process of {stage} found"
             return
-        os.kill(pid, signal.SIGKILL)
+        # the time just before the kill: a request that ended before it cannot have been ended by it
         event["killed_perf_counter"] = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
         event["killed_at"] = event["killed_perf_counter"] - clock_zero
         event["pid"] = pid
         while time.perf_counter() - clock_zero - event["killed_at"] < back_timeout_s:
