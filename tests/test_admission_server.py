@@ -127,8 +127,9 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue(server):
 def test_a_request_waiting_when_a_stage_dies_is_refused_naming_it(tiny_checkpoint, tmp_path):
     """A request waiting for admission when code2wav's stub is killed: it must end UNAVAILABLE naming the stage
     (refused while the stage is down, as a new request is), never start on the dead stage and fail INTERNAL
-    "code2wav stage is down" (issue 48's killed code2wav on the H200: a request admitted before the death was seen
-    and started after it). A server of its own (model control none: the stage stays down, whatever the timing)."""
+    "code2wav stage is down" (what it did: a request admitted before the death was seen and started after it, the
+    likely source of the INTERNALs of issue 48's killed code2wav and orchestrator on the H200). A server of its own
+    (model control none: the stage stays down, whatever the timing)."""
     from server_fixture import serving
 
     with serving(tiny_checkpoint, tmp_path, max_inflight_requests=4, admission_queue=QUEUE,

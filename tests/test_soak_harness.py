@@ -135,4 +135,5 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
     [kill] = report["scenarios"]["kill"]
     assert kill["stage"] == "code2wav" and kill["back_s"] is not None and kill["served_s"] >= kill["back_s"]
     assert set(kill["errors_by_fate_and_code"][COMPLETE]) <= {"ok", "UNAVAILABLE"}, kill
+    assert kill["other_errors"] == [] and kill["other_error_count"] == 0, kill["other_errors"]
     assert any("code2wav stage reloaded" in line for line in kill["reload_log"]), kill["reload_log"]

@@ -108,8 +108,8 @@ def test_a_served_stage_with_no_stub_is_a_death_a_loading_one_is_not(model_ready
 def test_a_request_started_after_the_death_was_seen_fails_naming_the_stage(fake_talker_stub, monkeypatch):
     """A request admitted before the watcher saw a death and started after it (it waited for admission or for a
     thread) takes its generations after the bump: its call finds the stage down ("talker stage is down", a
-    StageError), and ``failure`` must still name the stage, or the orchestrator answers INTERNAL (issue 48's
-    killed code2wav and orchestrator on the H200)."""
+    StageError), and ``failure`` must still name the stage, or the orchestrator answers INTERNAL
+    (tests/test_admission_server.py has the whole path)."""
     monkeypatch.setattr(stage_supervisor, "_http_url", lambda flags: None)  # no server: no reload, not exiting
     supervisor = StageSupervisor({"talker": 1}, interval_s=3600)  # the watcher's checks run here, by hand
     try:
