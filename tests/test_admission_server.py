@@ -4,6 +4,8 @@ arrival order, and past the queue limit is refused with UNAVAILABLE naming the l
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -12,6 +14,7 @@ from conftest import TEST_LIMITS
 from reliability_helpers import read_gauges, seconds_until_idle
 
 from omni_triton.client import OmniStreamClient, StreamError
+from omni_triton.shared.stub_processes import find_stubs
 
 pytestmark = pytest.mark.reliability
 
@@ -119,3 +122,27 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue(server):
     wait_for_gauge(server, "omni_admission_queue_length", 0)
     assert first.join().error is None
     seconds_until_idle(server.metrics_url, timeout_s=5.0)
+
+
+def test_a_request_waiting_when_a_stage_dies_is_refused_naming_it(tiny_checkpoint, tmp_path):
+    """A request waiting for admission when code2wav's stub is killed: it must end UNAVAILABLE naming the stage
+    (refused while the stage is down, as a new request is), never start on the dead stage and fail INTERNAL
+    "code2wav stage is down" (what it did: a request admitted before the death was seen and started after it, the
+    likely source of the INTERNALs of issue 48's killed code2wav and orchestrator on the H200). A server of its own
+    (model control none: the stage stays down, whatever the timing)."""
+    from server_fixture import serving
+
+    with serving(tiny_checkpoint, tmp_path, max_inflight_requests=4, admission_queue=QUEUE,
+                 admission_capacity="1", **TEST_LIMITS) as server:
+        first = Listener(server, "first: tell me a story")
+        while not first.audio_times:  # code2wav holds its stream
+            assert first._thread.is_alive(), first.error
+            time.sleep(0.01)
+        waiting = Listener(server, "waiting: tell me a story")
+        wait_for_gauge(server, "omni_admission_queue_length", 1)
+        os.kill(find_stubs(server.server.process.pid, ["code2wav"])["code2wav"], signal.SIGKILL)
+        for listener in (first.join(), waiting.join()):
+            assert listener.error is not None and listener.error.code == "UNAVAILABLE", listener.error
+            assert "code2wav stage" in str(listener.error), listener.error
+        assert "code2wav stage is down" in str(waiting.error) or "code2wav stage failed" in str(waiting.error)
+        wait_for_gauge(server, "omni_admission_queue_length", 0)

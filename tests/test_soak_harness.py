@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from omni_triton.bench.soak import _recovered_after
+from omni_triton.bench.soak import _recovered_after, other_errors, unexpected_around_kill
 from omni_triton.bench.soak_probes import leaks
 from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakTiming
 
@@ -53,6 +53,25 @@ def test_recovery_is_the_first_request_from_which_every_ttfa_is_normal():
     assert _recovered_after(after, burst_end=10.0, normal_s=0.5) == 3.0
     assert _recovered_after(after + [_timing(15.0, 0.9)], burst_end=10.0, normal_s=0.5) is None
     assert _recovered_after([_timing(10.5, None, "UNAVAILABLE"), _timing(11.0, 0.1)], 10.0, 0.5) == 1.0
+
+
+def test_a_kill_scenario_checks_every_request_and_keeps_the_other_errors():
+    """Before the fix only requests in flight at the kill or sent while the stage was down were checked: an
+    INTERNAL just before the kill or after the reload went unseen, and its message was lost."""
+    before = replace(_timing(2.0, 0.1, "INTERNAL"), total_s=1.0, error="StreamError: INTERNAL: boom")
+    in_flight = replace(_timing(9.0, 0.1, "UNAVAILABLE"), total_s=1.5)
+    refused = replace(_timing(11.0, None, "UNAVAILABLE"), total_s=0.01)
+    after_reload = replace(_timing(30.0, None, "INTERNAL"), total_s=0.02, error="StreamError: INTERNAL: not ready")
+    cancelled = replace(_timing(31.0, 0.1, "CANCELLED"), fate=CANCEL, cancel_sent=True, total_s=0.5)
+    stray_cancel = replace(_timing(32.0, 0.1, "CANCELLED"), total_s=0.5)
+    ok = replace(_timing(33.0, 0.1), total_s=1.0)
+    timings = [after_reload, before, in_flight, refused, cancelled, stray_cancel, ok]
+    assert unexpected_around_kill(timings) == [after_reload, before, stray_cancel]
+    rows = other_errors(timings, killed_at=10.0)
+    assert [(row["sent_s"], row["ended_s"], row["code"]) for row in rows] == [
+        (-8.0, -7.0, "INTERNAL"), (20.0, 20.02, "INTERNAL"), (21.0, 21.5, "CANCELLED"), (22.0, 22.5, "CANCELLED")]
+    assert rows[1]["error"] == "StreamError: INTERNAL: not ready"
+    assert len(other_errors(timings, killed_at=10.0, limit=1)) == 1
 
 
 def test_leaks_compare_an_idle_server_with_its_start():
@@ -116,4 +135,5 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
     [kill] = report["scenarios"]["kill"]
     assert kill["stage"] == "code2wav" and kill["back_s"] is not None and kill["served_s"] >= kill["back_s"]
     assert set(kill["errors_by_fate_and_code"][COMPLETE]) <= {"ok", "UNAVAILABLE"}, kill
+    assert kill["other_errors"] == [] and kill["other_error_count"] == 0, kill["other_errors"]
     assert any("code2wav stage reloaded" in line for line in kill["reload_log"]), kill["reload_log"]

@@ -103,3 +103,26 @@ def test_a_served_stage_with_no_stub_is_a_death_a_loading_one_is_not(model_ready
         assert "talker stage is down: its process exited" in supervisor.unavailable()
     finally:
         supervisor.stop()
+
+
+def test_a_request_started_after_the_death_was_seen_fails_naming_the_stage(fake_talker_stub, monkeypatch):
+    """A request admitted before the watcher saw a death and started after it (it waited for admission or for a
+    thread) takes its generations after the bump: its call finds the stage down ("talker stage is down", a
+    StageError), and ``failure`` must still name the stage, or the orchestrator answers INTERNAL
+    (tests/test_admission_server.py has the whole path)."""
+    monkeypatch.setattr(stage_supervisor, "_http_url", lambda flags: None)  # no server: no reload, not exiting
+    supervisor = StageSupervisor({"talker": 1}, interval_s=3600)  # the watcher's checks run here, by hand
+    try:
+        assert not supervisor.is_down("talker")
+        os.kill(fake_talker_stub.pid, signal.SIGKILL)
+        fake_talker_stub.wait()
+        before = supervisor.generations()
+        supervisor._check()  # the watcher sees the death: a new generation, the stage down
+        after = supervisor.generations()
+        assert after != before and supervisor.is_down("talker")
+        assert "talker stage failed" in supervisor.failure(before, "talker")  # in flight at the death
+        for stages in (("talker",), ()):  # one stage asked for, or any
+            assert supervisor.failure(after, *stages).startswith("talker stage is down: its process exited")
+            assert supervisor.failure(after, *stages, max_age_s=60).startswith("talker stage is down")
+    finally:
+        supervisor.stop()

@@ -35,6 +35,7 @@ EXPECTED_CODES = {COMPLETE: None, CANCEL: "CANCELLED", DEADLINE: "DEADLINE_EXCEE
 LIMIT_WORDS = ("max_inflight_requests", "admission_queue", "admission")  # a refusal names one of them
 PROBE_EVERY_S = 0.25
 BUSY_WAIT_S = 30.0  # after --kill-after, a kill waits at most this long for the stage to hold a request
+OTHER_ERRORS_KEPT = 10  # a kill scenario keeps this many non-UNAVAILABLE failures' messages, the earliest sent
 PROBE_REQUEST = dict(max_tokens=2, min_tokens=2, ignore_eos=True, max_audio_frames=4, min_audio_frames=4)
 
 
@@ -304,8 +305,9 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
         if pid is None:
             event["error"] = f"no stub process of {stage} found"
             return
-        os.kill(pid, signal.SIGKILL)
+        # the time just before the kill: a request that ended before it cannot have been ended by it
         event["killed_perf_counter"] = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
         event["killed_at"] = event["killed_perf_counter"] - clock_zero
         event["pid"] = pid
         while time.perf_counter() - clock_zero - event["killed_at"] < back_timeout_s:
@@ -333,8 +335,7 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
     while_down = [t for t in after if t.sent_at < back_at]
     in_flight_failed = [t for t in in_flight if not t.ok]
     ends = [round(t.sent_at + t.total_s - killed_at, 2) for t in in_flight_failed]
-    not_unavailable = [t for t in in_flight_failed + [t for t in while_down if not t.ok]
-                       if t.error_code != "UNAVAILABLE"]
+    not_unavailable = unexpected_around_kill(timings)
     unnamed = [t for t in while_down if not t.ok and f"{stage} stage" not in (t.error or "")]
     probe_errors = dict(event.get("probe_errors", {}))
     hung = [t for t in timings if t.error_code in (DRAIN_TIMEOUT_CODE, "DEADLINE_EXCEEDED")]
@@ -347,14 +348,15 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
             {_short_text(t.error) for t in in_flight_failed})[:5],
         "sent_while_down": len(while_down), "refused_while_down": sum(not t.ok for t in while_down),
         "probe_errors": probe_errors, "back_s": event.get("back_s"), "served_s": event.get("served_s"),
+        "other_errors": other_errors(timings, killed_at), "other_error_count": len(not_unavailable),
         "idle_after_s": idle_s, "held_at_end": held(end_snapshot["gauges"]),
         "checks": [
             check("the stage is back and serving", "back_s" in event,
                   f"served {event.get('served_s')} s after the kill" if "back_s" in event
                   else f"not within {back_timeout_s:g} s"),
             check("no request hangs", not hung, f"{len(hung)} ended by a timeout: {[_describe(t) for t in hung[:2]]}"),
-            check("what fails, fails with UNAVAILABLE", not not_unavailable,
-                  f"{len(not_unavailable)}: {[_describe(t) for t in not_unavailable[:2]]}"),
+            check("what fails, fails with UNAVAILABLE (every request, before, during and after the outage)",
+                  not not_unavailable, f"{len(not_unavailable)}: {[_describe(t) for t in not_unavailable[:2]]}"),
             check("the server is idle after the run", idle_s is not None, f"idle {idle_s} s after"),
             check("in-flight requests end within 2 s of the kill", all(end <= 2.0 for end in ends),
                   f"the last {max(ends, default=None)} s after", "target"),
@@ -366,6 +368,27 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
                   f"{event.get('served_s')} s", "target"),
         ],
     }
+
+
+def unexpected_around_kill(timings) -> list:
+    """Every request of a kill scenario that ended otherwise than it may: completed, refused or failed with
+    UNAVAILABLE (whenever it was sent: before the kill, while the stage was down, around its reload, after it),
+    or with its own fate's code (a cancel or a deadline the scenario set)."""
+    return [t for t in timings if not (_expected(t) or t.error_code == "UNAVAILABLE")]
+
+
+def other_errors(timings, killed_at: float, limit: int = OTHER_ERRORS_KEPT) -> list[dict]:
+    """The first ``limit`` requests (by send time) that failed with a code other than UNAVAILABLE: when each was
+    sent and ended (seconds after the kill: negative before it), its code and its whole message."""
+    rows = sorted((t for t in timings if not t.ok and t.error_code != "UNAVAILABLE"),
+                  key=lambda t: (np.isnan(t.sent_at), t.sent_at))
+    return [{"index": getattr(t, "index", None), "fate": _fate(t), "sent_s": _after(t.sent_at, killed_at),
+             "ended_s": _after(t.sent_at + t.total_s, killed_at), "code": t.error_code, "error": t.error}
+            for t in rows[:limit]]
+
+
+def _after(at: float, killed_at: float) -> float | None:
+    return None if np.isnan(at) else round(at - killed_at, 2)
 
 
 def _serving(probe: ServerProbe, stage: str) -> bool:

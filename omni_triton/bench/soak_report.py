@@ -94,6 +94,11 @@ def markdown(report: dict) -> str:
         if result["probe_errors"]:
             lines += ["Probe requests while down: " + "; ".join(f"`{message}` x {count}" for message, count
                                                                 in result["probe_errors"].items()), ""]
+        if result.get("other_errors"):
+            lines += [f"Failed otherwise than UNAVAILABLE: {result['other_error_count']} (times in s after the "
+                      "kill; the first " + f"{len(result['other_errors'])}): " + "; ".join(
+                          f"#{row['index']} sent {row['sent_s']}, ended {row['ended_s']}: {row['code']} "
+                          f"`{row['error']}`" for row in result["other_errors"]), ""]
         if result.get("reload_log") or result.get("server_restarts"):
             lines += ["Server log: " + " / ".join(f"`{line}`" for line in result.get("reload_log", [])
                                                   + result.get("server_restarts", [])), ""]

@@ -279,6 +279,12 @@ class Orchestrator:
         if self._admission.capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
             self._observe_capacity(now - last_sample)
             last_sample = now
+        down = self._stages.unavailable()
+        if down is not None:  # a waiting request started now would fail at the dead stage: refused as new ones are
+            for ticket in self._admission.drop(lambda ticket: True):
+                self._forget(ticket)
+                self._refuse(ticket.sender, down)
+            return last_sample
         for ticket, waited_s in self._admission.due(now):
             self._start(ticket, waited_s)
         return last_sample

@@ -68,10 +68,16 @@ class StageSupervisor:
     def failure(self, since: dict[str, int], *stages: str, max_age_s: float = 0.0) -> str | None:
         """Why a request that started at ``since`` lost one of ``stages`` (default: any), or None. With
         ``max_age_s``, a stage whose stubs were all seen alive that recently is taken as still alive: a session
-        asks at every response it reads, and reading /proc each time was a fifth of the orchestrator's CPU."""
+        asks at every response it reads, and reading /proc each time was a fifth of the orchestrator's CPU.
+        A stage down since before ``since`` is a failure too: a request admitted before the death was seen and
+        started after it (it waited for admission, or for a thread) finds it down at its first call."""
         with self._lock:
-            died = [stage for stage in stages or self._generation
+            names = stages or tuple(self._generation)
+            died = [stage for stage in names
                     if self._generation[stage] != since[stage] or self._dead(stage, max_age_s)]
+            down = [stage for stage in names if stage in self._down]
+            if not died and down:
+                return f"{down[0]} stage {self._down[down[0]]}"
         return f"{died[0]} stage failed: its process exited while serving this request; retry it" if died else None
 
     def is_down(self, stage: str) -> bool:
