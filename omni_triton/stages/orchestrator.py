@@ -5,7 +5,8 @@ thread because BLS decoupled calls in this Triton version return blocking iterat
 must not stall the other streams. Admission (``admission``): a request starts while fewer than
 ``max_inflight`` stream and, with a capacity, while one more stream would leave every playing one real time;
 otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
-``waited_s``), and past ``admission_queue`` waiting it is refused at once with UNAVAILABLE naming the limit.
+``waited_s``), and past ``admission_queue`` waiting (default: the free slots) it is refused at once with UNAVAILABLE
+naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late.
 
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
@@ -120,14 +121,15 @@ def pipeline_route(placement: Placement, pipeline: int, device: torch.device) ->
 
 class Orchestrator:
     def __init__(self, pb_utils: Any, checkpoint_dir: str | Path, device: torch.device, policy: ChunkPolicy,
-                 max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
+                 max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int | None = None,
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
                  max_starting: int = 0, route: PipelineRoute | None = None,
                  shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None,
-                 slot: OrchestratorSlot = OrchestratorSlot()):
+                 slot: OrchestratorSlot = OrchestratorSlot(), admission_max_wait_s: float = 0.0):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone; its ``share`` is
         ``slot.per_pipeline``); ``max_starting``: streams admitted and not yet playing at once (0: no limit);
-        ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for this instance's pipeline, and each of its
+        ``admission_queue``: requests that may wait (None: the free slots), none longer than
+        ``admission_max_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for this instance's pipeline, and each of its
         ``slot.per_pipeline`` instances takes its part (``split_limit``). ``route``: the stages' models and where
         their outputs land (default: the stages by their own names, outputs on ``device``); ``stage_instances``:
         stage -> instances of each of its models. ``shared_cancels``: where the server's other orchestrator
@@ -149,7 +151,7 @@ class Orchestrator:
             raise ValueError(f"capacity share {capacity.share} != {slot.per_pipeline} instances per pipeline")
         max_inflight = split_limit(max_inflight, slot.per_pipeline)
         self._admission = Admission(max_inflight, split_limit(admission_queue, slot.per_pipeline), capacity,
-                                    split_limit(max_starting, slot.per_pipeline))
+                                    split_limit(max_starting, slot.per_pipeline), admission_max_wait_s)
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._slot = slot
         self._request_counter = 0
@@ -275,6 +277,9 @@ class Orchestrator:
             error = triton_error(self._pb, "CANCELLED", f"{reason} while waiting for admission")
             ticket.sender.send(self._pb.InferenceResponse(error=error),
                                flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        for ticket, waited_s in self._admission.expired(now):  # refused now rather than started late
+            self._forget(ticket)
+            self._refuse(ticket.sender, self._admission.expiry(waited_s))
         if self._admission.capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
             self._observe_capacity(now - last_sample)
             last_sample = now
