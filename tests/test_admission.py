@@ -207,3 +207,13 @@ def test_split_limit_keeps_the_default_queue_and_no_limit():
 def test_launch_config_rejects_a_bad_admission_max_wait(seconds):
     with pytest.raises(ValueError, match="admission_max_wait"):
         LaunchConfig(checkpoint_dir=".", admission_max_wait=seconds)
+
+
+def test_would_refuse_says_what_arrive_would_answer_now():
+    admission = Admission(max_running=2, queue_limit=None, capacity=None)
+    assert admission.would_refuse() is None
+    admission.arrive("a", 0.0), admission.arrive("b", 0.0)
+    assert "max_inflight_requests" in admission.would_refuse() and admission.refused == 0  # asking counts nothing
+    assert admission.arrive("c", 0.0) == "refused"
+    admission.finished()
+    assert admission.would_refuse() is None and admission.arrive("c", 1.0) == "start"

@@ -199,7 +199,6 @@ class LaunchConfig:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
 
     @property
-    @property
     def resolved_admission_max_starting(self) -> int:
         if self.admission_max_starting is not None:
             return self.admission_max_starting

@@ -165,21 +165,31 @@ class Admission:
     def refusal(self) -> str:
         """Why ``arrive`` refused, naming the limit."""
         with self._lock:
-            if self.queue_limit is None and self._queue:
-                return (f"server busy: {self.running} streaming and {len(self._queue)} waiting for admission, "
-                        f"{self.max_running} in all (max_inflight_requests; admission_queue: the free slots); "
-                        "retry later")
-            if self.queue_limit:
-                return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
-                        f"behind {self.running} streaming; retry later")
-            if self.running >= self.max_running:
-                return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
-            if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
-                return (f"server busy: {self.starting} streams starting (admission_max_starting "
-                        f"{self.max_starting}; admission_queue 0); retry later")
-            return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
-                    f"{self.capacity.instance_audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); "
+            return self._refusal()
+
+    def would_refuse(self) -> str | None:
+        """The refusal ``arrive`` would answer a request that came now, None if it would start or wait."""
+        with self._lock:
+            if (not self._queue and self._can_start()) or len(self._queue) < self._queue_room():
+                return None
+            return self._refusal()
+
+    def _refusal(self) -> str:  # under the lock
+        if self.queue_limit is None and self._queue:
+            return (f"server busy: {self.running} streaming and {len(self._queue)} waiting for admission, "
+                    f"{self.max_running} in all (max_inflight_requests; admission_queue: the free slots); "
                     "retry later")
+        if self.queue_limit:
+            return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
+                    f"behind {self.running} streaming; retry later")
+        if self.running >= self.max_running:
+            return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
+        if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
+            return (f"server busy: {self.starting} streams starting (admission_max_starting "
+                    f"{self.max_starting}; admission_queue 0); retry later")
+        return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
+                f"{self.capacity.instance_audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); "
+                "retry later")
 
     def playing(self) -> None:
         """A started stream sent its first audio: its start is over."""

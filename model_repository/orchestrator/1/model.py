@@ -5,6 +5,7 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
+from omni_triton.shared.admission_board import BoardWriter, board_path
 from omni_triton.shared.cancel_registry import CancelRegistry, registry_dir
 from omni_triton.shared.placement import GPU_STAGES
 from omni_triton.shared.settings import admission_capacity_setting
@@ -39,7 +40,9 @@ class TritonPythonModel:
             route=pipeline_route(settings.placement, pipeline, device),
             # the other instances: a cancel may reach one that does not hold the request
             shared_cancels=CancelRegistry(registry_dir(os.getppid())) if slot.total > 1 else None,
-            metric_labels=labels, slot=slot)
+            metric_labels=labels, slot=slot,
+            # preprocess refuses before its work when every instance would (admission_board)
+            board=BoardWriter(board_path(os.getppid(), f"{pipeline}.{slot.index}")))
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot, labels=labels)
 
     def execute(self, requests):
