@@ -11,6 +11,7 @@ preprocess stage computes its features), each refused; prints the client's time 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="refused requests per kind (text, spoken)")
     parser.add_argument("--tree", help="the checkout whose code runs (default: this one)")
     args = parser.parse_args()
+    os.chdir(_tree())  # the stubs import from their working directory first: the tree's code, not this one's
     run_dir = Path(tempfile.mkdtemp(prefix="refusal-latency-"))
     checkpoint = build(run_dir / "tiny")
     config = LaunchConfig(checkpoint_dir=checkpoint, max_inflight_requests=args.streams, admission_queue=0,

@@ -1,6 +1,7 @@
 """The admission queue's default bound and --admission-max-wait on a real tritonserver (tiny checkpoint): with a
 forced capacity of 1 audio-second per second one stream runs at a time, so with --max-inflight 3 and the default
-queue two requests may wait and a third is refused at once naming max_inflight_requests; the two that waited are
+queue two requests may wait and a third is refused at once naming max_inflight_requests (by preprocess, from the
+orchestrator's admission board, before its work); the two that waited are
 refused once they waited --admission-max-wait, while the stream ahead of them still plays (they never start late);
 and the server serves the next request as soon as it is free."""
 
@@ -10,7 +11,7 @@ import threading
 
 import pytest
 from conftest import TEST_LIMITS
-from reliability_helpers import seconds_until_idle
+from reliability_helpers import read_gauges, seconds_until_idle
 from test_admission_server import REQUEST, Listener, orchestrator_gauge, wait_for_gauge
 
 from omni_triton.client import OmniStreamClient, StreamError
@@ -57,8 +58,11 @@ class LongStream:
 
 
 def gauges(server) -> dict[str, float]:
-    return {name: orchestrator_gauge(server, name)
-            for name in ("omni_admission_waited_requests", "omni_admission_refused_requests")}
+    """The orchestrator's admission counts; refusals with those preprocess answered from its board."""
+    values = read_gauges(server.metrics_url)
+    early = values.get(("omni_preprocess_refused_busy_requests_total", "preprocess"), 0.0)
+    return {"waited": values.get(("omni_admission_waited_requests", "orchestrator"), 0.0), "early": early,
+            "refused": values.get(("omni_admission_refused_requests", "orchestrator"), 0.0) + early}
 
 
 def test_the_default_queue_holds_the_free_slots_and_a_request_waits_no_longer_than_max_wait(server):
@@ -80,12 +84,13 @@ def test_the_default_queue_holds_the_free_slots_and_a_request_waits_no_longer_th
     wait_for_gauge(server, "omni_admission_queue_length", 0)  # the gauges lag the responses a little
     assert orchestrator_gauge(server, "omni_active_requests") == 1  # the long stream still plays
     after = gauges(server)
-    assert after["omni_admission_refused_requests"] - before["omni_admission_refused_requests"] == MAX_INFLIGHT
-    assert after["omni_admission_waited_requests"] == before["omni_admission_waited_requests"]
+    assert after["refused"] - before["refused"] == MAX_INFLIGHT
+    assert after["early"] - before["early"] == 1  # the one too many: by preprocess, before its work
+    assert after["waited"] == before["waited"]
 
     long.cancel()
     assert long.error is not None and long.error.code == "CANCELLED", long.error
     seconds_until_idle(server.metrics_url, timeout_s=10.0)
     served = Listener(server, "after the burst").join()  # nothing waits: served at once, in full
     assert served.error is None and served.result.audio.size
-    assert gauges(server)["omni_admission_waited_requests"] == before["omni_admission_waited_requests"]
+    assert gauges(server)["waited"] == before["waited"]

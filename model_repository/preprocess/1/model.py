@@ -37,17 +37,23 @@ class TritonPythonModel:
         # refused here, before any work, and without waiting for the orchestrator's thread
         self.boards = [board_path(os.getppid(), name) for name in
                        instance_names(settings.placement.pipelines, settings.placement.count("orchestrator"))]
+        self.busy = pb_utils.MetricFamily(
+            "omni_preprocess_refused_busy_requests_total",
+            "requests refused with UNAVAILABLE before preprocessing: every orchestrator instance would refuse them",
+            pb_utils.MetricFamily.COUNTER)
+        self.refused_busy = self.busy.Metric({"stage": "preprocess"})
 
     def execute(self, requests):
         return [self._respond(request) for request in requests]
 
     def finalize(self):
         self.rejected_by_field.clear()  # metrics before their family
-        del self.rejected
+        del self.rejected, self.refused_busy, self.busy
 
     def _respond(self, request):
         refusal = refusal_of_all(self.boards)
         if refusal is not None:
+            self.refused_busy.increment(1)
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, "UNAVAILABLE", refusal))
         inputs = {}
         for name in CLIENT_INPUTS:
