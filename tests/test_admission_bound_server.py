@@ -11,8 +11,8 @@ import threading
 
 import pytest
 from conftest import TEST_LIMITS
-from reliability_helpers import read_gauges, seconds_until_idle
-from test_admission_server import REQUEST, Listener, orchestrator_gauge, wait_for_gauge
+from reliability_helpers import seconds_until_idle
+from test_admission_server import Listener, admission_counts, orchestrator_gauge, wait_for_gauge
 
 from omni_triton.client import OmniStreamClient, StreamError
 
@@ -57,16 +57,8 @@ class LongStream:
         self._client.close()
 
 
-def gauges(server) -> dict[str, float]:
-    """The orchestrator's admission counts; refusals with those preprocess answered from its board."""
-    values = read_gauges(server.metrics_url)
-    early = values.get(("omni_preprocess_refused_busy_requests_total", "preprocess"), 0.0)
-    return {"waited": values.get(("omni_admission_waited_requests", "orchestrator"), 0.0), "early": early,
-            "refused": values.get(("omni_admission_refused_requests", "orchestrator"), 0.0) + early}
-
-
 def test_the_default_queue_holds_the_free_slots_and_a_request_waits_no_longer_than_max_wait(server):
-    before = gauges(server)
+    before = admission_counts(server)
     long = LongStream(server)
     wait_for_gauge(server, "omni_active_requests", 1)
     assert long.error is None, long.error
@@ -83,7 +75,7 @@ def test_the_default_queue_holds_the_free_slots_and_a_request_waits_no_longer_th
         assert "admission_max_wait 6 s" in listener.error.message() and not listener.audio_times
     wait_for_gauge(server, "omni_admission_queue_length", 0)  # the gauges lag the responses a little
     assert orchestrator_gauge(server, "omni_active_requests") == 1  # the long stream still plays
-    after = gauges(server)
+    after = admission_counts(server)
     assert after["refused"] - before["refused"] == MAX_INFLIGHT
     assert after["early"] - before["early"] == 1  # the one too many: by preprocess, before its work
     assert after["waited"] == before["waited"]
@@ -93,4 +85,4 @@ def test_the_default_queue_holds_the_free_slots_and_a_request_waits_no_longer_th
     seconds_until_idle(server.metrics_url, timeout_s=10.0)
     served = Listener(server, "after the burst").join()  # nothing waits: served at once, in full
     assert served.error is None and served.result.audio.size
-    assert gauges(server)["waited"] == before["waited"]
+    assert admission_counts(server)["waited"] == before["waited"]

@@ -7,6 +7,8 @@ must not stall the other streams. Admission (``admission``): a request starts wh
 otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
 ``waited_s``), and past ``admission_queue`` waiting (default: the free slots) it is refused at once with UNAVAILABLE
 naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late.
+Whether a new request would be refused is published at each change (``admission_board``), so that preprocess
+refuses it before its work and without waiting for this process's thread when every instance would.
 
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
