@@ -154,7 +154,7 @@ def test_the_default_queue_holds_only_the_free_slots_so_a_burst_past_them_is_ref
     assert admission.arrive("late", 1.0) == "queued" and admission.arrive("later", 1.0) == "refused"
     full = Admission(max_running=2, queue_limit=None, capacity=None)  # every slot running, none waiting
     assert [full.arrive(i, 0.0) for i in range(3)] == ["start", "start", "refused"]
-    assert "2 requests in flight (max_inflight_requests)" in full.refusal()
+    assert "2 streaming and 0 waiting for admission, 2 in all (max_inflight_requests; admission_queue" in full.refusal()
 
 
 def test_a_closed_loop_of_max_running_clients_is_never_refused_by_the_default_queue():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from omni_triton.shared.admission_board import (RECORD_BYTES, BoardWriter, board_path, decode, encode,
                                                 instance_names, refusal_of_all, remove_boards)
@@ -25,6 +27,29 @@ def test_a_request_is_refused_early_only_when_every_instance_would_refuse_it(tmp
     first.close()
 
 
+def test_the_record_of_a_killed_instance_is_not_read(tmp_path):
+    """A stub killed while full leaves its record: preprocess must not refuse on it until the reload writes anew."""
+    path = tmp_path / "0.0"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "published"
+        assert refusal_of_all([path]) == "server busy: 4 requests in flight (max_inflight_requests)"
+    finally:
+        writer.kill()
+        writer.wait()
+    assert path.exists() and refusal_of_all([path]) is None
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from omni_triton.shared.admission_board import BoardWriter
+BoardWriter(Path(sys.argv[1])).publish("server busy: 4 requests in flight (max_inflight_requests)")
+print("published", flush=True)
+time.sleep(600)
+"""
+
+
 def test_records_keep_whole_characters_and_reject_a_torn_or_empty_record():
     long = "é" * RECORD_BYTES  # two bytes each: cut at a character boundary
     record = encode(long)
@@ -37,6 +62,6 @@ def test_the_launcher_removes_what_a_crashed_server_left():
     paths = [board_path(pid, name) for name in instance_names(1, 2)]
     for path in paths:  # as a killed instance leaves its record
         path.write_bytes(encode("server busy"))
-    assert refusal_of_all(paths) == "server busy"
+    assert refusal_of_all(paths) is None  # nobody holds them: a dead process's, not read
     remove_boards(pid)
     assert not any(path.exists() for path in paths)

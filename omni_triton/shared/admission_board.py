@@ -7,16 +7,20 @@ sent, later than the admitted streams' first audio). So each orchestrator instan
 admission changes, whether it would refuse a new request and the refusal naming the limit; preprocess reads that
 before any of its work and refuses at once with the same UNAVAILABLE when every instance of the server would.
 The orchestrator still decides: a request preprocess lets through may be refused there (its state changed in
-between), never the other way round, and an instance that has not published (starting, reloading) counts as
-one that would take the request.
+between), never the other way round, and an instance that has not published (starting) or whose process is
+gone (killed: the record of a dead stub is not read until its reload writes a fresh one) counts as one that would
+take the request.
 
 One small file per instance (``<pipeline>.<instance>``) in /dev/shm where there is one (``board_path``: named
-after the tritonserver process, the stubs' parent): a flag byte and the message. The instance removes its file
+after the tritonserver process, the stubs' parent): a flag byte and the message. Its writer holds a shared
+``flock`` on it while it lives (the kernel drops it when the process ends, however it ends), so a reader that can
+take the lock exclusively knows the record is a dead process's. The instance removes its file
 when it stops; the launcher removes what a crash left (``remove_boards``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -66,6 +70,7 @@ class BoardWriter:
     def __init__(self, path: Path):
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)  # alive while held (readers: _written_by_the_living)
         self._last: bytes | None = None
         self.publish(None)
 
@@ -89,10 +94,20 @@ def refusal_of_all(paths: list[Path]) -> str | None:
         except FileNotFoundError:  # not published (yet): it may take the request
             return None
         try:
-            refusal = decode(os.pread(fd, RECORD_BYTES, 0))
+            refusal = decode(os.pread(fd, RECORD_BYTES, 0)) if _written_by_the_living(fd) else None
         finally:
             os.close(fd)
         if refusal is None:
             return None
         refusals.append(refusal)
     return refusals[0] if refusals else None
+
+
+def _written_by_the_living(fd: int) -> bool:
+    """Whether the record's writer still holds its lock (a process that ended dropped it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False

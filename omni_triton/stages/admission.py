@@ -175,7 +175,7 @@ class Admission:
             return self._refusal()
 
     def _refusal(self) -> str:  # under the lock
-        if self.queue_limit is None and self._queue:
+        if self.queue_limit is None:  # waiting and running: every slot taken
             return (f"server busy: {self.running} streaming and {len(self._queue)} waiting for admission, "
                     f"{self.max_running} in all (max_inflight_requests; admission_queue: the free slots); "
                     "retry later")
