@@ -3,7 +3,9 @@ stage's GIL (the gauges themselves are checked on a real server in tests/test_se
 
 from __future__ import annotations
 
-from omni_triton.stages.metrics import StageMetrics
+import torch
+
+from omni_triton.stages.metrics import StageMetrics, torch_memory_gauges
 
 
 class RecordingPbUtils:
@@ -45,5 +47,24 @@ def test_only_the_gauges_that_changed_are_set_again():
         snapshot["omni_pending_audio_frames"] = 7
         metrics.update()
         assert pb.sets == [("omni_pending_audio_frames", 7.0)]
+    finally:
+        metrics.stop()
+
+
+def test_the_orchestrators_gpu_memory_gauges_report_torchs_allocator_on_a_gpu_only(monkeypatch):
+    """No GPU here: torch's two counters stand in (what they count is torch's business); what is checked is that the
+    gauges exist on a GPU only, carry the allocator's numbers of the pipeline's GPU, and are families StageMetrics
+    can register (described in GAUGES)."""
+    assert torch_memory_gauges(None) == {}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda gpu: asked.append(gpu) or 3 << 20)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda gpu: asked.append(gpu) or 8 << 20)
+    pb = RecordingPbUtils()
+    metrics = StageMetrics(pb, "orchestrator", lambda: torch_memory_gauges(1), interval_s=3600)
+    try:
+        metrics.update()
+        assert sorted(pb.sets) == [("omni_gpu_memory_allocated_bytes", float(3 << 20)),
+                                   ("omni_gpu_memory_reserved_bytes", float(8 << 20))]
+        assert set(asked) == {1}
     finally:
         metrics.stop()

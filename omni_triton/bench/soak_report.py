@@ -53,12 +53,14 @@ def markdown(report: dict) -> str:
                   for w in result["ttfa_windows"]]
         lines += ["", f"Memory per process (RSS MiB; GPU MiB where nvidia-smi runs), sampled every "
                       f"{settings['sample_every_s']:g} s ({len(result['samples'])} samples):", "",
-                  "| process | RSS start | after warm-up | end window | growth % | GPU start | GPU end window |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| process | RSS start | after warm-up | end window | growth % | GPU start | GPU after warm-up | "
+                  "GPU end window | GPU growth % |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, row in result["memory"].items():
             rss, gpu = row.get("rss_mib", {}), row.get("gpu_mib", {})
             lines.append(f"| {name} | {rss.get('start')} | {rss.get('after_warmup')} | {rss.get('end_window')} | "
-                         f"{rss.get('growth_pct')} | {gpu.get('start', '-')} | {gpu.get('end_window', '-')} |")
+                         f"{rss.get('growth_pct')} | {gpu.get('start', '-')} | {gpu.get('after_warmup', '-')} | "
+                         f"{gpu.get('end_window', '-')} | {gpu.get('growth_pct', '-')} |")
         threads = {name: (row["threads"], result["end"]["processes"].get(name, {}).get("threads"))
                    for name, row in result["start"]["processes"].items()}
         lines += ["", "Threads per process, start -> end: " + ", ".join(f"{name} {a} -> {b}"

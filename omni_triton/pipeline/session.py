@@ -203,15 +203,20 @@ class Session:
         responses: queue.SimpleQueue = queue.SimpleQueue()
         listening = threading.Event()
         listening.set()
+        delivering = threading.Lock()  # nothing is put after the session stopped listening and emptied the queue
+
+        def deliver(entry: tuple[Any, BaseException | None]) -> None:
+            with delivering:
+                if listening.is_set():
+                    responses.put(entry)
 
         def read() -> None:
             try:
                 for item in items:
-                    if listening.is_set():
-                        responses.put((item, None))
-                responses.put((_END, None))
+                    deliver((item, None))
+                deliver((_END, None))
             except BaseException as exc:  # re-raised in the session's thread
-                responses.put((_END, exc))
+                deliver((_END, exc))
 
         threading.Thread(target=read, name=f"{stage}-stream", daemon=True).start()
         checked_at = float("-inf")
@@ -245,7 +250,15 @@ class Session:
                     batch.append(waiting[0])
                 yield batch
         finally:
-            listening.clear()
+            # What the stream still holds goes now, not with a traceback: an exception raised here references this
+            # frame (and a queued one the reader's frame, whose cells reach the queue), so the locals and the queue
+            # entries would form reference cycles with it, keeping the request's tensors (on a GPU, device memory)
+            # until the cyclic collector's next full collection.
+            with delivering:
+                listening.clear()
+                while _get_nowait(responses) is not None:
+                    pass
+            item = error = batch = waiting = None  # (for the traceback's sake: see above)
 
 
 _END = object()  # a stream's end in _stream's queue
@@ -298,6 +311,11 @@ class _AudioWorker:
         except BaseException as exc:  # surfaced in the request's thread
             self._error = exc
         finally:
+            # a frame stream left early (a code2wav call failed) would keep buffering frames, and its frame holds
+            # this worker (``_on_idle``): closed, it stops and lets go
+            self._frames.close()
+            if self._stopped.is_set():
+                self._error = None  # the session has left and will not raise it (see ``stop``)
             with self._call_or_done:
                 self._done.set()
                 self._call_or_done.notify_all()
@@ -347,8 +365,17 @@ class _AudioWorker:
             trace.event(self._request_id, name)
 
     def raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
+        """Raise the worker's error in the request's thread, once: raised, it ends the session. Kept, it would
+        form a reference cycle (its traceback then holds the session's frames too, and they hold this worker)
+        that keeps everything the request held, its tensors too, until the cyclic collector's next full
+        collection: under load, device memory that grew with every failed, cancelled or expired request."""
+        if self._error is None:
+            return
+        error, self._error = self._error, None
+        try:
+            raise error
+        finally:
+            del error  # nor does this frame, which the traceback holds, keep it
 
     def join(self, check: Callable[[], None]) -> None:
         """Wait for the last audio; ``check`` raises if the request must stop meanwhile. It is asked every ``POLL_S``
@@ -377,5 +404,6 @@ class _AudioWorker:
         the frame stream then ends on ``stopped`` before any check)."""
         self._stopped.set()
         if leave_call and self._in_call.is_set():
-            return
+            return  # the worker drops its own error once its call returns (``_run``)
         self._thread.join(timeout_s)
+        self._error = None  # an error the session did not raise (it ended for its own reason): see raise_error

@@ -23,6 +23,9 @@ see ``StageMetrics.update``). Names:
     omni_admission_refused_requests{stage}      requests refused with UNAVAILABLE (cumulative)
     omni_realtime_capacity_audio_s_per_s{stage} estimated audio-seconds per second at the running streams
                                                 (0: admission by real-time capacity is off)
+  GPU memory of the orchestrator's own process (on a GPU only; torch's caching allocator, ``torch_memory_gauges``):
+    omni_gpu_memory_allocated_bytes{stage}  held by live tensors: grows with requests when their tensors leak
+    omni_gpu_memory_reserved_bytes{stage}   reserved by the allocator (live + cached): what nvidia-smi sees of it
 
 A stage with several instances (``serve --instances``) labels each replica's series ``model_instance`` too, and a
 stage of one of several pipelines (``serve --pipelines``) ``pipeline``: the orchestrator too, one instance per
@@ -53,7 +56,21 @@ GAUGES = {
     "omni_admission_wait_seconds": "Seconds requests waited for admission, summed (cumulative)",
     "omni_admission_refused_requests": "Requests refused with UNAVAILABLE by admission (cumulative)",
     "omni_realtime_capacity_audio_s_per_s": "Estimated audio-seconds per second at the running streams (0: off)",
+    "omni_gpu_memory_allocated_bytes": "GPU memory held by this stage process's live tensors (torch)",
+    "omni_gpu_memory_reserved_bytes": "GPU memory torch's allocator reserved in this stage process (live + cached)",
 }
+
+
+def torch_memory_gauges(gpu: int | None) -> dict[str, float]:
+    """What torch's caching allocator of this process holds on ``gpu`` (None: a CPU deployment, no gauges). Next to
+    nvidia-smi's per-process figure it tells a leak (allocated grows) from the allocator's cache (only reserved
+    grows) from memory outside torch (neither grows: CUDA context, IPC mappings)."""
+    if gpu is None:
+        return {}
+    import torch  # the stages that report these run torch anyway; the metrics module itself does not need it
+
+    return {"omni_gpu_memory_allocated_bytes": torch.cuda.memory_allocated(gpu),
+            "omni_gpu_memory_reserved_bytes": torch.cuda.memory_reserved(gpu)}
 
 
 def engine_snapshot(stats: Any, extra_active: int = 0) -> dict[str, float]:

@@ -85,7 +85,7 @@ from omni_triton.shared.placement import OrchestratorSlot, Placement
 from omni_triton.shared.request_parameters import seconds_parameter
 from omni_triton.stages.admission import Admission, RealtimeCapacity, split_limit
 from omni_triton.stages.bls_clients import BlsStageClients
-from omni_triton.stages.metrics import HostHopCounter
+from omni_triton.stages.metrics import HostHopCounter, torch_memory_gauges
 from omni_triton.shared.settings import CHUNK_PACING
 from omni_triton.stages.stage_io import from_torch
 from omni_triton.stages.stage_supervisor import StageSupervisor
@@ -184,7 +184,7 @@ class Orchestrator:
 
     def snapshot(self) -> dict[str, float]:
         """Gauge values of this instance's pipeline: requests in flight, codec frames they hold that are not
-        decoded yet, admission."""
+        decoded yet, admission; on a GPU, what this process's torch allocator holds there."""
         with self._lock:
             streams = [stream for stream in self._active.values() if stream is not None]
             active = len(self._active)
@@ -197,7 +197,8 @@ class Orchestrator:
                 "omni_admission_waited_requests": admission.waited,
                 "omni_admission_wait_seconds": admission.wait_s,
                 "omni_admission_refused_requests": admission.refused,
-                "omni_realtime_capacity_audio_s_per_s": capacity}
+                "omni_realtime_capacity_audio_s_per_s": capacity,
+                **torch_memory_gauges(self._route.gpu)}
 
     def submit(self, request: Any) -> None:
         """Start streaming ``request``; every response goes out through its response sender."""
