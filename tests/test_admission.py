@@ -217,3 +217,13 @@ def test_would_refuse_says_what_arrive_would_answer_now():
     assert admission.arrive("c", 0.0) == "refused"
     admission.finished()
     assert admission.would_refuse() is None and admission.arrive("c", 1.0) == "start"
+
+
+def test_an_instance_of_a_split_pipeline_may_hold_up_to_the_pipelines_limit():
+    """One of 2 orchestrator instances of a pipeline of --max-inflight 4 runs 2 streams, but Triton may hand it
+    more than its half: with the default queue it holds up to all 4 (running and waiting), the 5th is refused."""
+    admission = Admission(max_running=2, queue_limit=None, capacity=None, max_held=4)
+    assert [admission.arrive(i, 0.0) for i in range(5)] == ["start", "start", "queued", "queued", "refused"]
+    assert "2 streaming and 2 waiting for admission, 4 in all" in admission.refusal()
+    with pytest.raises(ValueError, match="max_held"):
+        Admission(max_running=4, queue_limit=None, capacity=None, max_held=2)

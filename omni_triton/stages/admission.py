@@ -15,7 +15,8 @@ most ``max_starting`` streams may be admitted and not yet playing; the rest wait
 ``Admission`` holds the running count and a FIFO of waiting requests: a request starts at once when nothing
 waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
 frees up), else -- past ``queue_limit`` waiting -- is refused. By default (``queue_limit`` None) the queue holds
-no more than the free slots: requests waiting and running together stay within ``max_running`` (as TGI's
+no more than the free slots: requests waiting and running together stay within ``max_held`` (``max_running``
+unless the pipeline is split among instances: see ``Admission``; as TGI's
 ``max_concurrent_requests``), so a request that queues waits for at most ``max_running`` starts, and a burst past
 that is refused at once instead of waiting for seconds behind it; a closed loop of up to ``max_running`` clients
 never sees a refusal. ``max_wait_s`` bounds the wait in time too (as the queue timeout of Triton's dynamic batcher
@@ -117,16 +118,21 @@ class Admission:
     """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
 
     def __init__(self, max_running: int, queue_limit: int | None, capacity: RealtimeCapacity | None,
-                 max_starting: int = 0, max_wait_s: float = 0.0):
+                 max_starting: int = 0, max_wait_s: float = 0.0, max_held: int | None = None):
         """``max_running`` streams, ``max_starting`` admitted and not yet playing at once (0: no limit), a
         ``capacity`` learned from their frames (None: by ``max_running`` alone); ``queue_limit`` requests
-        waiting (None: the free slots, ``max_running`` less those running), none longer than ``max_wait_s``
-        (0: no limit)."""
+        waiting (None: the free slots, ``max_held`` less those running), none longer than ``max_wait_s``
+        (0: no limit). ``max_held``: requests running and waiting together with the default queue (None:
+        ``max_running``); one of K orchestrator instances of a pipeline runs 1/K of its streams but may hold up to
+        all of them, since Triton hands requests to the instances in turn, not by their load."""
         if max_running < 1 or (queue_limit or 0) < 0 or max_starting < 0 or max_wait_s < 0:
             raise ValueError(f"max_running must be >= 1, queue_limit, max_starting and max_wait_s >= 0, got "
                              f"{max_running}, {queue_limit}, {max_starting}, {max_wait_s}")
         self.max_running, self.queue_limit, self.max_starting = max_running, queue_limit, max_starting
         self.max_wait_s = max_wait_s
+        self.max_held = max_running if max_held is None else max_held
+        if self.max_held < max_running:
+            raise ValueError(f"max_held must be >= max_running {max_running}, got {max_held}")
         self.capacity = capacity
         self._lock = threading.Lock()
         self._queue: deque[Waiting] = deque()
@@ -159,7 +165,7 @@ class Admission:
 
     def _queue_room(self) -> int:
         if self.queue_limit is None:
-            return self.max_running - self.running
+            return self.max_held - self.running
         return self.queue_limit
 
     def refusal(self) -> str:
@@ -177,7 +183,7 @@ class Admission:
     def _refusal(self) -> str:  # under the lock
         if self.queue_limit is None:  # waiting and running: every slot taken
             return (f"server busy: {self.running} streaming and {len(self._queue)} waiting for admission, "
-                    f"{self.max_running} in all (max_inflight_requests; admission_queue: the free slots); "
+                    f"{self.max_held} in all (max_inflight_requests; admission_queue: the free slots); "
                     "retry later")
         if self.queue_limit:
             return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "

@@ -155,9 +155,10 @@ class Orchestrator:
         self._chunk_pacing = chunk_pacing
         if capacity is not None and capacity.share != slot.per_pipeline:
             raise ValueError(f"capacity share {capacity.share} != {slot.per_pipeline} instances per pipeline")
-        max_inflight = split_limit(max_inflight, slot.per_pipeline)
+        pipeline_inflight, max_inflight = max_inflight, split_limit(max_inflight, slot.per_pipeline)
         self._admission = Admission(max_inflight, split_limit(admission_queue, slot.per_pipeline), capacity,
-                                    split_limit(max_starting, slot.per_pipeline), admission_max_wait_s)
+                                    split_limit(max_starting, slot.per_pipeline), admission_max_wait_s,
+                                    max_held=pipeline_inflight)
         self._board, self._board_lock = board, threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._slot = slot
