@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_triton.stages.admission import FRAME_S, Admission, RealtimeCapacity
-from omni_triton.shared.settings import admission_capacity_setting
+from omni_triton.stages.admission import FRAME_S, Admission, RealtimeCapacity, split_limit
+from omni_triton.shared.settings import LaunchConfig, admission_capacity_setting
 
 
 def talker(step_s, streams: int, seconds: float = 1.0) -> tuple[int, int, float]:
@@ -138,3 +138,92 @@ def test_starts_are_staggered_by_max_starting():
     unlimited = Admission(max_running=3, queue_limit=0, capacity=None)
     assert [unlimited.arrive(i, 0.0) for i in range(4)] == ["start", "start", "start", "refused"]
 
+
+
+def test_the_default_queue_holds_only_the_free_slots_so_a_burst_past_them_is_refused_at_once():
+    """queue_limit None: waiting + running stay within max_running. With capacity for 2 of 8 slots, 6 may wait; the
+    7th waiting one is refused at arrival, naming max_inflight_requests and how many stream and wait."""
+    admission = Admission(max_running=8, queue_limit=None, capacity=RealtimeCapacity(forced_audio_s_per_s=2.5))
+    decisions = [admission.arrive(i, 0.0) for i in range(10)]
+    assert decisions == ["start"] * 2 + ["queued"] * 6 + ["refused"] * 2
+    assert admission.refused == 2
+    message = admission.refusal()
+    assert "max_inflight_requests" in message and "2 streaming and 6 waiting" in message and "8 in all" in message
+    admission.finished()  # a slot frees: one waiting starts, and one place in the queue opens for a new arrival
+    assert admission.due(1.0) == [(2, 1.0)]
+    assert admission.arrive("late", 1.0) == "queued" and admission.arrive("later", 1.0) == "refused"
+    full = Admission(max_running=2, queue_limit=None, capacity=None)  # every slot running, none waiting
+    assert [full.arrive(i, 0.0) for i in range(3)] == ["start", "start", "refused"]
+    assert "2 streaming and 0 waiting for admission, 2 in all (max_inflight_requests; admission_queue" in full.refusal()
+
+
+def test_a_closed_loop_of_max_running_clients_is_never_refused_by_the_default_queue():
+    """Each of 8 clients sends its next request once its last one ended: with starts staggered (2 at a time) and
+    capacity for 3 streams, many wait, but none is refused."""
+    admission = Admission(max_running=8, queue_limit=None, capacity=RealtimeCapacity(forced_audio_s_per_s=3.5),
+                          max_starting=2)
+    running, now = [], 0.0
+    for client in range(8):
+        if admission.arrive(client, now) == "start":
+            running.append(client)
+    assert admission.queued == 6
+    for step in range(200):  # the oldest stream plays its first audio, then ends; its client sends again
+        now += 1.0
+        client = running.pop(0)
+        admission.playing()
+        admission.finished()
+        decision = admission.arrive(client, now)
+        assert decision != "refused"
+        running += [client] if decision == "start" else []
+        running += [item for item, _ in admission.due(now)]
+        assert admission.queued + admission.running == 8
+    assert admission.refused == 0
+
+
+def test_a_request_that_waited_max_wait_is_refused_instead_of_starting_late():
+    never = Admission(max_running=1, queue_limit=4, capacity=None)  # max_wait_s 0: no limit
+    never.arrive("a", 0.0), never.arrive("b", 0.0)
+    assert never.expired(1e6) == [] and never.queued == 1
+    admission = Admission(max_running=1, queue_limit=4, capacity=None, max_wait_s=2.0)
+    admission.arrive("a", 0.0)
+    for name, at in (("b", 0.5), ("c", 1.0), ("d", 3.0)):
+        assert admission.arrive(name, at) == "queued"
+    assert admission.expired(2.4) == []
+    assert admission.expired(3.2) == [("b", pytest.approx(2.7)), ("c", pytest.approx(2.2))]
+    assert admission.refused == 2 and admission.queued == 1
+    message = admission.expiry(2.7)
+    assert "admission_max_wait 2 s" in message and "waited 2.7 s" in message and "busy" in message
+    admission.finished()
+    assert admission.due(3.5) == [("d", 0.5)]  # the one within the bound still starts
+    with pytest.raises(ValueError, match="max_wait_s"):
+        Admission(max_running=1, queue_limit=None, capacity=None, max_wait_s=-1)
+
+
+def test_split_limit_keeps_the_default_queue_and_no_limit():
+    assert split_limit(None, 3) is None and split_limit(0, 3) == 0 and split_limit(7, 3) == 3
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_launch_config_rejects_a_bad_admission_max_wait(seconds):
+    with pytest.raises(ValueError, match="admission_max_wait"):
+        LaunchConfig(checkpoint_dir=".", admission_max_wait=seconds)
+
+
+def test_would_refuse_says_what_arrive_would_answer_now():
+    admission = Admission(max_running=2, queue_limit=None, capacity=None)
+    assert admission.would_refuse() is None
+    admission.arrive("a", 0.0), admission.arrive("b", 0.0)
+    assert "max_inflight_requests" in admission.would_refuse() and admission.refused == 0  # asking counts nothing
+    assert admission.arrive("c", 0.0) == "refused"
+    admission.finished()
+    assert admission.would_refuse() is None and admission.arrive("c", 1.0) == "start"
+
+
+def test_an_instance_of_a_split_pipeline_may_hold_up_to_the_pipelines_limit():
+    """One of 2 orchestrator instances of a pipeline of --max-inflight 4 runs 2 streams, but Triton may hand it
+    more than its half: with the default queue it holds up to all 4 (running and waiting), the 5th is refused."""
+    admission = Admission(max_running=2, queue_limit=None, capacity=None, max_held=4)
+    assert [admission.arrive(i, 0.0) for i in range(5)] == ["start", "start", "queued", "queued", "refused"]
+    assert "2 streaming and 2 waiting for admission, 4 in all" in admission.refusal()
+    with pytest.raises(ValueError, match="max_held"):
+        Admission(max_running=4, queue_limit=None, capacity=None, max_held=2)

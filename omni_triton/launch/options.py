@@ -129,7 +129,11 @@ def add_load_arguments(group) -> None:
                             "--next-chunk-frames); ramp: the fixed ramp alone (default: %(default)s)")
     group.add_argument("--admission-queue", type=int, metavar="N",
                        help="requests that may wait for admission (FIFO; the wait counts in their TTFA); past it "
-                            "a request is refused with UNAVAILABLE (default: --max-inflight)")
+                            "a request is refused at once with UNAVAILABLE (default: the free slots, so that those "
+                            "waiting and those running stay within --max-inflight)")
+    group.add_argument("--admission-max-wait", type=float, metavar="S", default=LaunchConfig.admission_max_wait,
+                       help="a request that waited S seconds for admission is refused with UNAVAILABLE instead of "
+                            "starting late (0: no limit; default: %(default)s)")
     group.add_argument("--admission-capacity", type=_admission_capacity, metavar="auto|off|AUDIO_S_PER_S",
                        help="admit a stream only while every running one keeps real time: auto (estimated from "
                             "the frame rate streams get, learned online), off (--max-inflight alone), or a fixed "

@@ -31,6 +31,7 @@ from omni_triton.shared import bundled_backend
 from omni_triton.launch.python_backend import PYTHON_BACKEND_CHOICES, load_built_backend
 from omni_triton.launch.mps import MpsDaemon, start_mps
 from omni_triton.launch.drain import drain_orchestrator
+from omni_triton.shared.admission_board import remove_boards
 from omni_triton.shared.cancel_registry import remove_registry
 from omni_triton.shared.drain import DRAIN_S
 from omni_triton.shared.procfs import PARENT, stat_fields
@@ -394,6 +395,7 @@ class TritonServer:
         self._kill_leftover_group(process.pid)
         self._remove_shared_memory()
         remove_registry(process.pid)  # what the orchestrator instances' cancel registry held when it went
+        remove_boards(process.pid)  # and their admission records
         return process.returncode
 
     @staticmethod

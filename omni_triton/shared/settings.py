@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +65,12 @@ class LaunchConfig:
     # holds its state)
     left_context_frames: int | str | None = None
     chunk_pacing: str = "adaptive"        # adaptive | ramp (see CHUNK_PACING)
-    # Admission (stages/admission.py): requests that may wait for a start (None: max_inflight_requests), and
+    # Admission (stages/admission.py): requests that may wait for a start (None: the free slots, so that those
+    # waiting and running stay within max_inflight_requests), for at most admission_max_wait seconds (0: no limit), and
     # the real-time capacity that gates starts: "auto" (learned), "off" (max_inflight alone), or a fixed number of
     # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
     admission_queue: int | None = None
+    admission_max_wait: float = 0.0
     admission_capacity: str | None = None
     # streams admitted and not yet playing at once (their starts staggered; 0: no limit); None: 6 on cuda, 0 on cpu
     admission_max_starting: int | None = None
@@ -143,6 +146,8 @@ class LaunchConfig:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {self.chunk_pacing!r}")
         if self.admission_queue is not None and self.admission_queue < 0:
             raise ValueError(f"admission_queue must be >= 0, got {self.admission_queue}")
+        if not 0 <= self.admission_max_wait < math.inf:
+            raise ValueError(f"admission_max_wait must be >= 0 seconds, got {self.admission_max_wait}")
         if self.admission_capacity is not None:
             admission_capacity_setting(self.admission_capacity)
         if self.admission_max_starting is not None and self.admission_max_starting < 0:
@@ -192,10 +197,6 @@ class LaunchConfig:
     @property
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
-
-    @property
-    def resolved_admission_queue(self) -> int:
-        return self.max_inflight_requests if self.admission_queue is None else self.admission_queue
 
     @property
     def resolved_admission_max_starting(self) -> int:

@@ -14,8 +14,14 @@ once (most of 64 streams started together ran dry right after their first chunk:
 most ``max_starting`` streams may be admitted and not yet playing; the rest wait in the queue.
 ``Admission`` holds the running count and a FIFO of waiting requests: a request starts at once when nothing
 waits and the limits allow it, else waits in the queue (started in arrival order as streams end or capacity
-frees up), else -- past ``queue_limit`` waiting -- is refused. It counts what waited, for how long, and what
-was refused (the orchestrator's gauges). It admits onto one pipeline: with ``serve --pipelines`` each pipeline's
+frees up), else -- past ``queue_limit`` waiting -- is refused. By default (``queue_limit`` None) the queue holds
+no more than the free slots: requests waiting and running together stay within ``max_held`` (``max_running``
+unless the pipeline is split among instances: see ``Admission``; as TGI's
+``max_concurrent_requests``), so a request that queues waits for at most ``max_running`` starts, and a burst past
+that is refused at once instead of waiting for seconds behind it; a closed loop of up to ``max_running`` clients
+never sees a refusal. ``max_wait_s`` bounds the wait in time too (as the queue timeout of Triton's dynamic batcher
+with ``timeout_action: REJECT``): a request that waited that long is refused instead of starting late
+(``expired``). It counts what waited, for how long, and what was refused (the orchestrator's gauges). It admits onto one pipeline: with ``serve --pipelines`` each pipeline's
 orchestrator instance has its own, so every limit holds per pipeline and each learns its own GPUs' capacity.
 
 A pipeline served by several orchestrator instances (``--instances orchestrator=K``) gives each 1/K of its limits
@@ -96,10 +102,10 @@ class RealtimeCapacity:
         return self.audio_s_per_s(running * self.share) / self.share
 
 
-def split_limit(limit: int, share: int) -> int:
-    """One of ``share`` orchestrator instances' part of a pipeline's admission limit (0, no limit, stays 0); at
-    least 1 where the limit is not 0, so the parts may add up to a little more than the whole."""
-    return 0 if limit == 0 else max(1, -(-limit // share))
+def split_limit(limit: int | None, share: int) -> int | None:
+    """One of ``share`` orchestrator instances' part of a pipeline's admission limit (0 and None stay as they are);
+    at least 1 where the limit is not 0, so the parts may add up to a little more than the whole."""
+    return limit if not limit else max(1, -(-limit // share))
 
 
 @dataclass
@@ -111,15 +117,22 @@ class Waiting:
 class Admission:
     """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
 
-    def __init__(self, max_running: int, queue_limit: int, capacity: RealtimeCapacity | None,
-                 max_starting: int = 0):
+    def __init__(self, max_running: int, queue_limit: int | None, capacity: RealtimeCapacity | None,
+                 max_starting: int = 0, max_wait_s: float = 0.0, max_held: int | None = None):
         """``max_running`` streams, ``max_starting`` admitted and not yet playing at once (0: no limit), a
         ``capacity`` learned from their frames (None: by ``max_running`` alone); ``queue_limit`` requests
-        waiting."""
-        if max_running < 1 or queue_limit < 0 or max_starting < 0:
-            raise ValueError(f"max_running must be >= 1, queue_limit and max_starting >= 0, got {max_running}, "
-                             f"{queue_limit}, {max_starting}")
+        waiting (None: the free slots, ``max_held`` less those running), none longer than ``max_wait_s``
+        (0: no limit). ``max_held``: requests running and waiting together with the default queue (None:
+        ``max_running``); one of K orchestrator instances of a pipeline runs 1/K of its streams but may hold up to
+        all of them, since Triton hands requests to the instances in turn, not by their load."""
+        if max_running < 1 or (queue_limit or 0) < 0 or max_starting < 0 or max_wait_s < 0:
+            raise ValueError(f"max_running must be >= 1, queue_limit, max_starting and max_wait_s >= 0, got "
+                             f"{max_running}, {queue_limit}, {max_starting}, {max_wait_s}")
         self.max_running, self.queue_limit, self.max_starting = max_running, queue_limit, max_starting
+        self.max_wait_s = max_wait_s
+        self.max_held = max_running if max_held is None else max_held
+        if self.max_held < max_running:
+            raise ValueError(f"max_held must be >= max_running {max_running}, got {max_held}")
         self.capacity = capacity
         self._lock = threading.Lock()
         self._queue: deque[Waiting] = deque()
@@ -144,26 +157,45 @@ class Admission:
             if not self._queue and self._can_start():
                 self._count_start()
                 return "start"
-            if len(self._queue) < self.queue_limit:
+            if len(self._queue) < self._queue_room():
                 self._queue.append(Waiting(item, now))
                 return "queued"
             self.refused += 1
             return "refused"
 
+    def _queue_room(self) -> int:
+        if self.queue_limit is None:
+            return self.max_held - self.running
+        return self.queue_limit
+
     def refusal(self) -> str:
         """Why ``arrive`` refused, naming the limit."""
         with self._lock:
-            if self.queue_limit:
-                return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
-                        f"behind {self.running} streaming; retry later")
-            if self.running >= self.max_running:
-                return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
-            if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
-                return (f"server busy: {self.starting} streams starting (admission_max_starting "
-                        f"{self.max_starting}; admission_queue 0); retry later")
-            return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
-                    f"{self.capacity.instance_audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); "
+            return self._refusal()
+
+    def would_refuse(self) -> str | None:
+        """The refusal ``arrive`` would answer a request that came now, None if it would start or wait."""
+        with self._lock:
+            if (not self._queue and self._can_start()) or len(self._queue) < self._queue_room():
+                return None
+            return self._refusal()
+
+    def _refusal(self) -> str:  # under the lock
+        if self.queue_limit is None:  # waiting and running: every slot taken
+            return (f"server busy: {self.running} streaming and {len(self._queue)} waiting for admission, "
+                    f"{self.max_held} in all (max_inflight_requests; admission_queue: the free slots); "
                     "retry later")
+        if self.queue_limit:
+            return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
+                    f"behind {self.running} streaming; retry later")
+        if self.running >= self.max_running:
+            return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
+        if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
+            return (f"server busy: {self.starting} streams starting (admission_max_starting "
+                    f"{self.max_starting}; admission_queue 0); retry later")
+        return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
+                f"{self.capacity.instance_audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); "
+                "retry later")
 
     def playing(self) -> None:
         """A started stream sent its first audio: its start is over."""
@@ -188,6 +220,23 @@ class Admission:
                 self.wait_s += now - waiting.since
                 started.append((waiting.item, now - waiting.since))
         return started
+
+    def expired(self, now: float) -> list[tuple[Any, float]]:
+        """Waiting requests that waited ``max_wait_s`` or longer, with their waits: out of the queue, counted as
+        refused (the queue is in arrival order, so they are at its head)."""
+        gone = []
+        with self._lock:
+            while self.max_wait_s and self._queue and now - self._queue[0].since >= self.max_wait_s:
+                waiting = self._queue.popleft()
+                self.refused += 1
+                gone.append((waiting.item, now - waiting.since))
+        return gone
+
+    def expiry(self, waited_s: float) -> str:
+        """Why ``expired`` took a request that waited ``waited_s``, naming the limit."""
+        with self._lock:
+            return (f"server busy: waited {waited_s:.1f} s for admission behind {self.running} streaming "
+                    f"(admission_max_wait {self.max_wait_s:g} s); retry later")
 
     def drop(self, predicate) -> list[Any]:
         """Remove the waiting requests for which ``predicate(item)`` is true (cancelled, past their deadline)."""

@@ -5,7 +5,10 @@ thread because BLS decoupled calls in this Triton version return blocking iterat
 must not stall the other streams. Admission (``admission``): a request starts while fewer than
 ``max_inflight`` stream and, with a capacity, while one more stream would leave every playing one real time;
 otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
-``waited_s``), and past ``admission_queue`` waiting it is refused at once with UNAVAILABLE naming the limit.
+``waited_s``), and past ``admission_queue`` waiting (default: the free slots) it is refused at once with UNAVAILABLE
+naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late.
+Whether a new request would be refused is published at each change (``admission_board``), so that preprocess
+refuses it before its work and without waiting for this process's thread when every instance would.
 
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
@@ -75,6 +78,7 @@ from omni_triton.pipeline.code2wav.pacing import ChunkPacer
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
+from omni_triton.shared.admission_board import BoardWriter
 from omni_triton.shared.cancel_registry import CancelRegistry
 from omni_triton.shared.drain import SHUTTING_DOWN, control_word, drain_seconds
 from omni_triton.shared.placement import OrchestratorSlot, Placement
@@ -120,19 +124,23 @@ def pipeline_route(placement: Placement, pipeline: int, device: torch.device) ->
 
 class Orchestrator:
     def __init__(self, pb_utils: Any, checkpoint_dir: str | Path, device: torch.device, policy: ChunkPolicy,
-                 max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int = 0,
+                 max_inflight: int, chunk_pacing: str = "adaptive", admission_queue: int | None = None,
                  capacity: RealtimeCapacity | None = None, stage_instances: Mapping[str, int] | None = None,
                  max_starting: int = 0, route: PipelineRoute | None = None,
                  shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None,
-                 slot: OrchestratorSlot = OrchestratorSlot()):
+                 slot: OrchestratorSlot = OrchestratorSlot(), admission_max_wait_s: float = 0.0,
+                 board: BoardWriter | None = None):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone; its ``share`` is
         ``slot.per_pipeline``); ``max_starting``: streams admitted and not yet playing at once (0: no limit);
-        ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for this instance's pipeline, and each of its
-        ``slot.per_pipeline`` instances takes its part (``split_limit``). ``route``: the stages' models and where
+        ``admission_queue``: requests that may wait (None: the free slots), none longer than
+        ``admission_max_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for
+        this instance's pipeline, and each of its ``slot.per_pipeline`` instances takes its part (``split_limit``). ``route``: the stages' models and where
         their outputs land (default: the stages by their own names, outputs on ``device``); ``stage_instances``:
         stage -> instances of each of its models. ``shared_cancels``: where the server's other orchestrator
         instances record cancels of requests they do not hold (None: this is the only instance);
-        ``metric_labels``: labels of this instance's metrics beside ``stage``; ``slot``: which instance this is."""
+        ``metric_labels``: labels of this instance's metrics beside ``stage``; ``slot``: which instance this is;
+        ``board``: where this instance says whether it would refuse a new request (``admission_board``: preprocess
+        refuses before its work when every instance would), updated at each change of its admission."""
         if chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {chunk_pacing!r}")
         self._pb = pb_utils
@@ -147,9 +155,11 @@ class Orchestrator:
         self._chunk_pacing = chunk_pacing
         if capacity is not None and capacity.share != slot.per_pipeline:
             raise ValueError(f"capacity share {capacity.share} != {slot.per_pipeline} instances per pipeline")
-        max_inflight = split_limit(max_inflight, slot.per_pipeline)
+        pipeline_inflight, max_inflight = max_inflight, split_limit(max_inflight, slot.per_pipeline)
         self._admission = Admission(max_inflight, split_limit(admission_queue, slot.per_pipeline), capacity,
-                                    split_limit(max_starting, slot.per_pipeline))
+                                    split_limit(max_starting, slot.per_pipeline), admission_max_wait_s,
+                                    max_held=pipeline_inflight)
+        self._board, self._board_lock = board, threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._slot = slot
         self._request_counter = 0
@@ -224,11 +234,19 @@ class Orchestrator:
         with self._lock:  # before it may start: a cancel sent while it waits must find it
             self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
         decision = self._admission.arrive(ticket, time.monotonic())
+        self._publish()
         if decision == "start":
             self._start(ticket, waited_s=0.0)
         elif decision == "refused":
             self._forget(ticket)
             self._refuse(sender, self._admission.refusal())
+
+    def _publish(self) -> None:
+        """Say on the board whether a new request would be refused now (in order: the lock keeps an older state
+        from overwriting a newer one)."""
+        if self._board is not None:
+            with self._board_lock:
+                self._board.publish(self._admission.would_refuse())
 
     def _refuse(self, sender: Any, message: str) -> None:
         error = triton_error(self._pb, "UNAVAILABLE", message)
@@ -276,6 +294,9 @@ class Orchestrator:
             error = triton_error(self._pb, "CANCELLED", f"{reason} while waiting for admission")
             ticket.sender.send(self._pb.InferenceResponse(error=error),
                                flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        for ticket, waited_s in self._admission.expired(now):  # refused now rather than started late
+            self._forget(ticket)
+            self._refuse(ticket.sender, self._admission.expiry(waited_s))
         if self._admission.capacity is not None and now - last_sample >= CAPACITY_SAMPLE_S:
             self._observe_capacity(now - last_sample)
             last_sample = now
@@ -287,6 +308,7 @@ class Orchestrator:
             return last_sample
         for ticket, waited_s in self._admission.due(now):
             self._start(ticket, waited_s)
+        self._publish()
         return last_sample
 
     def _observe_capacity(self, seconds: float) -> None:
@@ -388,6 +410,8 @@ class Orchestrator:
             self._refuse(ticket.sender, "server shutting down")
         self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._board is not None:
+            self._board.close()
         self._host_hops.close()
         if self._shared_cancels is not None:
             self._shared_cancels.close()
@@ -419,6 +443,7 @@ class Orchestrator:
                 if audio is not None and not played:
                     played.append(True)
                     self._admission.playing()
+                    self._publish()
                     self._wake.set()  # a waiting stream may start now
 
         generations = self._stages.generations()
@@ -454,6 +479,7 @@ class Orchestrator:
             self._forget(ticket)
             with send_lock:  # not while emit counts its first audio
                 self._admission.finished(played=bool(played))
+            self._publish()  # before the final response: its client's next request must not find it full
             with self._lock:
                 del self._active[request_id]
             self._wake.set()

@@ -5,6 +5,7 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
+from omni_triton.shared.admission_board import BoardWriter, board_path
 from omni_triton.shared.cancel_registry import CancelRegistry, registry_dir
 from omni_triton.shared.placement import GPU_STAGES
 from omni_triton.shared.settings import admission_capacity_setting
@@ -31,14 +32,17 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(
             pb_utils, settings.checkpoint_dir, device, chunk_policy(settings),
             max_inflight=settings.max_inflight_requests, chunk_pacing=settings.chunk_pacing,
-            admission_queue=settings.resolved_admission_queue, max_starting=settings.resolved_admission_max_starting,
+            admission_queue=settings.admission_queue, admission_max_wait_s=settings.admission_max_wait,
+            max_starting=settings.resolved_admission_max_starting,
             capacity=None if capacity == "off" else RealtimeCapacity(forced, share=slot.per_pipeline),
             # the orchestrator watches every stage instance's process of its pipeline (stage_supervisor)
             stage_instances={stage: settings.placement.count(stage) for stage in GPU_STAGES},
             route=pipeline_route(settings.placement, pipeline, device),
             # the other instances: a cancel may reach one that does not hold the request
             shared_cancels=CancelRegistry(registry_dir(os.getppid())) if slot.total > 1 else None,
-            metric_labels=labels, slot=slot)
+            metric_labels=labels, slot=slot,
+            # preprocess refuses before its work when every instance would (admission_board)
+            board=BoardWriter(board_path(os.getppid(), f"{pipeline}.{slot.index}")))
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot, labels=labels)
 
     def execute(self, requests):

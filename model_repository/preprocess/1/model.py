@@ -1,8 +1,11 @@
 """Triton adapter for omni_triton.pipeline.preprocess.Preprocessor (validation, chat template, features)."""
 
+import os
+
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.error_tags import triton_error
+from omni_triton.shared.admission_board import board_path, instance_names, refusal_of_all
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
 from omni_triton.stages.model_args import launch_settings, limit_torch_threads, report_native_crashes
@@ -30,15 +33,28 @@ class TritonPythonModel:
             "omni_preprocess_rejected_requests_total", "requests refused with INVALID_ARG, by input",
             pb_utils.MetricFamily.COUNTER)
         self.rejected_by_field = {}
+        # the orchestrator instances' admission (admission_board): a request every one of them would refuse is
+        # refused here, before any work, and without waiting for the orchestrator's thread
+        self.boards = [board_path(os.getppid(), name) for name in
+                       instance_names(settings.placement.pipelines, settings.placement.count("orchestrator"))]
+        self.busy = pb_utils.MetricFamily(
+            "omni_preprocess_refused_busy_requests_total",
+            "requests refused with UNAVAILABLE before preprocessing: every orchestrator instance would refuse them",
+            pb_utils.MetricFamily.COUNTER)
+        self.refused_busy = self.busy.Metric({"stage": "preprocess"})
 
     def execute(self, requests):
         return [self._respond(request) for request in requests]
 
     def finalize(self):
         self.rejected_by_field.clear()  # metrics before their family
-        del self.rejected
+        del self.rejected, self.refused_busy, self.busy
 
     def _respond(self, request):
+        refusal = refusal_of_all(self.boards)
+        if refusal is not None:
+            self.refused_busy.increment(1)
+            return pb_utils.InferenceResponse(error=triton_error(pb_utils, "UNAVAILABLE", refusal))
         inputs = {}
         for name in CLIENT_INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
