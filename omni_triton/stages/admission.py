@@ -154,14 +154,19 @@ class Admission:
     def arrive(self, item: Any, now: float) -> str:
         """'start' (counted as running now), 'queued' or 'refused'."""
         with self._lock:
-            if not self._queue and self._can_start():
+            decision = self._decision()
+            if decision == "start":
                 self._count_start()
-                return "start"
-            if len(self._queue) < self._queue_room():
+            elif decision == "queued":
                 self._queue.append(Waiting(item, now))
-                return "queued"
-            self.refused += 1
-            return "refused"
+            else:
+                self.refused += 1
+            return decision
+
+    def _decision(self) -> str:  # under the lock: what ``arrive`` answers a request that comes now
+        if not self._queue and self._can_start():
+            return "start"
+        return "queued" if len(self._queue) < self._queue_room() else "refused"
 
     def _queue_room(self) -> int:
         if self.queue_limit is None:
@@ -176,9 +181,7 @@ class Admission:
     def would_refuse(self) -> str | None:
         """The refusal ``arrive`` would answer a request that came now, None if it would start or wait."""
         with self._lock:
-            if (not self._queue and self._can_start()) or len(self._queue) < self._queue_room():
-                return None
-            return self._refusal()
+            return self._refusal() if self._decision() == "refused" else None
 
     def _refusal(self) -> str:  # under the lock
         if self.queue_limit is None:  # waiting and running: every slot taken
