@@ -191,11 +191,11 @@ class Code2WavGraphs:
                  device: torch.device, settings: GraphSettings = GraphSettings(),
                  capture_inputs: Callable[[int, int], tuple[torch.Tensor, ...]] | None = None):
         """``capture_inputs(bucket, frames)``: the static inputs of a capture (default: zero codes)."""
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         if settings.frame_buckets and capture_inputs is None:
             raise ValueError("frame_buckets pad a call's frames: the streaming decode's (rows with lengths) only, "
                              "never the one-pass decode's (its last samples would change)")
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.forward = forward
         self.capture_inputs = capture_inputs or (lambda bucket, frames: zero_codes(bucket, frames, num_quantizers,
                                                                                    device))
