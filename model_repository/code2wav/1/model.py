@@ -8,6 +8,7 @@ here on the stage's device). STREAM_END (with or without CODES) frees the stream
 """
 
 import json
+import time
 
 import numpy as np
 import torch
@@ -56,15 +57,17 @@ class TritonPythonModel:
         warmup = settings.resolved_warmup
         policy = chunk_policy(settings)
         graphs = stage_graph_settings(policy, max_batch, warmup)
-        if settings.cuda_graphs and self.device.type == "cuda":
-            print(f"code2wav: {PROGRESS_MARK}: capturing {capture_count(graphs)} CUDA graphs at start (one-pass "
-                  f"{graphs['graph_settings'].captures_at_start}, stream chunks "
-                  f"{graphs['stream_graph_settings'].captures_at_start})", flush=True)
+        start = time.monotonic()
         with stage_loading("code2wav"):
             self.vocoder = Code2WavRuntime.create(kind, str(settings.checkpoint_dir), device=self.device,
                                                   dtype=getattr(torch, settings.resolved_dtype), **engine,
                                                   **load_options(settings), cuda_graphs=settings.cuda_graphs,
                                                   **graphs)
+            if getattr(self.vocoder, "graphs", None) is not None:  # torch on a GPU with --cuda-graphs on
+                print(f"code2wav: {PROGRESS_MARK}: {capture_count(graphs)} CUDA graphs captured at start (one-pass "
+                      f"{graphs['graph_settings'].captures_at_start}, stream chunks "
+                      f"{graphs['stream_graph_settings'].captures_at_start}), with the weights' load: "
+                      f"{time.monotonic() - start:.1f} s", flush=True)
             if warmup and not policy.stateful:  # stateful short calls: their graphs are captured at start
                 warm_up_vocoder(self.vocoder, policy.resolved(exact_left_context_frames(self.vocoder.config)),
                                 max_batch)
