@@ -2,13 +2,13 @@
 
 Short calls replay CUDA graphs (``stage_graph_settings``): under warm start those of the decode the stage
 serves are all captured at start (stream chunks with ``--left-context-frames stateful``: every frame bucket,
-nothing more to warm; else the one pass: every frame count up to the bound). Longer calls run eagerly, and the first call of each shape is slower (cuDNN and
-cuBLAS choose and build their kernels for it; ONNX Runtime and TensorRT size their buffers). Every shape cannot
-be warmed with a long left context, so: every call length up to the steady state's (left context + full chunk)
-when that is at most ``EVERY_LENGTH_UP_TO`` frames (a short left context, e.g. 25: adaptive chunk pacing cuts
-chunks of any size), else the lengths one stream's calls have from its first chunk into the steady state (with
-the exact left context, a few dozen up to ~600 frames at full size); each at every batch size up to the stage's
-max batch (a batch is as long as its longest chunk).
+nothing more to warm; else the one pass: every frame count up to the bound). Longer calls run eagerly, and the
+first call of each shape is slower (cuDNN and cuBLAS choose and build their kernels for it; ONNX Runtime and
+TensorRT size their buffers). Every shape cannot be warmed with a long left context, so: every call length up
+to the steady state's (left context + full chunk) when that is at most ``EVERY_LENGTH_UP_TO`` frames (a short
+left context, e.g. 25: adaptive chunk pacing cuts chunks of any size), else the lengths one stream's calls have
+from its first chunk into the steady state (with the exact left context, a few dozen up to ~600 frames at full
+size); each at every batch size up to the stage's max batch (a batch is as long as its longest chunk).
 """
 
 from __future__ import annotations
