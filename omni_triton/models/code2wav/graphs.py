@@ -13,9 +13,9 @@ so they do not touch the real rows. The frame count:
 - one-pass decode (``forward(codes)``): never padded (more frames would change the samples at the end: the last
   frame's lookahead), so a replay runs exactly the kernels an eager call of the batch-padded shape runs and its
   output equals that call's bit for bit; one graph per frame count.
-- streaming decode (``frame_buckets``): padded up to the smallest frame bucket that holds it (``stream_frame_buckets``:
-  every count up to 8, then every 4th, and the chunk ramp's sizes exactly). That is the padding a batch of
-  stream chunks already has (rows right-padded to the longest, each row's ``lengths`` saying where it ends:
+- streaming decode (``frame_buckets``): padded up to the smallest frame bucket that holds it
+  (``stream_frame_buckets``: every count up to 8, then every 4th, and the chunk ramp's sizes exactly). That is
+  the padding a batch of stream chunks already has (rows right-padded to the longest, each row's ``lengths`` saying where it ends:
   everything is causal and each state is read at the row's own end), so the samples keep their meaning; the
   waveform is cut back to the call's frames. 15 frame counts instead of 32 at the defaults.
 
