@@ -1,9 +1,11 @@
 """CUDA-graph replay of Code2Wav's short calls (``Code2WavRuntime.create(..., cuda_graphs=True)``).
 
-CPU: the option changes nothing there; the bucket / padding / copy-out logic; the switch reaches the code2wav
-stage's config.pbtxt and its model.py passes it to the runtime. GPU (skipped without CUDA): a replay equals the
-eager call of the same padded shape bit for bit (same kernels) at the first-chunk size and a lazily captured
-one, for batch 1 and batch 3 (padded to 4), also from several threads at once.
+CPU: the option changes nothing there; the bucket / padding / copy-out logic, the stream frame buckets and the
+count of graphs a stage captures at start; the switch reaches the code2wav stage's config.pbtxt and its model.py
+passes it to the runtime. GPU (skipped without CUDA): a replay equals the eager call of the same padded shape bit
+for bit (same kernels) at the first-chunk size and a lazily captured one, for batch 1 and batch 3 (padded to 4),
+also from several threads at once; a warm-started stateful stage's frame-padded stream chunks replay graphs
+captured at start and equal the one pass.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 from _code2wav_helpers import calibrate_output_gain_
 from omni_triton.graph_buckets import bucket_for, fill_padded
 from omni_triton.models.code2wav.graphs import (DEFAULT_MAX_FRAMES, Code2WavGraphs, GraphSettings, batch_buckets,
-                                                graph_key, output_rows)
+                                                fill_padded_frames, graph_key, output_rows, stream_frame_buckets)
+from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
+from omni_triton.pipeline.code2wav.warmup import capture_count, stage_graph_settings
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.launch.repository import render_repository
 from omni_triton.shared.settings import LaunchConfig
@@ -82,6 +86,70 @@ def test_settings_validate_and_a_stage_captures_its_first_chunk():
         GraphSettings(max_batch=0)
     assert GraphSettings.for_stage(8, 4) == GraphSettings(8, DEFAULT_MAX_FRAMES, (4,))
     assert GraphSettings.for_stage(2, 40) == GraphSettings(2, 40, (40,))  # a long first chunk is still replayed
+    assert GraphSettings.for_stage(8, 4, every_short_call=True, served=False).frames_at_start == ()
+    with pytest.raises(ValueError, match="frame_buckets"):
+        GraphSettings(max_frames=8, frames_at_start=(4,), frame_buckets=(2, 4))  # 5..8 would have no bucket
+    with pytest.raises(ValueError, match="frame buckets"):
+        GraphSettings(max_frames=8, frames_at_start=(3,), frame_buckets=(2, 4, 8))
+
+
+def test_stream_frame_buckets_every_count_to_8_then_every_4th_and_the_ramp_exact():
+    assert stream_frame_buckets(32) == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32)
+    assert stream_frame_buckets(32, (4, 8, 24, 25)) == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 25, 28, 32)
+    assert stream_frame_buckets(40, (40, 50)) == (*range(1, 9), 12, 16, 20, 24, 28, 32, 36, 40)
+    assert stream_frame_buckets(6) == (1, 2, 3, 4, 5, 6)
+    assert stream_frame_buckets(10) == (*range(1, 9), 10)
+
+
+def test_graph_key_pads_stream_frames_up_to_their_bucket():
+    buckets, frames = (1, 2, 4), stream_frame_buckets(32, (4, 8, 24, 25))
+    assert graph_key(3, 9, buckets, 32, frames) == (4, 12)
+    assert graph_key(1, 25, buckets, 32, frames) == (1, 25)  # the steady chunk: exact
+    assert graph_key(1, 26, buckets, 32, frames) == (1, 28)
+    assert graph_key(2, 5, buckets, 32, frames) == (2, 5)
+    assert graph_key(1, 33, buckets, 32, frames) is None
+
+
+def test_static_codes_get_the_call_in_the_corner_and_zeros_around():
+    static = torch.full((4, 2, 6), 7, dtype=torch.long)
+    codes = torch.arange(1, 2 * 2 * 4 + 1).view(2, 2, 4)
+    fill_padded_frames(static, codes)
+    assert torch.equal(static[:2, :, :4], codes)
+    assert not static[:2, :, 4:].any() and not static[2:].any()  # neither padding frames nor rows linger
+
+
+def test_a_frame_padded_calls_waveform_is_cut_to_its_own_frames():
+    static = torch.arange(4 * 12.0).view(4, 12)  # 6 frames of 2 samples
+    assert torch.equal(output_rows(static, 3, width=8), torch.arange(4 * 12.0).view(4, 12)[:3, :8])
+
+
+def test_one_pass_graphs_refuse_frame_buckets():
+    with pytest.raises(ValueError, match="one-pass"):
+        Code2WavGraphs(lambda codes: codes, 16, torch.device("cpu"),
+                       GraphSettings(max_frames=8, frames_at_start=(), frame_buckets=(4, 8)))
+
+
+def test_ramp_sizes_are_one_streams_chunk_sizes():
+    assert ChunkPolicy().ramp_sizes() == (4, 8, 24, 25)
+    assert ChunkPolicy(6, 25).ramp_sizes() == (6, 12, 25)
+    assert ChunkPolicy(1, 25).ramp_sizes() == (1, 2, 6, 18, 25)
+    assert ChunkPolicy(30, 25).ramp_sizes() == (30, 25)
+    assert ChunkPolicy(4, 4).ramp_sizes() == (4,)
+
+
+def test_default_stateful_stage_captures_at_most_64_graphs_at_max_batch_8():
+    """The served default (stateful streaming, warm start, --code2wav-max-batch 8): the stream chunks' 15 frame
+    buckets x 4 batch buckets, no one-pass graph; before, both decodes' 32 frame counts: 256 captures."""
+    stateful = ChunkPolicy.from_setting(4, 25, "stateful")
+    graphs = stage_graph_settings(stateful, max_batch=8, warm_start=True)
+    assert graphs["graph_settings"].captures_at_start == 0
+    assert graphs["stream_graph_settings"].frames_at_start[0] == DEFAULT_MAX_FRAMES  # longest first: pool size
+    assert capture_count(graphs) == 15 * 4 <= 64
+    assert 2 * GraphSettings.for_stage(8, 4, every_short_call=True).captures_at_start == 256  # the old plan
+    # without warm start: the first chunk's shapes only; a left-context stage: the one pass's, as before
+    assert capture_count(stage_graph_settings(stateful, 8, warm_start=False)) == 4
+    exact = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "exact"), 8, warm_start=True)
+    assert (exact["graph_settings"].captures_at_start, exact["stream_graph_settings"].captures_at_start) == (128, 0)
 
 
 # ---------------------------------------------------------------- CPU: no-op
@@ -158,7 +226,9 @@ def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_pa
         torch.set_num_threads(threads)  # the stage caps torch's threads for its process
     (kwargs,) = calls
     assert kwargs["cuda_graphs"] is True
-    assert kwargs["graph_settings"] == GraphSettings.for_stage(max_batch=5, first_chunk_frames=6)
+    # the CPU default: stateful streaming, no warm start: the stream chunks' first chunk only
+    assert kwargs["graph_settings"] == GraphSettings.for_stage(max_batch=5, first_chunk_frames=6, served=False)
+    assert kwargs["stream_graph_settings"] == GraphSettings.for_stream(5, (6, 12, 25))
     assert model.vocoder.graphs is None  # on the CPU the switch changes nothing
 
 
@@ -264,3 +334,49 @@ def test_stream_chunks_replay_and_equal_the_one_pass(gpu_runtime):
         expected = gpu_runtime.model(codes).float()
     for b in range(3):  # other shapes than one pass: cuDNN may round differently (TF32 convs)
         torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)
+
+
+@pytest.fixture(scope="module")
+def gpu_stateful_runtime(tiny_checkpoint):
+    """A warm-started stateful stage's runtime (``stage_graph_settings``), batch buckets 1, 2, 4."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "stateful"), max_batch=4, warm_start=True)
+    runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True, **graphs)
+    calibrate_output_gain_(runtime.model)
+    return runtime
+
+
+@cuda
+def test_a_warm_stateful_stage_captures_every_stream_frame_bucket_and_no_one_pass_graph(gpu_stateful_runtime):
+    frame_counts = gpu_stateful_runtime.stream_graphs.settings.frame_buckets
+    assert len(frame_counts) == 15
+    assert gpu_stateful_runtime.stream_graphs.captured_shapes == {(b, f) for b in (1, 2, 4) for f in frame_counts}
+    assert not gpu_stateful_runtime.graphs.captured_shapes
+
+
+@cuda
+def test_frame_padded_stream_chunks_replay_and_equal_the_one_pass(gpu_stateful_runtime):
+    """Three ragged streams, calls of 5, 9, 13 and 25 frames (padded to 5, 12, 16, 25 frames and 4 rows): every
+    call replays a graph captured at start (none captured lazily), and each stream equals the one pass."""
+    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
+
+    runtime = gpu_stateful_runtime
+    captured, replays = set(runtime.stream_graphs.captured_shapes), runtime.stream_graphs.replays
+    states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
+                                  runtime.device)
+    calls = [[5, 4, 3], [9, 9, 7], [13, 11, 12], [25, 25, 20]]
+    codes = random_codes(runtime, 3, 52, seed=21, device="cuda")
+    pieces, done = [[], [], []], [0, 0, 0]
+    for index, lengths in enumerate(calls):
+        chunks = [StreamChunk(f"p{b}", codes[b, :, done[b]:done[b] + n], first=index == 0)
+                  for b, n in enumerate(lengths)]
+        for b, samples in enumerate(states.decode(chunks)):
+            pieces[b].append(samples)
+            done[b] += lengths[b]
+    assert runtime.stream_graphs.replays == replays + len(calls)
+    assert runtime.stream_graphs.captured_shapes == captured  # no request paid a capture
+    for b in range(3):  # other shapes than one pass: cuDNN may round differently (TF32 convs)
+        with torch.inference_mode():
+            expected = runtime.model(codes[b:b + 1, :, :done[b]]).float()[0]
+        torch.testing.assert_close(torch.cat(pieces[b]), expected, rtol=0, atol=5e-3)

@@ -119,3 +119,44 @@ def test_a_row_without_new_frames_keeps_its_state(model64):
         mixed = [torch.cat([t[:1], torch.zeros_like(t[:1])]) for t in state]  # a stream past 6 frames, a fresh one
         _, *after = streaming(codes, torch.tensor([0, 0]), *mixed)
     assert all(torch.equal(a, b) for a, b in zip(after, mixed))
+
+
+def test_a_call_padded_to_its_frame_bucket_gives_the_calls_samples_and_state(model64):
+    """The CUDA-graph path of stream chunks (graphs.py) pads a call's frames up to its frame bucket and its batch
+    up to its batch bucket (``fill_padded_frames``, ``fill_padded``) and cuts the waveform back
+    (``output_rows``): the same data path run eagerly here, along two streams' ramps (first chunk beside later
+    ones), must give the unpadded call's new samples and state (float64: to 1e-10)."""
+    from omni_triton.graph_buckets import fill_padded
+    from omni_triton.models.code2wav.graphs import fill_padded_frames, graph_key, output_rows, stream_frame_buckets
+
+    streaming = StreamingCode2Wav(model64)
+    frame_buckets, batch_buckets = stream_frame_buckets(32, (4, 8, 24, 25)), (1, 2, 4)
+    calls = [[5, 0], [9, 4], [13, 8], [25, 17]]  # new frames per stream per call (0: not in the call)
+    codes = codes_for(model64, 2, 52, seed=11)
+    plain, padded = streaming.initial_state(2), streaming.initial_state(2)
+    done = [0, 0]
+    for lengths in calls:
+        rows = [b for b in range(2) if lengths[b]]
+        n = max(lengths[b] for b in rows)
+        chunk = torch.stack([torch.nn.functional.pad(codes[b, :, done[b]:done[b] + lengths[b]],
+                                                     (0, n - lengths[b])) for b in rows])
+        lens = torch.tensor([lengths[b] for b in rows])
+        bucket, bucket_frames = graph_key(len(rows), n, batch_buckets, 32, frame_buckets)
+        state_in = [t[rows] for t in plain]
+        static_codes = torch.full((bucket, model64.num_quantizers, bucket_frames), 5, dtype=torch.long)
+        fill_padded_frames(static_codes, chunk)
+        static = [torch.full((bucket, *t.shape[1:]), 3, dtype=t.dtype) for t in (lens, *state_in)]
+        for tensor, value in zip(static, (lens, *[t[rows] for t in padded])):
+            fill_padded(tensor, value, bucket)
+        with torch.inference_mode():
+            expected, *expected_state = streaming(chunk, lens, *state_in)
+            waveform, *new_state = streaming(static_codes, *static)
+        waveform = output_rows(waveform, len(rows), waveform.shape[1] // bucket_frames * n)
+        assert waveform.shape == expected.shape
+        for i, b in enumerate(rows):
+            samples = streaming.new_samples(done[b], lengths[b])
+            assert (waveform[i, :samples] - expected[i, :samples]).abs().max().item() <= 1e-10
+            for mine, theirs, out, ref in zip(padded, plain, new_state, expected_state):
+                mine[b], theirs[b] = out[i], ref[i]
+                assert (mine[b] - theirs[b]).abs().max().item() <= 1e-10
+            done[b] += lengths[b]

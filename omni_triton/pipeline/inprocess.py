@@ -20,12 +20,11 @@ from tokenizers import Tokenizer
 
 from omni_triton.engine import EngineConfig
 from omni_triton.models.code2wav.vocoder import exact_left_context_frames
-from omni_triton.models.code2wav.graphs import GraphSettings
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav.pacing import ChunkPacer
 from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
 from omni_triton.pipeline.code2wav.chunking import ChunkJob, ChunkPolicy, Code2WavStream, StreamDecoder
-from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
+from omni_triton.pipeline.code2wav.warmup import stage_graph_settings, warm_up_vocoder
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import RequestLimits
@@ -62,8 +61,7 @@ class InProcessPipeline:
         self.vocoder = Code2WavRuntime.create(
             "torch", checkpoint_dir, device=self.device, dtype=dtype, **weights,
             cuda_graphs=engine_config.cuda_graphs,
-            graph_settings=GraphSettings.for_stage(max_batch=1, first_chunk_frames=policy.first_chunk_frames,
-                                                   every_short_call=engine_config.warmup))
+            **stage_graph_settings(policy, max_batch=1, warm_start=engine_config.warmup))
         self.decoder = StreamDecoder(self._decode, self.vocoder.samples_per_frame, self.vocoder.trim_samples)
         # stateful chunks (ChunkPolicy(stateful=True)): each request's vocoder state, as the code2wav stage keeps it
         self.streams = Code2WavStreamStates(self.vocoder.decode_stream, self.vocoder.state_specs(),
@@ -73,7 +71,7 @@ class InProcessPipeline:
         self._vocoder_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav")
         self.policy = policy.resolved(exact_left_context_frames(self.vocoder.config))
         self.chunk_pacing = chunk_pacing
-        if engine_config.warmup:  # the served code2wav stage's warm start, at this pipeline's batch of 1
+        if engine_config.warmup and not self.policy.stateful:  # the stage's warm start at batch 1 (stateful: graphs)
             warm_up_vocoder(self.vocoder, self.policy, max_batch=1)
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         self._ids = itertools.count()

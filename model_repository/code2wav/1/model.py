@@ -8,6 +8,7 @@ here on the stage's device). STREAM_END (with or without CODES) frees the stream
 """
 
 import json
+import time
 
 import numpy as np
 import torch
@@ -15,11 +16,10 @@ import triton_python_backend_utils as pb_utils
 
 from omni_triton.engine.handoff import InputStream, ready_event
 from omni_triton.models.code2wav.vocoder import exact_left_context_frames
-from omni_triton.models.code2wav.graphs import GraphSettings
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates
 from omni_triton.pipeline.code2wav.chunking import StreamDecoder
-from omni_triton.pipeline.code2wav.warmup import warm_up_vocoder
+from omni_triton.pipeline.code2wav.warmup import capture_count, stage_graph_settings, warm_up_vocoder
 from omni_triton.stages.callers import Callers, GuardedSender, caller_of
 from omni_triton.stages.code2wav_call_log import Code2WavCallLog
 from omni_triton.stages.code2wav_requests import Code2WavRequests
@@ -29,6 +29,7 @@ from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_
                                            replica_labels, report_native_crashes, stage_device)
 from omni_triton.stages.stage_io import configure_interstage_memory, from_torch, request_self, stage_loading
 from omni_triton.stage_profile import start_watching
+from omni_triton.warmup_progress import PROGRESS_MARK
 
 # launch names (omni-triton serve --code2wav-runtime) -> Code2WavRuntime kinds, and the engine file's argument
 RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt": ("tensorrt", "plan_path"),
@@ -49,17 +50,24 @@ class TritonPythonModel:
             engine_argument = "plan_path" if engine_path.suffix == ".plan" else "onnx_path"
         engine = {engine_argument: str(engine_path or "")} if engine_argument else {}
         # torch on a GPU: short calls replay CUDA graphs, batches padded up to buckets of this stage's max batch;
-        # the first-chunk shapes (warm start: every short call's) are captured here, before the first request
+        # the graphs of the decode this stage serves (stream chunks with --left-context-frames stateful, else
+        # the one pass) are captured here, before the first request: the first chunk's, with warm start every
+        # short call's (stream chunks: frame buckets); the other decode's on first use (direct callers only)
         max_batch = int(json.loads(args["model_config"])["max_batch_size"])
         warmup = settings.resolved_warmup
-        graphs = dict(cuda_graphs=settings.cuda_graphs,
-                      graph_settings=GraphSettings.for_stage(max_batch, settings.first_chunk_frames,
-                                                             every_short_call=warmup))
+        policy = chunk_policy(settings)
+        graphs = stage_graph_settings(policy, max_batch, warmup)
+        start = time.monotonic()
         with stage_loading("code2wav"):
             self.vocoder = Code2WavRuntime.create(kind, str(settings.checkpoint_dir), device=self.device,
                                                   dtype=getattr(torch, settings.resolved_dtype), **engine,
-                                                  **load_options(settings), **graphs)
-            policy = chunk_policy(settings)
+                                                  **load_options(settings), cuda_graphs=settings.cuda_graphs,
+                                                  **graphs)
+            if getattr(self.vocoder, "graphs", None) is not None:  # torch on a GPU with --cuda-graphs on
+                print(f"code2wav: {PROGRESS_MARK}: {capture_count(graphs)} CUDA graphs captured at start (one-pass "
+                      f"{graphs['graph_settings'].captures_at_start}, stream chunks "
+                      f"{graphs['stream_graph_settings'].captures_at_start}), with the weights' load: "
+                      f"{time.monotonic() - start:.1f} s", flush=True)
             if warmup and not policy.stateful:  # stateful short calls: their graphs are captured at start
                 warm_up_vocoder(self.vocoder, policy.resolved(exact_left_context_frames(self.vocoder.config)),
                                 max_batch)

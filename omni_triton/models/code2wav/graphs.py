@@ -7,15 +7,27 @@ time-to-first-audio path of every request.
 
 What is captured: one graph per (batch bucket, frame count), for frame counts up to ``max_frames``. A call's
 batch is padded up to the smallest bucket that holds it (1, 2, 4, 8, ... ``max_batch``) and its rows are copied
-out of the graph's output afterwards; the frame count is never padded, so a replay runs exactly the kernels an
-eager call of the padded shape runs (same shapes, same cuBLAS/cuDNN choices) and its output equals that call's
-bit for bit. Padding rows are zeros (valid codes); every op of the vocoder is per row, so they do not touch the
-real rows.
+out of the graph's output afterwards. Padding rows are zeros (valid codes); every op of the vocoder is per row,
+so they do not touch the real rows. The frame count:
 
-When: the shapes a deployment knows it will see first (``frames_at_start``: the first-chunk size; with the
-server's warm start, every frame count up to ``max_frames``) are captured for every bucket when the runtime is
-built, so no request pays a capture; any other short shape is captured on its first use (one warm-up call + one capture, roughly two eager calls' time, once per shape per process). If
-such a lazy capture fails, that shape stays eager (logged once): it is an optimisation, never a failure.
+- one-pass decode (``forward(codes)``): never padded (more frames would change the samples at the end: the last
+  frame's lookahead), so a replay runs exactly the kernels an eager call of the batch-padded shape runs and its
+  output equals that call's bit for bit; one graph per frame count.
+- streaming decode (``frame_buckets``): padded up to the smallest frame bucket that holds it
+  (``stream_frame_buckets``: every count up to 8, then every 4th, and the chunk ramp's sizes exactly). That is
+  the padding a batch of stream chunks already has (rows right-padded to the longest, each row's ``lengths`` saying where it ends:
+  everything is causal and each state is read at the row's own end), so the samples keep their meaning; the
+  waveform is cut back to the call's frames. 15 frame counts instead of 32 at the defaults.
+
+When: the shapes a deployment knows it will see (``frames_at_start``: the first-chunk size; with the server's
+warm start, every frame count, or frame bucket, up to ``max_frames``) are captured for every bucket when the
+runtime is built, so no request pays a capture; any other short shape is captured on its first use (one warm-up
+call + one capture, once per shape per process). A stage captures only the decode it serves
+(``GraphSettings.for_stage`` / ``for_stream``): with stateful streaming, no one-pass graph at start. If such a
+lazy capture fails, that shape stays eager (logged once): it is an optimisation, never a failure.
+
+Warm-up before a capture: ``WARMUP_CALLS`` eager calls before a set's first capture (the capture stream's lazy
+state: library handles, workspaces), one before every later one (that shape's own cuDNN/cuBLAS kernel choice).
 
 Memory: every graph allocates from one private pool. Buffers freed at the end of one capture are reused by the
 next, so the pool is about the largest graph's activations plus each graph's small output buffer. That sharing
@@ -41,7 +53,21 @@ from omni_triton.graph_buckets import bucket_for, capturing, fill_padded
 DEFAULT_MAX_FRAMES = 32
 DEFAULT_MAX_BATCH = 8  # the code2wav stage's default max batch (LaunchConfig.code2wav_max_batch)
 DEFAULT_FIRST_CHUNK_FRAMES = 4  # ChunkPolicy.first_chunk_frames
-WARMUP_CALLS = 2  # before a capture: cuDNN/cuBLAS pick and cache their kernels, lazy state settles
+WARMUP_CALLS = 2  # before a set's first capture: cuDNN/cuBLAS pick and cache their kernels, lazy state settles
+SHAPE_WARMUP_CALLS = 1  # before each later capture: the new shape's kernel choice (the stream's state is settled)
+EVERY_FRAME_UP_TO = 8  # stream frame buckets: every count up to here (first chunks, where TTFA is made) ...
+FRAME_STEP = 4  # ... then every 4th: a call padded by at most 3 frames, launch-bound at these sizes anyway
+
+
+def stream_frame_buckets(max_frames: int, exact: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The frame counts a streaming graph set captures (a call's frames are padded up to the smallest that holds
+    them): every count up to ``EVERY_FRAME_UP_TO``, then every ``FRAME_STEP``-th up to ``max_frames`` (always
+    included), and the ``exact`` counts up to ``max_frames`` (the chunk ramp's sizes: the calls every stream
+    makes, never padded)."""
+    counts = {*range(1, min(EVERY_FRAME_UP_TO, max_frames) + 1),
+              *range(EVERY_FRAME_UP_TO + FRAME_STEP, max_frames + 1, FRAME_STEP), max_frames,
+              *(frames for frames in exact if 1 <= frames <= max_frames)}
+    return tuple(sorted(counts))
 
 
 @dataclass(frozen=True)
@@ -49,23 +75,55 @@ class GraphSettings:
     max_batch: int = DEFAULT_MAX_BATCH  # largest bucket; a larger batch runs eagerly
     max_frames: int = DEFAULT_MAX_FRAMES  # longest call replayed (see DEFAULT_MAX_FRAMES)
     frames_at_start: tuple[int, ...] = (DEFAULT_FIRST_CHUNK_FRAMES,)  # captured for every bucket at start
+    # (): a graph per frame count. Else a call's frames are padded up to the smallest of these (ascending, the
+    # last == max_frames): only for the streaming decode, whose rows carry their own lengths (module doc)
+    frame_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_batch < 1 or self.max_frames < 1:
             raise ValueError(f"max_batch and max_frames must be >= 1, got {self.max_batch}, {self.max_frames}")
         if any(not 1 <= frames <= self.max_frames for frames in self.frames_at_start):
             raise ValueError(f"frames_at_start {self.frames_at_start} must be in [1, max_frames={self.max_frames}]")
+        if self.frame_buckets:
+            if (list(self.frame_buckets) != sorted(set(self.frame_buckets)) or self.frame_buckets[0] < 1
+                    or self.frame_buckets[-1] != self.max_frames):
+                raise ValueError(f"frame_buckets {self.frame_buckets} must ascend from >= 1 to max_frames="
+                                 f"{self.max_frames}")
+            if not set(self.frames_at_start) <= set(self.frame_buckets):
+                raise ValueError(f"frames_at_start {self.frames_at_start} must be frame buckets "
+                                 f"{self.frame_buckets}")
+
+    @property
+    def captures_at_start(self) -> int:
+        """Graphs captured when the runtime is built: every start frame count at every batch bucket."""
+        return len(self.frames_at_start) * len(batch_buckets(self.max_batch))
 
     @classmethod
-    def for_stage(cls, max_batch: int, first_chunk_frames: int, every_short_call: bool = False) -> "GraphSettings":
-        """A served stage's: buckets up to its max batch, its first chunk captured at start (and replayed even
-        when a deployment makes it longer than the default bound: that chunk is where TTFA is made).
-        ``every_short_call`` (warm start): every frame count up to the bound captured at start too, so no
-        request pays a capture (chunk sizes vary per stream, and a batch is as long as its longest chunk)."""
+    def for_stage(cls, max_batch: int, first_chunk_frames: int, every_short_call: bool = False,
+                  served: bool = True) -> "GraphSettings":
+        """A served stage's one-pass decode: buckets up to its max batch, its first chunk captured at start (and
+        replayed even when a deployment makes it longer than the default bound: that chunk is where TTFA is
+        made). ``every_short_call`` (warm start): every frame count up to the bound captured at start too, so no
+        request pays a capture (chunk sizes vary per stream, and a batch is as long as its longest chunk).
+        ``served=False`` (the stage streams with state: its chunks never take this decode): nothing at start,
+        a direct caller's short call is captured on first use."""
         max_frames = max(DEFAULT_MAX_FRAMES, first_chunk_frames)
         # longest first: the pool is sized by the first capture, and every later one reuses its memory
         at_start = tuple(range(max_frames, 0, -1)) if every_short_call else (first_chunk_frames,)
-        return cls(max_batch=max_batch, max_frames=max_frames, frames_at_start=at_start)
+        return cls(max_batch=max_batch, max_frames=max_frames, frames_at_start=at_start if served else ())
+
+    @classmethod
+    def for_stream(cls, max_batch: int, chunk_sizes: tuple[int, ...], every_short_call: bool = False,
+                   served: bool = True) -> "GraphSettings":
+        """A served stage's streaming decode: frame buckets (``frame_buckets``) with ``chunk_sizes`` (the chunk
+        ramp's, the first chunk first) exact; at start the first chunk's bucket, or with ``every_short_call``
+        (warm start) every frame bucket, at every batch bucket. ``served=False``: nothing at start."""
+        first_chunk_frames = chunk_sizes[0]
+        max_frames = max(DEFAULT_MAX_FRAMES, first_chunk_frames)
+        buckets = stream_frame_buckets(max_frames, chunk_sizes)
+        at_start = tuple(reversed(buckets)) if every_short_call else (bucket_for(buckets, first_chunk_frames),)
+        return cls(max_batch=max_batch, max_frames=max_frames, frames_at_start=at_start if served else (),
+                   frame_buckets=buckets)
 
 
 # ---------------------------------------------------------------- shape logic (pure, tested on the CPU)
@@ -79,15 +137,29 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(buckets + [max_batch])
 
 
-def graph_key(batch: int, frames: int, buckets: tuple[int, ...], max_frames: int) -> tuple[int, int] | None:
-    """(bucket, frames) of the graph that replays a [batch, G, frames] call; None: the call runs eagerly."""
+def graph_key(batch: int, frames: int, buckets: tuple[int, ...], max_frames: int,
+              frame_buckets: tuple[int, ...] = ()) -> tuple[int, int] | None:
+    """(bucket, frames) of the graph that replays a [batch, G, frames] call (frames: padded up to its frame
+    bucket when there are ``frame_buckets``); None: the call runs eagerly."""
     bucket = bucket_for(buckets, batch)
-    return None if bucket is None or frames > max_frames else (bucket, frames)
+    if bucket is None or frames > max_frames:
+        return None
+    return bucket, (bucket_for(frame_buckets, frames) if frame_buckets else frames)
 
 
-def output_rows(static_output: torch.Tensor, batch: int) -> torch.Tensor:
-    """The call's own rows of the graph's output, copied: the next replay overwrites the buffer."""
-    return static_output[:batch].clone()
+def fill_padded_frames(static: torch.Tensor, values: torch.Tensor) -> None:
+    """A graph's static codes [bucket, G, F]: ``values`` [b, G, n <= F] in the corner, zeros around (padding
+    rows, and the frames past ``n``: the streaming decode's right padding, past each row's length)."""
+    batch, _, frames = values.shape
+    static[:batch, :, :frames].copy_(values)
+    static[:batch, :, frames:].zero_()
+    static[batch:].zero_()
+
+
+def output_rows(static_output: torch.Tensor, batch: int, width: int | None = None) -> torch.Tensor:
+    """The call's own rows of the graph's output (``width``: its first columns only, a frame-padded call's
+    waveform), copied: the next replay overwrites the buffer."""
+    return static_output[:batch, :width].clone() if width is not None else static_output[:batch].clone()
 
 
 # ---------------------------------------------------------------- the graphs
@@ -119,6 +191,9 @@ class Code2WavGraphs:
                  device: torch.device, settings: GraphSettings = GraphSettings(),
                  capture_inputs: Callable[[int, int], tuple[torch.Tensor, ...]] | None = None):
         """``capture_inputs(bucket, frames)``: the static inputs of a capture (default: zero codes)."""
+        if settings.frame_buckets and capture_inputs is None:
+            raise ValueError("frame_buckets pad a call's frames: the streaming decode's (rows with lengths) only, "
+                             "never the one-pass decode's (its last samples would change)")
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.forward = forward
@@ -151,15 +226,16 @@ class Code2WavGraphs:
 
     def _key(self, shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
         batch, _, frames = shape
-        return graph_key(batch, frames, self.buckets, self.settings.max_frames)
+        return graph_key(batch, frames, self.buckets, self.settings.max_frames, self.settings.frame_buckets)
 
     @torch.inference_mode()
     def run(self, codes: torch.Tensor, *more: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """codes [b, G, N] int64 on the device (``serves(codes.shape)``) -> waveform [b, S] float32, equal to
-        ``forward`` of ``codes`` zero-padded to the bucket, rows [:b]. A shape whose capture failed runs
-        ``forward`` (outside the lock). ``more``: the streaming decode's other inputs (then a tuple out)."""
+        ``forward`` of ``codes`` zero-padded to the bucket (and to the frame bucket: then cut back to N frames'
+        samples), rows [:b]. A shape whose capture failed runs ``forward`` (outside the lock). ``more``: the
+        streaming decode's other inputs (then a tuple out)."""
         inputs = (codes, *more)
-        batch, key = codes.shape[0], self._key(codes.shape)
+        batch, frames, key = codes.shape[0], codes.shape[2], self._key(codes.shape)
         stream = torch.cuda.current_stream(self.device)
         with self._lock:
             call = self._graphs.get(key)
@@ -168,10 +244,14 @@ class Code2WavGraphs:
             if call is not None:
                 if self._last_copy_out is not None:  # the previous replay's rows are out (its caller's stream)
                     stream.wait_event(self._last_copy_out)
-                for static, value in zip(call.inputs, inputs):
+                fill_padded_frames(call.inputs[0], codes)
+                for static, value in zip(call.inputs[1:], more):
                     fill_padded(static, value, static.shape[0])
                 call.graph.replay()
-                outputs = tuple(output_rows(static, batch) for static in call.outputs)
+                waveform, *rest = call.outputs
+                # the waveform is frames * samples per frame wide: a frame-padded call's own frames come first
+                width = None if frames == key[1] else waveform.shape[1] // key[1] * frames
+                outputs = (output_rows(waveform, batch, width), *(output_rows(static, batch) for static in rest))
                 self._last_copy_out = torch.cuda.Event()
                 self._last_copy_out.record(stream)
                 self.replays += 1
@@ -191,10 +271,11 @@ class Code2WavGraphs:
         inputs = self.capture_inputs(bucket, frames)
         caller = torch.cuda.current_stream(self.device)
         # Warm-up calls on a side stream (torch's recipe for capture): the first calls of a shape pick and cache
-        # cuDNN/cuBLAS kernels and workspaces, which must not happen inside the capture.
+        # cuDNN/cuBLAS kernels and workspaces, which must not happen inside the capture. After this set's first
+        # capture the capture stream's own lazy state is settled: one call per new shape (its kernel choice).
         self._capture_stream.wait_stream(caller)
         with torch.inference_mode(), torch.cuda.stream(self._capture_stream):
-            for _ in range(WARMUP_CALLS):
+            for _ in range(SHAPE_WARMUP_CALLS if self._graphs else WARMUP_CALLS):
                 self.forward(*inputs)
         caller.wait_stream(self._capture_stream)
         graph = torch.cuda.CUDAGraph()

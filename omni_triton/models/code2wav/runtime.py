@@ -16,7 +16,8 @@ when its file is a ``--stateful`` export (``streams`` says which); the TensorRT 
 ``cuda_graphs=True`` (torch backend on a CUDA device; elsewhere, and for the other backends, it changes
 nothing): short calls -- the first audio chunk and other calls of at most ``graph_settings.max_frames``
 frames -- replay captured CUDA graphs instead of launching every kernel (``code2wav_graphs``); the first-chunk
-shapes are captured when the runtime is built. ``decode_stream`` calls of such shapes replay graphs of their own.
+shapes are captured when the runtime is built. ``decode_stream`` calls of such shapes replay graphs of their own
+(``stream_graph_settings``; default: the same settings as the one-pass decode's).
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ class Code2WavRuntime:
                plan_path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, load_format: str = "safetensors",
                seed: int = 0, cuda_graphs: bool = False,
-               graph_settings: GraphSettings = GraphSettings()) -> "Code2WavRuntime":
+               graph_settings: GraphSettings = GraphSettings(),
+               stream_graph_settings: GraphSettings | None = None) -> "Code2WavRuntime":
         """``load_format``/``seed``: the torch backend's weights (``models.weights.load_code2wav``).
-        ``cuda_graphs``/``graph_settings``: the torch backend's graph replay of short calls, on CUDA only (the
-        TensorRT and ONNX Runtime backends ignore them)."""
+        ``cuda_graphs``/``graph_settings``/``stream_graph_settings``: the torch backend's graph replay of short
+        one-pass / ``decode_stream`` calls, on CUDA only (the TensorRT and ONNX Runtime backends ignore them)."""
         if kind not in KINDS:
             raise ValueError(f"Code2Wav runtime kind {kind!r} is not one of {KINDS}")
         device = torch.device(device)
@@ -115,7 +117,8 @@ class Code2WavRuntime:
         config = Code2WavConfig.from_pretrained(checkpoint_dir)
         if kind == "torch":
             return TorchCode2Wav(checkpoint_dir, config, device, dtype, load_format, seed,
-                                 cuda_graphs=cuda_graphs, graph_settings=graph_settings)
+                                 cuda_graphs=cuda_graphs, graph_settings=graph_settings,
+                                 stream_graph_settings=stream_graph_settings)
         if kind == "onnxruntime":
             return OnnxRuntimeCode2Wav(_existing(onnx_path, "onnx_path"), config, device)
         return TensorRTCode2Wav(_existing(plan_path, "plan_path"), config, device)
@@ -158,7 +161,8 @@ class TorchCode2Wav(Code2WavRuntime):
 
     def __init__(self, checkpoint_dir, config: Code2WavConfig, device: torch.device, dtype: torch.dtype,
                  load_format: str = "safetensors", seed: int = 0, *, cuda_graphs: bool = False,
-                 graph_settings: GraphSettings = GraphSettings()):
+                 graph_settings: GraphSettings = GraphSettings(),
+                 stream_graph_settings: GraphSettings | None = None):
         super().__init__(config, device)
         from omni_triton.models.weights import load_code2wav
 
@@ -168,7 +172,8 @@ class TorchCode2Wav(Code2WavRuntime):
                        if cuda_graphs and device.type == "cuda" else None)
         self.streaming = StreamingCode2Wav(self.model)
         # stream chunks: the same replay of short calls, state inputs and outputs included
-        self.stream_graphs = self._stream_graphs(graph_settings) if self.graphs is not None else None
+        self.stream_graphs = (self._stream_graphs(stream_graph_settings or graph_settings)
+                              if self.graphs is not None else None)
 
     streams = True
 

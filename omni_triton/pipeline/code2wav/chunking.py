@@ -89,6 +89,15 @@ class ChunkPolicy:
             return self.first_chunk_frames
         return min(self.chunk_frames, 2 * decoded_frames)
 
+    def ramp_sizes(self) -> tuple[int, ...]:
+        """The new-frame counts of one stream's chunks along the ramp, first chunk first, each once (4, 8, 24,
+        25 with the defaults): the chunk sizes most calls have."""
+        sizes, decoded = [], 0
+        while not sizes or sizes[-1] != self.chunk_frames:  # chunk_size doubles up to chunk_frames, then stays
+            sizes.append(self.chunk_size(decoded))
+            decoded += sizes[-1]
+        return tuple(sizes)
+
     def max_frames_per_call(self) -> int:
         """Largest ``context + new`` frame count a decode call sees (engine profile maximum)."""
         if self.stateful:

@@ -1,13 +1,14 @@
 """Warm start of the vocoder: its first calls of each shape, made before the code2wav stage reports ready.
 
-Short calls replay CUDA graphs, all captured at start under warm start (``GraphSettings.for_stage(...,
-every_short_call=True)``). Longer calls run eagerly, and the first call of each shape is slower (cuDNN and
-cuBLAS choose and build their kernels for it; ONNX Runtime and TensorRT size their buffers). Every shape cannot
-be warmed with a long left context, so: every call length up to the steady state's (left context + full chunk)
-when that is at most ``EVERY_LENGTH_UP_TO`` frames (a short left context, e.g. 25: adaptive chunk pacing cuts
-chunks of any size), else the lengths one stream's calls have from its first chunk into the steady state (with
-the exact left context, a few dozen up to ~600 frames at full size); each at every batch size up to the stage's
-max batch (a batch is as long as its longest chunk).
+Short calls replay CUDA graphs (``stage_graph_settings``): under warm start those of the decode the stage
+serves are all captured at start (stream chunks with ``--left-context-frames stateful``: every frame bucket,
+nothing more to warm; else the one pass: every frame count up to the bound). Longer calls run eagerly, and the
+first call of each shape is slower (cuDNN and cuBLAS choose and build their kernels for it; ONNX Runtime and
+TensorRT size their buffers). Every shape cannot be warmed with a long left context, so: every call length up
+to the steady state's (left context + full chunk) when that is at most ``EVERY_LENGTH_UP_TO`` frames (a short
+left context, e.g. 25: adaptive chunk pacing cuts chunks of any size), else the lengths one stream's calls have
+from its first chunk into the steady state (with the exact left context, a few dozen up to ~600 frames at full
+size); each at every batch size up to the stage's max batch (a batch is as long as its longest chunk).
 """
 
 from __future__ import annotations
@@ -17,10 +18,27 @@ from typing import Callable
 
 import torch
 
+from omni_triton.models.code2wav.graphs import GraphSettings
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.warmup_progress import PROGRESS_MARK
 
 EVERY_LENGTH_UP_TO = 64  # frames: warm every call length up to here (see above); past it, one stream's ramp
+
+
+def stage_graph_settings(policy: ChunkPolicy, max_batch: int, warm_start: bool) -> dict[str, GraphSettings]:
+    """``Code2WavRuntime.create``'s ``graph_settings`` and ``stream_graph_settings`` for a stage serving
+    ``policy``: only the decode its chunks take is captured at start (stateful: stream chunks, in frame buckets
+    with the ramp's sizes exact; else the one pass); the other one's short calls (a direct caller's) on first
+    use."""
+    return dict(graph_settings=GraphSettings.for_stage(max_batch, policy.first_chunk_frames, warm_start,
+                                                       served=not policy.stateful),
+                stream_graph_settings=GraphSettings.for_stream(max_batch, policy.ramp_sizes(), warm_start,
+                                                               served=policy.stateful))
+
+
+def capture_count(graph_settings: dict[str, GraphSettings]) -> int:
+    """CUDA graphs captured when the runtime is built (``stage_graph_settings``): the stage's start log."""
+    return sum(settings.captures_at_start for settings in graph_settings.values())
 
 
 def stream_call_frames(policy: ChunkPolicy) -> list[int]:
