@@ -14,7 +14,8 @@
 # limit; the soak's duration is cut to what is left after the server's start (said in the summary).
 #
 # Settings (environment): CONFIG, MODEL_ARGS (serve's and bench's model flags), SERVE_ARGS, BUDGET_S, GOODPUT,
-# GOODPUT_START (4), GOODPUT_BISECTIONS (2), GOODPUT_DURATION (20), SOAK_S (480), KILL_STAGES
+# GOODPUT_START (4), GOODPUT_BISECTIONS (2), GOODPUT_DURATION (20), SOAK_S (480), SOAK_TAIL_S (70: what the soak's
+# arrivals leave of the budget for the last streams, the checks and the report), KILL_STAGES
 # (thinker,talker,code2wav,orchestrator), SOAK_ARGS (more `bench --soak` flags). On the CPU (the script's steps):
 #   MODEL_ARGS="--device cpu --checkpoint checkpoints/tiny" GOODPUT_START=0.5 GOODPUT_BISECTIONS=0 \
 #     GOODPUT_DURATION=4 SOAK_S=30 SOAK_ARGS="--mix-thinker-tokens 4-32 --mix-audio-frames 12-100" \
@@ -31,6 +32,7 @@ GOODPUT_START=${GOODPUT_START:-4}
 GOODPUT_BISECTIONS=${GOODPUT_BISECTIONS:-2}
 GOODPUT_DURATION=${GOODPUT_DURATION:-20}
 SOAK_S=${SOAK_S:-480}
+SOAK_TAIL_S=${SOAK_TAIL_S:-70}
 KILL_STAGES=${KILL_STAGES:-thinker,talker,code2wav,orchestrator}
 SOAK_ARGS=${SOAK_ARGS:-}
 for part in ${parts//,/ }; do
@@ -104,7 +106,7 @@ for part in ${parts//,/ }; do
     ;;
   soak)
     needs_server 100
-    duration=$(( $(left) - 70 < SOAK_S ? $(left) - 70 : SOAK_S ))
+    duration=$(( $(left) - SOAK_TAIL_S < SOAK_S ? $(left) - SOAK_TAIL_S : SOAK_S ))
     [ "$duration" -ge "$SOAK_S" ] || echo "The soak's arrivals were cut to ${duration} s of ${SOAK_S} (BUDGET_S)." >>"$summary"
     soak_bench soak "$(limit $((SOAK_S + 90)) 5)" $url --soak soak --soak-duration "$duration"
     ;;

@@ -222,6 +222,8 @@ def _kill_on_fresh_server(start_server, args, workload, notes, load_for, mix: Re
                                      for when, line in restarts]
         result["reload_log"] = [line.strip()[-120:] for line in log.splitlines() if "stage reloaded in" in line
                                 or "lock_exception" in line][:4]
+        # the stage's load timeline (load_timeline): at the server's start, then at its reload
+        result["load_log"] = [line.strip()[-300:] for line in log.splitlines() if f"{stage}: loaded in" in line][:4]
         return result
     finally:
         stopping.set()

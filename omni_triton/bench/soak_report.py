@@ -99,9 +99,9 @@ def markdown(report: dict) -> str:
                       "kill; the first " + f"{len(result['other_errors'])}): " + "; ".join(
                           f"#{row['index']} sent {row['sent_s']}, ended {row['ended_s']}: {row['code']} "
                           f"`{row['error']}`" for row in result["other_errors"]), ""]
-        if result.get("reload_log") or result.get("server_restarts"):
-            lines += ["Server log: " + " / ".join(f"`{line}`" for line in result.get("reload_log", [])
-                                                  + result.get("server_restarts", [])), ""]
+        logged = result.get("reload_log", []) + result.get("server_restarts", []) + result.get("load_log", [])
+        if logged:
+            lines += ["Server log: " + " / ".join(f"`{line}`" for line in logged), ""]
     for note in report.get("notes", []):
         lines += [note, ""]
     return "\n".join(lines)

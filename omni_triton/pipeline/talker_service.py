@@ -18,6 +18,7 @@ import torch
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, TalkerStage
 from omni_triton.engine.handoff import complete_to_host, to_device_async
 from omni_triton.engine.warmup import warm_up
+from omni_triton.load_timeline import LoadTimeline
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_talker, load_thinker_embedding_rows
 from omni_triton.pipeline.talker_inputs import TalkerInputs
@@ -51,6 +52,7 @@ class TalkerService:
                  *, load_format: str = "safetensors", seed: int = 0, quantization: str | None = None):
         """``load_format`` dummy: seeded random weights (``seed``, the thinker's too for its embedding rows).
         ``quantization`` as ``ThinkerService``'s."""
+        timeline = LoadTimeline("talker")
         self.config = OmniConfig.from_pretrained(checkpoint_dir)
         self.device = torch.device(engine_config.device)
         self.model = load_talker(checkpoint_dir, self.device, dtype, load_format=load_format,
@@ -60,10 +62,14 @@ class TalkerService:
             self.device, dtype, load_format=load_format, seed=seed)
         self._speaker_names = {codec_id: name for name, codec_id in self.config.speaker_id.items()}
         self._suppressed = tuple(self.model.suppressed_token_ids().tolist())
+        timeline.mark("weights")
         self.engine = LLMEngine(TalkerStage(self.model), engine_config)
+        timeline.mark("engine: KV cache, CUDA graphs")
         if engine_config.warmup:
             warm_up(self.engine)  # before the loop starts: no request can arrive while it runs
+            timeline.mark("warm-up")
         self.loop = EngineLoop(self.engine).start()
+        timeline.report()
         # requests whose prefill is not complete yet (thinker rows still arriving), by request id
         self._pending: dict[str, tuple[TalkerInputs, TalkerRequest, Callable[[TalkerOutput], None]]] = {}
         self._lock = threading.Lock()

@@ -21,6 +21,7 @@ from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutpu
 from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.prefix_cache import tensor_digest
 from omni_triton.engine.warmup import warm_up
+from omni_triton.load_timeline import LoadTimeline
 from omni_triton.models.config import OmniConfig
 from omni_triton.models.weights import load_thinker
 
@@ -102,16 +103,21 @@ class ThinkerService:
                  *, load_format: str = "safetensors", seed: int = 0, quantization: str | None = None):
         """``load_format`` dummy: seeded random weights (``seed``) from the checkpoint dir's config.json.
         ``quantization`` "fp8": block-FP8 weights quantized at load (``models.quantization``)."""
+        timeline = LoadTimeline("thinker")
         self.config = OmniConfig.from_pretrained(checkpoint_dir)
         self.device = torch.device(engine_config.device)
         self.model = load_thinker(checkpoint_dir, self.device, dtype, with_audio=True, load_format=load_format,
                                   seed=seed, quantization=quantization).eval().requires_grad_(False)
+        timeline.mark("weights")
         stage = ThinkerStage(self.model, audio_token_id=self.config.thinker.audio_token_id,
                              accept_hidden_layer=self.config.accept_hidden_layer)
         self.engine = LLMEngine(stage, engine_config)
+        timeline.mark("engine: KV cache, CUDA graphs")
         if engine_config.warmup:
             warm_up(self.engine)  # before the loop starts: no request can arrive while it runs
+            timeline.mark("warm-up")
         self.loop = EngineLoop(self.engine).start()
+        timeline.report()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.engine.handoff import InputStream, ready_event
+from omni_triton.load_timeline import LoadTimeline
 from omni_triton.models.code2wav.vocoder import exact_left_context_frames
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates
@@ -38,6 +39,7 @@ RUNTIMES = {"torch": ("torch", None), "onnx": ("onnxruntime", "onnx_path"), "trt
 
 class TritonPythonModel:
     def initialize(self, args):
+        timeline = LoadTimeline("code2wav")
         report_native_crashes()
         start_watching("code2wav")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
@@ -101,6 +103,8 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.callers = Callers("code2wav", self._end_orphan_stream)  # streams whose orchestrator died: closed
         self.call_log = Code2WavCallLog(self.device)  # a trace record per call while tracing is on
+        timeline.mark("vocoder, CUDA graphs, stream states")
+        timeline.report()
 
     @torch.inference_mode()
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
