@@ -28,7 +28,7 @@ from omni_triton.pipeline.session import ThinkerChunk
 from omni_triton.stages.callers import caller_parameters
 from omni_triton.stages.code2wav_call_log import send_stamp
 from omni_triton.stages.stage_io import (THINKER_ROW_TENSORS, bls_stream, concat_rows, device_tensors_between_stages,
-                                         from_torch, host_array, to_torch)
+                                         from_torch, host_array, owned_copy, to_torch)
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
 # Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
@@ -122,7 +122,8 @@ class BlsStageClients:
             outputs = self._outputs(response)
             if outputs is not None and "CODES" in outputs:
                 self._check_device(outputs["CODES"])
-                codes = to_torch(outputs["CODES"])  # [1, n, G], on the talker's device
+                # [1, n, G] on the talker's device: a copy of our own, as the frames are kept past this response
+                codes = owned_copy(to_torch(outputs["CODES"]))
                 codes = codes.reshape(-1, codes.shape[-1])
                 if codes.numel():
                     yield codes
