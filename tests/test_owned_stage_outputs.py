@@ -25,10 +25,13 @@ def _frames_cat_after_the_buffer_is_reused(take) -> torch.Tensor:
     device = torch.device("cuda")
     buffer = torch.arange(64, dtype=torch.long, device=device).reshape(4, 16)  # the response's pool memory
     torch.cuda.synchronize()
-    frames = take(buffer)
-    torch.cuda._sleep(50_000_000)  # the orchestrator's stream behind other work (tens of ms)
-    merged = torch.cat([torch.zeros(0, 16, dtype=torch.long, device=device), frames])
-    writer = torch.cuda.Stream(device)
+    # Neither stream is the legacy default stream, which the others would wait for: in the server the writer is
+    # another process (tritonserver), which waits for nothing of the orchestrator's.
+    busy, writer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    with torch.cuda.stream(busy):
+        frames = take(buffer)
+        torch.cuda._sleep(50_000_000)  # the orchestrator's stream behind other work (tens of ms)
+        merged = torch.cat([torch.zeros(0, 16, dtype=torch.long, device=device), frames])
     with torch.cuda.stream(writer):  # the pool hands the buffer to the next request at once
         buffer.fill_(100_000)
     torch.cuda.synchronize()
