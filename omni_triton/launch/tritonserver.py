@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -65,8 +66,9 @@ class TritonInstall:
         return result.stdout + result.stderr
 
     def supports(self, flag: str) -> bool:
-        """Whether this build knows a command-line flag (flags come and go between Triton releases)."""
-        return f"{flag} " in self.help_text
+        """Whether this build knows a command-line flag (flags come and go between Triton releases). The help
+        lists each as "  --name <type>", or alone on its line when it takes no value."""
+        return re.search(rf"^\s*{re.escape(flag)}(\s|$)", self.help_text, re.MULTILINE) is not None
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The server's environment: the Python-backend stubs must embed *this* interpreter.
@@ -296,6 +298,12 @@ class TritonServer:
             # is loaded, a core idle meanwhile. On the CPU the loads share nothing to race on (on a GPU they share
             # its memory): all at once.
             args.append(f"--model-load-thread-count={max(len(self.repository_models()), 4)}")
+        # Every config is rendered whole (launch/repository.py). With auto-complete on, the Python backend starts a
+        # stub process per model load only to offer the model its config (its interpreter and model.py's imports,
+        # seconds) before the instance's own stub starts: at the server's start, and on the request path of a
+        # stage's reload after its process died (serve --allow-stage-reload).
+        if self.install.supports("--disable-auto-complete-config"):
+            args.append("--disable-auto-complete-config")
         if self.install.supports("--allow-client-shm"):  # Triton >= 2.69 refuses client shm otherwise
             args.append("--allow-client-shm=true")
         return args + list(o.extra_args)
