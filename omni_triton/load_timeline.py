@@ -2,12 +2,14 @@
 
 A stage's reload after its process died (``--allow-stage-reload``) is on a request path: the stage refuses work
 until it is back. The line says which phase to shorten: the stub process's own start (interpreter, imports) before
-``initialize`` ran, then each phase the stage marks (weights, the engine's KV cache and graphs, the warm-up).
-Torch-free, so anything may import it."""
+``initialize`` ran, then each phase the stage marks (weights, the engine's KV cache and graphs, the warm-up). The stage supervisor's
+line at a reload (``reload_line``) has what comes around it: when the death was seen, when the load was asked
+for, when Triton had the stage loaded. Torch-free, so anything may import it."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Callable
 
@@ -53,3 +55,33 @@ class LoadTimeline:
 
     def report(self) -> None:
         self.log(self.line())
+
+
+# The stage supervisor's line once it reloaded a stage whose process died, and its reading by the bench: the steps
+# of the outage before the new stub's own start (its load timeline above), in time since the kill.
+RELOADED = re.compile(r"(?P<stage>\S+) stage reloaded in [0-9.]+ s: its death seen at unix time (?P<seen_at>[0-9.]+)"
+                      r"(?: \(alive at the look [0-9.]+ s before\))?, the load request sent (?P<sent_s>[0-9.]+) s "
+                      r"after, Triton loaded it (?P<load_s>[0-9.]+) s after that")
+
+
+def reload_line(stage: str, seen_dead_at: float, alive_before_s: float | None, sent_after_s: float,
+                load_s: float) -> str:
+    """``seen_dead_at``: the unix time the watcher saw the stage's stub dead; ``alive_before_s``: how long before
+    that its look saw it alive (the death fell in between; None: never seen alive); ``sent_after_s``: when the load
+    request went out after that (the served config read first); ``load_s``: how long Triton took to answer it."""
+    alive = "" if alive_before_s is None else f" (alive at the look {alive_before_s:.2f} s before)"
+    return (f"{stage} stage reloaded in {sent_after_s + load_s:.1f} s: its death seen at unix time "
+            f"{seen_dead_at:.3f}{alive}, the load request sent {sent_after_s:.2f} s after, Triton loaded it "
+            f"{load_s:.2f} s after that")
+
+
+def reload_steps(line: str, killed_at: float) -> dict | None:
+    """From a ``reload_line`` in a log line: when each step came, in seconds after ``killed_at`` (the unix time of the
+    kill, on the same host): {"stage", "death_seen_s", "load_sent_s", "loaded_s"}; None for any other line."""
+    found = RELOADED.search(line)
+    if found is None:
+        return None
+    seen = float(found["seen_at"]) - killed_at
+    sent = seen + float(found["sent_s"])
+    return {"stage": found["stage"], "death_seen_s": round(seen, 3), "load_sent_s": round(sent, 3),
+            "loaded_s": round(sent + float(found["load_s"]), 3)}

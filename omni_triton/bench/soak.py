@@ -33,7 +33,8 @@ from omni_triton.client import OmniStreamClient
 
 EXPECTED_CODES = {COMPLETE: None, CANCEL: "CANCELLED", DEADLINE: "DEADLINE_EXCEEDED"}
 LIMIT_WORDS = ("max_inflight_requests", "admission_queue", "admission")  # a refusal names one of them
-PROBE_EVERY_S = 0.25
+# a refused probe is answered at once: the next one this long after it, so "back" is over-measured by at most this
+PROBE_EVERY_S = 0.05
 BUSY_WAIT_S = 30.0  # after --kill-after, a kill waits at most this long for the stage to hold a request
 OTHER_ERRORS_KEPT = 10  # a kill scenario keeps this many non-UNAVAILABLE failures' messages, the earliest sent
 PROBE_REQUEST = dict(max_tokens=2, min_tokens=2, ignore_eos=True, max_audio_frames=4, min_audio_frames=4)
@@ -306,7 +307,7 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
             event["error"] = f"no stub process of {stage} found"
             return
         # the time just before the kill: a request that ended before it cannot have been ended by it
-        event["killed_perf_counter"] = time.perf_counter()
+        event["killed_perf_counter"], event["killed_unix"] = time.perf_counter(), time.time()
         os.kill(pid, signal.SIGKILL)
         event["killed_at"] = event["killed_perf_counter"] - clock_zero
         event["pid"] = pid
@@ -341,7 +342,7 @@ def kill_stage(load: LoadSettings, probe: ServerProbe, stage: str, stub_pid: Cal
     hung = [t for t in timings if t.error_code in (DRAIN_TIMEOUT_CODE, "DEADLINE_EXCEEDED")]
     return {
         "stage": stage, "rate": rate, "duration_s": duration_s, "killed_at_s": round(killed_at, 2),
-        "killed_perf_counter": event["killed_perf_counter"],
+        "killed_perf_counter": event["killed_perf_counter"], "killed_unix": event["killed_unix"],
         "killed_pid": event["pid"], "requests": len(timings), "errors_by_fate_and_code": errors_by_code(timings),
         "in_flight_at_kill": len(in_flight), "in_flight_completed": len(in_flight) - len(in_flight_failed),
         "in_flight_failed_within_s": max(ends, default=None), "in_flight_errors": sorted(

@@ -21,6 +21,8 @@ from omni_triton.bench import soak, soak_report
 from omni_triton.bench.server_cpu import local_grpc_port
 from omni_triton.bench.soak_probes import ServerProbe
 from omni_triton.bench.soak_requests import RequestMix, SoakRunner, speakers_of
+from omni_triton.load_timeline import reload_steps
+from omni_triton.shared.placement import model_stage
 
 SCENARIOS = ("soak", "burst", "kill")
 STAGES = ("thinker", "talker", "code2wav", "orchestrator")
@@ -220,8 +222,12 @@ def _kill_on_fresh_server(start_server, args, workload, notes, load_for, mix: Re
         killed = result.pop("killed_perf_counter", None)
         result["server_restarts"] = [f"{when - killed:+.1f} s: {line.splitlines()[0]}" if killed else line
                                      for when, line in restarts]
-        result["reload_log"] = [line.strip()[-120:] for line in log.splitlines() if "stage reloaded in" in line
+        result["reload_log"] = [line.strip()[-300:] for line in log.splitlines() if "stage reloaded in" in line
                                 or "lock_exception" in line][:4]
+        # the supervisor's reload line, as seconds after the kill: when the death was seen, the load asked, done
+        killed_unix = result.pop("killed_unix", None)
+        steps = [reload_steps(line, killed_unix) for line in log.splitlines()] if killed_unix else []
+        result["reload_steps"] = next((row for row in steps if row and model_stage(row["stage"])[0] == stage), None)
         # the stage's load timeline (load_timeline): at the server's start, then at its reload
         result["load_log"] = [line.strip()[-300:] for line in log.splitlines() if f"{stage}: loaded in" in line][:4]
         return result

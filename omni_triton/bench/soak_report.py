@@ -91,6 +91,12 @@ def markdown(report: dict) -> str:
                   f"{result['sent_while_down']} ({result['refused_while_down']} refused). Back (a probe request "
                   f"sent then was served) {result['back_s']} s after the kill, served {result['served_s']} s after. "
                   f"How they ended: {_codes(result)}.", ""]
+        if result.get("reload_steps"):
+            steps = result["reload_steps"]
+            lines += [f"The reload, in seconds after the kill: the death seen {steps['death_seen_s']}, the load "
+                      f"request sent {steps['load_sent_s']}, Triton had the stage loaded {steps['loaded_s']} (its new "
+                      "process's own start and load: the load timeline in the server log below), a probe served "
+                      f"{result['served_s']}.", ""]
         if result["probe_errors"]:
             lines += ["Probe requests while down: " + "; ".join(f"`{message}` x {count}" for message, count
                                                                 in result["probe_errors"].items()), ""]

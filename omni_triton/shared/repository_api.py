@@ -11,8 +11,10 @@ one. Triton reloads the models that depend on it (the ``omni`` ensemble on the o
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
+from typing import NamedTuple
 
 RESTART_PARAMETER = "omni_triton_restart"
 
@@ -37,16 +39,26 @@ def restart_mark(http_url: str, model: str) -> str | None:
     return config.get("parameters", {}).get(RESTART_PARAMETER, {}).get("string_value")
 
 
-def reload_model(http_url: str, model: str, restart: str, timeout_s: float = 600.0) -> None:
+class ReloadSteps(NamedTuple):
+    """How long each step of ``reload_model`` took (seconds): reading the served config, then the load request
+    (Triton's answer comes once the model and its dependents are loaded)."""
+    config_s: float
+    load_s: float
+
+
+def reload_model(http_url: str, model: str, restart: str, timeout_s: float = 600.0) -> ReloadSteps:
     """Load ``model`` again with a fresh stub (``restart`` names this restart; a new value per restart). Returns
     once Triton says it is loaded (its dependents too); raises ReloadError with Triton's reason, OSError when the
     server cannot be reached."""
+    start = time.monotonic()
     try:
         config = _served_config(http_url, model)
         config.setdefault("parameters", {})[RESTART_PARAMETER] = {"string_value": restart}
         body = json.dumps({"parameters": {"config": json.dumps(config)}}).encode()
         request = urllib.request.Request(f"{http_url}/v2/repository/models/{model}/load", data=body,
                                          headers={"Content-Type": "application/json"}, method="POST")
+        sent = time.monotonic()
         urllib.request.urlopen(request, timeout=timeout_s).close()
     except urllib.error.HTTPError as error:  # Triton's reason, e.g. not in explicit model-control mode
         raise ReloadError(json.loads(error.read() or b"{}").get("error", str(error))) from None
+    return ReloadSteps(sent - start, time.monotonic() - sent)

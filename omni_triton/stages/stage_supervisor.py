@@ -25,7 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
-from omni_triton.shared.repository_api import reload_model, restart_mark
+from omni_triton.load_timeline import reload_line
+from omni_triton.shared.repository_api import ReloadSteps, reload_model, restart_mark
 from omni_triton.shared.stub_processes import find_stub_instances, stub_alive, superseded
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class StageSupervisor:
         self._stubs: dict[str, dict[str, int]] = {stage: {} for stage in stages}  # stage -> {instance: pid} found
         self._scanned_at = float("-inf")
         self._seen_alive_at: dict[str, float] = {}  # stage -> when all its stubs were last seen alive
+        self._watched_alive_at: dict[str, float] = {}  # the same, by this watcher's own looks (for its reload log)
         self._lock = threading.Lock()
         self._generation = dict.fromkeys(stages, 0)  # stub deaths seen, per stage
         self._down: dict[str, str] = {}  # stage -> why it serves nothing now
@@ -126,7 +128,12 @@ class StageSupervisor:
     def _check(self) -> None:
         for stage in list(self._stubs):
             if not self._dead(stage):
+                if self._stubs[stage]:
+                    self._watched_alive_at[stage] = time.monotonic()
                 continue
+            seen_dead = (time.time(), time.monotonic())
+            alive_at = self._watched_alive_at.pop(stage, None)
+            alive_before_s = None if alive_at is None else seen_dead[1] - alive_at
             if self._server_exiting():
                 logger.info("%s stage: its stub process exited: tritonserver is shutting down", stage)
                 self._stop.set()  # every stub goes now: nothing to reload, nothing to report
@@ -144,7 +151,7 @@ class StageSupervisor:
             # An orchestrator left running its requests after its own model was reloaded (serve reloads a dead
             # orchestrator's model whole) leaves the reload to the fresh stub of its instance
             if self._explicit and self._reloads and not superseded(os.getpid(), self._server_pid):
-                self._restart(stage)
+                self._restart(stage, seen_dead, alive_before_s)
             elif self._explicit:  # back once another orchestrator instance's reload is served: see below
                 self._awaited_marks[stage] = self._restart_mark(stage)
                 logger.error("%s stage: its stub process exited; another orchestrator instance reloads it", stage)
@@ -198,11 +205,13 @@ class StageSupervisor:
             return True
         return False
 
-    def _restart(self, stage: str) -> None:
+    def _restart(self, stage: str, seen_dead: tuple[float, float], alive_before_s: float | None) -> None:
+        """``seen_dead``: when this watcher saw the death (unix time, monotonic); ``alive_before_s``: how long before
+        that it saw the stage alive. Its log line says when each step of the reload came (load_timeline)."""
         logger.error("%s stage: its stub process exited; reloading it", stage)
-        start = time.monotonic()
+        started = time.monotonic()
         try:
-            self._reload(stage)
+            steps = self._reload(stage)
         except (OSError, ValueError) as error:  # it stays down, and says why
             logger.error("%s stage: reload failed: %s", stage, error)
             with self._lock:
@@ -211,16 +220,17 @@ class StageSupervisor:
         with self._lock:
             del self._down[stage]
         self._scanned_at = float("-inf")  # watch the new stub at once
-        logger.warning("%s stage reloaded in %.1f s", stage, time.monotonic() - start)
+        sent_after_s = started - seen_dead[1] + steps.config_s
+        logger.warning("%s", reload_line(stage, seen_dead[0], alive_before_s, sent_after_s, steps.load_s))
 
-    def _reload(self, stage: str) -> None:
+    def _reload(self, stage: str) -> ReloadSteps:
         if self._http_url is None:
             raise ValueError("tritonserver serves no HTTP endpoint to reload it through")
         with self._lock:
             generation = self._generation[stage]
         # this process's pid in the mark too: a reloaded orchestrator counts from 0 again, and a mark the served
         # config already carries would make the load a no-op (repository_api)
-        reload_model(self._http_url, stage, f"{os.getpid()}.{generation}", self._reload_timeout_s)
+        return reload_model(self._http_url, stage, f"{os.getpid()}.{generation}", self._reload_timeout_s)
 
     def _restart_mark(self, stage: str) -> str | None:
         """The restart the config ``stage`` is served with names (None: never reloaded, or unknown)."""
