@@ -2,9 +2,9 @@
 
 A stage's reload after its process died (``--allow-stage-reload``) is on a request path: the stage refuses work
 until it is back. The line says which phase to shorten: the stub process's own start (interpreter, imports) before
-``initialize`` ran, then each phase the stage marks (weights, the engine's KV cache and graphs, the warm-up). The stage supervisor's
-line at a reload (``reload_line``) has what comes around it: when the death was seen, when the load was asked
-for, when Triton had the stage loaded. Torch-free, so anything may import it."""
+``initialize`` ran, then each phase the stage marks (weights, the engine's KV cache and graphs, the warm-up). The
+stage supervisor's line at a reload (``reload_line``) has what comes around it: when the death was seen, when the
+load was asked for, when Triton had the stage loaded. Torch-free, so anything may import it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Helpers for tests/test_reliability.py: gauge polling, raw gRPC streams, and a client to kill.
+"""Helpers for tests/test_reliability.py: gauge polling, raw gRPC streams, the stub processes a server starts, and
+a client to kill.
 
 Run as a script it is the "victim" client: it streams one long request, prints ``first-audio`` when the
 first audio chunk arrives and then waits, so the test can SIGKILL it mid-stream:
@@ -8,15 +9,19 @@ first audio chunk arrives and then waits, so the test can SIGKILL it mid-stream:
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from omni_triton.shared.procfs import PARENT, stat_fields
 
 HELD_GAUGES = ("omni_active_requests", "omni_kv_blocks_used", "omni_pending_audio_frames")
 # the victim's request: long enough (~4 s here) that it is still running well after its first audio
@@ -57,6 +62,48 @@ class StreamOutcome:
     text: bytes = b""
     audio: list[np.ndarray] = field(default_factory=list)
     seconds: float = 0.0
+
+
+class StubStarts:
+    """The Python-backend stub processes of ``model`` that the server ``server_pid`` starts while this watches (a
+    look at /proc every ``every_s``): pid -> the name each was started with (its instance's, e.g. talker_0_0; the
+    model's own for a stub that only auto-completes its config, which lives for seconds: its imports)."""
+
+    def __init__(self, server_pid: int, model: str, every_s: float = 0.05):
+        self.server_pid, self.model, self.every_s = server_pid, model, every_s
+        self.started: dict[int, str] = {}
+        self._before = set(self._stubs())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "StubStarts":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while True:
+            self.started.update((pid, name) for pid, name in self._stubs().items() if pid not in self._before)
+            if self._stop.wait(self.every_s):
+                return
+
+    def _stubs(self) -> dict[int, str]:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            fields = stat_fields(int(entry.name)) if entry.name.isdigit() else None
+            if fields is None or int(fields[PARENT]) != self.server_pid:
+                continue
+            try:
+                argv = [os.fsdecode(arg) for arg in (entry / "cmdline").read_bytes().split(b"\0")]
+            except OSError:
+                continue
+            parts = Path(argv[1]).parts if len(argv) > 8 else ()
+            if parts[-3:] and parts[-1] == "model.py" and parts[-3] == self.model:
+                found[int(entry.name)] = argv[8]
+        return found
 
 
 def raw_stream(grpc_url: str, inputs: list, timeout_s: float, parameters: dict | None = None,

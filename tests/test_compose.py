@@ -418,3 +418,25 @@ def test_serve_passes_allow_client_shm_when_the_binary_knows_it(tmp_path):
     assert "--allow-client-shm=true" in new
     assert not any(arg.startswith("--allow-client-shm") for arg in old), "older servers reject unknown flags"
     assert any(arg.startswith("--cuda-memory-pool-byte-size=0:") for arg in new), "GPU tensors cross stubs via the pool"
+
+
+def test_serve_disables_config_auto_complete_when_the_binary_knows_it(tmp_path):
+    """Every config is rendered whole; with Triton's auto-complete on, each Python model's load first starts a stub
+    process only to offer the model its config (seconds: at the server's start and at every stage reload). The flag
+    takes no value, so Triton's help lists it alone on its line."""
+    from omni_triton.launch.tritonserver import ServerOptions, TritonInstall, TritonServer
+
+    def command(name: str, help_text: str) -> list[str]:
+        binary = tmp_path / name / "tritonserver"
+        binary.parent.mkdir()
+        binary.write_text(f"#!/bin/sh\necho '{help_text}'\n")
+        binary.chmod(0o755)
+        return TritonServer(tmp_path, TritonInstall(binary, tmp_path / "backends", (), "explicit"),
+                            ServerOptions()).command()
+
+    knows = command("knows", "  --disable-auto-complete-config\n\tIf set, disables the triton and backends from auto\n"
+                             "  --model-repository <string>")
+    older = command("older", "  --strict-model-config <boolean>\n\tIf true, see --disable-auto-complete-config.\n"
+                             "  --disable-auto-complete-configs <boolean>")
+    assert "--disable-auto-complete-config" in knows
+    assert "--disable-auto-complete-config" not in older, "a flag named in another's text, or a longer one, is none"

@@ -25,11 +25,13 @@ import pytest
 from conftest import TEST_LIMITS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_helpers import VICTIM_REQUEST, raw_stream, read_gauges, seconds_until_idle, victim_command
+from reliability_helpers import (VICTIM_REQUEST, StubStarts, raw_stream, read_gauges, seconds_until_idle,
+                                 victim_command)
 from tritonclient.utils import InferenceServerException
 
 from omni_triton.client import OmniStreamClient, build_inputs
 from omni_triton.error_tags import code_of
+from omni_triton.load_timeline import reload_steps
 from omni_triton.shared.placement import Placement
 from omni_triton.shared.settings import STAGES, LaunchConfig
 from omni_triton.shared.stub_processes import find_stubs
@@ -525,17 +527,22 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
             ended_at[index] = time.monotonic()
             return outcome
 
-        with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
-            futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
-            _wait_for_gauges(server, {("omni_active_requests", "thinker"): MAX_INFLIGHT,
-                                      ("omni_active_requests", "talker"): MAX_INFLIGHT})
-            os.kill(stubs[victim], signal.SIGKILL)
-            killed_at = time.monotonic()
-            outcomes = [future.result() for future in futures]
-        failed_within = max(ended_at.values()) - killed_at
-        # the surviving stages drop the failed requests' state (the dead stage's gauges are stale until its reload)
-        survivors_idle_s = seconds_until_idle(server.metrics_url, timeout_s=1.0, ignore_stage=victim)
-        refusals, served_after = _until_served(server, killed_at)
+        # what tritonserver starts for the stage from here on: the reload's stub, and no other (Triton's config
+        # auto-complete would start one more first, on the reload's path: --disable-auto-complete-config)
+        with StubStarts(server.server.process.pid, victim) as starts:
+            with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
+                futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
+                _wait_for_gauges(server, {("omni_active_requests", "thinker"): MAX_INFLIGHT,
+                                          ("omni_active_requests", "talker"): MAX_INFLIGHT})
+                killed_unix = time.time()
+                os.kill(stubs[victim], signal.SIGKILL)
+                killed_at = time.monotonic()
+                outcomes = [future.result() for future in futures]
+            failed_within = max(ended_at.values()) - killed_at
+            # the surviving stages drop the failed requests' state (the dead stage's gauges are stale until its
+            # reload)
+            survivors_idle_s = seconds_until_idle(server.metrics_url, timeout_s=1.0, ignore_stage=victim)
+            refusals, served_after = _until_served(server, killed_at)
         idle_s = seconds_until_idle(server.metrics_url, timeout_s=5.0)
         restarted = find_stubs(server.server.process.pid, list(STAGES))
         print(f"\n{victim} stub killed under {MAX_INFLIGHT} streams: all failed within {failed_within:.2f} s "
@@ -557,6 +564,13 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
         for message in refusals:
             assert f"{victim} stage is restarting" in message and code_of(message) == "UNAVAILABLE", message
         assert restarted[victim] != stubs[victim], "a fresh stub serves the stage"
+        assert starts.started == {restarted[victim]: f"{victim}_0_0"}, "the reload starts the instance's stub alone"
+        # the supervisor's reload line: its steps in order, between the kill and the first request served again
+        (steps,) = [row for row in map(lambda line: reload_steps(line, killed_unix),
+                                       _log_since(server, log_start).splitlines()) if row]
+        rounded = 0.01  # the line's times are rounded to 10 ms
+        assert steps["stage"] == victim and -rounded <= steps["death_seen_s"] <= steps["load_sent_s"] \
+            <= steps["loaded_s"] <= served_after + rounded, steps
         assert {stage: pid for stage, pid in restarted.items() if stage != victim} == \
             {stage: pid for stage, pid in stubs.items() if stage != victim}, "only the dead stage is restarted"
         again = stream(server, "After the fault", **SMALL_REQUEST)

@@ -67,8 +67,8 @@ class TritonInstall:
 
     def supports(self, flag: str) -> bool:
         """Whether this build knows a command-line flag (flags come and go between Triton releases). The help
-        lists each as "  --name <type>", or alone on its line when it takes no value."""
-        return re.search(rf"^\s*{re.escape(flag)}(\s|$)", self.help_text, re.MULTILINE) is not None
+        lists each as "--name <type>", or alone on its line when it takes no value."""
+        return re.search(rf"(?<!\S){re.escape(flag)}(?=\s|$)", self.help_text) is not None
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The server's environment: the Python-backend stubs must embed *this* interpreter.
