@@ -137,5 +137,10 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
     assert set(kill["errors_by_fate_and_code"][COMPLETE]) <= {"ok", "UNAVAILABLE"}, kill
     assert kill["other_errors"] == [] and kill["other_error_count"] == 0, kill["other_errors"]
     assert any("code2wav stage reloaded" in line for line in kill["reload_log"]), kill["reload_log"]
+    # the supervisor's reload line read as seconds after the kill, its steps in order, the report saying them
+    steps, rounded = kill["reload_steps"], 0.01  # the line's times are rounded to 10 ms
+    assert steps["stage"] == "code2wav" and -rounded <= steps["death_seen_s"] <= steps["load_sent_s"] \
+        <= steps["loaded_s"] <= kill["served_s"] + rounded, steps
+    assert f"Triton had the stage loaded {steps['loaded_s']}" in (out / "results.md").read_text()
     # the stage's load timeline, at the server's start and at the reload
     assert len(kill["load_log"]) == 2 and all("process was up" in line for line in kill["load_log"]), kill["load_log"]
