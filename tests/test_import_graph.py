@@ -23,7 +23,7 @@ PACKAGES = ("omni_triton", "build_engines")
 LAYERS = {
     # leaf helpers any layer uses (tracing, error tags, progress lines); they import nothing of the package
     "omni_triton": 0, "omni_triton.trace": 0, "omni_triton.error_tags": 0, "omni_triton.graph_buckets": 0,
-    "omni_triton.warmup_progress": 0, "omni_triton.stage_profile": 0,
+    "omni_triton.warmup_progress": 0, "omni_triton.stage_profile": 0, "omni_triton.load_timeline": 0,
     "omni_triton.kernels": 1,
     "omni_triton.models": 2,
     "omni_triton.engine": 3,
