@@ -4,7 +4,9 @@ received yet, so every other request of the burst is refused by preprocess at on
 orchestrator's thread (issue 48's burst: on an H200 at 4x goodput the orchestrator's thread lagged behind the
 arrivals, requests went on on its stale outlook and were refused there up to 320 ms after they were sent, later
 than the admitted streams' first audio). Here the orchestrator's stub is stopped (SIGSTOP) during the burst, so its
-outlook is stale for as long as the test needs: the refusals must still come back, and only one request may go on."""
+outlook is stale while preprocess answers: the refusals must come back, and only one request may go on. (Stopped
+for more than a second, its requests would fail "Stub process ... is not healthy": with the change, only the one let
+through reaches it, and it is resumed as soon as the refusals are in.)"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from conftest import TEST_LIMITS
 from reliability_helpers import seconds_until_idle
 from test_admission_bound_server import LONG, LongStream
-from test_admission_server import admission_counts, wait_for_gauge
+from test_admission_server import admission_counts, orchestrator_gauge, wait_for_gauge
 
 from omni_triton.client import OmniStreamClient, StreamError
 from omni_triton.shared.stub_processes import find_stubs
@@ -66,16 +68,21 @@ def test_a_burst_past_the_free_slots_is_refused_by_preprocess_while_the_orchestr
         burst = [BurstRequest(server, index) for index in range(BURST)]
         deadline = time.monotonic() + REFUSALS_WITHIN_S
         while sum(request.done.is_set() for request in burst) < BURST - 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.01)
         refused = [request for request in burst if request.done.is_set()]
         # answered while the orchestrator could not have: refused by preprocess, one left to go on
         assert len(refused) == BURST - 1, f"{len(refused)} of {BURST} answered while the orchestrator was stopped"
-        assert all(request.error is not None and request.error.code == "UNAVAILABLE"
-                   and "max_inflight_requests" in request.error.message() for request in refused)
+        errors = [request.error for request in refused]
+        assert all(error is not None and error.code == "UNAVAILABLE" and "max_inflight_requests" in error.message()
+                   for error in errors), errors
         assert admission_counts(server)["early"] - before["early"] == BURST - 1
     finally:
         os.kill(orchestrator, signal.SIGCONT)
-    wait_for_gauge(server, "omni_active_requests", MAX_INFLIGHT)  # the one let through took the free slot
+    [let_through] = [request for request in burst if request not in refused]
+    deadline = time.monotonic() + REFUSALS_WITHIN_S
+    while not let_through.done.is_set() and orchestrator_gauge(server, "omni_active_requests") < MAX_INFLIGHT:
+        assert time.monotonic() < deadline, "the request let through neither started nor ended"
+        time.sleep(0.02)
     after = admission_counts(server)
     assert after["refused"] - before["refused"] == BURST - 1  # none refused late, by the orchestrator
     for request in burst:
