@@ -189,13 +189,10 @@ class Admission:
         what a request on its way here is counted against (``admission_board``)."""
         with self._lock:
             running, starting, queued, room = self.running, self.starting, len(self._queue), 0
-            while (decision := self._decision(running, starting, queued)) != "refused":
-                room += 1
-                if decision == "start":
-                    running, starting = running + 1, starting + 1
-                else:
-                    queued += 1
-            return room, self._refusal(running, starting, queued)
+            while not queued and self._can_start(running, starting):  # as ``_decision``: those that would start
+                running, starting, room = running + 1, starting + 1, room + 1
+            waiting_room = max(0, self._queue_room(running) - queued)  # then those that would wait
+            return room + waiting_room, self._refusal(running, starting, queued + waiting_room)
 
     def _refusal(self, running: int | None = None, starting: int | None = None, queued: int | None = None) -> str:
         """Under the lock: why a request is refused now (or in the state given)."""
