@@ -125,6 +125,20 @@ def test_truncate_with_the_tokenizer_keeps_one_token_per_frame(tiny_checkpoint):
     assert spoken_text(text, len(ids) * 1920, len(ids) * 1920, tokenizer) == text
 
 
+def test_a_cut_inside_a_character_keeps_the_text_before_it(tiny_checkpoint):
+    """Byte-level tokens: a character may take two tokens, and the audio heard may end between them (CI found a
+    cancelled reply's transcript ending in U+FFFD while the transcript deltas had the whole character)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    text = " whoas3\u00a43ten sound"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    split = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))  # inside the char
+    heard = spoken_text(text, split * 1920, len(ids) * 1920, tokenizer)
+    assert text.startswith(heard) and heard == tokenizer.decode(ids[:split - 1])
+    assert "\ufffd" not in heard
+
+
 def test_client_items_become_conversation_items():
     import base64
 

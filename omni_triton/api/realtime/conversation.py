@@ -10,6 +10,8 @@ has one, else as an empty user turn: the model answered it when it was the lates
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,11 +134,14 @@ def spoken_text(transcript: str, heard_samples: int, sent_samples: int, tokenize
     """The part of a reply's transcript that its first ``heard_samples`` of audio speak. The talker speaks one
     text token per codec frame (its trailing text), so with the checkpoint's tokenizer: the first
     ceil(heard / 1920) tokens. Without it: the same share of the characters as of the audio sent, cut back to
-    a whole word."""
+    a whole word. Always a prefix of ``transcript``: a cut inside a character's bytes (byte-level tokens) keeps the
+    text before that character, not a replacement character the transcript never had."""
     if tokenizer is not None:
         ids = tokenizer.encode(transcript, add_special_tokens=False).ids
         keep = -(-heard_samples // SAMPLES_PER_FRAME)
-        return transcript if keep >= len(ids) else tokenizer.decode(ids[:keep])
+        if keep >= len(ids):
+            return transcript
+        return os.path.commonprefix([tokenizer.decode(ids[:keep]), transcript])
     if heard_samples >= sent_samples:
         return transcript
     keep = len(transcript) * heard_samples // sent_samples
