@@ -218,18 +218,18 @@ def _kill_on_fresh_server(start_server, args, workload, notes, load_for, mix: Re
 
         result = soak.kill_stage(load_for(server.grpc_url), probe, stage, stub_pid, rate, args.kill_duration,
                                  args.kill_after, args.back_timeout, idle_timeout_s)
-        log = server.log_path.read_text(errors="replace")
+        log = server.log_path.read_text(errors="replace").splitlines()
         killed = result.pop("killed_perf_counter", None)
         result["server_restarts"] = [f"{when - killed:+.1f} s: {line.splitlines()[0]}" if killed else line
                                      for when, line in restarts]
-        result["reload_log"] = [line.strip()[-300:] for line in log.splitlines() if "stage reloaded in" in line
+        result["reload_log"] = [line.strip()[-300:] for line in log if "stage reloaded in" in line
                                 or "lock_exception" in line][:4]
         # the supervisor's reload line, as seconds after the kill: when the death was seen, the load asked, done
         killed_unix = result.pop("killed_unix", None)
-        steps = [reload_steps(line, killed_unix) for line in log.splitlines()] if killed_unix else []
+        steps = (reload_steps(line, killed_unix) for line in log) if killed_unix else ()
         result["reload_steps"] = next((row for row in steps if row and model_stage(row["stage"])[0] == stage), None)
         # the stage's load timeline (load_timeline): at the server's start, then at its reload
-        result["load_log"] = [line.strip()[-300:] for line in log.splitlines() if f"{stage}: loaded in" in line][:4]
+        result["load_log"] = [line.strip()[-300:] for line in log if f"{stage}: loaded in" in line][:4]
         return result
     finally:
         stopping.set()
