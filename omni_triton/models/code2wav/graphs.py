@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from omni_triton.graph_buckets import bucket_for, capturing, fill_padded
+from omni_triton.graph_buckets import bucket_for, capturing, collector_paused, fill_padded
 
 # Frames past which a call runs eagerly. The pool, the output buffers and the number of distinct shapes (each a
 # capture: about two eager calls' time on first use) grow with the bound, while the gain shrinks: the fixed
@@ -212,7 +212,7 @@ class Code2WavGraphs:
         # Ordering between a replay and the previous one's copy-out when callers run on different streams.
         self._last_copy_out: torch.cuda.Event | None = None
         self.replays = 0  # for tests and logs
-        with self._lock:
+        with self._lock, collector_paused():  # one garbage collection for the set, not one per graph
             for frames in settings.frames_at_start:
                 for bucket in reversed(self.buckets):  # largest first: the smaller ones reuse its pool memory
                     self._capture(bucket, frames)
