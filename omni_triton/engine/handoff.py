@@ -111,16 +111,20 @@ def complete_to_host(tensor: torch.Tensor) -> torch.Tensor:
     current stream would be read before that work ran."""
     if not tensor.is_cuda:
         return tensor
-    with torch.cuda.stream(_reading_stream(tensor.device)):
+    with torch.cuda.stream(side_stream(tensor.device).stream):
         return tensor.cpu()
 
 
-_reading_streams: dict[torch.device, torch.cuda.Stream] = {}
-_reading_streams_lock = threading.Lock()
+_side_streams: dict[torch.device, InputStream] = {}
+_side_streams_lock = threading.Lock()
 
 
-def _reading_stream(device: torch.device) -> torch.cuda.Stream:
-    with _reading_streams_lock:
-        if device not in _reading_streams:
-            _reading_streams[device] = torch.cuda.Stream(device)
-        return _reading_streams[device]
+def side_stream(device: torch.device) -> InputStream:
+    """The process's one ``InputStream`` of ``device`` for work that must not wait for queued engine steps and
+    is waited for where it is queued: ``complete_to_host``'s reads, a stage's owned copies of what another
+    stage sent (``stage_io.owned_copy``). One per device, shared by every thread: each such piece of work is small
+    and synchronised at once, so a thread waits for another's at most."""
+    with _side_streams_lock:
+        if device not in _side_streams:
+            _side_streams[device] = InputStream(device)
+        return _side_streams[device]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 
-from omni_triton.engine.handoff import InputStream, complete_to_host
+from omni_triton.engine.handoff import InputStream, complete_to_host, side_stream
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 from omni_triton.shared import bundled_backend
@@ -67,22 +67,16 @@ def to_torch(tensor: Any) -> torch.Tensor:
     return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
 
 
-_owning_streams: dict[torch.device, InputStream] = {}
-
-
 def owned_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A stage output (``to_torch`` of a BLS response's tensor) as a copy of this process's own, complete on
     return. Kept past its response, the view is not safe on the GPU: Triton's buffer goes back to its pool as soon
     as the last view is dropped -- at once, not after the GPU work queued to read it ran (torch's allocator does not
     know the buffer) -- so a kernel still queued behind other work (the orchestrator's concatenation of a stream's
     frames) could read what the pool put there next: codes that were another request's token ids, seen after a
-    stage's reload slowed the GPU. The copy runs on a stream of its own (``InputStream``) and is waited for alone."""
+    stage's reload slowed the GPU. The copy runs on a side stream (``handoff.side_stream``) and is waited for alone."""
     if not tensor.is_cuda:
         return tensor  # on the host the work that reads it runs when it is called, not later
-    inputs = _owning_streams.get(tensor.device)
-    if inputs is None:
-        inputs = _owning_streams.setdefault(tensor.device, InputStream(tensor.device))
-    return inputs.owned_copies([tensor])[0]
+    return side_stream(tensor.device).owned_copies([tensor])[0]
 
 
 def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
