@@ -7,8 +7,9 @@ must not stall the other streams. Admission (``admission``): a request starts wh
 otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
 ``waited_s``), and past ``admission_queue`` waiting (default: the free slots) it is refused at once with UNAVAILABLE
 naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late.
-Whether a new request would be refused is published at each change (``admission_board``), so that preprocess
-refuses it before its work and without waiting for this process's thread when every instance would.
+How many more requests it would take before refusing one, and how many it has received, are published at each
+change (``admission_board``), so that preprocess refuses a request before its work and without waiting for this
+process's thread when the instances' room is taken, those on their way here counted.
 
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
@@ -160,6 +161,8 @@ class Orchestrator:
                                     split_limit(max_starting, slot.per_pipeline), admission_max_wait_s,
                                     max_held=pipeline_inflight)
         self._board, self._board_lock = board, threading.Lock()
+        self._received = 0  # requests submitted, control requests aside (the board: preprocess's are on their way)
+        self._publish()
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._slot = slot
         self._request_counter = 0
@@ -208,6 +211,14 @@ class Orchestrator:
         if control is not None:
             self._control(request, control.as_numpy().reshape(-1)[0], sender)
             return
+        with self._board_lock:
+            self._received += 1
+        try:
+            self._admit(request, sender)
+        finally:
+            self._publish()  # received, whatever its end: no longer on its way for preprocess
+
+    def _admit(self, request: Any, sender: Any) -> None:
         if self._drain_until is not None:
             self._refuse(sender, SHUTTING_DOWN)
             return
@@ -234,7 +245,7 @@ class Orchestrator:
         with self._lock:  # before it may start: a cancel sent while it waits must find it
             self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
         decision = self._admission.arrive(ticket, time.monotonic())
-        self._publish()
+        self._publish()  # before its start or refusal: preprocess sees its place taken at once
         if decision == "start":
             self._start(ticket, waited_s=0.0)
         elif decision == "refused":
@@ -242,11 +253,11 @@ class Orchestrator:
             self._refuse(sender, self._admission.refusal())
 
     def _publish(self) -> None:
-        """Say on the board whether a new request would be refused now (in order: the lock keeps an older state
-        from overwriting a newer one)."""
+        """Say on the board how many more requests would be taken now, the refusal after them, and the requests
+        received (in order: the lock keeps an older state from overwriting a newer one)."""
         if self._board is not None:
             with self._board_lock:
-                self._board.publish(self._admission.would_refuse())
+                self._board.publish(*self._admission.outlook(), received=self._received)
 
     def _refuse(self, sender: Any, message: str) -> None:
         error = triton_error(self._pb, "UNAVAILABLE", message)
