@@ -6,17 +6,20 @@ import os
 import subprocess
 import sys
 
-from omni_triton.shared.admission_board import (RECORD_BYTES, BoardWriter, EarlyRefusal, Outlook, board_path, decode,
-                                                encode, instance_names, read_outlook, remove_boards)
+from omni_triton.shared.admission_board import (DIRECT_CALL, LET_THROUGH, RECORD_BYTES, BoardWriter, EarlyRefusal,
+                                                Outlook, board_path, decode, encode, instance_names, on_its_way,
+                                                read_outlook, remove_boards)
 
 FULL = "server busy: 4 requests in flight (max_inflight_requests); retry later"
 
 
 class Clock:
-    def __init__(self):
-        self.now = 0.0
+    """The host's monotonic clock in ns, as preprocess and the orchestrator read it, moved by hand."""
 
-    def __call__(self) -> float:
+    def __init__(self):
+        self.now = 1_000_000_000
+
+    def __call__(self) -> int:
         return self.now
 
 
@@ -27,12 +30,12 @@ def test_a_request_is_refused_early_only_when_no_instance_has_room(tmp_path):
     assert early.refusal() is None  # nothing published yet: the orchestrator decides
     first, second = BoardWriter(paths[0]), BoardWriter(paths[1])
     assert early.refusal() is None  # created, nothing written: starting
-    first.publish(0, FULL, received=4)
-    second.publish(1, "server busy: 2 streaming and 2 waiting for admission", received=3)
+    first.publish(0, FULL, latest=0)
+    second.publish(1, "server busy: 2 streaming and 2 waiting for admission", latest=0)
     assert early.refusal() is None  # the other pipeline has room
-    second.publish(0, "server busy: 2 streaming and 2 waiting for admission", received=4)
+    second.publish(0, "server busy: 2 streaming and 2 waiting for admission", latest=0)
     assert early.refusal() == FULL
-    first.publish(1, FULL, received=4)  # a stream ended there
+    first.publish(1, FULL, latest=0)  # a stream ended there
     assert early.refusal() is None
     second.close()
     assert not paths[1].exists() and early.refusal() is None  # a stopped or reloading instance: not refused
@@ -45,33 +48,60 @@ def test_requests_let_through_take_the_room_until_an_instance_received_them(tmp_
     path = tmp_path / "0.0"
     writer, clock = BoardWriter(path), Clock()
     early = EarlyRefusal([path], transit_s=5.0, clock=clock)
-    writer.publish(2, FULL, received=10)
+    writer.publish(2, FULL, latest=0)
     assert early.refusal() is None
-    early.let_through()
+    first = early.let_through()
     assert early.refusal() is None
-    early.let_through()
-    assert early.refusal() == FULL and early.in_transit == 2  # both on their way: the room is theirs
-    writer.publish(1, FULL, received=11)  # one arrived and started
+    second = early.let_through()  # the same clock reading: still a later mark
+    assert second > first and early.refusal() == FULL and early.in_transit == 2  # the room is theirs
+    writer.publish(1, FULL, latest=first)  # one arrived and started
     assert early.refusal() == FULL and early.in_transit == 1
-    writer.publish(1, FULL, received=12)  # the other arrived and was refused (its state changed): room 1 again
-    assert early.refusal() is None and early.in_transit == 0
-    early.let_through()
-    clock.now = 5.1  # never received (cancelled on its way): no longer counted
+    writer.publish(1, FULL, latest=second)  # the other arrived and was refused (its state changed): room 1 again
     assert early.refusal() is None and early.in_transit == 0
     writer.close()
 
 
-def test_a_reloaded_instance_counts_its_requests_from_zero(tmp_path):
+def test_a_request_that_never_arrives_stops_counting_at_the_next_arrival_or_with_age(tmp_path):
+    """Cancelled on its way, failed in the ensemble, its instance killed: it must not keep taking a place (counted
+    by number, one lost under a steady flow of requests took a place for as long as the flow lasted)."""
+    path = tmp_path / "0.0"
+    writer, clock = BoardWriter(path), Clock()
+    early = EarlyRefusal([path], transit_s=5.0, clock=clock)
+    writer.publish(1, FULL, latest=0)
+    early.let_through()  # lost
+    assert early.refusal() == FULL
+    for _ in range(3):  # a flow of arrivals after it, each finding room 1
+        clock.now += 1_000_000
+        writer.publish(1, FULL, latest=early.let_through())
+        assert early.refusal() is None and early.in_transit == 0
+    clock.now += 1_000_000
+    lost = early.let_through()  # and nothing arrives after it
+    clock.now = lost + 5_000_000_000
+    assert early.refusal() == FULL
+    clock.now += 1
+    assert early.refusal() is None and early.in_transit == 0
+    writer.close()
+
+
+def test_only_a_request_of_the_ensemble_is_on_its_way_to_an_orchestrator():
+    """The ensemble asks preprocess for exactly the outputs it maps (the mark, never DIRECT_CALL); a client calling
+    preprocess itself asks for every output by default, or names those it wants."""
+    ensemble = ["INPUT_IDS", "AUDIO_FEATURES", "MAX_TOKENS", LET_THROUGH]
+    assert on_its_way(ensemble)
+    assert not on_its_way(ensemble + [DIRECT_CALL])  # a direct call's default: every output
+    assert not on_its_way(["INPUT_IDS"]) and not on_its_way([])
+
+
+def test_a_reloaded_instance_starts_with_no_request_received(tmp_path):
     path = tmp_path / "0.0"
     clock = Clock()
-    path.write_bytes(encode(Outlook(1, FULL, received=50, writer=os.getpid() + 1)))  # a dead writer's: not read
-    writer = BoardWriter(path)
-    writer.publish(1, FULL, received=0)
     early = EarlyRefusal([path], clock=clock)
-    assert early.refusal() is None
-    early.let_through()
+    path.write_bytes(encode(Outlook(1, FULL, latest=clock.now + 10**9)))  # a dead writer's: not read
+    writer = BoardWriter(path)
+    writer.publish(1, FULL, latest=0)
+    mark = early.let_through()
     assert early.refusal() == FULL
-    writer.publish(1, FULL, received=1)
+    writer.publish(1, FULL, latest=mark)
     assert early.refusal() is None and early.in_transit == 0
     writer.close()
 
@@ -93,7 +123,7 @@ WRITER = """
 import sys, time
 from pathlib import Path
 from omni_triton.shared.admission_board import BoardWriter
-BoardWriter(Path(sys.argv[1])).publish(0, "server busy: 4 requests in flight (max_inflight_requests)", received=4)
+BoardWriter(Path(sys.argv[1])).publish(0, "server busy: 4 requests in flight (max_inflight_requests)", latest=4)
 print("published", flush=True)
 time.sleep(600)
 """
@@ -101,9 +131,9 @@ time.sleep(600)
 
 def test_records_keep_whole_characters_and_reject_a_torn_or_empty_record():
     long = "é" * RECORD_BYTES  # two bytes each: cut at a character boundary
-    record = encode(Outlook(3, long, received=7, writer=42))
+    record = encode(Outlook(3, long, latest=7))
     outlook = decode(record)
-    assert len(record) == RECORD_BYTES and outlook.room == 3 and outlook.received == 7 and outlook.writer == 42
+    assert len(record) == RECORD_BYTES and outlook.room == 3 and outlook.latest == 7
     assert outlook.refusal and set(outlook.refusal) == {"é"} and len(outlook.refusal.encode()) < RECORD_BYTES
     assert decode(record[:10]) is None and decode(b"") is None and decode(bytes(RECORD_BYTES)) is None
 
@@ -112,7 +142,7 @@ def test_the_launcher_removes_what_a_crashed_server_left():
     pid = 2 ** 22 + os.getpid()  # no real server
     paths = [board_path(pid, name) for name in instance_names(1, 2)]
     for path in paths:  # as a killed instance leaves its record
-        path.write_bytes(encode(Outlook(0, "server busy", received=1, writer=pid)))
+        path.write_bytes(encode(Outlook(0, "server busy", latest=1)))
     assert EarlyRefusal(paths).refusal() is None  # nobody holds them: a dead process's, not read
     remove_boards(pid)
     assert not any(path.exists() for path in paths)

@@ -192,3 +192,26 @@ def test_a_burst_is_refused_by_preprocess_while_the_orchestrator_lags_behind_it(
     # every refusal decided by preprocess before its work; none late, by the orchestrator
     assert after["early"] - before["early"] == after["refused"] - before["refused"] == burst_size - QUEUE
     seconds_until_idle(server.metrics_url, timeout_s=10.0)
+
+
+def test_direct_calls_to_preprocess_take_no_room_from_the_ensemble(server):
+    """What reverted this work once: a client calling preprocess itself (a test, perf_analyzer, a tokenizing tool)
+    never reaches an orchestrator, yet was counted as on its way to one, so after a few such calls preprocess
+    refused every omni request with UNAVAILABLE for seconds. Here more direct calls than the orchestrator's room
+    (1 starting, QUEUE waiting), at once, then omni requests: each must be served, none refused."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    before = admission_counts(server)
+    text = grpcclient.InferInput("TEXT", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"only tokenize this"], dtype=np.object_))
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        for _ in range(1 + QUEUE + 2):  # every output (the default), and only the outputs named
+            everything = client.infer("preprocess", [text])
+            assert everything.as_numpy("INPUT_IDS").size and everything.as_numpy("LET_THROUGH_NS")[0] == 0
+            assert client.infer("preprocess", [text], outputs=[grpcclient.InferRequestedOutput("INPUT_IDS")])
+    for index in range(2):  # one after the other: each alone on the server, with room for it
+        listener = Listener(server, f"after direct calls {index}").join()
+        assert listener.error is None, listener.error
+    after = admission_counts(server)
+    assert after["early"] == before["early"] and after["refused"] == before["refused"]

@@ -2,10 +2,12 @@
 
 import os
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.error_tags import triton_error
-from omni_triton.shared.admission_board import EarlyRefusal, board_path, instance_names
+from omni_triton.shared.admission_board import (DIRECT_CALL, LET_THROUGH, EarlyRefusal, board_path, instance_names,
+                                                on_its_way)
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
 from omni_triton.stages.model_args import launch_settings, limit_torch_threads, report_native_crashes
@@ -51,7 +53,10 @@ class TritonPythonModel:
         del self.rejected, self.refused_busy, self.busy
 
     def _respond(self, request):
-        refusal = self.early_refusal.refusal()
+        # only a request of the omni ensemble goes on to an orchestrator: a direct call is neither refused for the
+        # orchestrators' room nor counted against it (it would never arrive there)
+        ensemble = on_its_way(request.requested_output_names())
+        refusal = self.early_refusal.refusal() if ensemble else None
         if refusal is not None:
             self.refused_busy.increment(1)
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, "UNAVAILABLE", refusal))
@@ -67,5 +72,6 @@ class TritonPythonModel:
             self.rejected_by_field[error.field].increment(1)
             return pb_utils.InferenceResponse(
                 error=triton_error(pb_utils, "INVALID_ARG", str(error)))
-        self.early_refusal.let_through()
+        outputs[LET_THROUGH] = np.array([self.early_refusal.let_through() if ensemble else 0], dtype=np.int64)
+        outputs[DIRECT_CALL] = np.array([not ensemble])
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])
