@@ -209,14 +209,32 @@ def test_launch_config_rejects_a_bad_admission_max_wait(seconds):
         LaunchConfig(checkpoint_dir=".", admission_max_wait=seconds)
 
 
-def test_would_refuse_says_what_arrive_would_answer_now():
+def test_the_outlook_says_how_many_more_arrive_would_take_and_the_refusal_then():
+    """What the admission board publishes: the arrivals ``arrive`` would still start or queue, counted without
+    changing anything, and the refusal the next one would get."""
     admission = Admission(max_running=2, queue_limit=None, capacity=None)
-    assert admission.would_refuse() is None
-    admission.arrive("a", 0.0), admission.arrive("b", 0.0)
-    assert "max_inflight_requests" in admission.would_refuse() and admission.refused == 0  # asking counts nothing
-    assert admission.arrive("c", 0.0) == "refused"
+    room, refusal = admission.outlook()
+    assert room == 2 and "2 streaming and 0 waiting" in refusal  # the state once both arrived
+    admission.arrive("a", 0.0)
+    assert admission.outlook()[0] == 1
+    admission.arrive("b", 0.0)
+    room, refusal = admission.outlook()
+    assert room == 0 and "max_inflight_requests" in refusal and admission.refused == 0  # asking counts nothing
+    assert admission.arrive("c", 0.0) == "refused" and admission.refusal() == refusal
     admission.finished()
-    assert admission.would_refuse() is None and admission.arrive("c", 1.0) == "start"
+    assert admission.outlook()[0] == 1 and admission.arrive("c", 1.0) == "start"
+
+
+@pytest.mark.parametrize("limits", [dict(max_running=3, queue_limit=2, capacity=None),
+                                    dict(max_running=4, queue_limit=0, capacity=None, max_starting=1),
+                                    dict(max_running=2, queue_limit=None, capacity=None, max_held=5),
+                                    dict(max_running=8, queue_limit=1, capacity=RealtimeCapacity(2.5))])
+def test_the_outlooks_room_is_what_arrive_takes_before_refusing(limits):
+    admission = Admission(**limits)
+    admission.arrive("first", 0.0)
+    room, refusal = admission.outlook()
+    assert [admission.arrive(i, 0.0) for i in range(room + 1)][-1] == "refused"
+    assert admission.refused == 1 and admission.refusal() == refusal
 
 
 def test_an_instance_of_a_split_pipeline_may_hold_up_to_the_pipelines_limit():

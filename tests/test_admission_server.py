@@ -1,6 +1,7 @@
 """Admission by real-time capacity on a real tritonserver (tiny checkpoint): a forced capacity of 1 audio-second
 per second admits one stream at a time whatever the CPU's speed, so a burst beyond it queues, is served in
-arrival order, and past the queue limit is refused with UNAVAILABLE naming the limit."""
+arrival order, and past the queue limit is refused with UNAVAILABLE naming the limit: by preprocess, at once, when
+the requests on their way to the orchestrator already fill its room."""
 
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ class Listener:
             self.error = error
         finally:
             self._client.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def join(self) -> "Listener":
         self._thread.join(180)
@@ -152,3 +157,61 @@ def test_a_request_waiting_when_a_stage_dies_is_refused_naming_it(tiny_checkpoin
             assert "code2wav stage" in str(listener.error), listener.error
         assert "code2wav stage is down" in str(waiting.error) or "code2wav stage failed" in str(waiting.error)
         wait_for_gauge(server, "omni_admission_queue_length", 0)
+
+
+def test_a_burst_is_refused_by_preprocess_while_the_orchestrator_lags_behind_it(server):
+    """Issue 48's burst: on an H200 at 4x goodput the orchestrator's thread lagged behind the arrivals, requests went
+    on on its stale outlook and were refused there up to 320 ms after they were sent, later than the admitted
+    streams' first audio. Preprocess counts those it let through that the orchestrator has not received against the
+    room it published; here the orchestrator's stub is stopped (SIGSTOP) while a burst arrives, so its outlook stays
+    stale: the requests past its room must still be refused, by preprocess, and only QUEUE go on. (A stub stopped for
+    more than a second fails what reaches it with "Stub process ... is not healthy": only those let through may
+    meet that, and it is resumed as soon as the refusals are in.)"""
+    burst_size = QUEUE + 4
+    first = Listener(server, "first: tell me a story")
+    wait_for_gauge(server, "omni_active_requests", 1)  # capacity 1: room for QUEUE waiting
+    orchestrator = find_stubs(server.server.process.pid, ["orchestrator"])["orchestrator"]
+    before = admission_counts(server)
+    os.kill(orchestrator, signal.SIGSTOP)
+    try:
+        burst = [Listener(server, f"burst {index}: tell me a story") for index in range(burst_size)]
+        deadline = time.monotonic() + 60  # for preprocess on a loaded CPU; the orchestrator answers none meanwhile
+        while sum(not listener.running for listener in burst) < burst_size - QUEUE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = [listener for listener in burst if not listener.running]
+    finally:
+        os.kill(orchestrator, signal.SIGCONT)
+    assert len(refused) == burst_size - QUEUE, f"{len(refused)} of {burst_size} answered while it was stopped"
+    for listener in refused:
+        assert listener.error is not None and listener.error.code == "UNAVAILABLE", listener.error
+        assert "admission_queue" in listener.error.message()
+    first.join()
+    for listener in burst:  # those let through wait their turn (or met the stopped stub's health check)
+        assert listener.join().error is None or listener in refused or "not healthy" in str(listener.error)
+    after = admission_counts(server)
+    # every refusal decided by preprocess before its work; none late, by the orchestrator
+    assert after["early"] - before["early"] == after["refused"] - before["refused"] == burst_size - QUEUE
+    seconds_until_idle(server.metrics_url, timeout_s=10.0)
+
+
+def test_direct_calls_to_preprocess_take_no_room_from_the_ensemble(server):
+    """What reverted this work once: a client calling preprocess itself (a test, perf_analyzer, a tokenizing tool)
+    never reaches an orchestrator, yet was counted as on its way to one, so after a few such calls preprocess
+    refused every omni request with UNAVAILABLE for seconds. Here more direct calls than the orchestrator's room
+    (1 starting, QUEUE waiting), at once, then omni requests: each must be served, none refused."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    before = admission_counts(server)
+    text = grpcclient.InferInput("TEXT", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"only tokenize this"], dtype=np.object_))
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        for _ in range(1 + QUEUE + 2):  # every output (the default), and only the outputs named
+            everything = client.infer("preprocess", [text])
+            assert everything.as_numpy("INPUT_IDS").size and everything.as_numpy("LET_THROUGH_NS")[0] == 0
+            assert client.infer("preprocess", [text], outputs=[grpcclient.InferRequestedOutput("INPUT_IDS")])
+    for index in range(2):  # one after the other: each alone on the server, with room for it
+        listener = Listener(server, f"after direct calls {index}").join()
+        assert listener.error is None, listener.error
+    after = admission_counts(server)
+    assert after["early"] == before["early"] and after["refused"] == before["refused"]

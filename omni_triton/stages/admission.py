@@ -142,10 +142,12 @@ class Admission:
         self.wait_s = 0.0        # their waits, summed
         self.refused = 0
 
-    def _can_start(self) -> bool:
-        if self.running >= self.max_running or (self.max_starting and self.starting >= self.max_starting):
+    def _can_start(self, running: int | None = None, starting: int | None = None) -> bool:
+        running = self.running if running is None else running
+        starting = self.starting if starting is None else starting
+        if running >= self.max_running or (self.max_starting and starting >= self.max_starting):
             return False
-        return self.running == 0 or self.capacity is None or self.capacity.admits(self.running)
+        return running == 0 or self.capacity is None or self.capacity.admits(running)
 
     def _count_start(self) -> None:
         self.running += 1
@@ -163,14 +165,17 @@ class Admission:
                 self.refused += 1
             return decision
 
-    def _decision(self) -> str:  # under the lock: what ``arrive`` answers a request that comes now
-        if not self._queue and self._can_start():
+    def _decision(self, running: int | None = None, starting: int | None = None, queued: int | None = None) -> str:
+        """Under the lock: what ``arrive`` answers a request that comes now (or in the state given)."""
+        running = self.running if running is None else running
+        queued = len(self._queue) if queued is None else queued
+        if not queued and self._can_start(running, starting):
             return "start"
-        return "queued" if len(self._queue) < self._queue_room() else "refused"
+        return "queued" if queued < self._queue_room(running) else "refused"
 
-    def _queue_room(self) -> int:
+    def _queue_room(self, running: int) -> int:
         if self.queue_limit is None:
-            return self.max_held - self.running
+            return self.max_held - running
         return self.queue_limit
 
     def refusal(self) -> str:
@@ -178,26 +183,36 @@ class Admission:
         with self._lock:
             return self._refusal()
 
-    def would_refuse(self) -> str | None:
-        """The refusal ``arrive`` would answer a request that came now, None if it would start or wait."""
+    def outlook(self) -> tuple[int, str]:
+        """(room, refusal): how many requests arriving now, one after the other, would start or wait before
+        ``arrive`` refuses one, and the refusal it would answer then (naming the limit). Nothing ends meanwhile:
+        what a request on its way here is counted against (``admission_board``)."""
         with self._lock:
-            return self._refusal() if self._decision() == "refused" else None
+            running, starting, queued, room = self.running, self.starting, len(self._queue), 0
+            while not queued and self._can_start(running, starting):  # as ``_decision``: those that would start
+                running, starting, room = running + 1, starting + 1, room + 1
+            waiting_room = max(0, self._queue_room(running) - queued)  # then those that would wait
+            return room + waiting_room, self._refusal(running, starting, queued + waiting_room)
 
-    def _refusal(self) -> str:  # under the lock
+    def _refusal(self, running: int | None = None, starting: int | None = None, queued: int | None = None) -> str:
+        """Under the lock: why a request is refused now (or in the state given)."""
+        running = self.running if running is None else running
+        starting = self.starting if starting is None else starting
+        queued = len(self._queue) if queued is None else queued
         if self.queue_limit is None:  # waiting and running: every slot taken
-            return (f"server busy: {self.running} streaming and {len(self._queue)} waiting for admission, "
+            return (f"server busy: {running} streaming and {queued} waiting for admission, "
                     f"{self.max_held} in all (max_inflight_requests; admission_queue: the free slots); "
                     "retry later")
         if self.queue_limit:
             return (f"server busy: {self.queue_limit} requests already waiting for admission (admission_queue) "
-                    f"behind {self.running} streaming; retry later")
-        if self.running >= self.max_running:
+                    f"behind {running} streaming; retry later")
+        if running >= self.max_running:
             return f"server busy: {self.max_running} requests in flight (max_inflight_requests); retry later"
-        if self.capacity is None or (self.max_starting and self.starting >= self.max_starting):
-            return (f"server busy: {self.starting} streams starting (admission_max_starting "
+        if self.capacity is None or (self.max_starting and starting >= self.max_starting):
+            return (f"server busy: {starting} streams starting (admission_max_starting "
                     f"{self.max_starting}; admission_queue 0); retry later")
-        return (f"server busy: another stream would make the {self.running} playing run dry (capacity "
-                f"{self.capacity.instance_audio_s_per_s(self.running + 1):.2f} audio-s/s; admission_queue 0); "
+        return (f"server busy: another stream would make the {running} playing run dry (capacity "
+                f"{self.capacity.instance_audio_s_per_s(running + 1):.2f} audio-s/s; admission_queue 0); "
                 "retry later")
 
     def playing(self) -> None:

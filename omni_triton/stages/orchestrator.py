@@ -7,8 +7,9 @@ must not stall the other streams. Admission (``admission``): a request starts wh
 otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
 ``waited_s``), and past ``admission_queue`` waiting (default: the free slots) it is refused at once with UNAVAILABLE
 naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late.
-Whether a new request would be refused is published at each change (``admission_board``), so that preprocess
-refuses it before its work and without waiting for this process's thread when every instance would.
+How many more requests it would take before refusing one, and the mark of the latest request it received, are
+published at each change (``admission_board``), so that preprocess refuses a request before its work and without
+waiting for this process's thread when the instances' room is taken, those on their way here counted.
 
 Cancellation: Triton cancels a request sent to the orchestrator directly, but an ``omni`` ensemble
 request cancelled by its client only stops steps not yet scheduled (Triton 2.51), and the
@@ -78,7 +79,7 @@ from omni_triton.pipeline.code2wav.pacing import ChunkPacer
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
-from omni_triton.shared.admission_board import BoardWriter
+from omni_triton.shared.admission_board import LET_THROUGH, BoardWriter
 from omni_triton.shared.cancel_registry import CancelRegistry
 from omni_triton.shared.drain import SHUTTING_DOWN, control_word, drain_seconds
 from omni_triton.shared.placement import OrchestratorSlot, Placement
@@ -160,6 +161,8 @@ class Orchestrator:
                                     split_limit(max_starting, slot.per_pipeline), admission_max_wait_s,
                                     max_held=pipeline_inflight)
         self._board, self._board_lock = board, threading.Lock()
+        self._latest_let_through = 0  # the board: preprocess's requests up to this mark are no longer on their way
+        self._publish()
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
         self._slot = slot
         self._request_counter = 0
@@ -208,6 +211,16 @@ class Orchestrator:
         if control is not None:
             self._control(request, control.as_numpy().reshape(-1)[0], sender)
             return
+        mark = self._pb.get_input_tensor_by_name(request, LET_THROUGH)
+        if mark is not None:  # an omni request, preprocess's mark (a direct caller's has none)
+            with self._board_lock:
+                self._latest_let_through = max(self._latest_let_through, int(mark.as_numpy().reshape(-1)[0]))
+        try:
+            self._admit(request, sender)
+        finally:
+            self._publish()  # received, whatever its end: no longer on its way for preprocess
+
+    def _admit(self, request: Any, sender: Any) -> None:
         if self._drain_until is not None:
             self._refuse(sender, SHUTTING_DOWN)
             return
@@ -234,7 +247,7 @@ class Orchestrator:
         with self._lock:  # before it may start: a cancel sent while it waits must find it
             self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
         decision = self._admission.arrive(ticket, time.monotonic())
-        self._publish()
+        self._publish()  # before its start or refusal: preprocess sees its place taken at once
         if decision == "start":
             self._start(ticket, waited_s=0.0)
         elif decision == "refused":
@@ -242,11 +255,11 @@ class Orchestrator:
             self._refuse(sender, self._admission.refusal())
 
     def _publish(self) -> None:
-        """Say on the board whether a new request would be refused now (in order: the lock keeps an older state
-        from overwriting a newer one)."""
+        """Say on the board how many more requests would be taken now, the refusal after them, and the latest
+        request received (in order: the lock keeps an older state from overwriting a newer one)."""
         if self._board is not None:
             with self._board_lock:
-                self._board.publish(self._admission.would_refuse())
+                self._board.publish(*self._admission.outlook(), latest=self._latest_let_through)
 
     def _refuse(self, sender: Any, message: str) -> None:
         error = triton_error(self._pb, "UNAVAILABLE", message)

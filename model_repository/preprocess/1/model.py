@@ -2,10 +2,12 @@
 
 import os
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from omni_triton.error_tags import triton_error
-from omni_triton.shared.admission_board import board_path, instance_names, refusal_of_all
+from omni_triton.shared.admission_board import (DIRECT_CALL, LET_THROUGH, EarlyRefusal, board_path, instance_names,
+                                                on_its_way)
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
 from omni_triton.stages.model_args import launch_settings, limit_torch_threads, report_native_crashes
@@ -33,13 +35,13 @@ class TritonPythonModel:
             "omni_preprocess_rejected_requests_total", "requests refused with INVALID_ARG, by input",
             pb_utils.MetricFamily.COUNTER)
         self.rejected_by_field = {}
-        # the orchestrator instances' admission (admission_board): a request every one of them would refuse is
-        # refused here, before any work, and without waiting for the orchestrator's thread
-        self.boards = [board_path(os.getppid(), name) for name in
-                       instance_names(settings.placement.pipelines, settings.placement.count("orchestrator"))]
+        # the orchestrator instances' admission (admission_board): a request they have no room for, those already
+        # let through counted, is refused here, before any work, and without waiting for the orchestrator's thread
+        self.early_refusal = EarlyRefusal([board_path(os.getppid(), name) for name in instance_names(
+            settings.placement.pipelines, settings.placement.count("orchestrator"))])
         self.busy = pb_utils.MetricFamily(
             "omni_preprocess_refused_busy_requests_total",
-            "requests refused with UNAVAILABLE before preprocessing: every orchestrator instance would refuse them",
+            "requests refused with UNAVAILABLE before preprocessing: the orchestrator instances had no room for them",
             pb_utils.MetricFamily.COUNTER)
         self.refused_busy = self.busy.Metric({"stage": "preprocess"})
 
@@ -51,7 +53,10 @@ class TritonPythonModel:
         del self.rejected, self.refused_busy, self.busy
 
     def _respond(self, request):
-        refusal = refusal_of_all(self.boards)
+        # only a request of the omni ensemble goes on to an orchestrator: a direct call is neither refused for the
+        # orchestrators' room nor counted against it (it would never arrive there)
+        ensemble = on_its_way(request.requested_output_names())
+        refusal = self.early_refusal.refusal() if ensemble else None
         if refusal is not None:
             self.refused_busy.increment(1)
             return pb_utils.InferenceResponse(error=triton_error(pb_utils, "UNAVAILABLE", refusal))
@@ -67,4 +72,6 @@ class TritonPythonModel:
             self.rejected_by_field[error.field].increment(1)
             return pb_utils.InferenceResponse(
                 error=triton_error(pb_utils, "INVALID_ARG", str(error)))
+        outputs[LET_THROUGH] = np.array([self.early_refusal.let_through() if ensemble else 0], dtype=np.int64)
+        outputs[DIRECT_CALL] = np.array([not ensemble])
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in outputs.items()])
