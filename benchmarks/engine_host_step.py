@@ -4,7 +4,8 @@
     git worktree add /tmp/base main
     python benchmarks/engine_host_step.py --baseline-tree /tmp/base --rounds 5   # base and this tree, alternately
 
-The served engines (``ThinkerStage`` streaming its accept-layer states, ``TalkerStage`` with its trailing text)
+The served engines (``ThinkerStage`` streaming its accept-layer states as the thinker service asks, of the prompt
+only where the tree has ``states_past_prompt``; ``TalkerStage`` with its trailing text)
 over stub models that return fixed-shape outputs at once, on the serving fast path's host code, emulated on the
 CPU: the device samplers (``DeviceSampler.prepare`` as served; its ``sample`` returns fixed ids), the decode CUDA
 graphs (``DecodeGraphs``; a "replay" runs nothing: the graph's outputs are the stub's fixed tensors) and
@@ -23,6 +24,7 @@ machine varies from one process to the next), and prints base, branch and branch
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -135,7 +137,11 @@ def make_engine(stage_name: str, rows: int, steps: int):
     config = EngineConfig(block_size=16, num_blocks=blocks, max_num_batched_tokens=max(rows * PROMPT, 512),
                           max_num_seqs=rows)
     if stage_name == "thinker":
-        engine = LLMEngine(ThinkerStage(StubThinker(max(rows * PROMPT, 512)), accept_hidden_layer=1), config)
+        # as the thinker service makes it: streaming its prompt's states only, where the tree can
+        served = ({"states_past_prompt": False}
+                  if "states_past_prompt" in inspect.signature(ThinkerStage).parameters else {})
+        engine = LLMEngine(ThinkerStage(StubThinker(max(rows * PROMPT, 512)), accept_hidden_layer=1, **served),
+                           config)
         params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.05,
                                 max_new_tokens=max_new_tokens, stop_token_ids=(STOP_ID,))
     else:

@@ -32,6 +32,8 @@ class DecodeRows:
         # row -> rope position - sequence position, and where its explicit (M-RoPE) prompt positions end
         self._rope_deltas = np.zeros(max_batch, dtype=np.int64)
         self._prompt_ends = np.zeros(max_batch, dtype=np.int64)
+        self._prompt_lens = np.zeros(max_batch, dtype=np.int64)
+        self.prompt_rows = False  # whether the last fill had a row at a prompt position
 
     def fill(self, chunks: list[Chunk], token_ids: list[int] | None = None) -> torch.Tensor:
         """Stage one-position ``chunks`` (and their input ``token_ids``; else 0) in ``ints`` and ``tables``; rows
@@ -41,6 +43,7 @@ class DecodeRows:
         starts = np.fromiter((start for _, start, _ in chunks), dtype=np.int64, count=n)
         tables = self._stage_tables(seqs)
         host, bs = self.ints.numpy(), self.block_size
+        self.prompt_rows = bool((starts < self._prompt_lens[:n]).any())
         host[POSITIONS, :n] = starts + self._rope_deltas[:n]
         for i in np.flatnonzero(starts < self._prompt_ends[:n]):  # an explicit prompt position (M-RoPE)
             host[POSITIONS, i] = seqs[i].positions(int(starts[i]), int(starts[i]) + 1)[:, 0].numpy()
@@ -70,5 +73,6 @@ class DecodeRows:
                 seq = seqs[i]
                 self._rope_deltas[i] = seq.rope_delta
                 self._prompt_ends[i] = seq.num_prompt_positions if seq.has_prompt_positions else 0
+                self._prompt_lens[i] = seq.num_prompt_positions
             self._lens[i] = length
         return self.tables[:len(seqs) * width].view(len(seqs), width)

@@ -302,7 +302,9 @@ class DecodeGraphs:
         self.graphs[batch_size].replay()
         outputs = self.outputs[batch_size]
         hidden = outputs["hidden"][:num_rows].clone()  # copies: the next replay overwrites the graph's outputs
-        captured = _rows(outputs, "captured.", num_rows)
+        # (the per-position states of decode rows past the prompt are copied only for a stage that streams them)
+        captured = (_rows(outputs, "captured.", num_rows)
+                    if self.rows.prompt_rows or getattr(runner.stage, "states_past_prompt", True) else {})
         if self.in_graph_sampling:
             ids, completed = outputs["token_ids"][:num_rows].clone(), _rows(outputs, "completed.", num_rows)
         else:
