@@ -13,8 +13,9 @@ overlapped steps (``overlap.StepOverlap``: the next step launched before this on
 ``rows`` requests into steady decode, then ``--steps`` ``engine.step()`` calls are timed: per step, the whole
 call and its parts (``Scheduler.schedule``; the launch: ``ModelRunner.run`` / ``run_ahead``, which build the
 step's inputs and prepare the samplers; ``LLMEngine._finish``: tokens to the host, stop checks, outputs, the
-stage's bookkeeping), medians over ``--repeat`` runs, in microseconds. CUDA API calls (copies, events, the replay's
-launch) cost host time on a GPU that this CPU run does not see.
+stage's bookkeeping), in microseconds of the step thread's CPU time (``time.thread_time``: time spent waiting
+for a core on a machine shared with other work is not counted), the least of ``--repeat`` runs. CUDA API calls
+(copies, events, the replay's launch) cost host time on a GPU that this CPU run does not see.
 
 ``--baseline-tree DIR`` (another checkout, e.g. a ``git worktree`` of main) runs the same workload over that
 tree's ``omni_triton`` and this one's, alternating process by process (``--rounds`` each; the host of a small
@@ -173,11 +174,11 @@ class PartTimer:
         inner = getattr(owner, method)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[part] += time.perf_counter() - start
+                self.seconds[part] += time.thread_time() - start
 
         setattr(owner, method, timed)
 
@@ -186,22 +187,23 @@ class PartTimer:
 
 
 def measure(stage_name: str, rows: int, steps: int, repeat: int) -> dict:
-    """Median over ``repeat`` runs of ``steps`` decode steps each: microseconds per step, whole and by part."""
+    """The least disturbed of ``repeat`` runs of ``steps`` decode steps each (the minimum: other processes only
+    add time): microseconds per step, whole and by part."""
     runs = []
     for _ in range(repeat):
         engine = make_engine(stage_name, rows, steps)
         for _ in range(WARM_STEPS):  # the prefill, then decode steps until the overlap runs steadily
             engine.step()
         timer = PartTimer(engine)
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(steps):
             outputs = engine.step()
             assert len(outputs) == rows, f"{stage_name}: {len(outputs)} outputs for {rows} rows"
-        total = time.perf_counter() - start
+        total = time.thread_time() - start
         assert engine.overlap.launched >= steps - 1, "steps were not overlapped: not the served steady state"
         runs.append({"step_us": total, **timer.seconds})
     return {"stage": stage_name, "rows": rows,
-            **{key: 1e6 * statistics.median(run[key] for run in runs) / steps for key in runs[0]}}
+            **{key: 1e6 * min(run[key] for run in runs) / steps for key in runs[0]}}
 
 
 def worker(args) -> dict:

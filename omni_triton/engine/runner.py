@@ -169,7 +169,7 @@ class ModelRunner:
         return self.samplers[MAIN_STREAM].sample(logits)
 
     def prepare_sampler(self, stream: str, seqs: list[Sequence], tokens_ahead: int = 0,
-                        generated: np.ndarray | None = None) -> None:
+                        generated: list[int] | None = None) -> None:
         """Each row's draw index is its generated-token count (``tokens_ahead`` more when tokens sampled before
         are not appended yet: the step's own inside a graph, the previous step's when overlapped), so the same
         frame draws the same uniforms on every path. The main stream's min_new_tokens ban counts them too (the
@@ -178,8 +178,8 @@ class ModelRunner:
         if generated is None:
             generated = generated_counts(seqs)
         keys, rows = self._sampler_rows(stream, seqs)
-        self.samplers[stream].prepare(keys, rows, generated + tokens_ahead,
-                                      tokens_ahead if stream == MAIN_STREAM else 0)
+        draws = [count + tokens_ahead for count in generated] if tokens_ahead else generated
+        self.samplers[stream].prepare(keys, rows, draws, tokens_ahead if stream == MAIN_STREAM else 0)
 
     def _sampler_rows(self, stream: str, seqs: list[Sequence]) -> tuple[list[str], list]:
         """The rows' request ids and their ``SampleRow`` of ``stream``: the lists of the last call when the rows
@@ -207,9 +207,9 @@ class ModelRunner:
         return self.stage.complete_step(hidden, token_ids, sample_fns)
 
 
-def generated_counts(seqs: list[Sequence]) -> np.ndarray:
+def generated_counts(seqs: list[Sequence]) -> list[int]:
     """The rows' generated-token counts (the sampler's draw indices before any tokens ahead)."""
-    return np.fromiter((len(seq.output_token_ids) for seq in seqs), dtype=np.int64, count=len(seqs))
+    return [len(seq.output_token_ids) for seq in seqs]
 
 
 def _host_sample_fn(rows):

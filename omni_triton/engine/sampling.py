@@ -289,7 +289,7 @@ class DeviceSampler:
             self._slots_version = self.history.version if self.history is not None else 0
         if n:
             if n < VECTOR_SEEDS_FROM:
-                ints[1, :n] = [draw_seed(row.seed, int(draw)) for row, draw in zip(rows, draws)]
+                ints[1, :n] = [draw_seed(row.seed, draw) for row, draw in zip(rows, draws)]
             else:
                 ints[1, :n] = draw_seeds(self._row_seeds[:n], np.asarray(draws, dtype=np.uint64))
             for i in self._ban_rows:  # (every other row's flag stays 0 from the fill)
