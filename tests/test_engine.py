@@ -92,6 +92,34 @@ def test_captured_states_are_streamed_once_per_position_even_after_preemption(th
         torch.testing.assert_close(embeds, thinker.embed(torch.tensor(fed)))
 
 
+def test_a_stage_streaming_its_prompts_states_only_streams_those_rows_once_and_the_same_tokens(thinker):
+    """``states_past_prompt=False`` (the thinker service's stage): the states of prompt positions only, once
+    each, equal to what the default streams for them, even after preemption; the tokens are the same."""
+    def run(states_past_prompt: bool):
+        engine = LLMEngine(ThinkerStage(thinker, accept_hidden_layer=2, states_past_prompt=states_past_prompt),
+                           EngineConfig(block_size=4, num_blocks=18, max_num_batched_tokens=32))
+        for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW)):
+            engine.add_request(f"r{i}", greedy(n), prompt_token_ids=prompt)
+        rows: dict[str, list[dict]] = {}
+        tokens: dict[str, list[int]] = {}
+        while engine.has_work():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.states:
+                    rows.setdefault(out.request_id, []).append(out.states)
+        assert engine.scheduler.num_preemptions > 0
+        return tokens, {rid: {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+                        for rid, parts in rows.items()}
+
+    tokens, states = run(True)
+    prompt_tokens, prompt_states = run(False)
+    assert prompt_tokens == tokens
+    for i, prompt in enumerate(PROMPTS):
+        for name, rows in prompt_states[f"r{i}"].items():
+            assert rows.shape[0] == len(prompt)
+            torch.testing.assert_close(rows, states[f"r{i}"][name][:len(prompt)])
+
+
 def test_audio_embeds_replace_audio_placeholders_across_prefill_chunks(thinker):
     audio_id, prompt = 3, [1, 2, 3, 3, 3, 3, 3, 9, 10]
     audio = torch.randn(5, thinker.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -139,6 +139,9 @@ class LLMEngine:
                                     admit_ahead=config.overlap_admit)
                         if config.overlap_steps and StepOverlap.supported(self.runner) else None)
         self._inflight: LaunchedStep | None = None  # launched by the last step, finished by the next (overlap)
+        # what the outputs carry: the states of positions past the prompt, the sampled ids on the device
+        self._states_past_prompt = getattr(stage, "states_past_prompt", True)
+        self._device_token_ids = getattr(stage, "device_token_ids", True)
         # the step log's not_ahead when no step is ever launched ahead
         self._no_overlap = None if self.overlap is not None else "off" if not config.overlap_steps else "not_supported"
 
@@ -263,44 +266,37 @@ class LLMEngine:
         number of rows that go on."""
         result = step.result
         ready = step.ready
-        outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in step.batch.seqs if not seq.is_finished}
-        for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
-            if not result.captured or seq.is_finished:
-                continue
-            if self.kept_states is not None and start < seq.num_prompt_positions:
-                self._keep_states(seq, start, min(end, seq.num_prompt_positions), result.captured, offset)
-            emitted = seq.num_emitted_positions
-            if emitted < end:
-                rows = slice(offset + max(start, emitted) - start, offset + end - start)
-                states = {name: t[rows] for name, t in result.captured.items()}
-                if emitted < start:  # positions taken from the prefix cache: their states first, made here
-                    states = _concat_rows(self._cached_states(seq, emitted, start), states)
-                    ready = ready_event(self.runner.device)  # (after the launch's event: the responses wait for it)
-                outputs[seq.request_id].states = states
-                outputs[seq.request_id].states_start = emitted
-                seq.num_emitted_positions = end
+        finished = SequenceStatus.FINISHED
+        outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in step.batch.seqs if seq.status is not finished}
+        if result.captured:
+            ready = self._stream_states(result, outputs, ready)
 
         continuing = []
         if result.sampled_seqs:
             token_ids = step.host_ids.tolist()  # the step's one device -> host copy
+            # each row's id where the step sampled it, for a stage whose consumer embeds it again (views in one call)
+            ids_device = result.sampled_token_ids.split(1) if self._device_token_ids else None
             for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
-                if seq.is_finished:
+                if seq.status is finished:
                     continue
                 seq.append_output(token_id)
-                if seq.num_generated == 1:
+                if len(seq.output_token_ids) == 1:
                     trace.event(seq.request_id, f"{self.name}.first_token")
-                outputs[seq.request_id].new_token_ids.append(token_id)
-                outputs[seq.request_id].token_ids_device = result.sampled_token_ids[i:i + 1]
+                output = outputs[seq.request_id]
+                output.new_token_ids.append(token_id)
+                if ids_device is not None:
+                    output.token_ids_device = ids_device[i]
                 reason = seq.check_stop(token_id)
                 if reason is None:
                     continuing.append(i)
                 else:
-                    self._finish_request(seq, reason, outputs[seq.request_id])
+                    self._finish_request(seq, reason, output)
             if continuing:
-                seqs = [result.sampled_seqs[i] for i in continuing]
+                seqs = result.sampled_seqs
                 hidden, ids, completed = result.sampled_hidden, result.sampled_token_ids, result.completed
                 gathered = len(continuing) < len(ids)
                 if gathered:  # rows that finished drop out (else: no copy, no gathers)
+                    seqs = [seqs[i] for i in continuing]
                     index = torch.tensor(continuing, device=hidden.device)
                     hidden, ids = hidden[index], ids[index]
                     completed = None if completed is None else {name: t[index] for name, t in completed.items()}
@@ -310,7 +306,8 @@ class LLMEngine:
                 # else: a CUDA graph completed every sampled row
                 extras = self.stage.after_sample(seqs, completed)
                 for seq, extra in zip(seqs, extras):
-                    outputs[seq.request_id].extras = extra
+                    if extra:
+                        outputs[seq.request_id].extras = extra
                 if gathered or completes_here:
                     # the extras were made here, behind the step launched after this one when there is one (rare:
                     # a row stopped, or a step without a completion graph, which launches nothing ahead)
@@ -321,12 +318,39 @@ class LLMEngine:
 
         # a row of the step launched after this one already holds its next position: its status is the next
         # finish's to refresh (now it would read no input pending)
+        in_flight = self._inflight.row_ids if self._inflight is not None else frozenset()
+        naming = self.block_manager.prefix_caching
         for seq in step.batch.seqs:
-            if not seq.is_finished:
-                self.block_manager.name_computed_blocks(seq)  # (prefix caching: its computed blocks, named)
-                if not self._in_flight(seq):
+            if seq.status is not finished:
+                if naming:
+                    self.block_manager.name_computed_blocks(seq)  # its computed blocks, named
+                if id(seq) not in in_flight:
                     self.scheduler.refresh_status(seq)
         return outputs, len(continuing)
+
+    def _stream_states(self, result, outputs: dict[str, RequestOutput], ready):
+        """The step's captured per-position states into its rows' outputs (each position streamed once; with
+        ``stage.states_past_prompt`` off, prompt positions only) and, with prefix caching, kept beside their
+        blocks. Returns the event the outputs are complete after (later when cached positions' states were
+        made here)."""
+        past_prompt = self._states_past_prompt
+        for (seq, start, end), offset in zip(result.chunks, result.row_offsets):
+            if seq.is_finished:
+                continue
+            if self.kept_states is not None and start < seq.num_prompt_positions:
+                self._keep_states(seq, start, min(end, seq.num_prompt_positions), result.captured, offset)
+            emitted = seq.num_emitted_positions
+            stop = end if past_prompt else min(end, seq.num_prompt_positions)
+            if emitted < stop:
+                rows = slice(offset + max(start, emitted) - start, offset + stop - start)
+                states = {name: t[rows] for name, t in result.captured.items()}
+                if emitted < start:  # positions taken from the prefix cache: their states first, made here
+                    states = _concat_rows(self._cached_states(seq, emitted, start), states)
+                    ready = ready_event(self.runner.device)  # (after the launch's event: the responses wait for it)
+                outputs[seq.request_id].states = states
+                outputs[seq.request_id].states_start = emitted
+                seq.num_emitted_positions = stop
+        return ready
 
     def _keep_states(self, seq: Sequence, start: int, end: int, captured: dict[str, torch.Tensor],
                      offset: int) -> None:

@@ -57,10 +57,10 @@ class LaunchedStep:
     joiners_next: bool = False
 
     def __post_init__(self):
-        self._rows = frozenset(map(id, self.batch.seqs))
+        self.row_ids = frozenset(map(id, self.batch.seqs))  # its rows' id()s
 
     def has_row(self, seq: Sequence) -> bool:
-        return id(seq) in self._rows
+        return id(seq) in self.row_ids
 
 
 # why a step's successor was not launched ahead (the step log's ``not_ahead``): a row of the step did not sample
@@ -129,7 +129,7 @@ class StepOverlap:
             seq.num_computed_tokens += 1
         self.launched += 1
         self.launched_before_joiners += before_joiners
-        self.launched_after_prefills += any(n != 1 for n in current.batch.num_new_tokens)
+        self.launched_after_prefills += current.batch.num_new_tokens.count(1) != len(seqs)
         batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
         return LaunchedStep(batch, result, self.host_ids(result), ready=ready_event(self.runner.device),
                             joiners_next=before_joiners)
@@ -159,12 +159,16 @@ class StepOverlap:
         result, seqs = current.result, current.batch.seqs
         if not seqs or len(result.sampled_seqs) != len(seqs):
             return "prefill"  # a prefill goes on (a chunk that did not sample): the next batch is the scheduler's
-        if any(n != 1 for n in current.batch.num_new_tokens) and not self._prefills_end_ahead():
+        if current.batch.num_new_tokens.count(1) != len(seqs) and not self._prefills_end_ahead():
             return "prefill"
-        if any(seq.status != SequenceStatus.RUNNING for seq in seqs):
-            return "stopped"  # aborted or stopped since
-        # the row's token count after current's token: another token still allowed
-        if any(seq.num_generated + 1 >= seq.params.max_new_tokens for seq in seqs):
+        # one pass over the rows (the steady state's every step): aborted or stopped since; another token still
+        # allowed after current's (the row's token count then)
+        running, at_length = SequenceStatus.RUNNING, False
+        for seq in seqs:
+            if seq.status is not running:
+                return "stopped"
+            at_length = at_length or len(seq.output_token_ids) + 1 >= seq.params.max_new_tokens
+        if at_length:
             return "length"
         if not (self.runner.samplers or all(_host_sampling_ahead_exact(seq) for seq in seqs)):
             return "sampler"
@@ -172,8 +176,9 @@ class StepOverlap:
         # anyway, are no reason)
         if self.scheduler.waiting and (not self.admit_ahead or self.scheduler.admits_any()):
             return "waiting"
-        if self.scheduler.count(SequenceStatus.RUNNING) != len(seqs):
-            return "runnable_changed"  # another row can run now
+        # another row can run now (every row of current is running: only more rows can make the count differ)
+        if len(self.scheduler.running) != len(seqs) and self.scheduler.count(SequenceStatus.RUNNING) != len(seqs):
+            return "runnable_changed"
         return None
 
 

@@ -25,6 +25,7 @@ import torch
 
 from omni_triton.graph_buckets import bucket_for, capture_buckets, fill_padded
 from omni_triton.engine.block_manager import kv_slots
+from omni_triton.engine.decode_inputs import DecodeRows
 from omni_triton.engine.host_copies import StagingGuard
 from omni_triton.engine.prefill_graphs import PrefillGraphs
 from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
@@ -83,6 +84,7 @@ class ModelRunner:
         self.fused_steps = self.fast and (not isinstance(model, torch.nn.Module) or fused_steps_on(model))
         self.streams = {MAIN_STREAM: lambda seq: seq.sample_row, **getattr(stage, "sample_streams", {})}
         self.samplers: dict[str, DeviceSampler] = {}
+        self._last_sampler_rows: dict[str, tuple] = {}  # stream -> (seqs, their request ids, their SampleRows)
         if self.fast:
             history = TokenHistory(max_num_seqs, stage.model.vocab_size, self.device)
             self.samplers = {name: DeviceSampler(max_num_seqs, self.device, history if name == MAIN_STREAM else None)
@@ -94,11 +96,9 @@ class ModelRunner:
                                if self.graphs is not None and self.fused_steps and prefill_graph_tokens > 0 else None)
 
     def release(self, seq: Sequence) -> None:
-        """seq finished, was aborted or preempted: its device history slot (and graph bookkeeping) go."""
+        """seq finished, was aborted or preempted: its device history slot goes."""
         if self.samplers:
             self.samplers[MAIN_STREAM].history.release(seq.request_id)
-        if self.graphs is not None:
-            self.graphs.position_offsets.pop(seq.request_id, None)
 
     def attention_batch(self, chunks: list[Chunk]) -> AttentionBatch:
         bs = self.block_size
@@ -168,14 +168,27 @@ class ModelRunner:
         self.prepare_sampler(MAIN_STREAM, seqs, tokens_ahead)
         return self.samplers[MAIN_STREAM].sample(logits)
 
-    def prepare_sampler(self, stream: str, seqs: list[Sequence], tokens_ahead: int = 0) -> None:
+    def prepare_sampler(self, stream: str, seqs: list[Sequence], tokens_ahead: int = 0,
+                        generated: list[int] | None = None) -> None:
         """Each row's draw index is its generated-token count (``tokens_ahead`` more when tokens sampled before
         are not appended yet: the step's own inside a graph, the previous step's when overlapped), so the same
         frame draws the same uniforms on every path. The main stream's min_new_tokens ban counts them too (the
-        other streams' rows sample within a frame: their token count is the frame's)."""
-        self.samplers[stream].prepare([seq.request_id for seq in seqs], [self.streams[stream](seq) for seq in seqs],
-                                      [seq.num_generated + tokens_ahead for seq in seqs],
-                                      tokens_ahead if stream == MAIN_STREAM else 0)
+        other streams' rows sample within a frame: their token count is the frame's). ``generated``: the rows'
+        generated-token counts when the caller has them (one pass over the rows for every stream)."""
+        if generated is None:
+            generated = generated_counts(seqs)
+        keys, rows = self._sampler_rows(stream, seqs)
+        draws = [count + tokens_ahead for count in generated] if tokens_ahead else generated
+        self.samplers[stream].prepare(keys, rows, draws, tokens_ahead if stream == MAIN_STREAM else 0)
+
+    def _sampler_rows(self, stream: str, seqs: list[Sequence]) -> tuple[list[str], list]:
+        """The rows' request ids and their ``SampleRow`` of ``stream``: the lists of the last call when the rows
+        are the same sequences (a steady decode batch), so the sampler's same-rows check is one comparison."""
+        last = self._last_sampler_rows.get(stream)
+        if last is None or last[0] != seqs:  # (Sequence has no __eq__: an identity comparison per row, in C)
+            last = self._last_sampler_rows[stream] = (list(seqs), [seq.request_id for seq in seqs],
+                                                      [self.streams[stream](seq) for seq in seqs])
+        return last[1], last[2]
 
     @torch.inference_mode()
     def complete_step(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor
@@ -192,6 +205,11 @@ class ModelRunner:
         else:
             sample_fns = {name: _host_sample_fn([self.streams[name](seq) for seq in seqs]) for name in extra}
         return self.stage.complete_step(hidden, token_ids, sample_fns)
+
+
+def generated_counts(seqs: list[Sequence]) -> list[int]:
+    """The rows' generated-token counts (the sampler's draw indices before any tokens ahead)."""
+    return [len(seq.output_token_ids) for seq in seqs]
 
 
 def _host_sample_fn(rows):
@@ -212,14 +230,12 @@ class DecodeGraphs:
         self.inputs_embeds = torch.zeros(max_batch, stage.hidden_size, dtype=dtype, device=device)
         # a stage whose decode inputs are token embeddings (the thinker) embeds them inside the graph
         self.token_inputs = getattr(stage, "embed_token_ids", None) is not None
-        # positions (3 rows) | slot | context length | token id, refilled with one copy per step
-        pinned = device.type == "cuda"
-        self.host_ints = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pinned)
+        # positions (3 rows) | slot | context length | token id, and the block tables: staged on the host
+        # (decode_inputs.DecodeRows), one copy each per step
+        self.rows = DecodeRows(max_batch, max_blocks, runner.block_size, pinned=device.type == "cuda")
         self.ints = torch.zeros(6, max_batch, dtype=torch.int64, device=device)
-        self.host_tables = torch.zeros(max_batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
-        self.position_offsets: dict[str, int] = {}  # per request: rope position - sequence position past the prompt
-        self._staging = StagingGuard(device)  # host_ints and host_tables
+        self._staging = StagingGuard(device)  # the staged rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         self.pool = None
@@ -257,15 +273,6 @@ class DecodeGraphs:
         self.ints[4].fill_(0)
         self.pool = capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool=None)
 
-    def _position(self, seq: Sequence, start: int) -> int | list[int]:
-        """The rope position(s) of ``start``: past the prompt a fixed offset from it (looked up once per
-        request, since Sequence.positions builds tensors: too slow for 64 rows every step)."""
-        if start < seq.num_prompt_positions:
-            return seq.positions(start, start + 1)[:, 0].tolist()
-        if seq.request_id not in self.position_offsets:
-            self.position_offsets[seq.request_id] = int(seq.positions(start, start + 1)[0, 0]) - start
-        return start + self.position_offsets[seq.request_id]
-
     def run(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
             inputs_embeds: torch.Tensor | None = None, tokens_ahead: int = 0) -> StepResult:
         """One decode step by replay. The rows' inputs on the device instead of the sequences' (made by a step
@@ -274,36 +281,30 @@ class DecodeGraphs:
         runner, num_rows = self.runner, len(chunks)
         batch_size = bucket_for(self.buckets, num_rows)  # serves() checked that one holds them
         seqs = [seq for seq, _, _ in chunks]
-        self._staging.before_write()
-        host = self.host_ints.numpy()
-        host[:3], host[3], host[4], host[5] = 0, -1, 0, 0
         if not self.token_inputs:
             self.inputs_embeds[:num_rows].copy_(inputs_embeds if inputs_embeds is not None
                                                 else runner.stage.embed_inputs(chunks))
-        elif token_ids is None:  # (given ids are copied on the device below)
-            host[5, :num_rows] = runner.stage.decode_token_ids(chunks)
-        bs = runner.block_size
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        tables = self.host_tables[:num_rows * max_blocks].view(num_rows, max_blocks)
-        host_tables = tables.numpy()
-        for i, (seq, start, end) in enumerate(chunks):
-            host[:3, i] = self._position(seq, start)
-            host[3, i] = seq.block_table[start // bs] * bs + start % bs
-            host[4, i] = end
-            host_tables[i, :len(seq.block_table)] = seq.block_table
-        self.ints.copy_(self.host_ints, non_blocking=True)
-        self.block_tables[:num_rows, :max_blocks].copy_(tables, non_blocking=True)
+        self._staging.before_write()
+        # (given ids are copied on the device below)
+        tables = self.rows.fill(chunks, runner.stage.decode_token_ids(chunks)
+                                if self.token_inputs and token_ids is None else None)
+        self.ints.copy_(self.rows.ints, non_blocking=True)
+        self.block_tables[:num_rows, :tables.shape[1]].copy_(tables, non_blocking=True)
         self._staging.copies_queued()
         if token_ids is not None:
             self.ints[5, :num_rows].copy_(token_ids)
         # every sampler's controls are queued before the replay (also those sampling after it): then an
         # overlapped step's rewrite of them waits for no more than the copies (host_copies.StagingGuard)
+        generated = generated_counts(seqs)
         for name in runner.samplers:
-            runner.prepare_sampler(name, seqs, tokens_ahead + (name != MAIN_STREAM and self.in_graph_sampling))
+            runner.prepare_sampler(name, seqs, tokens_ahead + (name != MAIN_STREAM and self.in_graph_sampling),
+                                   generated)
         self.graphs[batch_size].replay()
         outputs = self.outputs[batch_size]
         hidden = outputs["hidden"][:num_rows].clone()  # copies: the next replay overwrites the graph's outputs
-        captured = _rows(outputs, "captured.", num_rows)
+        # (the per-position states of decode rows past the prompt are copied only for a stage that streams them)
+        captured = (_rows(outputs, "captured.", num_rows)
+                    if self.rows.prompt_rows or getattr(runner.stage, "states_past_prompt", True) else {})
         if self.in_graph_sampling:
             ids, completed = outputs["token_ids"][:num_rows].clone(), _rows(outputs, "completed.", num_rows)
         else:

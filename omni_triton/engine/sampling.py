@@ -18,6 +18,7 @@ with every row's top_k at most that), else ``race_sample``'s torch ops (a row wi
 from __future__ import annotations
 
 import functools
+import operator
 import random
 from dataclasses import dataclass, field
 
@@ -260,6 +261,8 @@ class DeviceSampler:
         self._keys: list[str] = []  # the rows of the last prepare (``_fill_request_columns``)
         self._rows: list[SampleRow] = []
         self._slots_version = -1
+        self._row_seeds = np.zeros(max_rows, dtype=np.uint64)  # the rows' seeds (mod 2**64), for draw_seeds
+        self._ban_rows: list[int] = []  # rows with a min_new_tokens ban on stop ids (it lifts as they generate)
 
     def _reset_host(self) -> None:
         """Every row greedy, no penalty, no ban, on the scratch history slot."""
@@ -279,18 +282,20 @@ class DeviceSampler:
         # the same rows as the last call (a steady decode batch), no history slot given or freed since: their
         # per-request columns are still in place
         slots_version = self.history.version if self.history is not None else 0
-        if not (keys == self._keys and slots_version == self._slots_version and len(rows) == len(self._rows)
-                and all(a is b for a, b in zip(rows, self._rows))):
+        refill = not (keys == self._keys and slots_version == self._slots_version and len(rows) == len(self._rows)
+                      and all(map(operator.is_, rows, self._rows)))
+        if refill:
             self._fill_request_columns(keys, rows)
             self._slots_version = self.history.version if self.history is not None else 0
         if n:
             if n < VECTOR_SEEDS_FROM:
                 ints[1, :n] = [draw_seed(row.seed, draw) for row, draw in zip(rows, draws)]
             else:
-                ints[1, :n] = draw_seeds(np.array([row.seed & _MASK64 for row in rows], dtype=np.uint64),
-                                         np.array(draws, dtype=np.uint64))
-            ints[3, :n] = [row.stop_ids_banned_after(tokens_ahead) for row in rows]
-        self._floats.copy_(self._host_floats, non_blocking=True)
+                ints[1, :n] = draw_seeds(self._row_seeds[:n], np.asarray(draws, dtype=np.uint64))
+            for i in self._ban_rows:  # (every other row's flag stays 0 from the fill)
+                ints[3, i] = rows[i].stop_ids_banned_after(tokens_ahead)
+        if refill:  # (else the device holds them already: they change with the rows only)
+            self._floats.copy_(self._host_floats, non_blocking=True)
         self._ints.copy_(self._host_ints, non_blocking=True)
         self._staging.copies_queued()
 
@@ -308,8 +313,10 @@ class DeviceSampler:
             floats[1, :n] = [p.top_p for p in params]
             floats[2, :n] = [p.repetition_penalty for p in params]
             ints[0, :n] = [p.top_k for p in params]
+            self._row_seeds[:n] = [row.seed & _MASK64 for row in rows]
             if self.history is not None:
                 ints[2, :n] = [self.history.slot(key, row) for key, row in zip(keys, rows)]
+        self._ban_rows = [i for i, p in enumerate(params) if p.min_new_tokens > 0 and p.stop_token_ids]
         sampling = [p for p in params if not p.greedy]
         self.all_greedy = not sampling
         self.max_top_k = 0 if any(p.top_k == 0 for p in sampling) else max((p.top_k for p in sampling), default=0)

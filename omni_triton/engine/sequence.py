@@ -64,7 +64,8 @@ class Sequence:
                                     seen_ids=set(self.prompt_token_ids))
         # M-RoPE: explicit positions for the prompt, then text positions continuing after its max
         self._prompt_positions = prompt_positions.long().cpu() if prompt_positions is not None else None
-        self._rope_delta = 0 if prompt_positions is None else int(prompt_positions.max()) + 1 - num_prompt_positions
+        # rope position - position, wherever the prompt's positions are not given explicitly
+        self.rope_delta = 0 if prompt_positions is None else int(prompt_positions.max()) + 1 - num_prompt_positions
 
     # -- counters -------------------------------------------------------------------------------------------
     @property
@@ -79,6 +80,11 @@ class Sequence:
     def samples_after(self, end: int) -> bool:
         """Whether computing up to position ``end`` yields a new token (not a recompute of an old one)."""
         return end == self.num_inputs and self.num_prompt_positions + self.num_generated == self.num_inputs
+
+    @property
+    def has_prompt_positions(self) -> bool:
+        """Whether the prompt's rope positions were given (M-RoPE), not ``position + rope_delta``."""
+        return self._prompt_positions is not None
 
     @property
     def is_finished(self) -> bool:
@@ -103,7 +109,7 @@ class Sequence:
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """[3, end - start] M-RoPE positions (t/h/w rows) of positions start..end-1."""
-        pos = torch.arange(start, end, dtype=torch.long) + self._rope_delta
+        pos = torch.arange(start, end, dtype=torch.long) + self.rope_delta
         pos = pos.expand(3, -1).clone()
         if self._prompt_positions is not None and start < self.num_prompt_positions:
             stop = min(end, self.num_prompt_positions)

@@ -80,16 +80,24 @@ class StageModel(Protocol):
     # ``embed_token_ids(ids [B]) -> [B, H]``, which a decode CUDA graph runs itself (no eager embedding step).
     # Optional (the talker): ``inputs_ahead(seqs, completed) -> [N, H] | None``, the rows' next inputs from a
     # step's completion on the device, before ``after_sample`` (None when some row has no next input yet).
+    # Optional, what the engine's outputs carry (default True, both): ``states_past_prompt``, the streamed states
+    # of generated positions too, not only the prompt's; ``device_token_ids``, each output's sampled ids on the
+    # device (``RequestOutput.token_ids_device``). Off, the engine makes no per-row views of them.
 
 
 class ThinkerStage:
     """Token ids in, token ids out; optionally streams each position's input embedding and the hidden state
-    after ``accept_hidden_layer`` layers (what the talker is conditioned on)."""
+    after ``accept_hidden_layer`` layers (what the talker is conditioned on): of every position, or with
+    ``states_past_prompt`` off of the prompt's only (the talker takes the states of the prompt and embeds the
+    generated tokens again from the ids the step sampled on the device, ``RequestOutput.token_ids_device``)."""
 
     sample_streams: dict = {}
+    device_token_ids = True  # the outputs carry their sampled ids on the device
 
-    def __init__(self, thinker, *, audio_token_id: int | None = None, accept_hidden_layer: int | None = None):
+    def __init__(self, thinker, *, audio_token_id: int | None = None, accept_hidden_layer: int | None = None,
+                 states_past_prompt: bool = True):
         self.model = thinker
+        self.states_past_prompt = states_past_prompt
         self.num_layers, self.num_kv_heads = thinker.num_layers, thinker.num_kv_heads
         self.head_dim, self.hidden_size = thinker.head_dim, thinker.hidden_size
         self.audio_token_id = audio_token_id
@@ -240,6 +248,7 @@ class TalkerStage:
         self.tts_pad_embed = None if tts_pad_embed is None else tts_pad_embed.reshape(-1)
         self.sample_streams = {"predictor": lambda seq: seq.stage_state.predictor_row}
         self.kept_states: dict[str, int] = {}  # it streams no per-position states
+        self.device_token_ids = False  # its consumer reads the codes (extras), which hold the sampled ids
 
     @staticmethod
     def default_predictor_params(params: SamplingParams) -> SamplingParams:
@@ -316,7 +325,7 @@ class TalkerStage:
             inputs = codec + torch.stack(texts).to(codec)
             for i, row in zip(ready, inputs):
                 self._push_input(seqs[i], row)
-        return [{"codes": completed["codes"][i:i + 1]} for i in range(len(seqs))]
+        return [{"codes": codes} for codes in completed["codes"].split(1)]  # (a row's view each, in one call)
 
     def append_input(self, seq, trailing_text_embeds: torch.Tensor | None = None, thinker_rows=None,
                      finished: bool = False) -> None:

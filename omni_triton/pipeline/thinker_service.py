@@ -109,8 +109,9 @@ class ThinkerService:
         self.model = load_thinker(checkpoint_dir, self.device, dtype, with_audio=True, load_format=load_format,
                                   seed=seed, quantization=quantization).eval().requires_grad_(False)
         timeline.mark("weights")
+        # the talker takes the states of the prompt only (_RequestRows): generated positions stream none
         stage = ThinkerStage(self.model, audio_token_id=self.config.thinker.audio_token_id,
-                             accept_hidden_layer=self.config.accept_hidden_layer)
+                             accept_hidden_layer=self.config.accept_hidden_layer, states_past_prompt=False)
         self.engine = LLMEngine(stage, engine_config)
         timeline.mark("engine: KV cache, CUDA graphs")
         if engine_config.warmup:
