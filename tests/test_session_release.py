@@ -7,7 +7,6 @@ soak). So the collector is off while each case runs, and every tensor a stage ha
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import weakref
@@ -15,6 +14,7 @@ import weakref
 import pytest
 import torch
 
+from omni_triton.graph_buckets import collector_paused
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, ThinkerChunk
@@ -87,12 +87,8 @@ class TensorStages:
 
 @pytest.fixture
 def no_cyclic_collector():
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        gc.enable()
 
 
 def run_session(stages: TensorStages, is_cancelled) -> str:
