@@ -96,12 +96,14 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
     monkeypatch.chdir(tmp_path)  # the servers' rendered repositories and logs go under build/
     out = tmp_path / "report"
     status = main(["--start-server", "--checkpoint", str(tiny_checkpoint), "--kv-cache-tokens", "2048",
-                   "--max-inflight", "4", "--warmup", "1",
+                   "--max-inflight", "8", "--warmup", "1",
                    "--soak", "soak,burst,kill", "--kill-stages", "code2wav", "--goodput", "1",
-                   # the soak: 8 requests (seed 0: 2 to cancel, 2 to expire) over 6 s, never 8 at once; two
-                   # TTFA windows (the drift between them)
+                   # the soak: 8 requests (seed 0: 2 to cancel, 2 to expire) over 6 s: room for all 8 at once
+                   # (--max-inflight 8), so none is refused however slowly a loaded machine serves them (with 4, a
+                   # busy CI machine had 4 streaming when the fifth came, and it was refused); two TTFA windows
+                   # (the drift between them)
                    "--soak-load", "1", "--soak-duration", "6", "--ttfa-window", "3", "--sample-every", "0.5",
-                   # the burst: some 20 arrivals within a second against 4 slots and 4 places in the queue
+                   # the burst: some 20 arrivals within a second against 8 places (running and waiting together)
                    "--burst-load", "20", "--burst-seconds", "1", "--burst-around", "2", "2",
                    # killed once code2wav holds a stream 1 s in (back some 4 s later: the last arrivals are served)
                    "--kill-load", "1", "--kill-after", "1", "--kill-duration", "6",
