@@ -237,11 +237,16 @@ def compare_table(base: list[dict], branch: list[dict]) -> list[str]:
 
 
 def run_tree(tree: Path, args) -> dict:
-    """One worker process over ``tree``'s omni_triton (``-P``: this script's folder is not on the path)."""
-    command = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--rows", args.rows,
-               "--stages", args.stages, "--steps", str(args.steps), "--repeat", str(args.repeat)]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True)
+    return run_worker(Path(__file__), tree, ["--rows", args.rows, "--stages", args.stages, "--steps", str(args.steps),
+                                             "--repeat", str(args.repeat)])
+
+
+def run_worker(script: Path, tree: Path, worker_args: list[str]) -> dict:
+    """``script --worker worker_args`` in a process of its own over ``tree``'s omni_triton (``-P``: the script's
+    folder is not on the path), and the JSON line it prints last."""
+    command = [sys.executable, "-P", str(script.resolve()), "--worker", *worker_args]
+    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(tree)}, check=True, stdout=subprocess.PIPE,
+                          text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
