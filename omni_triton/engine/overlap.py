@@ -70,6 +70,9 @@ class LaunchedStep:
 # the device; too few free blocks
 NOT_AHEAD = ("prefill", "stopped", "length", "sampler", "waiting", "runnable_changed", "inputs", "blocks")
 JOINING = ("waiting", "runnable_changed")  # the reasons that only say new rows want to join (admit_ahead)
+# why a row of a step is left out of the step launched after it (``left_out``; the step log's), in the order that
+# names the reason when every row is
+LEFT_OUT = ("stopped", "length", "inputs", "prefill")
 
 
 class StepOverlap:
@@ -86,18 +89,20 @@ class StepOverlap:
         self.launched = 0  # overlapped steps launched (tests, diagnostics)
         self.launched_before_joiners = 0  # of those, launched while new rows wanted to join (admit_ahead)
         self.launched_after_prefills = 0  # of those, after a step in which rows finished their prefill (admit_ahead)
+        self.launched_subsets = 0  # of those, launched with some of the step's rows left out
         self.not_ahead: str | None = None  # why the last launch_next launched nothing (NOT_AHEAD), else None
+        self.left_out: dict[str, int] = {}  # the last launch_next's rows left out, by reason (LEFT_OUT)
 
     @staticmethod
     def supported(runner: ModelRunner) -> bool:
         """The stage's next input is its sampled id's embedding and nothing samples after the main token (the
-        thinker), or it is made on the device from the step's completion, which the decode graphs run (the
-        talker: codec embeds + trailing text)."""
+        thinker), or it is made on the device from the step's completion (the talker: codec embeds + trailing
+        text), which the decode graphs run, or ``run_ahead`` eagerly without them."""
         stage = runner.stage
         if getattr(stage, "embed_token_ids", None) is not None:
             return len(runner.streams) == 1
-        return (getattr(stage, "inputs_ahead", None) is not None and runner.graphs is not None
-                and runner.graphs.in_graph_sampling)
+        return (getattr(stage, "inputs_ahead", None) is not None
+                and (runner.graphs is None or runner.graphs.in_graph_sampling))
 
     def host_ids(self, result: StepResult) -> HostIds:
         host = self._host_buffers[self._next_buffer]
@@ -105,21 +110,30 @@ class StepOverlap:
         return HostIds(result.sampled_token_ids, host)
 
     def launch_next(self, current: LaunchedStep) -> LaunchedStep | None:
-        """The step after ``current`` (not finished yet), launched with its inputs on the device; None when the
-        batch could change (the caller then finishes ``current`` and schedules as usual), ``not_ahead`` saying
-        why."""
-        seqs = current.batch.seqs
-        self.not_ahead = self._why_not_same_batch(current)
+        """The step after ``current`` (not finished yet), launched with its inputs on the device, for current's
+        rows that go on and have their next input (the others are left out: ``left_out``); None when the batch
+        could change otherwise (the caller then finishes ``current`` and schedules as usual), ``not_ahead``
+        saying why."""
+        self.left_out = {}
+        rows, self.not_ahead = self._rows_ahead(current)
         # rows that want to join are passed over by one launch at most: the step launched despite them is
         # followed by a scheduled one (else an admission could wait behind launch after launch)
         before_joiners = self.admit_ahead and self.not_ahead in JOINING and not current.joiners_next
         if self.not_ahead is not None and not before_joiners:
             return None
-        self.not_ahead = None
-        inputs = self._next_inputs(current)
-        if inputs is None:
-            self.not_ahead = "inputs"
+        if not rows:  # every row leaves (stops, reaches its length, waits for text or a prefill chunk)
+            self.not_ahead = min(self.left_out, key=LEFT_OUT.index)
             return None
+        self.not_ahead = None
+        result = current.result
+        if result.completed is None and len(self.runner.streams) > 1:
+            # a step with prefill rows (the talker's): its rows' frames are completed now, not at its finish, one
+            # token ahead as the decode graph does, so their next inputs are on the device; its outputs wait for them
+            result.completed = self.runner.complete_step(result.sampled_seqs, result.sampled_hidden,
+                                                         result.sampled_token_ids, tokens_ahead=1)
+            current.ready = ready_event(self.runner.device)
+        seqs = [result.sampled_seqs[i] for i in rows]
+        inputs = self._next_inputs(current, rows, seqs)
         if not self.block_manager.allocate_next_positions(seqs):
             self.not_ahead = "blocks"
             return None
@@ -129,57 +143,81 @@ class StepOverlap:
             seq.num_computed_tokens += 1
         self.launched += 1
         self.launched_before_joiners += before_joiners
-        self.launched_after_prefills += current.batch.num_new_tokens.count(1) != len(seqs)
-        batch = ScheduledBatch(seqs=list(seqs), num_new_tokens=[1] * len(seqs))
+        self.launched_after_prefills += current.batch.num_new_tokens.count(1) != len(current.batch)
+        self.launched_subsets += len(seqs) != len(current.batch)
+        batch = ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs))
         return LaunchedStep(batch, result, self.host_ids(result), ready=ready_event(self.runner.device),
                             joiners_next=before_joiners)
 
-    def _next_inputs(self, current: LaunchedStep) -> dict | None:
-        """``run_ahead``'s inputs for the rows after ``current``: its sampled ids (token-input stages), or the
-        stage's inputs made from its completion (None: a row waits for input, or nothing completed it on the
-        device)."""
+    def _next_inputs(self, current: LaunchedStep, rows: list[int], seqs: list[Sequence]) -> dict:
+        """``run_ahead``'s inputs for ``seqs``, the rows ``rows`` of current's sampled rows: their sampled ids
+        (token-input stages), or the stage's inputs made from their completion; gathered on the device when
+        rows are left out."""
         stage, result = self.runner.stage, current.result
+        index = None
+        if len(rows) != len(result.sampled_seqs):
+            index = torch.tensor(rows, device=result.sampled_token_ids.device)
         if getattr(stage, "embed_token_ids", None) is not None:
-            return {"token_ids": result.sampled_token_ids}
-        if result.completed is None:
-            return None
-        inputs_embeds = stage.inputs_ahead(current.batch.seqs, result.completed)
-        return None if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+            ids = result.sampled_token_ids
+            return {"token_ids": ids if index is None else ids[index]}
+        completed = result.completed
+        if index is not None:
+            completed = {name: t[index] for name, t in completed.items()}
+        return {"inputs_embeds": stage.inputs_ahead(seqs, completed)}
 
-    def _prefills_end_ahead(self) -> bool:
-        """Whether a step whose rows all sampled, some of them at the end of a prefill, may be followed ahead
-        (admit_ahead): its rows then decode one token each, as after a decode step, where the next inputs are
-        the sampled ids' embeddings. Not the talker's: a step with prefill rows completes its sampled rows (the
-        code predictor) when it is finished, not under the graph, so their next inputs are not on the device."""
-        return self.admit_ahead and getattr(self.runner.stage, "embed_token_ids", None) is not None
-
-    def _why_not_same_batch(self, current: LaunchedStep) -> str | None:
-        """None when the scheduler would run exactly ``current``'s rows once more, each decoding the token
-        ``current`` samples, whatever those tokens are (short of a stop); else why not (``NOT_AHEAD``)."""
+    def _rows_ahead(self, current: LaunchedStep) -> tuple[list[int], str | None]:
+        """The rows of ``current`` (indices into its sampled rows) that the scheduler would run once more, each
+        decoding the token ``current`` samples, whatever those tokens are (short of a stop), and None; or why the
+        batch could change otherwise (``NOT_AHEAD``). Left out, counted in ``left_out`` by reason: rows that
+        stopped or were aborted since, rows that reach max_new_tokens with current's token (both known on the host
+        before the ids are: they finish, their blocks freed once the launch is queued), a talker row whose next
+        trailing text has not arrived (it waits for input as it would after a synchronous step, and is runnable
+        again when its text comes, as then), and (admit_ahead) rows whose prefill goes on (a chunk that did not
+        sample: they join on the step after, as a request admitted there would). No row's tokens change: every
+        draw is keyed by the row's own token count, not by the batch it runs in."""
         result, seqs = current.result, current.batch.seqs
-        if not seqs or len(result.sampled_seqs) != len(seqs):
-            return "prefill"  # a prefill goes on (a chunk that did not sample): the next batch is the scheduler's
-        if current.batch.num_new_tokens.count(1) != len(seqs) and not self._prefills_end_ahead():
-            return "prefill"
+        sampled = result.sampled_seqs
+        if not sampled:
+            return [], "prefill"  # a prefill goes on, nothing sampled: the next batch is the scheduler's
+        left = self.left_out
+        if len(sampled) != len(seqs):  # a prefill chunk that did not sample: its row waits (admit_ahead only)
+            if not self.admit_ahead:
+                return [], "prefill"
+            left["prefill"] = len(seqs) - len(sampled)
         # one pass over the rows (the steady state's every step): aborted or stopped since; another token still
-        # allowed after current's (the row's token count then)
-        running, at_length = SequenceStatus.RUNNING, False
-        for seq in seqs:
+        # allowed after current's (the row's token count then); the next input on the device (the talker's text)
+        running = SequenceStatus.RUNNING
+        input_ready = getattr(self.runner.stage, "input_ready_ahead", None)
+        rows = []
+        for i, seq in enumerate(sampled):
             if seq.status is not running:
-                return "stopped"
-            at_length = at_length or len(seq.output_token_ids) + 1 >= seq.params.max_new_tokens
-        if at_length:
-            return "length"
-        if not (self.runner.samplers or all(_host_sampling_ahead_exact(seq) for seq in seqs)):
-            return "sampler"
-        # (admit_ahead: requests that cannot be admitted before a row finishes, which stops the launches then
-        # anyway, are no reason)
-        if self.scheduler.waiting and (not self.admit_ahead or self.scheduler.admits_any()):
-            return "waiting"
-        # another row can run now (every row of current is running: only more rows can make the count differ)
-        if len(self.scheduler.running) != len(seqs) and self.scheduler.count(SequenceStatus.RUNNING) != len(seqs):
-            return "runnable_changed"
-        return None
+                reason = "stopped"
+            elif len(seq.output_token_ids) + 1 >= seq.params.max_new_tokens:
+                reason = "length"
+            elif input_ready is not None and not input_ready(seq):
+                reason = "inputs"
+            else:
+                rows.append(i)
+                continue
+            left[reason] = left.get(reason, 0) + 1
+        if not (self.runner.samplers or all(_host_sampling_ahead_exact(sampled[i]) for i in rows)):
+            return rows, "sampler"
+        # (admit_ahead: requests that cannot be admitted before a row finishes are no reason; rows reaching their
+        # length finish with current, which makes room)
+        if self.scheduler.waiting and (not self.admit_ahead or self._admits_any(left.get("length", 0))):
+            return rows, "waiting"
+        # another row can run now (every row of current but those stopped is running: only more rows can make the
+        # count differ)
+        expected = len(seqs) - left.get("stopped", 0)
+        if len(self.scheduler.running) != expected and self.scheduler.count(SequenceStatus.RUNNING) != expected:
+            return rows, "runnable_changed"
+        if "prefill" in left:  # like a joiner's (admit_ahead): the successor is scheduled, with the row's next chunk
+            return rows, "runnable_changed"
+        return rows, None
+
+    def _admits_any(self, finishing: int) -> bool:
+        """Whether a request waiting for admission finds room in the running set once ``finishing`` rows left."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) - finishing < self.scheduler.max_num_seqs
 
 
 def _host_sampling_ahead_exact(seq: Sequence) -> bool:

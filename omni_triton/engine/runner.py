@@ -149,18 +149,19 @@ class ModelRunner:
                   inputs_embeds: torch.Tensor | None = None) -> StepResult:
         """A decode step of one position per row whose inputs are on the device, made from the step before,
         whose tokens are not appended yet (``overlap.StepOverlap``): its sampled ``token_ids`` (a stage with
-        ``embed_token_ids``) or ``inputs_embeds`` (``stage.inputs_ahead``: under the decode graphs only).
-        Samples as ``run`` would once they were: draws and bans one token ahead."""
+        ``embed_token_ids``) or ``inputs_embeds`` (``stage.inputs_ahead``). Samples as ``run`` would once they
+        were: draws and bans one token ahead."""
         seqs = [seq for seq, _, _ in chunks]
         if self.graphs is not None and self.graphs.serves_rows(len(chunks)):
             return self.graphs.run(chunks, token_ids=token_ids, inputs_embeds=inputs_embeds, tokens_ahead=1)
-        if token_ids is None:
-            raise ValueError("run_ahead without the decode graphs needs token ids")
+        # eagerly (the CPU, or no decode graphs): as the graph does, a stage whose completion samples (the talker)
+        # completes every row here too, its frame's draws one token further on (the step's own main token)
         positions = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
-        hidden, captured = self.stage.forward(self.stage.embed_token_ids(token_ids),
-                                              _to_device(positions, self.device), self.attention_batch(chunks))
+        inputs = self.stage.embed_token_ids(token_ids) if token_ids is not None else inputs_embeds
+        hidden, captured = self.stage.forward(inputs, _to_device(positions, self.device), self.attention_batch(chunks))
         ids = self.sample(seqs, self.stage.compute_logits(hidden), tokens_ahead=1)
-        return StepResult(chunks, list(range(len(chunks))), captured, seqs, hidden, ids)
+        completed = self.complete_step(seqs, hidden, ids, tokens_ahead=2) if len(self.streams) > 1 else None
+        return StepResult(chunks, list(range(len(chunks))), captured, seqs, hidden, ids, completed)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, tokens_ahead: int = 0) -> torch.Tensor:
         if not self.samplers:  # the host sampler reads the rows' own history: callers ahead check it is exact
@@ -191,13 +192,16 @@ class ModelRunner:
         return last[1], last[2]
 
     @torch.inference_mode()
-    def complete_step(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor
-                      ) -> dict[str, torch.Tensor]:
-        """The stage's work after sampling (talker: the rest of the codec frame), for rows that go on."""
+    def complete_step(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor,
+                      tokens_ahead: int = 0) -> dict[str, torch.Tensor]:
+        """The stage's work after sampling (talker: the rest of the codec frame), for rows that go on.
+        ``tokens_ahead``: the rows' tokens sampled but not appended yet (0: ``token_ids`` are appended already;
+        1: completed before they are, ``overlap.StepOverlap``; 2: an eager ``run_ahead``'s, whose previous step's
+        tokens are not appended either), on either path below."""
         extra = [name for name in self.streams if name != MAIN_STREAM]
         if self.samplers:
-            for name in extra:  # the main token is appended already: no tokens_ahead, on either path below
-                self.prepare_sampler(name, seqs)
+            for name in extra:
+                self.prepare_sampler(name, seqs, tokens_ahead)
             completion = self.graphs.completion if self.graphs is not None else None
             if completion is not None and completion.serves(hidden, token_ids):
                 return completion.run(hidden, token_ids)
