@@ -442,3 +442,139 @@ def test_overlap_admit_is_off_unless_the_environment_turns_it_on(thinker, monkey
     monkeypatch.setenv("OMNI_TRITON_OVERLAP_ADMIT", "1")
     assert EngineConfig().overlap_admit and make_engine(thinker, True).overlap.admit_ahead
     assert not make_engine(thinker, True, overlap_admit=False).overlap.admit_ahead
+
+
+# -- steps launched ahead without some of the step's rows (left_out) ----------------------------------------------
+
+def test_rows_reaching_their_length_leave_while_the_others_go_ahead(thinker, tmp_path):
+    """Staggered max_new_tokens: each row that reaches its length leaves the step launched ahead of its last
+    token (before: no launch at all); the others' tokens and states are the synchronous engine's."""
+    requests = [(SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=4 + 5 * i), prompt)
+                for i, prompt in enumerate(PROMPTS)]
+    sync_tokens, sync_states, sync_reasons = drive(make_engine(thinker, False), requests)
+    engine = make_engine(thinker, True)
+    tokens, reasons, records = traced_drive(engine, requests, [], tmp_path)
+    _, states, _ = drive(make_engine(thinker, True), requests)
+    assert (tokens, reasons) == (sync_tokens, sync_reasons) and set(reasons.values()) == {"length"}
+    for request_id, rows in sync_states.items():
+        torch.testing.assert_close(states[request_id], rows, rtol=1e-5, atol=1e-5)
+    assert_no_leaks(engine)
+    # four rows leave by length while others decode on (the last one's leaving ends the launches)
+    assert sum((r["left_out"] or {}).get("length", 0) for r in records) == 4
+    assert sum(r["not_ahead"] == "length" for r in records) == 1
+    assert engine.overlap.launched_subsets == 4
+
+
+def talker_engine(talker, overlap: bool, **config) -> LLMEngine:
+    from omni_triton.engine import TalkerStage
+
+    hidden = talker.hidden_size
+    stage = TalkerStage(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
+    return LLMEngine(stage, EngineConfig(**{"block_size": 4, "num_blocks": 256, "overlap_steps": overlap, **config}))
+
+
+def talker_scenario(seed: int):
+    """Talker requests (params, prefill embeds, text rows, text rows given at admission) and events: (call,
+    "add", id) arrivals mid-decode (prefill rows beside decoding ones), (call, "text", id, n) n more text rows
+    (None: the rest, finished), so rows wait for their text now and then."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    requests, events = [], []
+    for i in range(rng.randint(3, 6)):
+        prefill = torch.randn(rng.randint(1, 14), 32, generator=gen)
+        text = torch.randn(rng.randint(0, 12), 32, generator=gen)
+        stop = tuple(rng.sample(range(48), rng.randint(0, 2)))
+        if rng.random() < 0.5:
+            params = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 24), stop_token_ids=stop)
+        else:
+            params = SamplingParams(temperature=rng.uniform(0.7, 1.2), top_k=rng.choice((0, 8)), seed=rng.randrange(99),
+                                    max_new_tokens=rng.randint(1, 24), stop_token_ids=stop)
+        given = rng.randint(0, len(text))
+        requests.append((params, prefill, text, given))
+        added = rng.randint(1, 20) if i and rng.random() < 0.5 else 0
+        if added:
+            events.append((added, "add", f"r{i}"))
+        call, left = added, len(text) - given
+        while left:
+            call += rng.randint(1, 6)
+            n = rng.randint(1, left)
+            events.append((call, "text", f"r{i}", n))
+            left -= n
+        events.append((call + rng.randint(0, 6), "text", f"r{i}", None))
+    config = {"max_num_batched_tokens": rng.choice((4, 16, 64)), "num_blocks": rng.choice((24, 256))}
+    return requests, sorted(events, key=lambda e: e[0]), config
+
+
+def talker_drive(engine: LLMEngine, requests, events, max_steps: int = 600):
+    """Steps until idle, applying ``events`` before their call; per request its tokens, codes and finish."""
+    sent = {}
+
+    def add(request_id):
+        params, prefill, text, given = requests[int(request_id[1:])]
+        sent[request_id] = given
+        engine.add_request(request_id, params, prompt_embeds=prefill, trailing_text_embeds=text[:given],
+                           thinker_finished=given == len(text) and not any(e[2] == request_id and e[1] == "text"
+                                                                            for e in events))
+
+    for i in range(len(requests)):
+        if not any(e[2] == f"r{i}" and e[1] == "add" for e in events):
+            add(f"r{i}")
+    tokens, codes, reasons = {}, {}, {}
+    last_event = max((e[0] for e in events), default=0)
+    for call in range(max_steps):
+        for event in [e for e in events if e[0] == call]:
+            if event[1] == "add":
+                add(event[2])
+            elif event[2] in engine.requests:
+                request_id, n = event[2], event[3]
+                text = requests[int(request_id[1:])][2]
+                end = len(text) if n is None else sent[request_id] + n
+                engine.append(request_id, trailing_text_embeds=text[sent[request_id]:end], finished=n is None)
+                sent[request_id] = end
+        if not engine.has_work() and call > last_event:
+            break
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if "codes" in out.extras:
+                codes.setdefault(out.request_id, []).append(out.extras["codes"])
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    else:
+        raise AssertionError(f"engine did not go idle in {max_steps} steps: {engine.stats()}")
+    return tokens, {k: torch.cat(v) for k, v in codes.items()}, reasons
+
+
+def test_talker_rows_waiting_for_text_or_in_prefill_stay_out_of_the_step_launched_ahead(tmp_path):
+    """Randomized talker mixes (text arriving in pieces, so rows wait for it now and then; arrivals mid-decode,
+    their prefill rows beside decoding ones, in one chunk or several; staggered lengths, stops, block pressure):
+    overlapped steps, with and without ``overlap_admit``, give every request the synchronous engine's tokens,
+    codes and finish. Steps launch ahead without the rows waiting for text or reaching their length, and after
+    steps with prefill rows (whose frames are completed at the launch); no block leaks."""
+    from engine_toy_model import ToyTalker
+    from omni_triton import trace
+
+    talker = ToyTalker().eval()
+    left_out, after_prefills = {}, 0
+    for seed in range(10):
+        requests, events, config = talker_scenario(seed)
+        sync_tokens, sync_codes, sync_reasons = talker_drive(talker_engine(talker, False, **config), requests, events)
+        for admit in (False, True):
+            engine = talker_engine(talker, True, overlap_admit=admit, **config)
+            directory = tmp_path / f"{seed}-{admit}"
+            trace.configure(directory)
+            try:
+                tokens, codes, reasons = talker_drive(engine, requests, events)
+            finally:
+                trace.configure(None)
+            assert (tokens, reasons) == (sync_tokens, sync_reasons), (seed, admit)
+            assert codes.keys() == sync_codes.keys()
+            for request_id, rows in sync_codes.items():
+                assert torch.equal(codes[request_id], rows), (seed, admit, request_id)
+            assert_no_leaks(engine)
+            for record in trace.read_records(directory, "step"):
+                for reason, n in (record["left_out"] or {}).items():
+                    left_out[reason] = left_out.get(reason, 0) + n
+            after_prefills += engine.overlap.launched_after_prefills
+    assert left_out.get("inputs", 0) >= 10 and left_out.get("length", 0) >= 10, left_out
+    assert left_out.get("prefill", 0) >= 5, left_out  # (overlap_admit: a talker prefill chunked beside decode rows)
+    assert after_prefills >= 10
