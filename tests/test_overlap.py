@@ -6,6 +6,7 @@ loop; nothing leaks. (The CUDA-graph path runs the same engine logic: tests/test
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -578,3 +579,53 @@ def test_talker_rows_waiting_for_text_or_in_prefill_stay_out_of_the_step_launche
     assert left_out.get("inputs", 0) >= 10 and left_out.get("length", 0) >= 10, left_out
     assert left_out.get("prefill", 0) >= 5, left_out  # (overlap_admit: a talker prefill chunked beside decode rows)
     assert after_prefills >= 10
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_sampler_controls_on_the_emulated_fast_path_are_the_synchronous_ones(stage, monkeypatch):
+    """The serving fast path's host code (device samplers, decode and completion graphs; emulated on the CPU over
+    stub models, benchmarks/overlap_ahead_mix.py's mix: staggered lengths, closed-loop arrivals, the talker's text
+    arriving in pieces): every draw a row's samplers are prepared for (its stream, draw index, min_new_tokens ban
+    on stop ids) is the synchronous engine's, with rows left out of steps launched ahead, steps launched after
+    prefill ends (the talker's frames completed at the launch) and, with overlap_admit, rows joining later."""
+    from benchmark_scripts import load_script
+    from omni_triton import graph_buckets
+    from omni_triton.engine.sampling import DeviceSampler
+
+    mix = load_script("overlap_ahead_mix")
+    monkeypatch.setattr(DeviceSampler, "sample", DeviceSampler.sample)  # (the emulation replaces them: restored)
+    for module in list(sys.modules.values()):
+        if getattr(module, "capture_buckets", None) is graph_buckets.capture_buckets and module is not graph_buckets:
+            monkeypatch.setattr(module, "capture_buckets", module.capture_buckets)
+    prepare = DeviceSampler.prepare
+    log: list = []
+
+    def recording_prepare(self, keys, rows, draws, tokens_ahead=0):
+        stream = "main" if self.history is not None else "completion"
+        for i, (key, row, draw) in enumerate(zip(keys, rows, draws)):
+            ahead = tokens_ahead if isinstance(tokens_ahead, int) else tokens_ahead[i]
+            log.append((key, stream, draw, row.stop_ids_banned_after(ahead)))
+        return prepare(self, keys, rows, draws, tokens_ahead)
+
+    monkeypatch.setattr(DeviceSampler, "prepare", recording_prepare)
+    lengths = (2, 40) if stage == "thinker" else (2, 60)
+    runs = {}
+    for overlap, admit in ((False, False), (True, False), (True, True)):
+        log.clear()
+        summary = mix.run_mix(stage, 8, 24, lengths, admit, seed=3, overlap=overlap, min_new_tokens=5)
+        draws: dict = {}
+        for key, stream, draw, banned in log:
+            assert draws.setdefault((key, stream, draw), banned) == banned, (key, stream, draw)
+        runs[overlap, admit] = draws, summary
+    sync, _ = runs[False, False]
+    for admit in (False, True):
+        draws, summary = runs[True, admit]
+        assert summary["ahead_pct"] > 50 and summary["left_out_rows"].get("length", 0) > 5, summary
+        if stage == "talker":
+            assert summary["left_out_rows"].get("inputs", 0) > 5, summary
+        assert {k: v for k, v in draws.items() if k in sync} == sync  # every synchronous draw, the same ban
+        # beyond them only completions of a frame after a row's last token (a step with prefill rows completes
+        # every sampled row at its launch; the synchronous engine, the rows that go on)
+        extra = [k for k in draws if k not in sync]
+        assert all(stream == "completion" for _, stream, _ in extra), extra[:5]
+        assert len(extra) <= 24
