@@ -11,8 +11,8 @@ last one finished, ``--requests`` in all: prompts of ``PROMPT`` positions, stagg
 talker frames: uniform in ``--tokens`` / ``--frames``), and for the talker the trailing text arriving while it
 decodes, a row every 0.5-1.6 steps in appends of ``TEXT_APPEND`` rows (the thinker's outputs, batched), so a talker
 row now and then waits for its text. The step log (``engine/step_log.py``) of every step says whether the step was
-launched ahead and, where its successor was not, why (``not_ahead``), and the rows a step launched ahead left out
-(``left_out``, where the tree has it). Steps, not time: the counts are the same on any machine, with
+launched ahead and, where its successor was not, why (``not_ahead``), the rows a step launched ahead left out
+(``left_out``) and those that joined it (``joined``), where the tree has them. Steps, not time: the counts are the same on any machine, with
 ``overlap_admit`` off (the default) and on. No model runs: what the stubs sample (id 0, never a stop id) makes every
 request run to its length.
 """
@@ -150,6 +150,7 @@ def summarize(stage_name: str, admit: bool, records: list[dict]) -> dict:
             "ahead_pct": 100 * sum(bool(r["ahead"]) for r in records) / steps,
             "not_ahead_pct": {k: 100 * v / steps for k, v in not_ahead.most_common()},
             "left_out_rows": dict(left_out.most_common()),
+            "joined_rows": sum(r.get("joined") or 0 for r in records),
             "decode_rows_mean": sum(r["decode_rows"] for r in records) / steps}
 
 
@@ -182,12 +183,12 @@ def _reasons(result: dict, top: int = 4) -> str:
 
 def table(runs: list[tuple[str, dict]]) -> list[str]:
     lines = ["| tree | stage | overlap_admit | steps | launched ahead % | not ahead: reasons (% of steps) | "
-             "rows left out of a step launched ahead |", "|---|---|---|---:|---:|---|---|"]
+             "rows left out of a step launched ahead | rows joining one |", "|---|---|---|---:|---:|---|---|---:|"]
     for label, run in runs:
         for r in run["results"]:
             left = ", ".join(f"{k} {v}" for k, v in r["left_out_rows"].items()) or "-"
             lines.append(f"| {label} | {r['stage']} | {'on' if r['admit'] else 'off'} | {r['steps']} | "
-                         f"{r['ahead_pct']:.0f} | {_reasons(r)} | {left} |")
+                         f"{r['ahead_pct']:.0f} | {_reasons(r)} | {left} | {r['joined_rows']} |")
     return lines
 
 

@@ -549,13 +549,14 @@ def test_talker_rows_waiting_for_text_or_in_prefill_stay_out_of_the_step_launche
     """Randomized talker mixes (text arriving in pieces, so rows wait for it now and then; arrivals mid-decode,
     their prefill rows beside decoding ones, in one chunk or several; staggered lengths, stops, block pressure):
     overlapped steps, with and without ``overlap_admit``, give every request the synchronous engine's tokens,
-    codes and finish. Steps launch ahead without the rows waiting for text or reaching their length, and after
-    steps with prefill rows (whose frames are completed at the launch); no block leaks."""
+    codes and finish. Steps launch ahead without the rows waiting for text or reaching their length, with rows
+    whose text came since, and after steps with prefill rows (whose frames are completed at the launch); no block
+    leaks."""
     from engine_toy_model import ToyTalker
     from omni_triton import trace
 
     talker = ToyTalker().eval()
-    left_out, after_prefills = {}, 0
+    left_out, after_prefills, joined = {}, 0, 0
     for seed in range(10):
         requests, events, config = talker_scenario(seed)
         sync_tokens, sync_codes, sync_reasons = talker_drive(talker_engine(talker, False, **config), requests, events)
@@ -576,6 +577,8 @@ def test_talker_rows_waiting_for_text_or_in_prefill_stay_out_of_the_step_launche
                 for reason, n in (record["left_out"] or {}).items():
                     left_out[reason] = left_out.get(reason, 0) + n
             after_prefills += engine.overlap.launched_after_prefills
+            joined += engine.overlap.joined
+    assert joined >= 10, joined
     assert left_out.get("inputs", 0) >= 10 and left_out.get("length", 0) >= 10, left_out
     assert left_out.get("prefill", 0) >= 5, left_out  # (overlap_admit: a talker prefill chunked beside decode rows)
     assert after_prefills >= 10
@@ -621,8 +624,8 @@ def test_sampler_controls_on_the_emulated_fast_path_are_the_synchronous_ones(sta
     for admit in (False, True):
         draws, summary = runs[True, admit]
         assert summary["ahead_pct"] > 50 and summary["left_out_rows"].get("length", 0) > 5, summary
-        if stage == "talker":
-            assert summary["left_out_rows"].get("inputs", 0) > 5, summary
+        if stage == "talker":  # rows waiting for text stay out; when it comes, they join a step launched ahead
+            assert summary["left_out_rows"].get("inputs", 0) > 5 and summary["joined_rows"] > 5, summary
         assert {k: v for k, v in draws.items() if k in sync} == sync  # every synchronous draw, the same ban
         # beyond them only completions of a frame after a row's last token (a step with prefill rows completes
         # every sampled row at its launch; the synchronous engine, the rows that go on)

@@ -220,22 +220,22 @@ class LLMEngine:
             if current is None:
                 return []
         self.last_step_size = len(current.batch)
-        not_ahead, left_out = self._no_overlap, None
+        not_ahead, left_out, joined = self._no_overlap, None, 0
         if self.overlap is not None:
             self._inflight = self.overlap.launch_next(current)
             not_ahead = self.overlap.not_ahead
-            if self._inflight is not None and self.overlap.left_out:
-                left_out = self.overlap.left_out
+            if self._inflight is not None:
+                left_out, joined = self.overlap.left_out or None, len(self.overlap.joiners)
             if self._inflight is not None and began is not None:
                 self._inflight.shape = self._step_shape(self._inflight.batch, decoding=True)
         outputs, completion_rows = self._finish(current)
         if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
-            self._inflight, not_ahead, left_out = None, "stopped", None  # every row stopped: nothing to deliver
+            self._inflight, not_ahead, left_out, joined = None, "stopped", None, 0  # every row stopped: none to deliver
         if began is not None and current.shape is not None:  # (tracing turned on since its launch: no shape)
             result = current.result
             completes = len(self.runner.streams) > 1  # the stage's completion samples (talker: code predictor)
             self.step_log.end(began, **current.shape, ahead=ahead, not_ahead=not_ahead, left_out=left_out,
-                              sampled=len(result.sampled_seqs),
+                              joined=joined, sampled=len(result.sampled_seqs),
                               completion_rows=completion_rows if completes else 0,
                               left_runnable=self.scheduler.count(SequenceStatus.RUNNING) + len(self.scheduler.waiting),
                               left_waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))

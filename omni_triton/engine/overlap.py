@@ -90,6 +90,8 @@ class StepOverlap:
         self.launched_before_joiners = 0  # of those, launched while new rows wanted to join (admit_ahead)
         self.launched_after_prefills = 0  # of those, after a step in which rows finished their prefill (admit_ahead)
         self.launched_subsets = 0  # of those, launched with some of the step's rows left out
+        self.joined = 0  # rows that joined a step launched ahead (not in the step before it)
+        self.joiners: list[Sequence] = []  # the last launch_next's rows joining the step it launched
         self.not_ahead: str | None = None  # why the last launch_next launched nothing (NOT_AHEAD), else None
         self.left_out: dict[str, int] = {}  # the last launch_next's rows left out, by reason (LEFT_OUT)
 
@@ -134,14 +136,20 @@ class StepOverlap:
             current.ready = ready_event(self.runner.device)
         seqs = [result.sampled_seqs[i] for i in rows]
         inputs = self._next_inputs(current, rows, seqs)
+        joiners = self.joiners
+        if joiners:  # their inputs are the sequences' own (made when their text came)
+            positions = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1) for seq in joiners]
+            inputs["inputs_embeds"] = torch.cat([inputs["inputs_embeds"], self.runner.stage.embed_inputs(positions)])
+            seqs = seqs + joiners
         if not self.block_manager.allocate_next_positions(seqs):
             self.not_ahead = "blocks"
             return None
         chunks = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1) for seq in seqs]
-        result = self.runner.run_ahead(chunks, **inputs)
+        result = self.runner.run_ahead(chunks, **inputs, joined=len(joiners))
         for seq in seqs:
             seq.num_computed_tokens += 1
         self.launched += 1
+        self.joined += len(joiners)
         self.launched_before_joiners += before_joiners
         self.launched_after_prefills += current.batch.num_new_tokens.count(1) != len(current.batch)
         self.launched_subsets += len(seqs) != len(current.batch)
@@ -180,6 +188,7 @@ class StepOverlap:
         if not sampled:
             return [], "prefill"  # a prefill goes on, nothing sampled: the next batch is the scheduler's
         left = self.left_out
+        self.joiners = []
         if len(sampled) != len(seqs):  # a prefill chunk that did not sample: its row waits (admit_ahead only)
             if not self.admit_ahead:
                 return [], "prefill"
@@ -207,13 +216,37 @@ class StepOverlap:
         if self.scheduler.waiting and (not self.admit_ahead or self._admits_any(left.get("length", 0))):
             return rows, "waiting"
         # another row can run now (every row of current but those stopped is running: only more rows can make the
-        # count differ)
+        # count differ): rows that decode next (a talker row whose text came) join the step, others are the
+        # scheduler's
         expected = len(seqs) - left.get("stopped", 0)
         if len(self.scheduler.running) != expected and self.scheduler.count(SequenceStatus.RUNNING) != expected:
-            return rows, "runnable_changed"
+            self.joiners = self._decode_joiners(current, expected, len(rows))
+            if self.joiners is None:
+                self.joiners = []
+                return rows, "runnable_changed"
         if "prefill" in left:  # like a joiner's (admit_ahead): the successor is scheduled, with the row's next chunk
             return rows, "runnable_changed"
         return rows, None
+
+    def _decode_joiners(self, current: LaunchedStep, expected: int, num_rows: int) -> list[Sequence] | None:
+        """The runnable rows beside current's ``expected`` ones, when every one of them decodes one position
+        whose input the sequence holds, past its prompt (a talker row whose text came while it waited: its input
+        was made then), and they fit the step's token budget; else None. They join the step launched ahead as
+        they would the scheduler's next step; their tokens are appended (no token ahead). A stage whose inputs
+        are token ids (the thinker) has no such rows (none waits for input)."""
+        if getattr(self.runner.stage, "embed_token_ids", None) is not None:
+            return None
+        running = SequenceStatus.RUNNING
+        joiners = [seq for seq in self.scheduler.running if seq.status is running and not current.has_row(seq)]
+        if len(joiners) + expected != self.scheduler.count(running):
+            return None
+        for seq in joiners:
+            if not (seq.num_pending == 1 and seq.num_computed_tokens >= seq.num_prompt_positions
+                    and seq.samples_after(seq.num_inputs)):
+                return None
+        if num_rows + len(joiners) > self.scheduler.max_num_batched_tokens:
+            return None
+        return joiners
 
     def _admits_any(self, finishing: int) -> bool:
         """Whether a request waiting for admission finds room in the running set once ``finishing`` rows left."""
