@@ -15,7 +15,7 @@ import torch
 
 from omni_triton import trace
 from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
-from omni_triton.engine.handoff import OutputStream, ready_event
+from omni_triton.engine.handoff import OutputStream, ready_event, to_device_async
 from omni_triton.engine.host_copies import HostIds
 from omni_triton.engine.kept_states import KeptStates
 from omni_triton.engine.output_batching import HeldOutputs, OutputBatching
@@ -299,7 +299,8 @@ class LLMEngine:
                 gathered = len(continuing) < len(ids)
                 if gathered:  # rows that finished drop out (else: no copy, no gathers)
                     seqs = [seqs[i] for i in continuing]
-                    index = torch.tensor(continuing, device=hidden.device)
+                    # (a pageable copy would wait for the step launched after this one: rows reaching their length)
+                    index = to_device_async(torch.tensor(continuing), hidden.device)
                     hidden, ids = hidden[index], ids[index]
                     completed = None if completed is None else {name: t[index] for name, t in completed.items()}
                 completes_here = completed is None

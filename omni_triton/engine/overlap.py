@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_triton.engine.block_manager import BlockManager
-from omni_triton.engine.handoff import ready_event
+from omni_triton.engine.handoff import ready_event, to_device_async
 from omni_triton.engine.host_copies import HostIds
 from omni_triton.engine.runner import ModelRunner, StepResult
 from omni_triton.engine.scheduler import ScheduledBatch, Scheduler
@@ -164,7 +164,7 @@ class StepOverlap:
         stage, result = self.runner.stage, current.result
         index = None
         if len(rows) != len(result.sampled_seqs):
-            index = torch.tensor(rows, device=result.sampled_token_ids.device)
+            index = to_device_async(torch.tensor(rows), result.sampled_token_ids.device)  # (no wait for the GPU)
         if getattr(stage, "embed_token_ids", None) is not None:
             ids = result.sampled_token_ids
             return {"token_ids": ids if index is None else ids[index]}

@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.prefix_cache import audio_position_keys, embedding_keys, tensor_digest, token_keys
 from omni_triton.engine.sampling import SampleRow, SamplingParams
 from omni_triton.engine.sequence import Sequence
@@ -328,7 +329,9 @@ class TalkerStage:
                 ready.append(i)
                 texts.append(text)
         if ready:
-            codec = next_embeds if len(ready) == len(seqs) else next_embeds[ready]
+            # (rows waiting for text: gathered by a device index copied without waiting for the step launched ahead)
+            codec = (next_embeds if len(ready) == len(seqs)
+                     else next_embeds[to_device_async(torch.tensor(ready), next_embeds.device)])
             inputs = codec + torch.stack(texts).to(codec)
             for i, row in zip(ready, inputs):
                 self._push_input(seqs[i], row)
