@@ -55,13 +55,13 @@ class EngineConfig:
     # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
     warmup: bool = False
     # launch the next decode step before this one's tokens reach the host where the stage's next input can be
-    # made on the device (the thinker; the talker under its decode graphs: overlap.py); the same tokens either way
+    # made on the device (the thinker; the talker: overlap.py), for the rows that go on (rows that finish or wait
+    # for input stay out, rows whose input came join); the same tokens either way
     overlap_steps: bool = True
-    # with overlapped steps: also while new rows want to join (requests queued for admission, talker rows whose text
-    # arrived), the same rows are launched ahead once and the new rows join on the step after, and (the thinker)
-    # the step after one whose rows all sampled, some at the end of their prefill, is launched ahead too
-    # (overlap.py); the same tokens either way. Default: $OMNI_TRITON_OVERLAP_ADMIT=1 turns it on (off: they join
-    # on a synchronous step, and prefill steps are followed by one)
+    # with overlapped steps: also while requests are queued for admission or a row's prefill goes on (a chunk that
+    # samples nothing), the decoding rows are launched ahead once and the new rows (the next chunk) join on the step
+    # after (overlap.py); the same tokens either way. Default: $OMNI_TRITON_OVERLAP_ADMIT=1 turns it on (off: they
+    # join on a synchronous step)
     overlap_admit: bool = field(default_factory=lambda: os.environ.get("OMNI_TRITON_OVERLAP_ADMIT", "0") == "1")
     # computed KV blocks named by their content and reused by later requests whose inputs begin the same way
     # (block_manager, prefix_cache); the streamed states of cached positions are kept or recomputed (kept_states)

@@ -4,31 +4,40 @@ A synchronous step launches its work, waits for the sampled ids and only then do
 tokens, stop checks, outputs) and the next step's (scheduling, input buffers, sampler controls): the GPU idles
 for all of that. In the steady decode state of a stage whose next input is a function of the sampled ids on
 the device (the thinker: a token's embedding, ``stage.embed_token_ids``; the talker: its frame's codec embeds,
-from the completion the decode graph ran, + the next trailing text, ``stage.inputs_ahead``), the next step's
+from the completion the decode graph ran, or ``run_ahead`` eagerly, + the next trailing text,
+``stage.inputs_ahead``), the next step's
 batch is known before the ids are: the same rows, one position further, their inputs on the device. So
 ``LLMEngine.step`` launches that step first (``launch_next``) and then finishes the previous one, whose
 host work runs while the GPU computes.
 
-Only what cannot change the batch is overlapped; anything else waits for the ids as before (the next call
-is a synchronous step): a request waiting for admission, an abort, a row that stopped (known only from its
-ids: its overlapped row is computed and dropped, its blocks freed once the launch is queued, which stream
-order makes safe), a row at max_new_tokens, too few free blocks, a talker row whose next trailing text has not
-arrived, and on the host sampler rows whose repetition penalty or min_new_tokens ban depends on the token not
-read yet. Tokens, states and draws are the synchronous engine's: every sampler draw is keyed by the row's
-generated-token count, told one token ahead.
+The step launched ahead runs the rows of this step that go on and have their next input on the device; the
+others are left out of it (``left_out``), each known on the host before the ids are: a row that stopped (known
+only from its ids, one step late: its overlapped row is computed and dropped, its blocks freed once the launch is
+queued, which stream order makes safe) or was aborted, a row whose token this step reaches max_new_tokens (it
+finishes with this step, its blocks freed alike), and a talker row whose next trailing text has not arrived (it
+waits for input after this step, as after a synchronous one). Their inputs are gathered on the device for the
+rows that go; no row's tokens change, as every draw is keyed by the row's own generated-token count (told one
+token ahead), never by the batch it runs in. And rows whose input came while they waited (a talker row whose text
+arrived) join the step launched ahead, their inputs the sequence's own, their draws and bans without a token
+ahead: the scheduler would run them in its next step, one position each. Anything else that changes the batch
+waits for the ids as before (the next call is a synchronous step): a request waiting for admission, a row that
+must prefill, too few free blocks, and on the host sampler rows whose repetition penalty or min_new_tokens ban
+depends on the token not read yet.
+
+A step whose rows all sampled, some of them at the end of their prefill (a prompt in one chunk, or a chunked
+prefill's last chunk), is followed ahead like a decode step: every row decodes one token next, at position
+``num_computed_tokens`` (the chunk's end), its blocks taken as for any decode row, its draw and bans one token
+ahead, its device token history slot given at that first draw. On the thinker its next input is the sampled id's
+embedding; the talker completes such a step's sampled rows (the code predictor: not under the decode graph, which
+completes a decode step's) when the next step is launched, not when it is finished, one token ahead as the decode
+graph does, so their next inputs are on the device.
 
 With ``admit_ahead`` (``EngineConfig.overlap_admit``), rows that only want to join (requests waiting for
-admission, a talker row whose text arrived) do not stop the launch: the same rows go ahead once more, and that
-step's successor is scheduled as a synchronous step would be, with the new rows in it (their prefill under the
-scheduler's token budget as usual). They join one step later; no row's tokens change, as no row's draws depend
-on the batch it runs in. Requests queued behind a full running set are no reason at all: none is admitted before
-a row finishes, and a finish stops the launches anyway. And a step whose rows all sampled, some of them at the end
-of their prefill (a prompt in one chunk, or a chunked prefill's last chunk), is followed ahead like a decode step
-on a stage whose next inputs are the sampled ids' embeddings (the thinker): every row decodes one token next, at
-position ``num_computed_tokens`` (the chunk's end), its blocks taken as for any decode row, its draw and bans one
-token ahead, its device token history slot given at that first draw. A step with a chunk that did not sample
-(a prefill going on) still waits for the ids, and so does a talker step with prefill rows: its frames are
-completed (the code predictor) when the step is finished, so the next inputs are not on the device at launch.
+admission) and rows whose prefill goes on (a chunk that did not sample) do not stop the launch: the rows that
+decode go ahead, and that step's successor is scheduled as a synchronous step would be, with the new rows in it
+(their prefill under the scheduler's token budget as usual). They join one step later; no row's tokens change.
+Requests queued behind a full running set are no reason at all while none can be admitted (a row finishing with
+this step makes room).
 """
 
 from __future__ import annotations
@@ -63,11 +72,10 @@ class LaunchedStep:
         return id(seq) in self.row_ids
 
 
-# why a step's successor was not launched ahead (the step log's ``not_ahead``): a row of the step did not sample
-# (a prefill goes on), or computed a prefill chunk (without admit_ahead; the talker's always); a row stopped or was
-# aborted; a row reaches max_new_tokens with its next token; the host sampler would read the unread token; requests
-# wait for admission; another row became runnable (a talker row whose text arrived); a row's next input is not on
-# the device; too few free blocks
+# why a step's successor was not launched ahead (the step log's ``not_ahead``): no row of the step sampled (a prefill
+# goes on), or one did not (without admit_ahead); every row of it left (stopped, reached its length, waits for input:
+# the first of them in LEFT_OUT); the host sampler would read the unread token; requests wait for admission; another
+# row became runnable that must prefill; too few free blocks
 NOT_AHEAD = ("prefill", "stopped", "length", "sampler", "waiting", "runnable_changed", "inputs", "blocks")
 JOINING = ("waiting", "runnable_changed")  # the reasons that only say new rows want to join (admit_ahead)
 # why a row of a step is left out of the step launched after it (``left_out``; the step log's), in the order that
