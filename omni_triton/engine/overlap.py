@@ -193,10 +193,10 @@ class StepOverlap:
         draw is keyed by the row's own token count, not by the batch it runs in."""
         result, seqs = current.result, current.batch.seqs
         sampled = result.sampled_seqs
+        self.joiners = []
         if not sampled:
             return [], "prefill"  # a prefill goes on, nothing sampled: the next batch is the scheduler's
         left = self.left_out
-        self.joiners = []
         if len(sampled) != len(seqs):  # a prefill chunk that did not sample: its row waits (admit_ahead only)
             if not self.admit_ahead:
                 return [], "prefill"
@@ -228,7 +228,7 @@ class StepOverlap:
         # scheduler's
         expected = len(seqs) - left.get("stopped", 0)
         if len(self.scheduler.running) != expected and self.scheduler.count(SequenceStatus.RUNNING) != expected:
-            self.joiners = self._decode_joiners(current, expected, len(rows))
+            self.joiners = self._decode_joiners(current, len(rows))
             if self.joiners is None:
                 self.joiners = []
                 return rows, "runnable_changed"
@@ -236,8 +236,8 @@ class StepOverlap:
             return rows, "runnable_changed"
         return rows, None
 
-    def _decode_joiners(self, current: LaunchedStep, expected: int, num_rows: int) -> list[Sequence] | None:
-        """The runnable rows beside current's ``expected`` ones, when every one of them decodes one position
+    def _decode_joiners(self, current: LaunchedStep, num_rows: int) -> list[Sequence] | None:
+        """The runnable rows that are not current's, when every one of them decodes one position
         whose input the sequence holds, past its prompt (a talker row whose text came while it waited: its input
         was made then), and they fit the step's token budget; else None. They join the step launched ahead as
         they would the scheduler's next step; their tokens are appended (no token ahead). A stage whose inputs
@@ -246,8 +246,6 @@ class StepOverlap:
             return None
         running = SequenceStatus.RUNNING
         joiners = [seq for seq in self.scheduler.running if seq.status is running and not current.has_row(seq)]
-        if len(joiners) + expected != self.scheduler.count(running):
-            return None
         for seq in joiners:
             if not (seq.num_pending == 1 and seq.num_computed_tokens >= seq.num_prompt_positions
                     and seq.samples_after(seq.num_inputs)):
