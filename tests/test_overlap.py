@@ -6,6 +6,7 @@ loop; nothing leaks. (The CUDA-graph path runs the same engine logic: tests/test
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -177,7 +178,9 @@ def test_overlap_behind_the_threaded_loop(thinker):
     assert_no_leaks(engine)
 
 
-def test_only_stages_that_embed_their_sampled_ids_overlap(thinker):
+def test_stages_whose_next_input_is_made_on_the_device_overlap(thinker):
+    """The thinker (its sampled ids' embeddings) and the talker (its frame's completion + the next text: under the
+    decode graphs, or eagerly as here), unless overlapped steps are off."""
     from engine_toy_model import ToyTalker
     from omni_triton.engine import TalkerStage
 
@@ -185,7 +188,8 @@ def test_only_stages_that_embed_their_sampled_ids_overlap(thinker):
     stage = TalkerStage(talker, tts_eos_embed=torch.zeros(talker.hidden_size),
                         tts_pad_embed=torch.zeros(talker.hidden_size))
     engine = LLMEngine(stage, EngineConfig(block_size=4, num_blocks=64, overlap_steps=True))
-    assert engine.overlap is None and not StepOverlap.supported(engine.runner)
+    assert engine.overlap is not None and StepOverlap.supported(engine.runner)
+    assert LLMEngine(stage, EngineConfig(block_size=4, num_blocks=64, overlap_steps=False)).overlap is None
     assert make_engine(thinker, True).overlap is not None
     assert make_engine(thinker, False).overlap is None
 
@@ -315,9 +319,10 @@ def test_launching_ahead_of_joining_rows_gives_the_synchronous_tokens(thinker):
     """Randomized interleavings of admissions, aborts, stops and max_new_tokens (and, for some seeds, block
     pressure and a token budget under the running rows): overlapped steps with and without ``overlap_admit``
     give every request the tokens, states and finish of the synchronous engine (an aborted one: the same
-    stream, cut where the abort found it), also where ``overlap_admit`` launches ahead after rows finished
-    their prefill (over cached prefixes for some seeds); no block leaks."""
-    launched_before_joiners, launched_after_prefills, hits = [], [], []
+    stream, cut where the abort found it), also where steps launch ahead after rows finished their prefill (over
+    cached prefixes for some seeds) and without rows that leave (stopped, at max_new_tokens) or, with
+    ``overlap_admit``, whose prefill goes on; no block leaks."""
+    launched_before_joiners, launched_after_prefills, hits, default_after_prefills, subsets = [], [], [], [], []
     for seed in range(12):
         requests, events, config = random_scenario(seed)
         aborted = {request_id for _, kind, request_id in events if kind == "abort"}
@@ -342,8 +347,13 @@ def test_launching_ahead_of_joining_rows_gives_the_synchronous_tokens(thinker):
                 launched_after_prefills.append(engine.overlap.launched_after_prefills)
                 hits.append(engine.block_manager.num_hit_tokens)
             elif overlap:
-                assert engine.overlap.launched_after_prefills == 0
-    # the relaxed paths ran
+                default_after_prefills.append(engine.overlap.launched_after_prefills)
+            if overlap:
+                subsets.append(engine.overlap.launched_subsets)
+    # the relaxed paths ran; without overlap_admit too, a step after rows ended their prefill (no request waiting)
+    # goes ahead, and steps go ahead without rows that stopped, reached their length or continue a prefill
+    assert sum(n > 0 for n in default_after_prefills) >= 6, default_after_prefills
+    assert sum(n > 0 for n in subsets) >= 12, subsets
     assert sum(n > 0 for n in launched_before_joiners) >= 8, launched_before_joiners
     assert all(n > 0 for n in launched_after_prefills), launched_after_prefills
     assert sum(n > 0 for n in hits[1::2]) >= 4, hits  # (prefix caching on odd seeds)
@@ -399,12 +409,12 @@ def test_joining_rows_wait_one_launched_step_at_most(thinker, tmp_path, scenario
     # admissions: the step after the one that ends a prefill goes ahead (before: synchronous, 60% ahead); chunked:
     # so does the one after a prefill's last chunk, not after a chunk that samples nothing; a queue that cannot be
     # admitted holds no step back; one the budget holds, every other one
-    gain = {"admissions": 0.1, "chunked": 0.1, "queue_full": 0.5, "budget_full": 0.1}[scenario]
+    gain = {"admissions": 0.0, "chunked": 0.0, "queue_full": 0.5, "budget_full": 0.1}[scenario]
     assert admit_ahead >= ahead + gain, (ahead, admit_ahead)
     if scenario == "admissions":
         assert admit_ahead > 0.7
     # (chunked: an arrival seen while a prefill goes on joins after it, no step launched before it)
-    assert joiners == {"admissions": 6, "chunked": 5, "queue_full": 0, "budget_full": 4}[scenario]
+    assert joiners == {"admissions": 6, "chunked": 10, "queue_full": 0, "budget_full": 5}[scenario]
     # a step launched despite joining rows is followed by a scheduled step: it says why it launched nothing
     launched_despite = [i for i, r in enumerate(admit_records[:-1]) if r["not_ahead"] is None
                         and admit_records[i + 1]["not_ahead"] == reason]
@@ -412,12 +422,18 @@ def test_joining_rows_wait_one_launched_step_at_most(thinker, tmp_path, scenario
     for i in launched_despite:
         assert not admit_records[i + 2]["ahead"]
     # steps with prefill rows (budget_full: none, its prompts are one token): followed ahead where every row
-    # sampled (a prefill ended), else not (one goes on)
+    # sampled (a prefill ended), and where one goes on, without its row (every row: not)
     prefills = [r for r in admit_records if r["kind"] != "decode"]
-    assert all((r["not_ahead"] == "prefill") == (r["sampled"] < r["rows"]) for r in prefills)
+    for r in prefills:
+        if r["sampled"] == r["rows"]:
+            assert r["not_ahead"] != "prefill"
+        elif r["not_ahead"] is None:
+            assert r["left_out"]["prefill"] == r["rows"] - r["sampled"], r
+        else:
+            assert r["not_ahead"] in ("prefill", "runnable_changed", "waiting"), r
     assert sum(r["not_ahead"] is None for r in prefills) >= {"queue_full": 3, "budget_full": 0}.get(scenario, 5)
     if scenario == "chunked":  # the first 18- and 7-token prompts' chunks before their last (the later ones: cached)
-        assert sum(r["not_ahead"] == "prefill" for r in prefills) >= 3
+        assert sum(r["sampled"] < r["rows"] and r["not_ahead"] is None for r in prefills) >= 3
         assert sum(r["prefill_tokens"] for r in prefills) < sum(len(prompt) for _, prompt in requests)  # cached
 
 
@@ -427,3 +443,192 @@ def test_overlap_admit_is_off_unless_the_environment_turns_it_on(thinker, monkey
     monkeypatch.setenv("OMNI_TRITON_OVERLAP_ADMIT", "1")
     assert EngineConfig().overlap_admit and make_engine(thinker, True).overlap.admit_ahead
     assert not make_engine(thinker, True, overlap_admit=False).overlap.admit_ahead
+
+
+# -- steps launched ahead without some of the step's rows (left_out) ----------------------------------------------
+
+def test_rows_reaching_their_length_leave_while_the_others_go_ahead(thinker, tmp_path):
+    """Staggered max_new_tokens: each row that reaches its length leaves the step launched ahead of its last
+    token (before: no launch at all); the others' tokens and states are the synchronous engine's."""
+    requests = [(SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_new_tokens=4 + 5 * i), prompt)
+                for i, prompt in enumerate(PROMPTS)]
+    sync_tokens, sync_states, sync_reasons = drive(make_engine(thinker, False), requests)
+    engine = make_engine(thinker, True)
+    tokens, reasons, records = traced_drive(engine, requests, [], tmp_path)
+    _, states, _ = drive(make_engine(thinker, True), requests)
+    assert (tokens, reasons) == (sync_tokens, sync_reasons) and set(reasons.values()) == {"length"}
+    for request_id, rows in sync_states.items():
+        torch.testing.assert_close(states[request_id], rows, rtol=1e-5, atol=1e-5)
+    assert_no_leaks(engine)
+    # four rows leave by length while others decode on (the last one's leaving ends the launches)
+    assert sum((r["left_out"] or {}).get("length", 0) for r in records) == 4
+    assert sum(r["not_ahead"] == "length" for r in records) == 1
+    assert engine.overlap.launched_subsets == 4
+
+
+def talker_engine(talker, overlap: bool, **config) -> LLMEngine:
+    from omni_triton.engine import TalkerStage
+
+    hidden = talker.hidden_size
+    stage = TalkerStage(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
+    return LLMEngine(stage, EngineConfig(**{"block_size": 4, "num_blocks": 256, "overlap_steps": overlap, **config}))
+
+
+def talker_scenario(seed: int):
+    """Talker requests (params, prefill embeds, text rows, text rows given at admission) and events: (call,
+    "add", id) arrivals mid-decode (prefill rows beside decoding ones), (call, "text", id, n) n more text rows
+    (None: the rest, finished), so rows wait for their text now and then."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    requests, events = [], []
+    for i in range(rng.randint(3, 6)):
+        prefill = torch.randn(rng.randint(1, 14), 32, generator=gen)
+        text = torch.randn(rng.randint(0, 12), 32, generator=gen)
+        stop = tuple(rng.sample(range(48), rng.randint(0, 2)))
+        if rng.random() < 0.5:
+            params = SamplingParams(temperature=0.0, max_new_tokens=rng.randint(1, 24), stop_token_ids=stop)
+        else:
+            params = SamplingParams(temperature=rng.uniform(0.7, 1.2), top_k=rng.choice((0, 8)), seed=rng.randrange(99),
+                                    max_new_tokens=rng.randint(1, 24), stop_token_ids=stop)
+        given = rng.randint(0, len(text))
+        requests.append((params, prefill, text, given))
+        added = rng.randint(1, 20) if i and rng.random() < 0.5 else 0
+        if added:
+            events.append((added, "add", f"r{i}"))
+        call, left = added, len(text) - given
+        while left:
+            call += rng.randint(1, 6)
+            n = rng.randint(1, left)
+            events.append((call, "text", f"r{i}", n))
+            left -= n
+        events.append((call + rng.randint(0, 6), "text", f"r{i}", None))
+    config = {"max_num_batched_tokens": rng.choice((4, 16, 64)), "num_blocks": rng.choice((24, 256))}
+    return requests, sorted(events, key=lambda e: e[0]), config
+
+
+def talker_drive(engine: LLMEngine, requests, events, max_steps: int = 600):
+    """Steps until idle, applying ``events`` before their call; per request its tokens, codes and finish."""
+    sent = {}
+
+    def add(request_id):
+        params, prefill, text, given = requests[int(request_id[1:])]
+        sent[request_id] = given
+        engine.add_request(request_id, params, prompt_embeds=prefill, trailing_text_embeds=text[:given],
+                           thinker_finished=given == len(text) and not any(e[2] == request_id and e[1] == "text"
+                                                                            for e in events))
+
+    for i in range(len(requests)):
+        if not any(e[2] == f"r{i}" and e[1] == "add" for e in events):
+            add(f"r{i}")
+    tokens, codes, reasons = {}, {}, {}
+    last_event = max((e[0] for e in events), default=0)
+    for call in range(max_steps):
+        for event in [e for e in events if e[0] == call]:
+            if event[1] == "add":
+                add(event[2])
+            elif event[2] in engine.requests:
+                request_id, n = event[2], event[3]
+                text = requests[int(request_id[1:])][2]
+                end = len(text) if n is None else sent[request_id] + n
+                engine.append(request_id, trailing_text_embeds=text[sent[request_id]:end], finished=n is None)
+                sent[request_id] = end
+        if not engine.has_work() and call > last_event:
+            break
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if "codes" in out.extras:
+                codes.setdefault(out.request_id, []).append(out.extras["codes"])
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    else:
+        raise AssertionError(f"engine did not go idle in {max_steps} steps: {engine.stats()}")
+    return tokens, {k: torch.cat(v) for k, v in codes.items()}, reasons
+
+
+def test_talker_rows_waiting_for_text_or_in_prefill_stay_out_of_the_step_launched_ahead(tmp_path):
+    """Randomized talker mixes (text arriving in pieces, so rows wait for it now and then; arrivals mid-decode,
+    their prefill rows beside decoding ones, in one chunk or several; staggered lengths, stops, block pressure):
+    overlapped steps, with and without ``overlap_admit``, give every request the synchronous engine's tokens,
+    codes and finish. Steps launch ahead without the rows waiting for text or reaching their length, with rows
+    whose text came since, and after steps with prefill rows (whose frames are completed at the launch); no block
+    leaks."""
+    from engine_toy_model import ToyTalker
+    from omni_triton import trace
+
+    talker = ToyTalker().eval()
+    left_out, after_prefills, joined = {}, 0, 0
+    for seed in range(10):
+        requests, events, config = talker_scenario(seed)
+        sync_tokens, sync_codes, sync_reasons = talker_drive(talker_engine(talker, False, **config), requests, events)
+        for admit in (False, True):
+            engine = talker_engine(talker, True, overlap_admit=admit, **config)
+            directory = tmp_path / f"{seed}-{admit}"
+            trace.configure(directory)
+            try:
+                tokens, codes, reasons = talker_drive(engine, requests, events)
+            finally:
+                trace.configure(None)
+            assert (tokens, reasons) == (sync_tokens, sync_reasons), (seed, admit)
+            assert codes.keys() == sync_codes.keys()
+            for request_id, rows in sync_codes.items():
+                assert torch.equal(codes[request_id], rows), (seed, admit, request_id)
+            assert_no_leaks(engine)
+            for record in trace.read_records(directory, "step"):
+                for reason, n in (record["left_out"] or {}).items():
+                    left_out[reason] = left_out.get(reason, 0) + n
+            after_prefills += engine.overlap.launched_after_prefills
+            joined += engine.overlap.joined
+    assert joined >= 10, joined
+    assert left_out.get("inputs", 0) >= 10 and left_out.get("length", 0) >= 10, left_out
+    assert left_out.get("prefill", 0) >= 5, left_out  # (overlap_admit: a talker prefill chunked beside decode rows)
+    assert after_prefills >= 10
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_sampler_controls_on_the_emulated_fast_path_are_the_synchronous_ones(stage, monkeypatch):
+    """The serving fast path's host code (device samplers, decode and completion graphs; emulated on the CPU over
+    stub models, benchmarks/overlap_ahead_mix.py's mix: staggered lengths, closed-loop arrivals, the talker's text
+    arriving in pieces): every draw a row's samplers are prepared for (its stream, draw index, min_new_tokens ban
+    on stop ids) is the synchronous engine's, with rows left out of steps launched ahead, steps launched after
+    prefill ends (the talker's frames completed at the launch) and, with overlap_admit, rows joining later."""
+    from benchmark_scripts import load_script
+    from omni_triton import graph_buckets
+    from omni_triton.engine.sampling import DeviceSampler
+
+    mix = load_script("overlap_ahead_mix")
+    monkeypatch.setattr(DeviceSampler, "sample", DeviceSampler.sample)  # (the emulation replaces them: restored)
+    for module in list(sys.modules.values()):
+        if getattr(module, "capture_buckets", None) is graph_buckets.capture_buckets and module is not graph_buckets:
+            monkeypatch.setattr(module, "capture_buckets", module.capture_buckets)
+    prepare = DeviceSampler.prepare
+    log: list = []
+
+    def recording_prepare(self, keys, rows, draws, tokens_ahead=0):
+        stream = "main" if self.history is not None else "completion"
+        for i, (key, row, draw) in enumerate(zip(keys, rows, draws)):
+            ahead = tokens_ahead if isinstance(tokens_ahead, int) else tokens_ahead[i]
+            log.append((key, stream, draw, row.stop_ids_banned_after(ahead)))
+        return prepare(self, keys, rows, draws, tokens_ahead)
+
+    monkeypatch.setattr(DeviceSampler, "prepare", recording_prepare)
+    lengths = (2, 40) if stage == "thinker" else (2, 60)
+    runs = {}
+    for overlap, admit in ((False, False), (True, False), (True, True)):
+        log.clear()
+        summary = mix.run_mix(stage, 8, 24, lengths, admit, seed=3, overlap=overlap, min_new_tokens=5)
+        draws: dict = {}
+        for key, stream, draw, banned in log:
+            assert draws.setdefault((key, stream, draw), banned) == banned, (key, stream, draw)
+        runs[overlap, admit] = draws, summary
+    sync, _ = runs[False, False]
+    for admit in (False, True):
+        draws, summary = runs[True, admit]
+        assert summary["ahead_pct"] > 50 and summary["left_out_rows"].get("length", 0) > 5, summary
+        if stage == "talker":  # rows waiting for text stay out; when it comes, they join a step launched ahead
+            assert summary["left_out_rows"].get("inputs", 0) > 5 and summary["joined_rows"] > 5, summary
+        assert {k: v for k, v in draws.items() if k in sync} == sync  # every synchronous draw, the same ban
+        # beyond them only completions of a frame after a row's last token (a step with prefill rows completes
+        # every sampled row at its launch; the synchronous engine, the rows that go on)
+        extra = [k for k in draws if k not in sync]
+        assert all(stream == "completion" for _, stream, _ in extra), extra[:5]
+        assert len(extra) <= 24

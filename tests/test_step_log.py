@@ -15,7 +15,7 @@ PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11]
 MAX_NEW = [12, 7, 20]
 FIELDS = {"record", "t", "pid", "engine", "kind", "rows", "tokens", "prefill_tokens", "decode_rows", "sampled",
           "completion_rows", "graph", "preempted", "waiting", "waiting_input", "left_runnable", "left_waiting_input",
-          "ahead", "not_ahead", "host_ms", "gpu_ms", "gap_ms"}
+          "ahead", "not_ahead", "left_out", "joined", "host_ms", "gpu_ms", "gap_ms"}
 
 
 def test_thinker_steps_are_logged_and_add_up_to_what_was_generated(traced):
@@ -42,8 +42,9 @@ def test_thinker_steps_are_logged_and_add_up_to_what_was_generated(traced):
 
 def test_steps_say_whether_they_were_launched_ahead_and_why_not(traced):
     """The thinker on one stream overlaps its decode steps (engine/overlap.py): steps launched by the step before
-    say ``ahead``; the others say why not: a prefill, an admission queued mid-decode ("waiting"), a stop token,
-    a row's last token."""
+    say ``ahead``; the others say why not: an admission queued mid-decode ("waiting"), the last row's last token.
+    A step whose rows all sampled, a prefill ending, is followed ahead; a row that stopped is left out of the step
+    launched after the one that read its stop (``left_out``)."""
     model = ToyThinker().eval()
     engine = LLMEngine(ThinkerStage(model), EngineConfig(block_size=4, num_blocks=256))
     assert engine.overlap is not None
@@ -59,18 +60,19 @@ def test_steps_say_whether_they_were_launched_ahead_and_why_not(traced):
     records = trace.read_records(traced, "step")
     # a step is ahead exactly when the one before launched it
     assert [r["ahead"] for r in records] == [False] + [r["not_ahead"] is None for r in records[:-1]]
-    # a's prefill, then a synchronous decode step that launches the next: a's steady decode is ahead
-    assert records[0]["not_ahead"] == "prefill" and not records[1]["ahead"] and records[1]["not_ahead"] is None
-    assert all(r["ahead"] for r in records[2:9])
+    # a's prefill (its first token sampled) is followed ahead: a's decode is ahead from its first step
+    assert records[0]["kind"] == "prefill" and records[0]["not_ahead"] is None and all(r["ahead"] for r in records[1:9])
     # the 9th step was launched before b arrived, and could not launch its successor with b queued
     assert records[8]["not_ahead"] == "waiting"
-    assert records[9]["kind"] == "mixed" and records[9]["not_ahead"] == "prefill"
-    assert not records[10]["ahead"] and records[10]["kind"] == "decode" and records[10]["rows"] == 2
-    # b's stop is read while the step after it is in flight: that step's successor is not launched ahead
-    stopped = [i for i, r in enumerate(records) if r["not_ahead"] == "stopped"]
-    assert len(stopped) == 1 and records[stopped[0]]["rows"] == 2 and records[stopped[0] + 1]["rows"] == 1
+    assert records[9]["kind"] == "mixed" and records[9]["not_ahead"] is None  # b's prompt in one chunk: it sampled
+    assert records[10]["ahead"] and records[10]["kind"] == "decode" and records[10]["rows"] == 2
+    # b's stop is read while the step after it is in flight: the step launched next leaves b out
+    left = [i for i, r in enumerate(records) if r["left_out"]]
+    assert len(left) == 1 and records[left[0]]["left_out"] == {"stopped": 1}
+    assert records[left[0]]["rows"] == 2 and records[left[0] + 1]["rows"] == 1 and records[left[0] + 1]["ahead"]
+    assert not any(r["not_ahead"] == "stopped" for r in records) and not any(r["joined"] for r in records)
     assert records[-1]["not_ahead"] == "length"
-    assert sum(r["ahead"] for r in records) >= 20
+    assert sum(r["ahead"] for r in records) == len(records) - 2
 
 
 def test_steps_without_overlap_say_so(traced):
@@ -78,8 +80,11 @@ def test_steps_without_overlap_say_so(traced):
                        EngineConfig(block_size=4, num_blocks=64, overlap_steps=False))
     talker = ToyTalker().eval()
     hidden = talker.hidden_size
-    stage = TalkerStage(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
-    talker_engine = LLMEngine(stage, EngineConfig(block_size=4, num_blocks=64))  # (the CPU: no decode graphs)
+
+    # a talker stage whose next inputs cannot be made on the device (named as the talker's: the engine's name)
+    no_inputs_ahead = type("TalkerStage", (TalkerStage,), {"inputs_ahead": None})
+    stage = no_inputs_ahead(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
+    talker_engine = LLMEngine(stage, EngineConfig(block_size=4, num_blocks=64))
     engine.add_request("r", SamplingParams(temperature=0.0, max_new_tokens=4), prompt_token_ids=[1, 2])
     talker_engine.add_request("t", SamplingParams(temperature=0.0, max_new_tokens=4),
                               prompt_embeds=torch.randn(5, hidden), thinker_finished=True)
@@ -114,14 +119,17 @@ def test_talker_rows_waiting_for_input_are_counted(traced):
     for _ in range(6):
         engine.step()
     records = trace.read_records(traced, "step")
-    # step 1: both prefills; 2-3: a eats its two text rows; from then on a waits and b decodes alone
+    # step 1: both prefills; 2-3: a eats its two text rows; from then on a waits and b decodes alone (the 4th
+    # step launched ahead, before the 3rd's finish left a waiting: its queues are its launch's)
     assert [r["rows"] for r in records] == [2, 2, 2, 1, 1, 1]
-    assert [r["waiting_input"] for r in records] == [0, 0, 0, 1, 1, 1]
+    assert [r["waiting_input"] for r in records] == [0, 0, 0, 0, 1, 1]
     assert [r["left_waiting_input"] for r in records] == [0, 0, 1, 1, 1, 1]
     assert all(r["completion_rows"] == r["sampled"] for r in records)  # the code predictor ran on every frame
     engine.append("a", trailing_text_embeds=torch.randn(1, hidden, generator=gen), finished=True)
+    engine.step()  # (launched ahead while a waited) a joins the step it launches
     engine.step()
-    assert trace.read_records(traced, "step")[-1]["waiting_input"] == 0
+    records = trace.read_records(traced, "step")
+    assert records[-2]["joined"] == 1 and records[-1]["rows"] == 2 and records[-1]["waiting_input"] == 0
 
 
 def step(engine, t_end, host_ms, gpu_ms=None, kind="decode", rows=4, waiting_input=0, left_runnable=1,

@@ -15,7 +15,7 @@ import torch
 
 from omni_triton import trace
 from omni_triton.engine.block_manager import BlockManager, num_blocks_for_budget
-from omni_triton.engine.handoff import OutputStream, ready_event
+from omni_triton.engine.handoff import OutputStream, ready_event, to_device_async
 from omni_triton.engine.host_copies import HostIds
 from omni_triton.engine.kept_states import KeptStates
 from omni_triton.engine.output_batching import HeldOutputs, OutputBatching
@@ -55,13 +55,13 @@ class EngineConfig:
     # warm start: the stage services run engine.warmup (every kernel shape serving will use) before serving
     warmup: bool = False
     # launch the next decode step before this one's tokens reach the host where the stage's next input can be
-    # made on the device (the thinker; the talker under its decode graphs: overlap.py); the same tokens either way
+    # made on the device (the thinker; the talker: overlap.py), for the rows that go on (rows that finish or wait
+    # for input stay out, rows whose input came join); the same tokens either way
     overlap_steps: bool = True
-    # with overlapped steps: also while new rows want to join (requests queued for admission, talker rows whose text
-    # arrived), the same rows are launched ahead once and the new rows join on the step after, and (the thinker)
-    # the step after one whose rows all sampled, some at the end of their prefill, is launched ahead too
-    # (overlap.py); the same tokens either way. Default: $OMNI_TRITON_OVERLAP_ADMIT=1 turns it on (off: they join
-    # on a synchronous step, and prefill steps are followed by one)
+    # with overlapped steps: also while requests are queued for admission or a row's prefill goes on (a chunk that
+    # samples nothing), the decoding rows are launched ahead once and the new rows (the next chunk) join on the step
+    # after (overlap.py); the same tokens either way. Default: $OMNI_TRITON_OVERLAP_ADMIT=1 turns it on (off: they
+    # join on a synchronous step)
     overlap_admit: bool = field(default_factory=lambda: os.environ.get("OMNI_TRITON_OVERLAP_ADMIT", "0") == "1")
     # computed KV blocks named by their content and reused by later requests whose inputs begin the same way
     # (block_manager, prefix_cache); the streamed states of cached positions are kept or recomputed (kept_states)
@@ -220,20 +220,22 @@ class LLMEngine:
             if current is None:
                 return []
         self.last_step_size = len(current.batch)
-        not_ahead = self._no_overlap
+        not_ahead, left_out, joined = self._no_overlap, None, 0
         if self.overlap is not None:
             self._inflight = self.overlap.launch_next(current)
             not_ahead = self.overlap.not_ahead
+            if self._inflight is not None:
+                left_out, joined = self.overlap.left_out or None, len(self.overlap.joiners)
             if self._inflight is not None and began is not None:
                 self._inflight.shape = self._step_shape(self._inflight.batch, decoding=True)
         outputs, completion_rows = self._finish(current)
         if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
-            self._inflight, not_ahead = None, "stopped"  # every row stopped: nothing of it to deliver
+            self._inflight, not_ahead, left_out, joined = None, "stopped", None, 0  # every row stopped: none to deliver
         if began is not None and current.shape is not None:  # (tracing turned on since its launch: no shape)
             result = current.result
             completes = len(self.runner.streams) > 1  # the stage's completion samples (talker: code predictor)
-            self.step_log.end(began, **current.shape, ahead=ahead, not_ahead=not_ahead,
-                              sampled=len(result.sampled_seqs),
+            self.step_log.end(began, **current.shape, ahead=ahead, not_ahead=not_ahead, left_out=left_out,
+                              joined=joined, sampled=len(result.sampled_seqs),
                               completion_rows=completion_rows if completes else 0,
                               left_runnable=self.scheduler.count(SequenceStatus.RUNNING) + len(self.scheduler.waiting),
                               left_waiting_input=self.scheduler.count(SequenceStatus.WAITING_FOR_INPUT))
@@ -297,7 +299,8 @@ class LLMEngine:
                 gathered = len(continuing) < len(ids)
                 if gathered:  # rows that finished drop out (else: no copy, no gathers)
                     seqs = [seqs[i] for i in continuing]
-                    index = torch.tensor(continuing, device=hidden.device)
+                    # (a pageable copy would wait for the step launched after this one: rows reaching their length)
+                    index = to_device_async(torch.tensor(continuing), hidden.device)
                     hidden, ids = hidden[index], ids[index]
                     completed = None if completed is None else {name: t[index] for name, t in completed.items()}
                 completes_here = completed is None

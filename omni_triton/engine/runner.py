@@ -146,39 +146,48 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_ahead(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
-                  inputs_embeds: torch.Tensor | None = None) -> StepResult:
+                  inputs_embeds: torch.Tensor | None = None, joined: int = 0) -> StepResult:
         """A decode step of one position per row whose inputs are on the device, made from the step before,
         whose tokens are not appended yet (``overlap.StepOverlap``): its sampled ``token_ids`` (a stage with
-        ``embed_token_ids``) or ``inputs_embeds`` (``stage.inputs_ahead``: under the decode graphs only).
-        Samples as ``run`` would once they were: draws and bans one token ahead."""
+        ``embed_token_ids``) or ``inputs_embeds`` (``stage.inputs_ahead``). Samples as ``run`` would once they
+        were: draws and bans one token ahead; but for the last ``joined`` rows, which were not in the step before
+        (their tokens are appended: ``inputs_embeds`` holds their inputs as ``stage.embed_inputs`` makes them)."""
         seqs = [seq for seq, _, _ in chunks]
+        tokens_ahead = 1 if not joined else [1] * (len(chunks) - joined) + [0] * joined
         if self.graphs is not None and self.graphs.serves_rows(len(chunks)):
-            return self.graphs.run(chunks, token_ids=token_ids, inputs_embeds=inputs_embeds, tokens_ahead=1)
-        if token_ids is None:
-            raise ValueError("run_ahead without the decode graphs needs token ids")
+            return self.graphs.run(chunks, token_ids=token_ids, inputs_embeds=inputs_embeds,
+                                   tokens_ahead=tokens_ahead)
+        # eagerly (the CPU, or no decode graphs): as the graph does, a stage whose completion samples (the talker)
+        # completes every row here too, its frame's draws one token further on (the step's own main token)
         positions = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
-        hidden, captured = self.stage.forward(self.stage.embed_token_ids(token_ids),
-                                              _to_device(positions, self.device), self.attention_batch(chunks))
-        ids = self.sample(seqs, self.stage.compute_logits(hidden), tokens_ahead=1)
-        return StepResult(chunks, list(range(len(chunks))), captured, seqs, hidden, ids)
+        inputs = self.stage.embed_token_ids(token_ids) if token_ids is not None else inputs_embeds
+        hidden, captured = self.stage.forward(inputs, _to_device(positions, self.device), self.attention_batch(chunks))
+        ids = self.sample(seqs, self.stage.compute_logits(hidden), tokens_ahead=tokens_ahead)
+        completed = (self.complete_step(seqs, hidden, ids, tokens_ahead=_plus(tokens_ahead, 1))
+                     if len(self.streams) > 1 else None)
+        return StepResult(chunks, list(range(len(chunks))), captured, seqs, hidden, ids, completed)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, tokens_ahead: int = 0) -> torch.Tensor:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, tokens_ahead: int | list[int] = 0) -> torch.Tensor:
         if not self.samplers:  # the host sampler reads the rows' own history: callers ahead check it is exact
             return sample(logits, [seq.sample_row for seq in seqs])
         self.prepare_sampler(MAIN_STREAM, seqs, tokens_ahead)
         return self.samplers[MAIN_STREAM].sample(logits)
 
-    def prepare_sampler(self, stream: str, seqs: list[Sequence], tokens_ahead: int = 0,
+    def prepare_sampler(self, stream: str, seqs: list[Sequence], tokens_ahead: int | list[int] = 0,
                         generated: list[int] | None = None) -> None:
         """Each row's draw index is its generated-token count (``tokens_ahead`` more when tokens sampled before
         are not appended yet: the step's own inside a graph, the previous step's when overlapped), so the same
         frame draws the same uniforms on every path. The main stream's min_new_tokens ban counts them too (the
-        other streams' rows sample within a frame: their token count is the frame's). ``generated``: the rows'
-        generated-token counts when the caller has them (one pass over the rows for every stream)."""
+        other streams' rows sample within a frame: their token count is the frame's). ``tokens_ahead``: one count
+        for every row, or a row's each (rows that joined a step launched ahead have none). ``generated``: the
+        rows' generated-token counts when the caller has them (one pass over the rows for every stream)."""
         if generated is None:
             generated = generated_counts(seqs)
         keys, rows = self._sampler_rows(stream, seqs)
-        draws = [count + tokens_ahead for count in generated] if tokens_ahead else generated
+        if isinstance(tokens_ahead, list):
+            draws = [count + ahead for count, ahead in zip(generated, tokens_ahead)]
+        else:
+            draws = [count + tokens_ahead for count in generated] if tokens_ahead else generated
         self.samplers[stream].prepare(keys, rows, draws, tokens_ahead if stream == MAIN_STREAM else 0)
 
     def _sampler_rows(self, stream: str, seqs: list[Sequence]) -> tuple[list[str], list]:
@@ -191,13 +200,16 @@ class ModelRunner:
         return last[1], last[2]
 
     @torch.inference_mode()
-    def complete_step(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor
-                      ) -> dict[str, torch.Tensor]:
-        """The stage's work after sampling (talker: the rest of the codec frame), for rows that go on."""
+    def complete_step(self, seqs: list[Sequence], hidden: torch.Tensor, token_ids: torch.Tensor,
+                      tokens_ahead: int | list[int] = 0) -> dict[str, torch.Tensor]:
+        """The stage's work after sampling (talker: the rest of the codec frame), for rows that go on.
+        ``tokens_ahead``: the rows' tokens sampled but not appended yet (0: ``token_ids`` are appended already;
+        1: completed before they are, ``overlap.StepOverlap``; 2: an eager ``run_ahead``'s, whose previous step's
+        tokens are not appended either), on either path below."""
         extra = [name for name in self.streams if name != MAIN_STREAM]
         if self.samplers:
-            for name in extra:  # the main token is appended already: no tokens_ahead, on either path below
-                self.prepare_sampler(name, seqs)
+            for name in extra:
+                self.prepare_sampler(name, seqs, tokens_ahead)
             completion = self.graphs.completion if self.graphs is not None else None
             if completion is not None and completion.serves(hidden, token_ids):
                 return completion.run(hidden, token_ids)
@@ -205,6 +217,11 @@ class ModelRunner:
         else:
             sample_fns = {name: _host_sample_fn([self.streams[name](seq) for seq in seqs]) for name in extra}
         return self.stage.complete_step(hidden, token_ids, sample_fns)
+
+
+def _plus(tokens_ahead: int | list[int], more: int) -> int | list[int]:
+    """``more`` tokens ahead more, for every row."""
+    return tokens_ahead + more if isinstance(tokens_ahead, int) else [ahead + more for ahead in tokens_ahead]
 
 
 def generated_counts(seqs: list[Sequence]) -> list[int]:
@@ -274,7 +291,7 @@ class DecodeGraphs:
         self.pool = capture_buckets(self.buckets, self._body, self.graphs, self.outputs, pool=None)
 
     def run(self, chunks: list[Chunk], token_ids: torch.Tensor | None = None,
-            inputs_embeds: torch.Tensor | None = None, tokens_ahead: int = 0) -> StepResult:
+            inputs_embeds: torch.Tensor | None = None, tokens_ahead: int | list[int] = 0) -> StepResult:
         """One decode step by replay. The rows' inputs on the device instead of the sequences' (made by a step
         whose tokens are not appended yet: ``tokens_ahead`` of them, ``ModelRunner.run_ahead``): ``token_ids``
         (a token-input stage) or ``inputs_embeds``."""
@@ -297,7 +314,7 @@ class DecodeGraphs:
         # overlapped step's rewrite of them waits for no more than the copies (host_copies.StagingGuard)
         generated = generated_counts(seqs)
         for name in runner.samplers:
-            runner.prepare_sampler(name, seqs, tokens_ahead + (name != MAIN_STREAM and self.in_graph_sampling),
+            runner.prepare_sampler(name, seqs, _plus(tokens_ahead, name != MAIN_STREAM and self.in_graph_sampling),
                                    generated)
         self.graphs[batch_size].replay()
         outputs = self.outputs[batch_size]

@@ -271,9 +271,11 @@ class DeviceSampler:
         ints[0], ints[1], ints[3] = 0, 0, 0
         ints[2] = self.history.padding_slot if self.history is not None else 0
 
-    def prepare(self, keys: list[str], rows: list[SampleRow], draws: list[int], tokens_ahead: int = 0) -> None:
+    def prepare(self, keys: list[str], rows: list[SampleRow], draws: list[int],
+                tokens_ahead: int | list[int] = 0) -> None:
         """Controls of rows 0..n-1 (``draws``: each row's draw index, e.g. tokens generated so far;
-        ``tokens_ahead``: tokens sampled but not recorded in the rows yet, which the min_new_tokens ban counts)."""
+        ``tokens_ahead``: tokens sampled but not recorded in the rows yet, which the min_new_tokens ban counts:
+        for every row, or a row's each)."""
         if len(rows) > self.max_rows:
             raise ValueError(f"DeviceSampler: {len(rows)} rows, at most {self.max_rows}")
         self._staging.before_write()
@@ -292,8 +294,9 @@ class DeviceSampler:
                 ints[1, :n] = [draw_seed(row.seed, draw) for row, draw in zip(rows, draws)]
             else:
                 ints[1, :n] = draw_seeds(self._row_seeds[:n], np.asarray(draws, dtype=np.uint64))
+            per_row = not isinstance(tokens_ahead, int)
             for i in self._ban_rows:  # (every other row's flag stays 0 from the fill)
-                ints[3, i] = rows[i].stop_ids_banned_after(tokens_ahead)
+                ints[3, i] = rows[i].stop_ids_banned_after(tokens_ahead[i] if per_row else tokens_ahead)
         if refill:  # (else the device holds them already: they change with the rows only)
             self._floats.copy_(self._host_floats, non_blocking=True)
         self._ints.copy_(self._host_ints, non_blocking=True)

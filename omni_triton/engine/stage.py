@@ -19,6 +19,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.prefix_cache import audio_position_keys, embedding_keys, tensor_digest, token_keys
 from omni_triton.engine.sampling import SampleRow, SamplingParams
 from omni_triton.engine.sequence import Sequence
@@ -79,7 +80,8 @@ class StageModel(Protocol):
     # one-position decode chunks (None when some position needs more than its token's embedding), and
     # ``embed_token_ids(ids [B]) -> [B, H]``, which a decode CUDA graph runs itself (no eager embedding step).
     # Optional (the talker): ``inputs_ahead(seqs, completed) -> [N, H] | None``, the rows' next inputs from a
-    # step's completion on the device, before ``after_sample`` (None when some row has no next input yet).
+    # step's completion on the device, before ``after_sample`` (None when some row has no next input yet), and
+    # ``input_ready_ahead(seq) -> bool``, whether a row has it (rows that do not stay out of a step launched ahead).
     # Optional, what the engine's outputs carry (default True, both): ``states_past_prompt``, the streamed states
     # of generated positions too, not only the prompt's; ``device_token_ids``, each output's sampled ids on the
     # device (``RequestOutput.token_ids_device``). Off, the engine makes no per-row views of them.
@@ -296,6 +298,12 @@ class TalkerStage:
         codes, next_embeds = self.model.predict_frame(hidden, token_ids, sample_fns["predictor"])
         return {"codes": codes, "next_embeds": next_embeds}
 
+    @staticmethod
+    def input_ready_ahead(seq: Sequence) -> bool:
+        """Whether the row's next trailing text is here: its next input can be made before ``after_sample``
+        (``inputs_ahead``); else the row waits for input after this frame and stays out of a step launched ahead."""
+        return seq.stage_state.trailing.peek_trailing() is not None
+
     def inputs_ahead(self, seqs, completed) -> torch.Tensor | None:
         """The rows' next inputs [N, H] from a frame's completion still on the device, before ``after_sample``
         takes their trailing text (``overlap.StepOverlap``): the values it will push, or None while a row waits
@@ -321,7 +329,9 @@ class TalkerStage:
                 ready.append(i)
                 texts.append(text)
         if ready:
-            codec = next_embeds if len(ready) == len(seqs) else next_embeds[ready]
+            # (rows waiting for text: gathered by a device index copied without waiting for the step launched ahead)
+            codec = (next_embeds if len(ready) == len(seqs)
+                     else next_embeds[to_device_async(torch.tensor(ready), next_embeds.device)])
             inputs = codec + torch.stack(texts).to(codec)
             for i, row in zip(ready, inputs):
                 self._push_input(seqs[i], row)

@@ -9,6 +9,9 @@ A record (``engine``: "thinker" / "talker"; times in ms, ``t`` = the step's end,
 - ``ahead``: the step was launched by the previous step, before that one's tokens reached the host
   (``overlap.py``); ``not_ahead``: null when the next step is launched so, else why not (``overlap.NOT_AHEAD``,
   "stopped" when every row of the one launched stopped, "off" / "not_supported" without overlapped steps);
+  ``left_out``: when it is launched so without some of this step's rows, their count by reason (``overlap.LEFT_OUT``:
+  stopped, reaching max_new_tokens, waiting for input, a prefill going on), else null; ``joined``: rows not in this
+  step that joined the one launched so (a talker row whose text came), else 0;
 - ``host_ms``: the step's wall time on the engine thread; ``gpu_ms``: the GPU-stream span between events
   recorded at the step's start and end (CUDA only, else null; it includes the stream's idle gaps while the
   host launches, and time the GPU spent on other processes' work);

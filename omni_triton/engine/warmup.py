@@ -9,8 +9,9 @@ the engine's own step, so exactly the serving code paths see each shape once:
 - prefill: one request of each size in ``WarmupPlan.prefill_tokens`` (1 .. the step's token budget: powers of
   two and sizes off the multiples of 16; past the budget, a chunked prefill over cached context);
 - batches: a ramp of ``max_num_seqs`` requests that runs a mixed step (decode rows + a newcomer's prefill) at
-  every decode row count below ``max_num_seqs``, then a decode step at every batch size down from it (greedy
-  and sampled rows, with a repetition penalty: both sampler paths). Every size, not only the graph buckets:
+  every decode row count below ``max_num_seqs``, decode steps between, then a decode step at every batch size
+  down from it (greedy and sampled rows, with a repetition penalty: both sampler paths). Every size, not only
+  the graph buckets:
   mixed steps run eagerly, and paged decode attention's split count changes with the decode rows.
 What a stage feeds its dummy requests comes from its ``warmup_inputs`` hook (the talker's never wait for text).
 Afterwards the engine is idle -- no request, every KV block free (asserted), preemption count back to 0 -- and
@@ -66,10 +67,11 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan | None = None,
     logging progress lines; returns the seconds it took. Raises RuntimeError if the engine is not idle
     afterwards.
 
-    The batch ramp: ``max_batch`` requests of 2-token prompts, one added per step, each generating
-    ``max_batch + 1`` tokens. Step k is a mixed step (k decode rows + the newcomer's prefill) for every k below
-    ``max_batch``; then the requests finish one per step, so the decode batch runs every size from ``max_batch``
-    down to 1 (a graph replay per bucket, or eager decode with the graphs off)."""
+    The batch ramp: ``max_batch`` requests of 2-token prompts, one added per scheduled step (a step launched
+    ahead of its arrival, the decode rows alone, may come first), each generating ``2 * max_batch + 1`` tokens.
+    The step that admits request k is a mixed step (k decode rows + the newcomer's prefill) for every k below
+    ``max_batch``; then the requests finish one or two steps apart, so the decode batch runs every size from
+    ``max_batch`` down to 1 (a graph replay per bucket, or eager decode with the graphs off)."""
     if engine.requests:
         raise RuntimeError(f"warm-up needs an idle engine, {len(engine.requests)} requests are in it")
     plan = plan or WarmupPlan.for_engine(engine)
@@ -89,8 +91,11 @@ def warm_up(engine: LLMEngine, plan: WarmupPlan | None = None,
             _run(engine)
             progress(f"prefill of {tokens} tokens")
         for k in range(plan.max_batch):
-            _add(engine, f"batch-{k}", 2, index=k, max_new_tokens=plan.max_batch + 1)
-            engine.step()
+            name = f"batch-{k}"
+            _add(engine, name, 2, index=k, max_new_tokens=2 * plan.max_batch + 1)
+            # (a step launched ahead of its arrival, the decode rows alone, comes first: overlap.py)
+            while engine.requests[f"warmup-{name}"].num_computed_tokens == 0:
+                engine.step()
             if k + 1 in plan.buckets:
                 progress(f"mixed steps of up to {k} decode rows + a prefill")
         _run(engine)
