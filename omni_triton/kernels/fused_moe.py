@@ -64,25 +64,25 @@ def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOC
     return pairs, pairs < num_pairs, cols, cols < n_cols
 
 
-# float8_e4m3fn -> bfloat16, exactly (every finite e4m3 value is a bf16 value), four weights a call: each byte moved
-# to the high byte of a 16-bit half (prmt), its exponent and mantissa shifted right by 4 under the sign (shr, then
-# lop3 choosing bits 0x8800 of each half from the unshifted word): the bf16 whose bits are the e4m3's exponent and
-# mantissa is the e4m3 value times 2^-120, subnormals included; one bf16 multiply by 2^120 (0x7b80) per pair
-# makes it exact. Triton's own conversion goes e4m3 -> f16 -> bf16 through the conversion units (an F2F per
-# weight in the sm_90 compile); this is integer moves and a packed multiply. NaN (0x7f, 0xff) reads as +-480.
+# float8_e4m3fn -> bfloat16, exactly (every finite e4m3 value is a bf16 value), four weights a call: prmt puts each
+# byte in the low byte of a 16-bit half with its sign bit repeated over the high byte (selector nibbles 8-b: the
+# byte's msb), a shift left by 4 then puts the exponent and mantissa at bf16's bits 4-10 and a sign bit at bit 15,
+# and the and keeps those (0x87f0 a half: the sign's other copies and the bits shifted over from the low half go):
+# that bf16 is the e4m3 value times 2^-120, subnormals included; one bf16 multiply by 2^120 (0x7b80) a pair makes
+# it exact. Triton's own conversion goes e4m3 -> f16 -> bf16 through the conversion units (an F2F per weight in the
+# sm_90 compile); this is three integer instructions and a packed multiply per pair. NaN (0x7f, 0xff) reads +-480.
 _E4M3_TO_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 a<2>, s<2>, bias, neg_zero;
+.reg .b32 a<2>, bias;
 mov.b32 bias, 0x7b807b80;
-mov.b32 neg_zero, 0x80008000;
-prmt.b32 a0, $2, 0, 0x1404;
-prmt.b32 a1, $2, 0, 0x3424;
-shr.b32 s0, a0, 4;
-shr.b32 s1, a1, 4;
-lop3.b32 a0, a0, s0, 0x88008800, 0xe4;
-lop3.b32 a1, a1, s1, 0x88008800, 0xe4;
-fma.rn.bf16x2 $0, a0, bias, neg_zero;
-fma.rn.bf16x2 $1, a1, bias, neg_zero;
+prmt.b32 a0, $2, 0, 0x9180;
+prmt.b32 a1, $2, 0, 0xb3a2;
+shl.b32 a0, a0, 4;
+shl.b32 a1, a1, 4;
+and.b32 a0, a0, 0x87f087f0;
+and.b32 a1, a1, 0x87f087f0;
+mul.rn.bf16x2 $0, a0, bias;
+mul.rn.bf16x2 $1, a1, bias;
 }
 """)
 
@@ -91,6 +91,23 @@ fma.rn.bf16x2 $1, a1, bias, neg_zero;
 def _e4m3_as_bf16(w):
     """float8_e4m3fn -> bfloat16 without the conversion units (``_E4M3_TO_BF16_ASM``; not in the interpreter)."""
     return tl.inline_asm_elementwise(_E4M3_TO_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e4m3_as_bf16_kernel(codes_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, _e4m3_as_bf16(tl.load(codes_ptr + offsets, mask=mask, other=0.0)), mask=mask)
+
+
+def e4m3_as_bf16(weights: torch.Tensor) -> torch.Tensor:
+    """A CUDA float8_e4m3fn tensor in bf16 through ``_e4m3_as_bf16`` (what the grouped GEMMs' tiles go through; for
+    checking it against torch's conversion)."""
+    flat = weights.reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=weights.device)
+    block = 1024
+    _e4m3_as_bf16_kernel[(triton.cdiv(flat.numel(), block),)](flat, out, flat.numel(), BLOCK=block)
+    return out.view(weights.shape)
 
 
 @triton.jit
