@@ -55,7 +55,10 @@ def test_fp8_search_past_its_deadline_keeps_the_size_rule():
     assert config["gate_up"] == rule["gate_up"] and config["down"] == rule["down"]
 
 
-def test_fp8_tuning_writes_an_entry_that_block_config_reads(monkeypatch, tmp_path):
+@pytest.mark.parametrize("compile_workers", [0, 1])
+def test_fp8_tuning_writes_an_entry_that_block_config_reads(monkeypatch, tmp_path, compile_workers):
+    """With a compile worker too (a spawned process running each round's candidates first; here through the
+    interpreter, which caches nothing, so only the plumbing is checked)."""
     monkeypatch.setattr(tune, "LAYERS", 1)
     monkeypatch.setattr(tune, "FP8_TILES", [(16, 16, 4), (32, 16, 4)])
     monkeypatch.setattr(tune, "FP8_STAGES", (2, 3))
@@ -68,7 +71,8 @@ def test_fp8_tuning_writes_an_entry_that_block_config_reads(monkeypatch, tmp_pat
     shape = table.setdefault(device_name, {})[key] = {}
     # the interpreter's bf16 dot is wrong (test_kernels.py): fp32 activations on the CPU
     rows = tune.tune_shape(4, 32, 32, 2, True, shape, lambda: table_file.write_text(json.dumps(table)), buckets=[2],
-                           device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+                           device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
+                           compile_workers=compile_workers)
     assert len(rows) == 1 and "FAILED" not in rows[0]
     written = json.loads(table_file.read_text())[device_name][key]["2"]
     assert written["gate_up"]["SCALE_AFTER_DOT"] in (True, False)

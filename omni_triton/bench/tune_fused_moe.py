@@ -16,7 +16,7 @@ bf16: coordinate search, the gate/up GEMM's tiles first (down at its default), t
 ``BLOCK_M`` that fits the bucket. FP8 (``fp8_search``): at a decode step's few pairs per expert the grouped GEMMs
 are bound by the instructions spent per weight byte (each weight converted before the tensor cores take it), so
 per ``BLOCK_M`` and per GEMM: every tile shape of ``FP8_TILES`` at 3 stages, then the best at other depths, then
-the best with the scales on the weights (``SCALE_AFTER_DOT`` off, the torch path's rounding) for comparison. Each
+the best with the scales on the weights (``SCALE_AFTER_DOT`` off, the torch path's rounding), kept if faster. Each
 bucket prints every timing as it goes, then a table: the best config per bucket, its time a layer, the expert
 weight bytes it read per second against ``--peak-gbs``, the size rule's time, and the programs each GEMM launched
 (against the GPU's multiprocessors). The picked config is checked against the torch path (``run_experts`` on the
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.testing
 
-from omni_triton.kernels.fused_moe import GEMV_MAX_TOKENS, default_config, fused_experts, shape_key
+from omni_triton.kernels.fused_moe import GEMV_MAX_TOKENS, default_config, e4m3_as_bf16, fused_experts, shape_key
 from omni_triton.kernels.routing import route
 from omni_triton.models.config import FULL_SIZE_CONFIG, OmniConfig, resolve_config_dir
 
@@ -78,12 +79,12 @@ def fp8_shared_bytes(part: str, block_m: int, gemm: dict) -> int:
 
 
 def expert_weights(num_experts: int, hidden: int, inter: int, fp8: bool, gen: torch.Generator,
-                   dtype: torch.dtype, block: tuple[int, int]) -> list[tuple]:
-    """``LAYERS`` copies of random experts on ``gen``'s device: (gate_up, down, fp8_scales or None)."""
+                   dtype: torch.dtype, block: tuple[int, int], copies: int | None = None) -> list[tuple]:
+    """``copies`` (``LAYERS``) copies of random experts on ``gen``'s device: (gate_up, down, fp8_scales or None)."""
     from omni_triton.models.quantization import quantize_fp8
 
     layers = []
-    for _ in range(LAYERS):
+    for _ in range(LAYERS if copies is None else copies):
         gate_up = torch.randn(num_experts, 2 * inter, hidden, device=gen.device, dtype=dtype, generator=gen)
         down = torch.randn(num_experts, hidden, inter, device=gen.device, dtype=dtype, generator=gen)
         gate_up, down = gate_up * hidden ** -0.5, down * inter ** -0.5
@@ -163,15 +164,14 @@ def bf16_search(bench: BucketBench, top_k: int, num_experts: int, candidates: li
     return best
 
 
-def fp8_search(bench: BucketBench, top_k: int, num_experts: int, deadline: float, say) -> tuple:
+def fp8_search(bench: BucketBench, top_k: int, num_experts: int, deadline: float, say, precompile=None) -> tuple:
     """(ms, config) of FP8 experts: per BLOCK_M and per GEMM (gate/up first, down at the size rule's tile
     meanwhile), every ``FP8_TILES`` shape at 3 stages, the best shape at ``FP8_STAGES``, then the best with the
-    scales on the weights. Stops trying new candidates at ``deadline`` (time.monotonic())."""
+    scales on the weights, should that be faster. Stops trying new candidates at ``deadline`` (time.monotonic()).
+    ``precompile(num_tokens, configs)`` (a ``CompilePool``) compiles each round's candidates before they are timed."""
     best = None
     for block_m in fp8_block_m_candidates(bench.num_tokens, top_k, num_experts):
         config = dict(default_config(bench.num_tokens), BLOCK_M=block_m)
-        config = dict(config, gate_up=dict(config["gate_up"], BLOCK_K=min(128, config["gate_up"]["BLOCK_K"])),
-                      down=dict(config["down"], BLOCK_K=min(128, config["down"]["BLOCK_K"])))
         for part in ("gate_up", "down"):
             tried: dict[tuple, float] = {}
 
@@ -187,11 +187,16 @@ def fp8_search(bench: BucketBench, top_k: int, num_experts: int, deadline: float
                         say(f"  BLOCK_M {block_m} {part} {describe(gemm)}: {tried[key] * 1e3:.1f} us")
                 return tried[key]
 
-            shapes = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3, SCALE_AFTER_DOT=True)
-                      for n, k, w in FP8_TILES]
-            pick = min(shapes, key=trial)
-            pick = min([dict(pick, num_stages=s) for s in FP8_STAGES], key=trial)
-            trial(dict(pick, SCALE_AFTER_DOT=False))  # the torch path's rounding, for the table
+            def best_of(gemms: list[dict]) -> dict:
+                if precompile is not None and time.monotonic() < deadline:
+                    precompile(bench.num_tokens, [dict(config, **{part: gemm}) for gemm in gemms
+                                                  if fp8_shared_bytes(part, block_m, gemm) <= SHARED_MEMORY_BYTES])
+                return min(gemms, key=trial)
+
+            pick = best_of([dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3, SCALE_AFTER_DOT=True)
+                            for n, k, w in FP8_TILES])
+            pick = best_of([dict(pick, num_stages=s) for s in FP8_STAGES])
+            pick = best_of([pick, dict(pick, SCALE_AFTER_DOT=False)])  # or the torch path's rounding
             if trial(pick) < float("inf"):
                 config[part] = pick
         took = bench.ms(config)
@@ -199,6 +204,65 @@ def fp8_search(bench: BucketBench, top_k: int, num_experts: int, deadline: float
         if best is None or took < best[0]:
             best = (took, config)
     return best
+
+
+class CompilePool:
+    """Compiles candidates before they are timed, in worker processes: each runs the fused MoE once on experts of
+    the same shapes, only fewer of them (``COMPILE_EXPERTS``), at the bucket's token count, so that the kernels get
+    the same specializations and the timing process finds them in Triton's on-disk cache (a serial compile took
+    ~1 s a candidate; a bucket tries ~30). Nothing is timed while the workers run."""
+
+    def __init__(self, workers: int, hidden: int, inter: int, top_k: int, fp8: bool, device: str, dtype: torch.dtype):
+        import concurrent.futures
+        import multiprocessing
+
+        # the worker functions by their importable module (this one may run as __main__)
+        from omni_triton.bench import tune_fused_moe as importable
+
+        self.futures, self.run = concurrent.futures, importable._compile_worker_run
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=importable._compile_worker_init,
+            initargs=(hidden, inter, top_k, fp8, FP8_BLOCK, device, dtype))
+        self.sent: set[str] = set()
+
+    def __call__(self, num_tokens: int, configs: list[dict]) -> None:
+        todo = {json.dumps([num_tokens, config], sort_keys=True): config for config in configs}
+        futures = [self.pool.submit(self.run, num_tokens, config)
+                   for key, config in todo.items() if key not in self.sent]
+        self.sent.update(todo)
+        done, late = self.futures.wait(futures, timeout=300)
+        for future in done:
+            future.result()  # a worker's error shows here; the timing compiles what it missed
+        if late:
+            print(f"  {len(late)} precompiles still running after 300 s: timing compiles them", flush=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+COMPILE_EXPERTS = 8
+_compile_worker: dict = {}
+
+
+def _compile_worker_init(hidden: int, inter: int, top_k: int, fp8: bool, block: tuple[int, int], device: str,
+                         dtype: torch.dtype) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    _compile_worker.update(gen=gen, top_k=top_k, dtype=dtype, layers=expert_weights(
+        COMPILE_EXPERTS, hidden, inter, fp8, gen, dtype, block, copies=1))
+
+
+def _compile_worker_run(num_tokens: int, config: dict) -> None:
+    bench = _compile_worker.get(num_tokens)
+    if bench is None:
+        bench = _compile_worker[num_tokens] = BucketBench(_compile_worker["layers"], num_tokens,
+                                                          _compile_worker["top_k"], _compile_worker["gen"],
+                                                          _compile_worker["dtype"])
+    try:
+        bench.run(config)
+        if bench.x.is_cuda:
+            torch.cuda.synchronize()
+    except triton.runtime.errors.OutOfResources:
+        pass
 
 
 def scales_on_weights(config: dict) -> dict:
@@ -216,48 +280,84 @@ def describe_config(config: dict) -> str:
     return f"M{config['BLOCK_M']} gate_up[{describe(config['gate_up'])}] down[{describe(config['down'])}]"
 
 
+def check_e4m3_conversion() -> str:
+    """The GEMMs' e4m3 -> bf16 (``fused_moe.e4m3_as_bf16``) against torch's on every finite code, as a line."""
+    codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    got = e4m3_as_bf16(codes.view(torch.float8_e4m3fn))[finite].view(torch.int16)
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)[finite].view(torch.int16)
+    wrong = codes[finite][got != want].tolist()
+    return (f"e4m3 -> bf16 in the grouped GEMMs: exact on all {int(finite.sum())} finite codes" if not wrong else
+            f"e4m3 -> bf16 in the grouped GEMMs: WRONG on {len(wrong)} codes ({wrong[:8]}...): fix _e4m3_as_bf16")
+
+
 def tune_shape(num_experts: int, hidden: int, inter: int, top_k: int, fp8: bool, table: dict[str, dict], save,
                buckets=BUCKETS, candidates=GEMM_CANDIDATES, budget_s: float | None = None,
-               peak_gbs: float = 4800.0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[str]:
+               peak_gbs: float = 4800.0, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+               compile_workers: int = 0) -> list[str]:
     """Fills ``table`` bucket by bucket, calling ``save()`` after each (a cut-short run keeps what it found);
-    returns the summary table's rows. (``device``, ``dtype``: the activations'; tests run it on the CPU.)"""
+    returns the summary table's rows. (``device``, ``dtype``: the activations'; tests run it on the CPU.)
+    ``compile_workers``: FP8, processes that compile candidates ahead of their timing (``CompilePool``)."""
     say = functools.partial(print, flush=True)
     gen = torch.Generator(device=device).manual_seed(0)
     layers = expert_weights(num_experts, hidden, inter, fp8, gen, dtype, FP8_BLOCK)
-    weights = "fp8" if fp8 else "bf16"
     rows = []
     start = time.monotonic()
-    for index, num_tokens in enumerate(buckets):
-        left = None if budget_s is None else budget_s - (time.monotonic() - start)
-        deadline = float("inf") if left is None else time.monotonic() + max(0.0, left) / (len(buckets) - index)
-        bench = BucketBench(layers, num_tokens, top_k, gen, dtype)
-        say(f"E{num_experts} H{hidden} I{inter} k{top_k} {weights} tokens {num_tokens}: "
-            f"{bench.weight_bytes / 1e6:.0f} MB of expert weights a layer")
-        if fp8:
-            took, config = fp8_search(bench, top_k, num_experts, deadline, say)
-        else:
-            took, config = bf16_search(bench, top_k, num_experts, candidates)
-        default_ms = bench.ms(default_config(num_tokens))
-        # FP8 before SCALE_AFTER_DOT: the size rule's tiles with the scales on the weights (what an untuned GPU ran)
-        before = (f"{bench.ms(scales_on_weights(default_config(num_tokens))) * 1e3:.1f}" if fp8 else "-")
-        # the decode sizes' per-pair GEMVs (what --linear-launch gemv runs there) beside the grouped GEMMs
-        by_pair = f"{bench.ms(None, gemv=True) * 1e3:.1f}" if num_tokens <= GEMV_MAX_TOKENS else "-"
-        error = bench.error(config)
-        gbs = bench.weight_bytes / (took * 1e-3) / 1e9
-        programs = (f"{bench.programs(config, 'gate_up', inter)} / {bench.programs(config, 'down', hidden)}")
-        checked = error < 1e-2
-        say(f"E{num_experts} H{hidden} I{inter} k{top_k} {weights} tokens {num_tokens}: {took * 1e3:.1f} us/layer, "
-            f"{gbs:.0f} GB/s ({gbs / peak_gbs:.0%} of {peak_gbs:.0f}) (default {default_ms * 1e3:.1f}, scales on the "
-            f"weights {before}, per-pair GEMVs {by_pair}) error {error:.1e} {describe_config(config)}")
-        rows.append(f"| {weights} | {num_tokens} | {describe_config(config)} | {took * 1e3:.1f} | {gbs:.0f} "
-                    f"({gbs / peak_gbs:.0%}) | {default_ms * 1e3:.1f} | {before} | {by_pair} | {programs} | {error:.1e}"
-                    f"{'' if checked else ' FAILED'} |")
-        if not checked:
-            say(f"  not written: error {error:.1e} against the torch path (want < 1e-2)")
-            continue
+    pool = CompilePool(compile_workers, hidden, inter, top_k, fp8, device, dtype) if fp8 and compile_workers else None
+    try:
+        for index, num_tokens in enumerate(buckets):
+            rows.append(tune_bucket(layers, num_tokens, top_k, fp8, candidates, gen, dtype, pool, peak_gbs, say,
+                                    deadline_share(budget_s, start, len(buckets) - index), table, save))
+    finally:
+        if pool is not None:
+            pool.close()
+    return rows
+
+
+def deadline_share(budget_s: float | None, start: float, buckets_left: int) -> float:
+    """time.monotonic() at which this bucket's search stops: an equal share of what is left of the budget."""
+    if budget_s is None:
+        return float("inf")
+    return time.monotonic() + max(0.0, budget_s - (time.monotonic() - start)) / buckets_left
+
+
+def tune_bucket(layers: list[tuple], num_tokens: int, top_k: int, fp8: bool, candidates: list[dict],
+                gen: torch.Generator, dtype: torch.dtype, pool, peak_gbs: float, say, deadline: float,
+                table: dict[str, dict], save) -> str:
+    """Searches one bucket, prints its line, writes its entry if it matches the torch path; its table row."""
+    num_experts, two_inter, hidden = layers[0][0].shape
+    inter = two_inter // 2
+    weights = "fp8" if fp8 else "bf16"
+    bench = BucketBench(layers, num_tokens, top_k, gen, dtype)
+    say(f"E{num_experts} H{hidden} I{inter} k{top_k} {weights} tokens {num_tokens}: "
+        f"{bench.weight_bytes / 1e6:.0f} MB of expert weights a layer")
+    rule = default_config(num_tokens)
+    if fp8:
+        if pool is not None:
+            pool(num_tokens, [rule, scales_on_weights(rule)])
+        took, config = fp8_search(bench, top_k, num_experts, deadline, say, pool)
+    else:
+        took, config = bf16_search(bench, top_k, num_experts, candidates)
+    rule_ms = bench.ms(rule)
+    # FP8 before SCALE_AFTER_DOT: the size rule's tiles with the scales on the weights (what an untuned GPU ran)
+    before = f"{bench.ms(scales_on_weights(rule)) * 1e3:.1f}" if fp8 else "-"
+    # the decode sizes' per-pair GEMVs (what --linear-launch gemv runs there) beside the grouped GEMMs
+    by_pair = f"{bench.ms(None, gemv=True) * 1e3:.1f}" if num_tokens <= GEMV_MAX_TOKENS else "-"
+    error = bench.error(config)
+    gbs = bench.weight_bytes / (took * 1e-3) / 1e9
+    programs = f"{bench.programs(config, 'gate_up', inter)} / {bench.programs(config, 'down', hidden)}"
+    checked = error < 1e-2
+    say(f"E{num_experts} H{hidden} I{inter} k{top_k} {weights} tokens {num_tokens}: {took * 1e3:.1f} us/layer, "
+        f"{gbs:.0f} GB/s ({gbs / peak_gbs:.0%} of {peak_gbs:.0f}) (size rule {rule_ms * 1e3:.1f}, with the scales "
+        f"on the weights {before}, per-pair GEMVs {by_pair}) error {error:.1e} {describe_config(config)}")
+    if checked:
         table[str(num_tokens)] = config
         save()
-    return rows
+    else:
+        say(f"  not written: error {error:.1e} against the torch path (want < 1e-2)")
+    return (f"| {weights} | {num_tokens} | {describe_config(config)} | {took * 1e3:.1f} | {gbs:.0f} "
+            f"({gbs / peak_gbs:.0%}) | {rule_ms * 1e3:.1f} | {before} | {by_pair} | {programs} | {error:.1e}"
+            f"{'' if checked else ' FAILED'} |")
 
 
 def main(argv=None) -> None:
@@ -272,6 +372,8 @@ def main(argv=None) -> None:
     parser.add_argument("--wide", action="store_true", help="bf16: also try WIDE_CANDIDATES (longer run)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="FP8: seconds for each weight format's search of one shape (each bucket a share)")
+    parser.add_argument("--compile-workers", type=int, default=max(0, min(12, (os.cpu_count() or 1) - 2)),
+                        help="FP8: processes compiling candidates ahead of their timing (0: compile as timed)")
     parser.add_argument("--peak-gbs", type=float, default=4800.0,
                         help="memory bandwidth the GB/s column is held against (H200: 4.8 TB/s nominal)")
     args = parser.parse_args(argv)
@@ -292,19 +394,23 @@ def main(argv=None) -> None:
         out.write_text(json.dumps(table, indent=1) + "\n")
 
     rows = []
+    conversion = check_e4m3_conversion() if "fp8" in quantizations else ""
+    if conversion:
+        print(conversion, flush=True)
     for stage in stages:
         text = getattr(config, stage).text
         for quantization in quantizations:
             fp8 = quantization == "fp8"
             shape = tuned[shape_key(text.num_experts, text.hidden_size, text.moe_intermediate_size, fp8)] = {}
             rows += tune_shape(text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok,
-                               fp8, shape, save, buckets, candidates, args.budget_s, args.peak_gbs)
+                               fp8, shape, save, buckets, candidates, args.budget_s, args.peak_gbs,
+                               compile_workers=args.compile_workers)
     print(f"\n{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs:\n")
     print("| weights | tokens | config | us/layer | expert weights GB/s | size rule us | size rule, scales on the "
           "weights us | per-pair GEMVs us | programs gate_up / down | error |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
-    print(f"wrote {out}")
+    print(f"\n{conversion}\nwrote {out}")
 
 
 if __name__ == "__main__":
