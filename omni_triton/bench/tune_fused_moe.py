@@ -226,18 +226,30 @@ class CompilePool:
         self.sent: set[str] = set()
 
     def __call__(self, num_tokens: int, configs: list[dict]) -> None:
+        """Compiles ``configs`` at ``num_tokens``; a worker's failure is printed and the timing compiles what it
+        missed (a broken pool is not used again)."""
+        if self.pool is None:
+            return
         todo = {json.dumps([num_tokens, config], sort_keys=True): config for config in configs}
-        futures = [self.pool.submit(self.run, num_tokens, config)
-                   for key, config in todo.items() if key not in self.sent]
-        self.sent.update(todo)
-        done, late = self.futures.wait(futures, timeout=300)
-        for future in done:
-            future.result()  # a worker's error shows here; the timing compiles what it missed
+        try:
+            futures = [self.pool.submit(self.run, num_tokens, config)
+                       for key, config in todo.items() if key not in self.sent]
+            self.sent.update(todo)
+            done, late = self.futures.wait(futures, timeout=300)
+            errors = [future.exception() for future in done if future.exception() is not None]
+        except Exception as error:  # BrokenProcessPool and the like: compile as timed from now on
+            print(f"  compile workers failed ({error!r}): compiling as timed", flush=True)
+            self.close()
+            return
+        if errors:
+            print(f"  {len(errors)} precompiles failed, the first: {errors[0]!r}", flush=True)
         if late:
             print(f"  {len(late)} precompiles still running after 300 s: timing compiles them", flush=True)
 
     def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
 
 
 COMPILE_EXPERTS = 8
