@@ -329,7 +329,7 @@ def test_grouped_fp8_gemms_compile_for_sm90_without_per_weight_conversions():
         after, before = ops[("after", name)], ops[("weights", name)]
         assert not any(op.startswith("cvt") and "e4m3" in op or op == "cvt.f32.f16" for op in after), after
         # a weight pair: one prmt, one packed multiply; fp32 multiplies only in the epilogue (router weight, SiLU)
-        assert int(after["prmt.b32"]) == int(after["mul.rn.bf16x2"]) == weights_per_thread // 2
+        assert int(after["prmt.b32"]) == int(after["fma.rn.bf16x2"]) == weights_per_thread // 2
         assert int(after.get("mul.f32", 0)) < weights_per_thread // 4 and mma in after
         assert int(before["cvt.rn.f16x2.e4m3x2"]) == weights_per_thread // 2
         assert int(before["mul.f32"]) >= weights_per_thread

@@ -69,20 +69,21 @@ def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOC
 # byte's msb), a shift left by 4 then puts the exponent and mantissa at bf16's bits 4-10 and a sign bit at bit 15,
 # and the and keeps those (0x87f0 a half: the sign's other copies and the bits shifted over from the low half go):
 # that bf16 is the e4m3 value times 2^-120, subnormals included; one bf16 multiply by 2^120 (0x7b80) a pair makes
-# it exact. Triton's own conversion goes e4m3 -> f16 -> bf16 through the conversion units (an F2F per weight in the
+# it exact (written as an fma with -0, which sm_80 has too; ptxas emits the multiply). Triton's own conversion goes e4m3 -> f16 -> bf16 through the conversion units (an F2F per weight in the
 # sm_90 compile); this is three integer instructions and a packed multiply per pair. NaN (0x7f, 0xff) reads +-480.
 _E4M3_TO_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 a<2>, bias;
+.reg .b32 a<2>, bias, neg_zero;
 mov.b32 bias, 0x7b807b80;
+mov.b32 neg_zero, 0x80008000;
 prmt.b32 a0, $2, 0, 0x9180;
 prmt.b32 a1, $2, 0, 0xb3a2;
 shl.b32 a0, a0, 4;
 shl.b32 a1, a1, 4;
 and.b32 a0, a0, 0x87f087f0;
 and.b32 a1, a1, 0x87f087f0;
-mul.rn.bf16x2 $0, a0, bias;
-mul.rn.bf16x2 $1, a1, bias;
+fma.rn.bf16x2 $0, a0, bias, neg_zero;
+fma.rn.bf16x2 $1, a1, bias, neg_zero;
 }
 """)
 
