@@ -184,7 +184,8 @@ def fp8_search(bench: BucketBench, top_k: int, num_experts: int, deadline: float
                         tried[key] = float("inf")
                     else:
                         tried[key] = bench.ms(dict(config, **{part: gemm}))
-                        say(f"  BLOCK_M {block_m} {part} {describe(gemm)}: {tried[key] * 1e3:.1f} us")
+                        say(f"  BLOCK_M {block_m} {part} {describe(gemm)}: {tried[key] * 1e3:.1f} us/layer, "
+                            f"{bench.weight_bytes / (tried[key] * 1e-3) / 1e9:.0f} GB/s")
                 return tried[key]
 
             def best_of(gemms: list[dict]) -> dict:
