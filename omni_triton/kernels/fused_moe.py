@@ -21,16 +21,17 @@ weights (w8a16, half the weight bytes). The per-pair GEMVs dequantize each weigh
 to the activations' dtype (the weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``), loading
 a chunk's scales as a [columns, groups] block, a group inside one block of scales (``_fp8_pair_products``): one
 scale load per row and group rather than per weight. The grouped GEMMs' K tile lies inside one block of scales,
-so each output column has one scale per K tile; by default (``SCALE_AFTER_DOT``, per GEMM in the config) the tile
-goes into ``tl.dot`` as its exact FP8 values (every e4m3 value is a bf16 / fp16 / fp32 value; bf16 converts
-without the conversion units, ``_e4m3_as_bf16``) and the [BLOCK_M, BLOCK_N] partial sums are multiplied by the
-columns' scales in fp32 before they join the accumulator: a multiply per output instead of per weight, and at a
-decode step's few pairs per expert the kernel is bound by the instructions spent per weight byte, not by the
-tensor cores. What that changes in the roundings: the dequantized weight is never rounded to the activations'
-dtype (closer to exact; the torch path rounds each weight * scale to bf16, a relative 2^-9 per weight), and the
-scale multiplies a K tile's fp32 partial sum (one more fp32 rounding per tile). ``SCALE_AFTER_DOT=False`` keeps the
-torch path's rounding (each tile's weights times their scales in fp32, rounded to the activations' dtype, then the
-dot), which with the dot's own accumulation order is all that differs from the torch path.
+so each output column has one scale per K tile. With ``SCALE_AFTER_DOT`` (per GEMM in the config; without an
+entry, tiles of up to ``SCALE_AFTER_DOT_MAX_ROWS`` rows: a decode step's) the tile goes into ``tl.dot`` as its
+exact FP8 values (every e4m3 value is a bf16 / fp16 / fp32 value; bf16 converts without the conversion units,
+``_e4m3_as_bf16``) and the [BLOCK_M, BLOCK_N] partial sums are multiplied by the columns' scales in fp32 before
+they join the accumulator: a multiply per output instead of per weight (at a decode step's few pairs per expert
+the kernel is bound by the instructions spent per weight byte, not by the tensor cores). What that changes in the
+roundings: the dequantized weight is never rounded to the activations' dtype (closer to exact; the torch path
+rounds each weight * scale to bf16, a relative 2^-9 per weight), and the scale multiplies a K tile's fp32 partial
+sum (one more fp32 rounding per tile). Without it, the torch path's rounding: each tile's weights times their
+scales in fp32, rounded to the activations' dtype, then the dot (with the dot's own accumulation order, all that
+differs from the torch path).
 
 Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate) and weight
 format: FP8 experts have their own entries, ``shape_key``; per token-count bucket; written by ``python -m
@@ -69,8 +70,9 @@ def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOC
 # byte's msb), a shift left by 4 then puts the exponent and mantissa at bf16's bits 4-10 and a sign bit at bit 15,
 # and the and keeps those (0x87f0 a half: the sign's other copies and the bits shifted over from the low half go):
 # that bf16 is the e4m3 value times 2^-120, subnormals included; one bf16 multiply by 2^120 (0x7b80) a pair makes
-# it exact (written as an fma with -0, which sm_80 has too; ptxas emits the multiply). Triton's own conversion goes e4m3 -> f16 -> bf16 through the conversion units (an F2F per weight in the
-# sm_90 compile); this is three integer instructions and a packed multiply per pair. NaN (0x7f, 0xff) reads +-480.
+# it exact (written as an fma with -0, which sm_80 has too; ptxas emits the multiply). Triton's own conversion
+# goes e4m3 -> f16 -> bf16 through the conversion units (an F2F per weight in the sm_90 compile); this is three
+# integer instructions and a packed multiply per pair. NaN (0x7f, 0xff) reads +-480.
 _E4M3_TO_BF16_ASM = tl.constexpr("""
 {
 .reg .b32 a<2>, bias, neg_zero;
@@ -477,10 +479,10 @@ def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     def depth_tile(cfg: dict) -> int:  # FP8: a K tile inside one scale block
         return cfg["BLOCK_K"] if quant["block_k"] is None else min(cfg["BLOCK_K"], quant["block_k"])
 
-    def fp8_order(cfg: dict) -> dict:  # FP8: where the scales apply (tuned per GEMM; after the dot by default)
+    def fp8_order(cfg: dict) -> dict:  # FP8: where the scales apply (tuned per GEMM, else by the tile's rows)
         if not fp8:
             return {}
-        return dict(SCALE_AFTER_DOT=cfg.get("SCALE_AFTER_DOT", True),
+        return dict(SCALE_AFTER_DOT=cfg.get("SCALE_AFTER_DOT", block_m <= SCALE_AFTER_DOT_MAX_ROWS),
                     BF16_ASM=x.dtype == torch.bfloat16 and x.is_cuda and not INTERPRETED)
 
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -504,6 +506,14 @@ def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
         PRECISION=precision, num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"], PDL=pdl,
         launch_pdl=pdl, **quant["consts"], **fp8_order(down_cfg))
     return per_pair
+
+
+# FP8 tiles without a tuned entry scale the partial sums (``SCALE_AFTER_DOT``) up to this many rows: mma.sync
+# tiles at a decode step's few pairs per expert, where the instructions per weight byte bound the kernel. Tiles of
+# 64 rows and more compile to wgmma on sm_90, whose dot would have to finish each K tile before its scale (no
+# overlap of the tensor cores with the next tile's conversion, at prefill sizes where the tensor cores count):
+# those keep the scales on the weights unless the tuner picked otherwise.
+SCALE_AFTER_DOT_MAX_ROWS = 32
 
 
 def shape_key(num_experts: int, hidden: int, inter: int, fp8: bool = False) -> str:
