@@ -5,12 +5,17 @@
 #
 #   bash benchmarks/fp8_device.sh steps   OUT  # engine steps, bf16 then FP8 (one model in memory at a time):
 #                                              # thinker decode at 1 and 64 rows, talker frame; ratio FP8 / bf16
+#   bash benchmarks/fp8_device.sh tune    OUT  # the thinker's FP8 expert tiles tuned on this GPU (torch alone),
+#                                              # written into the package's fused_moe_configs.json, where a
+#                                              # `steps` after it in the same command reads them
+#   bash benchmarks/fp8_device.sh tune,steps OUT  # parts in turn, each with what is left of BUDGET_S
 #   bash benchmarks/fp8_device.sh h100    OUT  # an 80 GB H100: the full model served in FP8, its KV plan against
 #                                              # KV_TARGET, closed loop LEVELS, then the open-loop goodput
 #   bash benchmarks/fp8_device.sh h200    OUT  # served bf16, then FP8: closed loop COMPARE_LEVELS side by side
 #   bash benchmarks/fp8_device.sh goodput OUT  # served bf16, then FP8: the open-loop goodput of each
 #
-# OUT gets PART.md (the part's tables), PART.json (steps: engine_microbench.json with its `ratios`; h200 and
+# OUT gets PART.md (the part's tables), PART.json (steps: engine_microbench.json with its `ratios`; tune: the
+# package's fused_moe_configs.json with the new entries, to commit; h200 and
 # goodput: benchmarks/served_compare.py's FP8-against-bf16 comparison; h100: the closed loop's results.json, and
 # h100_goodput.json the open loop's) and PART_logs.tar.gz (serve logs, every bench run's dir): at most four flat
 # files a part, so two parts fit in one command's eight. Every step runs under `timeout`, cut from BUDGET_S, so
@@ -25,15 +30,23 @@
 # served), STEP_STAGES (steps: thinker,talker; in that order, each bf16 then FP8, the files rewritten after each:
 # a run cut short before the talker's FP8 part is finished by a second command with STEP_STAGES=talker),
 # QUANTIZATIONS (steps: none,fp8; none,fp8,fp8-w8a8 adds the w8a8 kernels, fp8-all the FP8 talker the served
-# policy declines).
+# policy declines), TUNE_TOKENS (tune: 1,16,32,64,128), TUNE_BUDGET_S (tune: 170, the search's seconds; loading,
+# the checks and the table come on top, ~30 s).
 # CPU, the tiny checkpoint (a test of this script; `omni-triton build tiny` writes checkpoints/tiny first):
 #   MODEL_ARGS="--device cpu --checkpoint checkpoints/tiny" BENCH_ARGS=--quick LEVELS=1,2 COMPARE_LEVELS=2 \
 #     KV_TARGET=1000 GOODPUT_START=0.5 GOODPUT_BISECTIONS=0 GOODPUT_DURATION=4 \
 #     STEP_ARGS="--device cpu --config tiny --batch-sizes 1,4 --prefill-lens 108 --variants pdl" \
 #     bash benchmarks/fp8_device.sh PART /tmp/fp8-device
 set -uo pipefail
-part=${1:?part: steps, h100, h200 or goodput}
+part=${1:?part: steps, tune, h100, h200 or goodput (or several, comma-separated)}
 out=${2:?output directory}
+if [[ $part == *,* ]]; then  # each part in turn, with what is left of the budget
+  status=0
+  for one in ${part//,/ }; do
+    BUDGET_S=$((${BUDGET_S:-480} - SECONDS)) bash "$0" "$one" "$out" || status=$?
+  done
+  exit $status
+fi
 CONFIG=${CONFIG:-qwen3_omni_30b_a3b}
 MODEL_ARGS=${MODEL_ARGS:---device cuda --config $CONFIG --fast-path on --cuda-graphs on}
 SERVE_ARGS=${SERVE_ARGS:-}
@@ -49,8 +62,13 @@ STEP_ARGS=${STEP_ARGS:---device cuda --config $CONFIG --batch-sizes 1,64 --prefi
 --sampling served}
 STEP_STAGES=${STEP_STAGES:-thinker,talker}
 QUANTIZATIONS=${QUANTIZATIONS:-none,fp8}
+TUNE_TOKENS=${TUNE_TOKENS:-1,16,32,64,128}
+TUNE_BUDGET_S=${TUNE_BUDGET_S:-170}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-case $part in steps|h100|h200|goodput) ;; *) echo "unknown part $part (steps, h100, h200, goodput)"; exit 2 ;; esac
+case $part in
+  steps|tune|h100|h200|goodput) ;;
+  *) echo "unknown part $part (steps, tune, h100, h200, goodput)"; exit 2 ;;
+esac
 logs=$out/${part}_logs
 summary=$out/$part.md
 mkdir -p "$logs"
@@ -117,6 +135,18 @@ steps)
   say "engine_microbench: exit ${PIPESTATUS[0]}"
   cp "$logs/steps/engine_microbench.json" "$out/steps.json" 2>/dev/null
   cat "$logs/steps/engine_microbench.md" >>"$summary" 2>/dev/null || tail -30 "$logs/steps.log" >>"$summary"
+  ;;
+tune)
+  # into the package's table, so that a `steps` part after this one (a new process) runs the tuned tiles
+  say "tune_fused_moe: --quantization fp8 --stages thinker --tokens $TUNE_TOKENS --budget-s $TUNE_BUDGET_S"
+  timeout -k 10 "$(limit $((TUNE_BUDGET_S + 90)) 0)" python3 -m omni_triton.bench.tune_fused_moe \
+    --quantization fp8 --stages thinker --tokens "$TUNE_TOKENS" --budget-s "$TUNE_BUDGET_S" \
+    --out omni_triton/kernels/fused_moe_configs.json 2>&1 | tee "$logs/tune.log" | grep -vE "^  BLOCK_M"
+  say "tune_fused_moe: exit ${PIPESTATUS[0]}"
+  cp omni_triton/kernels/fused_moe_configs.json "$out/tune.json"
+  { echo "Command: \`python -m omni_triton.bench.tune_fused_moe --quantization fp8 --stages thinker --tokens" \
+      "$TUNE_TOKENS --budget-s $TUNE_BUDGET_S --out omni_triton/kernels/fused_moe_configs.json\`"; echo
+    sed -n '/^NVIDIA\|^| weights\|^|---\|^| fp8\|^e4m3/p' "$logs/tune.log"; echo; } >>"$summary"
   ;;
 h100)
   if serve fp8 "$(limit 300 200)" --quantization fp8; then

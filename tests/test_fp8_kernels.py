@@ -292,6 +292,49 @@ def test_small_row_kernels_compile_for_sm90():
     assert len(weight_loads) >= 2 and barriers and max(weight_loads) < min(barriers)
 
 
+# The experts' grouped FP8 GEMMs compiled for sm_90 at the thinker's shapes (bf16, 128 x 128 blocks, a decode
+# step's 16-row tiles), the scales after each K tile's dot and on the weights: per kernel, its PTX's conversions
+# and multiplies.
+SM90_GROUPED = SM90_PTX.split("common = dict")[0] + """
+import collections
+from omni_triton.kernels import fused_moe
+common = dict(w_ptr="*fp8e4nv", out_ptr="*bf16", sorted_pairs_ptr="*i32", block_expert_ptr="*i32", num_pairs="i32",
+              hidden="i32", inter="i32", stride_we="i32", stride_wn="i32", stride_ot="i32", w_scale_ptr="*fp32",
+              stride_wse="i32", stride_wsn="i32")
+for after in (True, False):
+    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32", PDL=True, FP8=True, BLOCK_ROWS=128,
+                  BLOCK_COLS=128, stride_wk=1, SCALE_AFTER_DOT=after, BF16_ASM=after, EVEN_K=True)
+    kernels = (("down", fused_moe._down_weighted_kernel, dict(common, h_ptr="*bf16", pair_weights_ptr="*bf16",
+                                                                stride_ht="i32"), consts),
+               ("gate_up", fused_moe._gate_up_silu_kernel, dict(common, x_ptr="*bf16", stride_xt="i32",
+                                                                 gate_blocks="i32"), dict(consts, TOP_K=8)))
+    for name, kernel, types, constants in kernels:
+        ptx = compiled(kernel, types, constants, 4, 4).asm["ptx"]
+        ops = collections.Counter(line.split()[0] for line in ptx.splitlines()
+                                  if re.match(r"\\s*(cvt|mul|fma|mma|prmt)\\.", line))
+        print("after" if after else "weights", name, *(f"{op}={n}" for op, n in sorted(ops.items())))
+"""
+
+
+def test_grouped_fp8_gemms_compile_for_sm90_without_per_weight_conversions():
+    """The grouped GEMMs with the scales after the dot: each e4m3 weight to bf16 by prmt and a packed bf16 multiply
+    (no conversion instruction, no fp32 multiply per weight: the scales multiply the partial sums, an fma per output);
+    with the scales on the weights, e4m3 -> f16 -> f32, times the scale, -> bf16 per weight (what it was)."""
+    from test_small_linear_splitk import sm90_output
+
+    lines = sm90_output(SM90_GROUPED)
+    ops = {tuple(line.split()[:2]): dict(op.split("=") for op in line.split()[2:]) for line in lines}
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    for name, weights_per_thread in (("down", 64), ("gate_up", 128)):  # a K tile: [128, 64] (x2 for gate/up) / 128
+        after, before = ops[("after", name)], ops[("weights", name)]
+        assert not any(op.startswith("cvt") and "e4m3" in op or op == "cvt.f32.f16" for op in after), after
+        # a weight pair: one prmt, one packed multiply; fp32 multiplies only in the epilogue (router weight, SiLU)
+        assert int(after["prmt.b32"]) == int(after["fma.rn.bf16x2"]) == weights_per_thread // 2
+        assert int(after.get("mul.f32", 0)) < weights_per_thread // 4 and mma in after
+        assert int(before["cvt.rn.f16x2.e4m3x2"]) == weights_per_thread // 2
+        assert int(before["mul.f32"]) >= weights_per_thread
+
+
 def fp8_experts(num_experts: int, hidden: int, inter: int, block, seed: int):
     """FP8 stacked experts as ``layers.fp8.Fp8Experts`` holds them (gate and up halves blocked apart) and their
     dequantized fp32 weights."""
@@ -306,17 +349,21 @@ def fp8_experts(num_experts: int, hidden: int, inter: int, block, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 2, 9])
-def test_fp8_fused_experts_match_the_dequantized_expert_loop(dtype, num_tokens):
-    """Grouped GEMMs and per-pair GEMVs; an intermediate size (24) that is not a multiple of the block (16), so the
-    up half's scales start a block row of their own."""
-    num_experts, hidden, inter, top_k, block = 6, 48, 24, 2, (16, 16)
+@pytest.mark.parametrize("hidden", [48, 40])
+def test_fp8_fused_experts_match_the_dequantized_expert_loop(dtype, num_tokens, hidden):
+    """Grouped GEMMs (the scales after each K tile's dot, and on the weights) and per-pair GEMVs; an intermediate
+    size (24) that is not a multiple of the block (16), so the up half's scales start a block row of their own, and
+    a hidden size of 2.5 blocks (40: the gate/up GEMM's last K tile masked)."""
+    num_experts, inter, top_k, block = 6, 24, 2, (16, 16)
     gate_up, down, scales, (gate_up_full, down_full) = fp8_experts(num_experts, hidden, inter, block, seed=num_tokens)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
     weights, ids = moe.route(torch.randn(num_tokens, num_experts, generator=gen).to(DEVICE, dtype), top_k, True)
     want = moe.run_experts(x, gate_up_full.to(dtype), down_full.to(dtype), ids, weights)
     gemm = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)  # BLOCK_K cut to the block's 16
-    for config in (dict(BLOCK_M=16, gate_up=gemm, down=gemm), None):
+    on_weights = dict(gemm, SCALE_AFTER_DOT=False)
+    for config in (dict(BLOCK_M=16, gate_up=gemm, down=gemm), dict(BLOCK_M=16, gate_up=on_weights, down=on_weights),
+                   None):
         got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, config, fp8_scales=scales)
         assert rel_error(got, want) < tolerance(dtype)
     by_pair = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True, fp8_scales=scales)
@@ -337,6 +384,32 @@ def test_fp8_pair_gemvs_over_several_chunks(num_tokens, monkeypatch):
     want = moe.run_experts(x, gate_up_full, down_full, ids, weights)
     got = fused_moe.fused_experts(x, gate_up, down, ids.int(), weights, gemv=True, fp8_scales=scales)
     assert rel_error(got, want) < 1e-5
+
+
+def e4m3_as_bf16_recipe(codes: torch.Tensor) -> torch.Tensor:
+    """``fused_moe._E4M3_TO_BF16_ASM``'s steps in torch on e4m3 bytes (uint8): each byte in the low byte of a 16-bit
+    half with its sign bit repeated over the high byte (prmt), shifted left 4, and 0x87f0, times 2^120 as bf16."""
+    byte = codes.to(torch.int32)
+    half = ((torch.where(byte >= 0x80, 0xFF00, 0) | byte) << 4) & 0x87F0
+    return half.to(torch.int16).view(torch.bfloat16) * torch.tensor(2.0 ** 120, dtype=torch.bfloat16)
+
+
+def test_e4m3_to_bf16_bit_recipe_is_exact_for_every_finite_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = (codes & 0x7F) != 0x7F
+    want = codes.view(FP8_DTYPE).to(torch.bfloat16)
+    got = e4m3_as_bf16_recipe(codes)
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))  # -0 and subnormals too
+    assert torch.equal(got[~finite], torch.tensor([480.0, -480.0], dtype=torch.bfloat16))
+
+
+@cuda
+def test_e4m3_to_bf16_asm_is_exact_for_every_finite_code():
+    """The PTX itself (the GEMMs' tiles on the GPU in bf16): what the recipe above gives, bit for bit (a subnormal
+    flushed by the packed multiply would show here)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = fused_moe.e4m3_as_bf16(codes.view(FP8_DTYPE).cuda()).cpu()
+    assert torch.equal(got.view(torch.int16), e4m3_as_bf16_recipe(codes).view(torch.int16))
 
 
 def test_fp8_experts_without_scales_are_refused():

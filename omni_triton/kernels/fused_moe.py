@@ -17,13 +17,25 @@ its product with up and the router weighting are each rounded to the activation 
 accumulation order of the dot products and of the top-k sum differ.
 
 FP8 experts (``fp8_scales``: ``layers.fp8.Fp8Experts``' block scales): the same launches read the float8_e4m3fn
-weights and dequantize each tile in the kernel with its block's scale, rounded to the activations' dtype (the
-weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``): w8a16, half the weight bytes. The
-per-pair GEMVs load a chunk's scales as a [columns, groups] block, a group inside one block of scales
-(``_fp8_pair_products``): one scale load per row and group rather than per weight.
+weights (w8a16, half the weight bytes). The per-pair GEMVs dequantize each weight with its block's scale, rounded
+to the activations' dtype (the weights the torch path's ``Fp8Experts.dequantized`` gives ``run_experts``), loading
+a chunk's scales as a [columns, groups] block, a group inside one block of scales (``_fp8_pair_products``): one
+scale load per row and group rather than per weight. The grouped GEMMs' K tile lies inside one block of scales,
+so each output column has one scale per K tile. With ``SCALE_AFTER_DOT`` (per GEMM in the config; without an
+entry, tiles of up to ``SCALE_AFTER_DOT_MAX_ROWS`` rows: a decode step's) the tile goes into ``tl.dot`` as its
+exact FP8 values (every e4m3 value is a bf16 / fp16 / fp32 value; bf16 converts without the conversion units,
+``_e4m3_as_bf16``) and the [BLOCK_M, BLOCK_N] partial sums are multiplied by the columns' scales in fp32 before
+they join the accumulator: a multiply per output instead of per weight (at a decode step's few pairs per expert
+the kernel is bound by the instructions spent per weight byte, not by the tensor cores). What that changes in the
+roundings: the dequantized weight is never rounded to the activations' dtype (closer to exact; the torch path
+rounds each weight * scale to bf16, a relative 2^-9 per weight), and the scale multiplies a K tile's fp32 partial
+sum (one more fp32 rounding per tile). Without it, the torch path's rounding: each tile's weights times their
+scales in fp32, rounded to the activations' dtype, then the dot (with the dot's own accumulation order, all that
+differs from the torch path).
 
-Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate), per
-token-count bucket; written by ``python -m omni_triton.bench.tune_fused_moe``), else from a size rule.
+Block sizes come from ``fused_moe_configs.json`` (per device name, per (experts, hidden, intermediate) and weight
+format: FP8 experts have their own entries, ``shape_key``; per token-count bucket; written by ``python -m
+omni_triton.bench.tune_fused_moe``), else from a size rule.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import triton
 import triton.language as tl
 
 from omni_triton.kernels.activation import silu_times
-from omni_triton.kernels.dependent_launch import enabled_for, wait_for_previous
+from omni_triton.kernels.dependent_launch import INTERPRETED, enabled_for, wait_for_previous
 from omni_triton.kernels.fp8_linear import group_scales, k_tile
 
 from omni_triton.kernels.routing import expert_sorted_layout
@@ -53,18 +65,78 @@ def _block_tile(sorted_pairs_ptr, num_pairs, n_cols, BLOCK_M: tl.constexpr, BLOC
     return pairs, pairs < num_pairs, cols, cols < n_cols
 
 
+# float8_e4m3fn -> bfloat16, exactly (every finite e4m3 value is a bf16 value), four weights a call: prmt puts each
+# byte in the low byte of a 16-bit half with its sign bit repeated over the high byte (selector nibbles 8-b: the
+# byte's msb), a shift left by 4 then puts the exponent and mantissa at bf16's bits 4-10 and a sign bit at bit 15,
+# and the and keeps those (0x87f0 a half: the sign's other copies and the bits shifted over from the low half go):
+# that bf16 is the e4m3 value times 2^-120, subnormals included; one bf16 multiply by 2^120 (0x7b80) a pair makes
+# it exact (written as an fma with -0, which sm_80 has too; ptxas emits the multiply). Triton's own conversion
+# goes e4m3 -> f16 -> bf16 through the conversion units (an F2F per weight in the sm_90 compile); this is three
+# integer instructions and a packed multiply per pair. NaN (0x7f, 0xff) reads +-480.
+_E4M3_TO_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 a<2>, bias, neg_zero;
+mov.b32 bias, 0x7b807b80;
+mov.b32 neg_zero, 0x80008000;
+prmt.b32 a0, $2, 0, 0x9180;
+prmt.b32 a1, $2, 0, 0xb3a2;
+shl.b32 a0, a0, 4;
+shl.b32 a1, a1, 4;
+and.b32 a0, a0, 0x87f087f0;
+and.b32 a1, a1, 0x87f087f0;
+fma.rn.bf16x2 $0, a0, bias, neg_zero;
+fma.rn.bf16x2 $1, a1, bias, neg_zero;
+}
+""")
+
+
 @triton.jit
-def _dequantized_tile(w, scale_rows, k0, col_mask, dtype, BLOCK_COLS: tl.constexpr, FP8: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] weight tile in ``dtype``: FP8 times its block's scale (``scale_rows``: [BLOCK_N]
-    pointers to each column's row of block scales; the tile lies in one block of K), else as loaded."""
+def _e4m3_as_bf16(w):
+    """float8_e4m3fn -> bfloat16 without the conversion units (``_E4M3_TO_BF16_ASM``; not in the interpreter)."""
+    return tl.inline_asm_elementwise(_E4M3_TO_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e4m3_as_bf16_kernel(codes_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, _e4m3_as_bf16(tl.load(codes_ptr + offsets, mask=mask, other=0.0)), mask=mask)
+
+
+def e4m3_as_bf16(weights: torch.Tensor) -> torch.Tensor:
+    """A CUDA float8_e4m3fn tensor in bf16 through ``_e4m3_as_bf16`` (what the grouped GEMMs' tiles go through; for
+    checking it against torch's conversion)."""
+    flat = weights.reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=weights.device)
+    block = 1024
+    _e4m3_as_bf16_kernel[(triton.cdiv(flat.numel(), block),)](flat, out, flat.numel(), BLOCK=block)
+    return out.view(weights.shape)
+
+
+@triton.jit
+def _weight_product(a, w, acc, scale_rows, k0, col_mask, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                    BLOCK_COLS: tl.constexpr, SCALE_AFTER_DOT: tl.constexpr, BF16_ASM: tl.constexpr):
+    """acc + a @ w for a [BLOCK_K, BLOCK_N] weight tile. FP8 (``scale_rows``: [BLOCK_N] pointers to each column's
+    row of block scales; the tile lies in one block of K, so each column has one scale): ``SCALE_AFTER_DOT`` takes
+    the product with the exact FP8 values and multiplies its [BLOCK_M, BLOCK_N] partial sums by the columns' scales
+    before they join the accumulator (a multiply per output rather than per weight; bf16 on the GPU converts with
+    ``_e4m3_as_bf16`` when ``BF16_ASM``); else each weight times its scale, rounded to the activations' dtype, as the
+    torch path dequantizes."""
     # one return after the branches: the compiler also visits code after a return inside a constexpr branch,
     # and two returns of different types do not compile (the interpreter runs them fine)
     if FP8:
         scale = tl.load(scale_rows + k0 // BLOCK_COLS, mask=col_mask, other=0.0)
-        tile = (w.to(tl.float32) * scale[None, :]).to(dtype)
+        if SCALE_AFTER_DOT:
+            if BF16_ASM:
+                exact = _e4m3_as_bf16(w)
+            else:
+                exact = w.to(a.dtype)
+            out = acc + tl.dot(a, exact, input_precision=PRECISION) * scale[None, :]
+        else:
+            out = tl.dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, input_precision=PRECISION)
     else:
-        tile = w
-    return tile
+        out = tl.dot(a, w, acc, input_precision=PRECISION)
+    return out
 
 
 @triton.jit
@@ -72,7 +144,9 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_p
                          stride_xt, stride_we, stride_wn, stride_wk, stride_ot, w_scale_ptr, stride_wse, stride_wsn,
                          gate_blocks, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = False,
-                         BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1):
+                         BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1,
+                         SCALE_AFTER_DOT: tl.constexpr = False, BF16_ASM: tl.constexpr = False,
+                         EVEN_K: tl.constexpr = False):
     wait_for_previous(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -88,15 +162,13 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_p
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        k_mask = ks < hidden - k0
+        k_mask = (ks < hidden - k0) | EVEN_K  # a K that BLOCK_K divides: no K mask in the loop
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
-        gate = _dequantized_tile(tl.load(gate_ptrs, mask=w_mask, other=0.0), gate_scales, k0, col_mask, a.dtype,
-                                 BLOCK_COLS, FP8)
-        up = _dequantized_tile(tl.load(up_ptrs, mask=w_mask, other=0.0), up_scales, k0, col_mask, a.dtype,
-                               BLOCK_COLS, FP8)
-        acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+        acc_gate = _weight_product(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, gate_scales, k0, col_mask,
+                                   PRECISION, FP8, BLOCK_COLS, SCALE_AFTER_DOT, BF16_ASM)
+        acc_up = _weight_product(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, up_scales, k0, col_mask,
+                                 PRECISION, FP8, BLOCK_COLS, SCALE_AFTER_DOT, BF16_ASM)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
@@ -110,7 +182,9 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
                           hidden, inter, stride_ht, stride_we, stride_wn, stride_wk, stride_ot, w_scale_ptr,
                           stride_wse, stride_wsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = False,
-                          BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1):
+                          BLOCK_ROWS: tl.constexpr = 1, BLOCK_COLS: tl.constexpr = 1,
+                          SCALE_AFTER_DOT: tl.constexpr = False, BF16_ASM: tl.constexpr = False,
+                          EVEN_K: tl.constexpr = False):
     wait_for_previous(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -122,11 +196,10 @@ def _down_weighted_kernel(h_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_
     scales = w_scale_ptr + expert.to(tl.int64) * stride_wse + (cols // BLOCK_ROWS) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        k_mask = ks < inter - k0
+        k_mask = (ks < inter - k0) | EVEN_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = _dequantized_tile(tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0), scales, k0,
-                              col_mask, a.dtype, BLOCK_COLS, FP8)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = _weight_product(a, tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0), acc, scales,
+                              k0, col_mask, PRECISION, FP8, BLOCK_COLS, SCALE_AFTER_DOT, BF16_ASM)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     dtype = out_ptr.dtype.element_ty
@@ -394,7 +467,8 @@ def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     inter = two_inter // 2
     top_k = expert_ids.shape[1]
     num_pairs = num_tokens * top_k
-    config = config or block_config(num_tokens, num_experts, hidden, inter)
+    fp8 = quant["block_k"] is not None
+    config = config or block_config(num_tokens, num_experts, hidden, inter, fp8=fp8)
     block_m = config["BLOCK_M"]
     sorted_pairs, block_expert = expert_sorted_layout(expert_ids, num_experts, block_m)
     num_blocks = block_expert.numel()
@@ -405,6 +479,12 @@ def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     def depth_tile(cfg: dict) -> int:  # FP8: a K tile inside one scale block
         return cfg["BLOCK_K"] if quant["block_k"] is None else min(cfg["BLOCK_K"], quant["block_k"])
 
+    def fp8_order(cfg: dict) -> dict:  # FP8: where the scales apply (tuned per GEMM, else by the tile's rows)
+        if not fp8:
+            return {}
+        return dict(SCALE_AFTER_DOT=cfg.get("SCALE_AFTER_DOT", block_m <= SCALE_AFTER_DOT_MAX_ROWS),
+                    BF16_ASM=x.dtype == torch.bfloat16 and x.is_cuda and not INTERPRETED)
+
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     gate_cfg = config["gate_up"]
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, gate_cfg["BLOCK_N"]))](
@@ -412,8 +492,9 @@ def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), activated.stride(0),
         *_scale_args(gate_up_scales, x), 0 if gate_up_scales is None else gate_up_scales.shape[1] // 2,
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=gate_cfg["BLOCK_N"], BLOCK_K=depth_tile(gate_cfg), PRECISION=precision,
+        EVEN_K=hidden % depth_tile(gate_cfg) == 0,
         num_warps=gate_cfg["num_warps"], num_stages=gate_cfg["num_stages"], PDL=pdl, launch_pdl=pdl,
-        **quant["consts"])
+        **quant["consts"], **fp8_order(gate_cfg))
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     down_cfg = config["down"]
@@ -421,13 +502,24 @@ def _experts_by_block(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
         activated, down, per_pair, sorted_pairs, block_expert, expert_weights.reshape(-1), num_pairs, hidden, inter,
         activated.stride(0), down.stride(0), down.stride(1), down.stride(2), per_pair.stride(0),
         *_scale_args(down_scales, x), BLOCK_M=block_m, BLOCK_N=down_cfg["BLOCK_N"], BLOCK_K=depth_tile(down_cfg),
+        EVEN_K=inter % depth_tile(down_cfg) == 0,
         PRECISION=precision, num_warps=down_cfg["num_warps"], num_stages=down_cfg["num_stages"], PDL=pdl,
-        launch_pdl=pdl, **quant["consts"])
+        launch_pdl=pdl, **quant["consts"], **fp8_order(down_cfg))
     return per_pair
 
 
-def shape_key(num_experts: int, hidden: int, inter: int) -> str:
-    return f"E{num_experts}_H{hidden}_I{inter}"
+# FP8 tiles without a tuned entry scale the partial sums (``SCALE_AFTER_DOT``) up to this many rows: mma.sync
+# tiles at a decode step's few pairs per expert, where the instructions per weight byte bound the kernel. Tiles of
+# 64 rows and more compile to wgmma on sm_90, whose dot would have to finish each K tile before its scale (no
+# overlap of the tensor cores with the next tile's conversion, at prefill sizes where the tensor cores count):
+# those keep the scales on the weights unless the tuner picked otherwise.
+SCALE_AFTER_DOT_MAX_ROWS = 32
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, fp8: bool = False) -> str:
+    """The tuned table's key of an expert shape; FP8 experts (block-FP8 weights, w8a16) have entries of their own:
+    their kernels convert every weight, so bf16's tiles need not suit them."""
+    return f"E{num_experts}_H{hidden}_I{inter}" + ("_fp8" if fp8 else "")
 
 
 def default_config(num_tokens: int) -> dict:
@@ -448,9 +540,10 @@ def _tuned_table(device_name: str, key: str) -> dict[int, dict]:
     return {int(bucket): cfg for bucket, cfg in by_shape.get(key, {}).items()}
 
 
-def block_config(num_tokens: int, num_experts: int, hidden: int, inter: int) -> dict:
-    """The tuned entry of the smallest bucket >= num_tokens, or the size rule past the tuned buckets."""
+def block_config(num_tokens: int, num_experts: int, hidden: int, inter: int, fp8: bool = False) -> dict:
+    """The tuned entry of the smallest bucket >= num_tokens, or the size rule past the tuned buckets (``fp8``: FP8
+    experts' own entries, never bf16's)."""
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    table = _tuned_table(device_name, shape_key(num_experts, hidden, inter))
+    table = _tuned_table(device_name, shape_key(num_experts, hidden, inter, fp8))
     fitting = [bucket for bucket in table if bucket >= num_tokens]
     return table[min(fitting)] if fitting else default_config(num_tokens)
