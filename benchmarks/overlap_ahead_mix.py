@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -169,12 +166,9 @@ def worker(args) -> dict:
 
 
 def run_tree(tree: Path, args) -> dict:
-    command = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--stages", args.stages,
-               "--streams", str(args.streams), "--requests", str(args.requests), "--tokens", args.tokens,
-               "--frames", args.frames, "--seed", str(args.seed)]
-    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(tree)}, check=True, stdout=subprocess.PIPE,
-                          text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _host_step_module().run_worker(Path(__file__), tree, [
+        "--stages", args.stages, "--streams", str(args.streams), "--requests", str(args.requests),
+        "--tokens", args.tokens, "--frames", args.frames, "--seed", str(args.seed)])
 
 
 def _reasons(result: dict, top: int = 4) -> str:
