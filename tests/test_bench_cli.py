@@ -59,5 +59,10 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
     # the in-process sessions' chunks (no code2wav stage there: the pacer's rows only)
     assert rows["inprocess", 1]["code2wav"]["chunks_sent"] >= 2 and "calls" not in rows["inprocess", 1]["code2wav"]
     assert "| code2wav pacer chunk frames (p50) |" in (out / "results.md").read_text()
+    # starts (session start -> first audio) over the level: two closed-loop streams never start three at once
+    starting = rows["inprocess", 2]["starting"]
+    assert 1 <= starting["starting_max"] <= 2 and 0 < starting["starting_mean"] <= 2
+    assert starting["start_mean_ms"] > 0
+    assert "| streams starting at once (mean / most; admitted -> first audio) |" in (out / "results.md").read_text()
     if not any("plots skipped" in note for note in report["notes"]):
         assert (out / "ttfa.png").is_file() and (out / "throughput.png").is_file()

@@ -60,6 +60,27 @@ def test_summary_table_has_a_column_per_level():
     assert rows[0]["total_p50_ms"] == pytest.approx(10.0 * len(SEGMENTS))
 
 
+def test_starts_at_once_are_their_time_inside_the_window_over_its_length():
+    """Three starts (admitted -> first audio): 0-2 s, 1-3 s (its own first audio only at the client), 3-4 s (the
+    second's end and its start at the same instant: never counted together); a request without admission is no
+    start. Window 0-4 s: 5 s of starts in 4 s, at most two at once."""
+    requests = [{"session.start": 0.0, "session.code2wav_first_audio": 2.0, "client.first_audio": 2.1},
+                {"session.start": 1.0, "client.first_audio": 3.0},
+                {"session.start": 3.0, "session.code2wav_first_audio": 4.0},
+                {"client.sent": 0.5, "client.first_audio": 0.9}]
+    stats = breakdown.starting_stats(requests, 0.0, 4.0)
+    assert stats == {"starting_mean": pytest.approx(5 / 4), "starting_max": 2,
+                     "start_mean_ms": pytest.approx(5000 / 3)}
+    assert breakdown.starting_stats(requests, 2.0, 4.0)["starting_mean"] == pytest.approx(2 / 2)  # cut to it
+    assert breakdown.starting_stats(requests[3:], 0.0, 4.0) == {}
+    rows = [{"system": "server", "concurrency": 8, **breakdown.summarize(requests), "starting": stats},
+            {"system": "server", "concurrency": 1, **breakdown.summarize(requests)}]
+    table = breakdown.markdown(rows)
+    assert "| streams starting at once (mean / most; admitted -> first audio) | 1.2 / 2 |  |" in table
+    assert "| a start, admitted -> first audio (mean ms) | 1667 |  |" in table
+    assert "starting at once" not in breakdown.markdown(rows[1:])
+
+
 def _assert_ordered_and_complete(events: dict[str, float], first: str, last: str):
     names = [name for name, _ in MILESTONES]
     expected = names[names.index(first):names.index(last) + 1]

@@ -77,6 +77,46 @@ def summarize(requests: list[dict[str, float]]) -> dict:
             "total_p50_ms": float(np.percentile(spans, 50)) if spans else None}
 
 
+# A start, as admission counts it (stages/admission.py: admitted and not yet playing): from the orchestrator's
+# admission to its first audio chunk (the orchestrator sends it at once; the client's receipt where the server's
+# own milestone is missing).
+START_BEGINS, START_ENDS = "session.start", ("session.code2wav_first_audio", "client.first_audio")
+
+
+def starting_stats(requests: list[dict[str, float]], start: float, end: float) -> dict:
+    """Streams in their start over the window [start, end]: how many at once on average (the starts' summed time
+    inside the window over its length: Little's law's L, measured), the most at once, and a start's mean length.
+
+    Why: admission lets at most ``--admission-max-starting`` streams start at once (a burst of starts stalls the
+    playing streams), so with a queue of waiting requests the rate is at most that limit over a start's mean
+    length. A mean near the limit says starts set the level's requests/s; a faster start raises it."""
+    intervals = []
+    for events in requests:
+        ends = [events[name] for name in START_ENDS if name in events]
+        if START_BEGINS in events and ends:
+            intervals.append((events[START_BEGINS], min(ends)))
+    if not intervals or end <= start:
+        return {}
+    inside = sum(max(0.0, min(stop, end) - max(begin, start)) for begin, stop in intervals)
+    at_once = most = 0
+    # ends before starts at the same instant: a stream that starts as another plays is not counted with it
+    for _, change in sorted([(begin, 1) for begin, _ in intervals] + [(stop, -1) for _, stop in intervals]):
+        at_once += change
+        most = max(most, at_once)
+    return {"starting_mean": inside / (end - start), "starting_max": most,
+            "start_mean_ms": 1e3 * float(np.mean([stop - begin for begin, stop in intervals]))}
+
+
+def _starting_rows(rows: list[dict]) -> list[str]:
+    stats = [row.get("starting") or {} for row in rows]
+    if not any(stats):
+        return []
+    return ["| streams starting at once (mean / most; admitted -> first audio) | "
+            + " | ".join(f"{s['starting_mean']:.1f} / {s['starting_max']}" if s else "" for s in stats) + " |",
+            "| a start, admitted -> first audio (mean ms) | "
+            + " | ".join(f"{s['start_mean_ms']:.0f}" if s else "" for s in stats) + " |"]
+
+
 def markdown(rows: list[dict]) -> str:
     """``rows``: ``{"system", "concurrency", **summarize(...)}`` -> one table, a column per system and level."""
     if not rows:
@@ -91,6 +131,7 @@ def markdown(rows: list[dict]) -> str:
                  + " | ".join("" if row["total_p50_ms"] is None else f"**{row['total_p50_ms']:.1f}**" for row in rows)
                  + " |")
     lines.append("| requests | " + " | ".join(str(row["requests"]) for row in rows) + " |")
+    lines += _starting_rows(rows)
     lines += step_breakdown.markdown_rows(rows)
     lines += code2wav_breakdown.markdown_rows(rows)
     return "\n".join(lines) + "\n"
@@ -121,6 +162,7 @@ def level_row(system: str, concurrency: int, level_dir, server_dir=None) -> dict
             return [record for by_kind in read for record in by_kind.get(kind, [])]
 
         start, end = min(times), max(times)
+        row["starting"] = starting_stats(requests, start, end)
         row["engines"] = step_breakdown.engine_shares(records("step"), start, end)
         row["code2wav"] = code2wav_breakdown.code2wav_stats(records("code2wav_call"), records("code2wav_chunk"),
                                                             start, end)
