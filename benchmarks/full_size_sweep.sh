@@ -55,7 +55,22 @@ SERVE_ARGS=${SERVE_ARGS:-}
 MODEL="--device cuda --config $CONFIG --fast-path on --cuda-graphs on"
 omni() { python3 -m omni_triton.cli "$@"; }
 
+stop_leftover_server() {  # a server left by a cut-short run (a `timeout` around this script, a device call that
+  # ended first) holds the GPU's memory and these ports: the next serve then fails its placement, or its bench
+  # talks to the old server (it happened: a base run measured nothing)
+  local pids=() pid
+  for pid in $(pgrep -x tritonserver); do  # only servers on this script's ports (other servers are not ours)
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 18000 && pids+=("$pid")
+  done
+  [ ${#pids[@]} -gt 0 ] || return 0
+  echo "a tritonserver is still running on port 18000 (pid ${pids[*]}): stopping it first"
+  kill -INT "${pids[@]}" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "${pids[@]}" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL "${pids[@]}" 2>/dev/null; sleep 5
+}
+
 serve_in_background() {  # $1: left context, $2: run dir; the server traces into $2/trace/server
+  stop_leftover_server
   mkdir -p "$2"
   OMNI_TRITON_TRACE_DIR="$2/trace/server" omni serve $MODEL $(context_args "$1") --max-inflight 64 $SERVE_ARGS \
     --run-dir "$2/run" --http-port 18000 --grpc-port 18001 --metrics-port 18002 >"$2/serve.log" 2>&1 &
