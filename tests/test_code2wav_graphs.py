@@ -40,11 +40,13 @@ def random_codes(runtime: Code2WavRuntime, batch: int, frames: int, seed: int, d
 
 # ---------------------------------------------------------------- shape logic
 
-def test_batch_buckets_double_up_to_the_max_batch():
+def test_batch_buckets_are_every_size_up_to_eight_then_double_up_to_the_max_batch():
     assert batch_buckets(1) == (1,)
-    assert batch_buckets(8) == (1, 2, 4, 8)
-    assert batch_buckets(6) == (1, 2, 4, 6)
-    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(8) == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert batch_buckets(6) == (1, 2, 3, 4, 5, 6)
+    assert batch_buckets(12) == (1, 2, 3, 4, 5, 6, 7, 8, 12)
+    assert batch_buckets(64) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+    assert batch_buckets(100) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 100)
 
 
 def test_a_batch_goes_to_the_smallest_bucket_that_holds_it():
@@ -137,19 +139,19 @@ def test_ramp_sizes_are_one_streams_chunk_sizes():
     assert ChunkPolicy(4, 4).ramp_sizes() == (4,)
 
 
-def test_default_stateful_stage_captures_at_most_64_graphs_at_max_batch_8():
+def test_default_stateful_stage_captures_at_most_120_graphs_at_max_batch_8():
     """The served default (stateful streaming, warm start, --code2wav-max-batch 8): the stream chunks' 15 frame
-    buckets x 4 batch buckets, no one-pass graph; before, both decodes' 32 frame counts: 256 captures."""
+    buckets x 8 batch sizes, no one-pass graph; before, both decodes' 32 frame counts: 512 captures."""
     stateful = ChunkPolicy.from_setting(4, 25, "stateful")
     graphs = stage_graph_settings(stateful, max_batch=8, warm_start=True)
     assert graphs["graph_settings"].captures_at_start == 0
     assert graphs["stream_graph_settings"].frames_at_start[0] == DEFAULT_MAX_FRAMES  # longest first: pool size
-    assert capture_count(graphs) == 15 * 4 <= 64
-    assert 2 * GraphSettings.for_stage(8, 4, every_short_call=True).captures_at_start == 256  # the old plan
+    assert capture_count(graphs) == 15 * 8 <= 120
+    assert 2 * GraphSettings.for_stage(8, 4, every_short_call=True).captures_at_start == 512  # the old plan
     # without warm start: the first chunk's shapes only; a left-context stage: the one pass's, as before
-    assert capture_count(stage_graph_settings(stateful, 8, warm_start=False)) == 4
+    assert capture_count(stage_graph_settings(stateful, 8, warm_start=False)) == 8
     exact = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "exact"), 8, warm_start=True)
-    assert (exact["graph_settings"].captures_at_start, exact["stream_graph_settings"].captures_at_start) == (128, 0)
+    assert (exact["graph_settings"].captures_at_start, exact["stream_graph_settings"].captures_at_start) == (256, 0)
 
 
 # ---------------------------------------------------------------- CPU: no-op
@@ -164,6 +166,26 @@ def test_cuda_graphs_change_nothing_on_the_cpu(tiny_checkpoint):
         assert torch.equal(with_graphs.decode(codes), expected)
         with torch.inference_mode():
             assert torch.equal(expected, without.model(codes).float())
+
+
+def test_stream_captures_of_one_batch_bucket_share_their_lengths_and_state_inputs(tiny_checkpoint):
+    """Stream graphs' static inputs (what ``Code2WavGraphs._capture`` asks of the runtime): codes of the capture's
+    own shape; lengths and state one set per batch bucket, reset for each capture (the shapes' lengths, a fresh
+    stream's state). Built on the CPU here: the tensors, not the graphs."""
+    runtime = Code2WavRuntime.create("torch", tiny_checkpoint)
+    first = runtime._stream_capture_inputs(2, 25)
+    for static in first[2:]:
+        static.fill_(7)  # as a replay leaves them
+    second = runtime._stream_capture_inputs(2, 12)
+    other_bucket = runtime._stream_capture_inputs(3, 12)
+    assert first[0].shape == (2, runtime.num_quantizers, 25) and second[0].shape == (2, runtime.num_quantizers, 12)
+    assert first[0].data_ptr() != second[0].data_ptr()
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first[1:], second[1:]))
+    assert second[1].tolist() == [12, 12]
+    fresh = runtime.streaming.initial_state(2)
+    assert all(torch.equal(static, initial) for static, initial in zip(second[2:], fresh))
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(second[1:], other_bucket[1:]))
+    assert other_bucket[1].shape == (3,) and len(other_bucket) == len(second)
 
 
 def test_graphs_refuse_a_cpu_device():
@@ -316,7 +338,9 @@ def test_replays_from_several_threads_return_each_callers_rows(gpu_runtime):
 @cuda
 def test_stream_chunks_replay_and_equal_the_one_pass(gpu_runtime):
     """Stateful stream chunks (state in and out of the graph) replay graphs of their short shapes, first chunks
-    captured at start; two streams, batched in bucket 4 (padding rows: lengths 0), equal the one-pass decode."""
+    captured at start; three streams, batched in their own bucket (3: every size up to 8 is one), equal the
+    one-pass decode. Padding rows (lengths 0, above 8 rows) are checked on the CPU:
+    test_code2wav_streaming.py::test_a_call_padded_to_its_frame_bucket_gives_the_calls_samples_and_state."""
     from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
 
     assert {(b, FIRST_CHUNK) for b in (1, 2, 4)} <= gpu_runtime.stream_graphs.captured_shapes
@@ -338,7 +362,7 @@ def test_stream_chunks_replay_and_equal_the_one_pass(gpu_runtime):
 
 @pytest.fixture(scope="module")
 def gpu_stateful_runtime(tiny_checkpoint):
-    """A warm-started stateful stage's runtime (``stage_graph_settings``), batch buckets 1, 2, 4."""
+    """A warm-started stateful stage's runtime (``stage_graph_settings``), batch buckets 1, 2, 3, 4."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "stateful"), max_batch=4, warm_start=True)
@@ -351,7 +375,7 @@ def gpu_stateful_runtime(tiny_checkpoint):
 def test_a_warm_stateful_stage_captures_every_stream_frame_bucket_and_no_one_pass_graph(gpu_stateful_runtime):
     frame_counts = gpu_stateful_runtime.stream_graphs.settings.frame_buckets
     assert len(frame_counts) == 15
-    assert gpu_stateful_runtime.stream_graphs.captured_shapes == {(b, f) for b in (1, 2, 4) for f in frame_counts}
+    assert gpu_stateful_runtime.stream_graphs.captured_shapes == {(b, f) for b in (1, 2, 3, 4) for f in frame_counts}
     assert not gpu_stateful_runtime.graphs.captured_shapes
 
 

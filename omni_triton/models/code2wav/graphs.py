@@ -6,9 +6,9 @@ launch latency -- and 2.8 ms replayed from a graph (benchmarks/results/h100-engi
 time-to-first-audio path of every request.
 
 What is captured: one graph per (batch bucket, frame count), for frame counts up to ``max_frames``. A call's
-batch is padded up to the smallest bucket that holds it (1, 2, 4, 8, ... ``max_batch``) and its rows are copied
-out of the graph's output afterwards. Padding rows are zeros (valid codes); every op of the vocoder is per row,
-so they do not touch the real rows. The frame count:
+batch is padded up to the smallest bucket that holds it (every size up to 8, then 16, 32, ... ``max_batch``:
+``batch_buckets``) and its rows are copied out of the graph's output afterwards. Padding rows are zeros (valid
+codes); every op of the vocoder is per row, so they do not touch the real rows. The frame count:
 
 - one-pass decode (``forward(codes)``): never padded (more frames would change the samples at the end: the last
   frame's lookahead), so a replay runs exactly the kernels an eager call of the batch-padded shape runs and its
@@ -57,6 +57,7 @@ WARMUP_CALLS = 2  # before a set's first capture: cuDNN/cuBLAS pick and cache th
 SHAPE_WARMUP_CALLS = 1  # before each later capture: the new shape's kernel choice (the stream's state is settled)
 EVERY_FRAME_UP_TO = 8  # stream frame buckets: every count up to here (first chunks, where TTFA is made) ...
 FRAME_STEP = 4  # ... then every 4th: a call padded by at most 3 frames, launch-bound at these sizes anyway
+EVERY_BATCH_UP_TO = 8  # batch buckets: every size up to here (see batch_buckets), then doubling
 
 
 def stream_frame_buckets(max_frames: int, exact: tuple[int, ...] = ()) -> tuple[int, ...]:
@@ -129,12 +130,19 @@ class GraphSettings:
 # ---------------------------------------------------------------- shape logic (pure, tested on the CPU)
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, ... below ``max_batch``, then ``max_batch`` itself: a padded call wastes < half its rows."""
-    buckets, size = [], 1
+    """Every batch up to ``EVERY_BATCH_UP_TO``, then 16, 32, ... below ``max_batch``, then ``max_batch`` itself.
+
+    Why every size at the served default (8): a replay's GPU time grows with its rows (stateful chunks of 25
+    frames through graphs on an H200: 6.8 ms at one row, 21.6 at eight, ~2 ms a row), and at 64 streams the
+    stage is busy 90% of the wall with calls of 3.7 chunks on average (h200-overlap-ahead): padded to 1, 2, 4, 8,
+    a call of 3 ran 4 rows and one of 5 ran 8. Each extra size is one more graph per frame bucket (their
+    activations share one pool; its outputs are a few MB), captured at start with the warm start."""
+    buckets = list(range(1, min(EVERY_BATCH_UP_TO, max_batch) + 1))
+    size = EVERY_BATCH_UP_TO * 2
     while size < max_batch:
         buckets.append(size)
         size *= 2
-    return tuple(buckets + [max_batch])
+    return tuple(sorted({*buckets, max_batch}))
 
 
 def graph_key(batch: int, frames: int, buckets: tuple[int, ...], max_frames: int,

@@ -171,6 +171,8 @@ class TorchCode2Wav(Code2WavRuntime):
         self.graphs = (Code2WavGraphs(self._eager, self.num_quantizers, device, graph_settings)
                        if cuda_graphs and device.type == "cuda" else None)
         self.streaming = StreamingCode2Wav(self.model)
+        # a batch bucket's static lengths and state inputs, shared by its graphs of every frame count (below)
+        self._stream_static_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         # stream chunks: the same replay of short calls, state inputs and outputs included
         self.stream_graphs = (self._stream_graphs(stream_graph_settings or graph_settings)
                               if self.graphs is not None else None)
@@ -188,9 +190,21 @@ class TorchCode2Wav(Code2WavRuntime):
             return None
 
     def _stream_capture_inputs(self, bucket: int, frames: int) -> tuple[torch.Tensor, ...]:
+        """A capture's static inputs: codes of its own shape; lengths and state (~2.6 MB a row at full size) one
+        set per batch bucket, shared by the bucket's 15 frame counts. Sharing is safe because ``run`` fills every
+        static input before each replay and replays one at a time (its lock); unshared they took 1.4 GB at max
+        batch 8 with every batch size a bucket."""
         codes = torch.zeros(bucket, self.num_quantizers, frames, dtype=torch.long, device=self.device)
-        lengths = torch.full((bucket,), frames, dtype=torch.long, device=self.device)
-        return (codes, lengths, *self.streaming.initial_state(bucket, self.device))
+        shared = self._stream_static_inputs.get(bucket)
+        if shared is None:
+            lengths = torch.full((bucket,), frames, dtype=torch.long, device=self.device)
+            shared = self._stream_static_inputs[bucket] = (lengths, *self.streaming.initial_state(bucket,
+                                                                                                   self.device))
+        else:  # a capture's warm-up and capture read these: the lengths of this shape, the initial state
+            shared[0].fill_(frames)
+            for static, initial in zip(shared[1:], self.streaming.initial_state(bucket, self.device)):
+                static.copy_(initial)
+        return (codes, *shared)
 
     @torch.inference_mode()
     def _eager_stream(self, codes, lengths, *state):
