@@ -466,18 +466,26 @@ def test_engine_loop_batches_a_talkers_frames_as_its_policy_says(talker):
 
 
 def test_engine_loop_delivers_a_held_output_once_its_hold_time_is_up(talker):
-    """A request whose next batch never fills (it waits for text) still gets its frames, after the hold time."""
+    """A request whose next batch never fills (it waits for text) still gets its frames, after the hold time;
+    its first frame (``first_tokens`` 1) went at once."""
     from omni_triton.engine.output_batching import OutputBatching
 
     prefill, text = talker_inputs(4, 8, 4)
-    batching = OutputBatching(first_tokens=100, min_tokens=100, max_hold_s=0.05)
+    batching = OutputBatching(first_tokens=1, min_tokens=100, max_hold_s=0.05)
     loop = EngineLoop(talker_engine(talker, output_batching=batching)).start()
     try:
-        stream = loop.add_request("a", greedy(30), prompt_embeds=prefill, trailing_text_embeds=text[:1])
-        first = next(iter(stream))  # the request then waits for text: only the hold time lets this out
-        assert first.new_token_ids and not first.finished
+        stream = loop.add_request("a", greedy(30), prompt_embeds=prefill, trailing_text_embeds=text[:2])
+        deliveries = []
+        reader = threading.Thread(target=lambda: deliveries.extend(stream), daemon=True)
+        reader.start()
+        time.sleep(1.0)  # twenty hold times: the request makes its frames, then waits for text
+        before = sum(len(output.new_token_ids) for output in list(deliveries))
         loop.abort("a")
-        assert list(stream)[-1].finish_reason == "abort"
+        reader.join(timeout=30)
+        assert deliveries and deliveries[-1].finish_reason == "abort"
+        # every frame it made went out by the hold, none held back for the abort's last output
+        made = sum(len(output.new_token_ids) for output in deliveries)
+        assert made >= 2 and before == made, (before, made)
     finally:
         loop.shutdown()
 

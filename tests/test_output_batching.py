@@ -29,7 +29,8 @@ def test_first_eager_then_min_tokens():
 
 
 def test_the_hold_time_and_finishing_make_an_output_due():
-    held = HeldOutputs(OutputBatching(first_tokens=10, min_tokens=10, max_hold_s=0.05))
+    held = HeldOutputs(OutputBatching(first_tokens=1, min_tokens=10, max_hold_s=0.05))
+    assert held.due([out(1)], now=0.5) != []  # the first token
     assert held.due([out(1)], now=1.0) == []
     assert held.wait_s(1.01) == pytest.approx(0.04)
     (waiting,) = held.take_held()
@@ -38,8 +39,28 @@ def test_the_hold_time_and_finishing_make_an_output_due():
     assert held.wait_s(2.0) is None
 
 
+def test_the_first_tokens_go_whole_however_long_they_take():
+    """The talker's first response is the first audio chunk's frames: a part of them is of no use to the
+    orchestrator, and the rest of a part sent at the hold's end used to wait for min_tokens (or another hold)."""
+    held = HeldOutputs(OutputBatching(first_tokens=4, min_tokens=8, max_hold_s=0.04))
+    assert held.due([out(2)], now=0.0) == []
+    assert held.wait_s(0.1) is None  # no wake-up by age for it (the response thread would spin at 0 s)
+    (waiting,) = held.take_held()
+    assert held.due([waiting], now=0.1) == []  # 2 of 4 after 100 ms: still held (the hold is for later outputs)
+    (waiting,) = held.take_held()
+    merged = RequestOutput("a", waiting.new_token_ids + [7, 8])
+    assert held.due([merged], now=0.11) == [merged]  # the 4 frames, at once and together
+    assert held.due([out(1)], now=0.12) == []  # then min_tokens, or the hold
+    assert held.wait_s(0.13) == pytest.approx(0.03)
+    (waiting,) = held.take_held()
+    assert held.due([waiting], now=0.16) == [waiting]
+    other = HeldOutputs(OutputBatching(first_tokens=4, min_tokens=8, max_hold_s=0.04))
+    assert other.due([out(1, finished=True)], now=0.0) != []  # a request that ends sooner: due as it ends
+
+
 def test_a_held_output_keeps_its_arrival_time_across_rounds():
-    held = HeldOutputs(OutputBatching(first_tokens=10, min_tokens=10, max_hold_s=0.1))
+    held = HeldOutputs(OutputBatching(first_tokens=1, min_tokens=10, max_hold_s=0.1))
+    assert held.due([out(1)], now=-1.0) != []  # the first token
     held.due([out(1)], now=0.0)
     for now in (0.03, 0.06, 0.09):
         (waiting,) = held.take_held()

@@ -89,6 +89,115 @@ def test_our_patches_apply_to_the_pinned_sources(tmp_path):
     # python_backend-dead-stub-requests.patch, applied after it and before the ones that touch other files
     assert "ModelInstanceState::StubExited()" in (src / "python_backend" / "src" / "python_be.cc").read_text()
     assert "TRITON_COMMON_ENABLE_TESTS" in (src / "common" / "src" / "CMakeLists.txt").read_text()
+    assert "TRITONSERVER_InferenceRequestSetPriorityUInt64" in (
+        src / "python_backend" / "src" / "request_executor.cc").read_text()  # python_backend-bls-priority.patch
+
+
+# A model whose one instance serves its queue by priority (two levels, the second the default) and answers each
+# request with the order in which it was executed; its first request (TAG 0) holds the instance for a while.
+_SINK_CONFIG = """
+name: "sink"
+backend: "python"
+max_batch_size: 1
+input [ { name: "TAG" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "ORDER" data_type: TYPE_INT32 dims: [ 1 ] } ]
+dynamic_batching { priority_levels: 2 default_priority_level: 2 }
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+_SINK = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.executed = 0
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            tag = int(pb_utils.get_input_tensor_by_name(request, "TAG").as_numpy().reshape(-1)[0])
+            if tag == 0:
+                time.sleep(HOLD_S)
+            responses.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("ORDER", np.array([[self.executed]], dtype=np.int32))]))
+            self.executed += 1
+        return responses
+"""
+# A BLS model that calls the sink: the holding request, then (while it holds) three requests at the default
+# priority and last one with the BLS parameter "priority": 1; it answers the sink's execution order by TAG.
+_CALLER_CONFIG = """
+name: "caller"
+backend: "python"
+max_batch_size: 0
+input [ { name: "GO" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "ORDER" data_type: TYPE_INT32 dims: [ 5 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+_CALLER = """
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        order = [None] * 5
+
+        def call(tag, parameters):
+            request = pb_utils.InferenceRequest(
+                model_name="sink", requested_output_names=["ORDER"], parameters=parameters,
+                inputs=[pb_utils.Tensor("TAG", np.array([[tag]], dtype=np.int32))])
+            response = request.exec()
+            if response.has_error():
+                raise pb_utils.TritonModelException(response.error().message())
+            order[tag] = int(pb_utils.get_output_tensor_by_name(response, "ORDER").as_numpy().reshape(-1)[0])
+
+        threads = []
+        for tag in range(5):
+            thread = threading.Thread(target=call, args=(tag, {"priority": 1} if tag == 4 else {}))
+            thread.start()
+            threads.append(thread)
+            time.sleep(GAP_S)  # each request queued before the next is made
+        for thread in threads:
+            thread.join()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("ORDER", np.array(order, dtype=np.int32))])
+                for _ in requests]
+"""
+
+
+@pytest.mark.server
+def test_a_bls_request_with_priority_1_is_served_before_the_queued_default_ones(tmp_path):
+    """python_backend-bls-priority.patch: the sink executes the holding request first, then the one sent last with
+    priority 1, then the three it found queued at the default level, in their order. Unpatched, the BLS
+    parameter is only a parameter: the priority-1 request ran last (order 4)."""
+    built, why_not = load_built_backend()
+    if built is None:
+        pytest.skip(why_not)
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from omni_triton.launch.tritonserver import ServerOptions, TritonServer, free_port
+
+    hold_s, gap_s = 3.0, 0.3  # the four later requests are all queued within 1.2 s of a 3-s hold
+    repository = tmp_path / "repository"
+    for name, config, source in (("sink", _SINK_CONFIG, _SINK.replace("HOLD_S", str(hold_s))),
+                                 ("caller", _CALLER_CONFIG, _CALLER.replace("GAP_S", str(gap_s)))):
+        (repository / name / "1").mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(config)
+        (repository / name / "1" / "model.py").write_text(source)
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = TritonServer(repository, find_tritonserver(python_backend="built"), options,
+                          log_path=tmp_path / "tritonserver.log").start()
+    try:
+        server.wait_ready(timeout_s=120)
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            go = grpcclient.InferInput("GO", [1], "INT32")
+            go.set_data_from_numpy(np.array([1], dtype=np.int32))
+            order = client.infer("caller", [go], client_timeout=60).as_numpy("ORDER").tolist()
+    finally:
+        server.stop()
+    assert order == [0, 2, 3, 4, 1], f"execution order by tag (0 holds; 1-3 default; 4 priority 1): {order}"
 
 
 @pytest.mark.server

@@ -11,11 +11,15 @@ talker consumes the thinker's text one token a frame, slower than the thinker ma
 ``OutputBatching`` says when an output is due; ``HeldOutputs`` keeps the ones that are not, per request. Each round
 the engine's response thread merges what it holds with what the steps produced (``engine.merge_outputs``) and
 delivers what is due. An output is due when its request finished, or
-- before anything was delivered: once it has ``first_tokens`` tokens;
+- until its first ``first_tokens`` tokens were delivered: once they are all there, however long that takes (the
+  consumer cannot use fewer: the talker's first response carries the first audio chunk's frames; delivered in part
+  once the hold ran out, the rest waited for ``min_tokens`` or another hold, 40 ms at the defaults, and the first
+  audio with it);
 - while fewer than ``eager_tokens`` tokens were delivered: at once (a consumer starting up);
 - after that: once it has ``min_tokens`` tokens;
-and always once its oldest part waited ``max_hold_s`` (a slow request never waits on its own batch). The default
-delivers everything at once, as before batching existed. Pure logic: times come in as arguments.
+and, after the first tokens, always once its oldest part waited ``max_hold_s`` (a slow request never waits on its
+own batch). The default delivers everything at once, as before batching existed. Pure logic: times come in as
+arguments.
 """
 
 from __future__ import annotations
@@ -80,20 +84,24 @@ class HeldOutputs:
         return due
 
     def wait_s(self, now: float) -> float | None:
-        """Seconds until the oldest held output is due by age (None: nothing held)."""
-        if not self._held:
+        """Seconds until the oldest held output is due by age (None: none can be). An output still short of its
+        first tokens is never due by age: only more tokens make it due, and they come with a new round."""
+        aging = [self._since[request_id] for request_id in self._held
+                 if self._delivered.get(request_id, 0) >= self.policy.first_tokens]
+        if not aging:
             return None
-        oldest = min(self._since[request_id] for request_id in self._held)
-        return max(0.0, oldest + self.policy.max_hold_s - now)
+        return max(0.0, min(aging) + self.policy.max_hold_s - now)
 
     def _is_due(self, output: Any, since: float, now: float) -> bool:
         policy = self.policy
-        if output.finished or now - since >= policy.max_hold_s:
-            return True
         tokens = len(output.new_token_ids)
-        delivered = self._delivered.get(output.request_id)
-        if delivered is None:
-            return tokens >= policy.first_tokens
+        delivered = self._delivered.get(output.request_id, 0)
+        if output.finished:
+            return True
+        if delivered < policy.first_tokens:  # the first tokens go whole (module doc), the hold aside
+            return delivered + tokens >= policy.first_tokens
+        if now - since >= policy.max_hold_s:
+            return True
         if delivered < policy.eager_tokens:
             return tokens > 0
         return tokens >= policy.min_tokens

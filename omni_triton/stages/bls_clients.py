@@ -37,6 +37,10 @@ THINKER_PARAMS = ["MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "
                   "IGNORE_EOS"]
 TALKER_PARAMS = ["SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
                  "MIN_AUDIO_FRAMES"]
+# A stream's first code2wav chunk goes ahead of the later chunks queued at the stage (its config: priority_levels
+# 2, default 2): it is the listener's first audio and the end of the stream's start, and admission lets only a few
+# streams start at once, so the time it waits behind other streams' chunks bounds requests/s.
+FIRST_CHUNK_PRIORITY = 1
 
 _correlation_ids = itertools.count(1)
 
@@ -154,7 +158,7 @@ class BlsStageClients:
         codes = codes.to(torch.int64).unsqueeze(0)  # code2wav batches: [1, G, N]
         inputs = [from_torch(pb, "CODES", codes),
                   pb.Tensor("LEFT_CONTEXT", np.array([[left_context_frames]], dtype=np.int32))]
-        audio = self._code2wav_call(inputs)["AUDIO"]
+        audio = self._code2wav_call(inputs, first=left_context_frames == 0)["AUDIO"]
         self._check_device(audio)
         return to_torch(audio).reshape(-1)
 
@@ -167,7 +171,7 @@ class BlsStageClients:
         if self._code2wav_stream_id is None:
             raise ValueError("code2wav_stream: the first chunk of a stream must come first")
         inputs = [from_torch(pb, "CODES", codes.to(torch.int64).unsqueeze(0)), *self._stream_inputs(start=first)]
-        audio = self._code2wav_call(inputs)["AUDIO"]
+        audio = self._code2wav_call(inputs, first=first)["AUDIO"]
         self._check_device(audio)
         return to_torch(audio).reshape(-1)
 
@@ -178,12 +182,14 @@ class BlsStageClients:
             self._code2wav_call(self._stream_inputs(end=True))
         self._code2wav_stream_id = None
 
-    def _code2wav_call(self, inputs: list) -> dict[str, Any]:
+    def _code2wav_call(self, inputs: list, first: bool = False) -> dict[str, Any]:
         """One code2wav request and its one response's outputs. The stage is decoupled (it answers from a thread
-        of its own once the decode is done, ``deferred_sends``), so the call is a decoupled one."""
+        of its own once the decode is done, ``deferred_sends``), so the call is a decoupled one. ``first``: a
+        stream's first chunk, sent at ``FIRST_CHUNK_PRIORITY``."""
         outputs: dict[str, Any] = {}
         # stamped with its send time while tracing: the stage's call log says how long it took to get there
-        for response in bls_stream(self._request("code2wav", inputs, ["AUDIO"], parameters=send_stamp())):
+        parameters = {**send_stamp(), **({"priority": FIRST_CHUNK_PRIORITY} if first else {})}
+        for response in bls_stream(self._request("code2wav", inputs, ["AUDIO"], parameters=parameters)):
             outputs.update(self._outputs(response) or {})
         if "AUDIO" not in outputs:
             raise StageError("code2wav answered without AUDIO")
