@@ -329,6 +329,24 @@ def test_prefill_kernel_at_full_dims_in_bf16(num_heads, num_kv_heads):
     assert rel_error(got, want) < 1e-2
 
 
+def test_the_interpreters_listed_scan_patches_what_its_full_scan_does():
+    """conftest.py swaps the interpreter's builtin scan for one over names listed once (tests/_interpreter_scan.py):
+    on every package it scans, both wrap the same names, so the kernels here run as under the stock interpreter."""
+    from triton.runtime import interpreter
+
+    listed = interpreter._patch_builtin
+    if getattr(listed, "original", None) is None:
+        pytest.skip("the stock scan is in use (no interpreter, or this Triton has no _patch_builtin to swap)")
+    for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+        patched = []
+        for scan in (listed.original, listed):
+            scope = interpreter._LangPatchScope()
+            scan(pkg, interpreter.interpreter_builder, scope)
+            patched.append(sorted(name for _, name, _ in scope._changes))
+            scope.restore()
+        assert patched[0] == patched[1] and (patched[0] or pkg is tl.math), pkg
+
+
 def test_uniform_rows_depend_only_on_the_row_seed():
     seeds = torch.tensor([7, 123456789012345, 7], device=DEVICE)
     draws = random.uniform_rows(seeds, 3000)
