@@ -15,6 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tests run from a checkout, installed or not
     sys.path.insert(0, str(ROOT))
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # the interpreter's per-call scan for the builtins to patch, over listed names (the same patches, a third
+    # less interpreter time: tests/_interpreter_scan.py)
+    import _interpreter_scan
+
+    _interpreter_scan.install()
+
 from omni_triton.shared.settings import STAGES, LaunchConfig  # noqa: E402
 
 # Launch limits the server tests probe: small, so "too long" inputs stay cheap to send.

@@ -279,7 +279,9 @@ def assert_greedy_agrees(predictor: CodePredictor, hidden, code0_embeds, logit_t
                 f"{int(want_codes[row, first])} with a top-2 gap of {float(gaps[row, first]):.4f}")
 
 
-def check_frame(dims: dict, dtype: torch.dtype, rows: int, logit_rel: float, seed: int = 0, groups: int = 16) -> None:
+def check_frame(dims: dict, dtype: torch.dtype, rows: int, logit_rel: float, seed: int = 0, groups: int = 16):
+    """The fused frame against the module frame, teacher-forced and greedy; returns (predictor, hidden,
+    code0_embeds, forced, the fused teacher-forced logits) for a caller's further checks on the same frame."""
     predictor = random_predictor(dims, dtype, seed, groups)
     gen = torch.Generator().manual_seed(seed + 1)
     hidden = torch.randn(rows, dims["hidden_size"], generator=gen).to(DEVICE, dtype)
@@ -295,6 +297,7 @@ def check_frame(dims: dict, dtype: torch.dtype, rows: int, logit_rel: float, see
         assert rel_error(got_logits[:, group], want_logits[:, group]) < logit_rel, group
     scale = float(want_logits.abs().max())
     assert_greedy_agrees(predictor, hidden, code0_embeds, logit_tolerance=4 * logit_rel * scale)
+    return predictor, hidden, code0_embeds, forced, got_logits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -344,18 +347,15 @@ def test_qkv_tables_replace_the_first_layers_qkv_after_the_first_step(monkeypatc
     monkeypatch.setattr(frame_attention_module, "frame_attention",
                         lambda *a, **k: gathered.append(k.get("qkv_rows") is not None) or real_attention(*a, **k))
     groups, rows = 5, 3
-    check_frame(SMALL, dtype, rows=rows, logit_rel=1e-5, groups=groups)
+    # its teacher-forced fused frame (with the tables) is the one compared with the frame without them below
+    predictor, hidden, code0, forced, with_tables = check_frame(SMALL, dtype, rows=rows, logit_rel=1e-5,
+                                                                groups=groups)
     steps = groups - 1
     # two frames (teacher-forced, greedy), each: the first layer of every step but the first from a table
     assert gathered.count(True) == 2 * (steps - 1) and len(gathered) == 2 * steps * SMALL["num_layers"]
-    predictor = random_predictor(SMALL, dtype, groups=groups)
-    gen = torch.Generator().manual_seed(3)
-    hidden, code0 = torch.randn(2, rows, SMALL["hidden_size"], generator=gen).to(DEVICE, dtype)
-    forced = torch.randint(0, SMALL["vocab_size"], (rows, groups - 1), generator=gen).to(DEVICE)
-    with_tables = recorded_frame(predictor, hidden, code0, True, forced)
     monkeypatch.setattr(CodePredictor, "qkv_tables", False)
     without = recorded_frame(predictor, hidden, code0, True, forced)
-    torch.testing.assert_close(with_tables[2], without[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(with_tables, without[2], rtol=1e-5, atol=1e-5)
     tables = [t.clone() for t in predictor.first_layer_qkv_tables()]
     assert len(tables) == groups - 2 and tables[0].shape == (SMALL["vocab_size"], predictor.model.layers[0]
                                                             .self_attn.packed_qkv[0].shape[0])
