@@ -221,7 +221,7 @@ class StepOverlap:
             return rows, "sampler"
         # (admit_ahead: requests that cannot be admitted before a row finishes are no reason; rows reaching their
         # length finish with current, which makes room)
-        if self.scheduler.waiting and (not self.admit_ahead or self._admits_any(left.get("length", 0))):
+        if self.scheduler.waiting and (not self.admit_ahead or self.scheduler.admits_any(finishing=left.get("length", 0))):
             return rows, "waiting"
         # another row can run now (every row of current but those stopped is running: only more rows can make the
         # count differ): rows that decode next (a talker row whose text came) join the step, others are the
@@ -253,10 +253,6 @@ class StepOverlap:
         if num_rows + len(joiners) > self.scheduler.max_num_batched_tokens:
             return None
         return joiners
-
-    def _admits_any(self, finishing: int) -> bool:
-        """Whether a request waiting for admission finds room in the running set once ``finishing`` rows left."""
-        return bool(self.scheduler.waiting) and len(self.scheduler.running) - finishing < self.scheduler.max_num_seqs
 
 
 def _host_sampling_ahead_exact(seq: Sequence) -> bool:

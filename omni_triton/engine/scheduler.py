@@ -62,10 +62,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s.status == SequenceStatus.RUNNING for s in self.running)
 
-    def admits_any(self) -> bool:
+    def admits_any(self, finishing: int = 0) -> bool:
         """Whether a request waits for admission and the running set has room for it (blocks and the token
-        budget aside): when full, nothing is admitted before a running sequence finishes."""
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+        budget aside) once ``finishing`` running sequences left: when full, nothing is admitted before a running
+        sequence finishes."""
+        return bool(self.waiting) and len(self.running) - finishing < self.max_num_seqs
 
     def count(self, status: SequenceStatus) -> int:
         if status == SequenceStatus.WAITING:
