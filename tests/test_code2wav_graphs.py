@@ -286,7 +286,7 @@ def test_first_chunk_shapes_are_captured_at_start(gpu_runtime):
 
 @cuda
 @pytest.mark.parametrize("frames", [FIRST_CHUNK, LAZY_FRAMES])
-@pytest.mark.parametrize("batch, bucket", [(1, 1), (3, 4)])
+@pytest.mark.parametrize("batch, bucket", [(1, 1), (3, 3)])  # every batch up to 8 is a bucket
 def test_replay_equals_eager(gpu_runtime, batch, bucket, frames):
     codes = random_codes(gpu_runtime, batch, frames, seed=10 * batch + frames, device="cuda")
     replays = gpu_runtime.graphs.replays
