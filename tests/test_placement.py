@@ -194,7 +194,8 @@ def test_pipelines_render_each_stage_once_per_pipeline_on_its_gpu_group(tiny_che
     """--pipelines 2: thinker_p0 on GPU 0 and thinker_p1 on GPU 1, ...; with the split as pipeline 0's layout,
     pipeline 1 takes GPUs 2 and 3. The orchestrator runs an instance per pipeline, on that pipeline's first GPU, in
     an instance group named after the pipeline."""
-    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--pipelines", "2"])
+    args = cli.build_parser().parse_args(["serve", "--device", "cuda", "--pipelines", "2",
+                                          "--instances", "orchestrator=1"])
     two = placement(args)
     out = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint, device="cuda", placement=two), tmp_path / "a")
     assert sorted(p.name for p in out.iterdir()) == ["code2wav_p0", "code2wav_p1", "omni", "orchestrator",
@@ -211,7 +212,8 @@ def test_pipelines_render_each_stage_once_per_pipeline_on_its_gpu_group(tiny_che
     assert rendered_settings(out, "thinker_p1").placement == two
     assert two.used_gpus() == (0, 1)
     assert two.held(1) == {"thinker": 1, "talker": 1, "code2wav": 1, "orchestrator": 1}
-    assert [two.pipeline_gpu(p) for p in (0, 1)] == [0, 1] and two.as_options() == ["--pipelines", "2"]
+    assert [two.pipeline_gpu(p) for p in (0, 1)] == [0, 1]
+    assert two.as_options() == ["--instances", "orchestrator=1", "--pipelines", "2"]
     assert two.describe() == ("2 pipelines: thinker x1 on GPU 0 | 1, talker x1 on GPU 0 | 1, code2wav x1 on GPU "
                               "0 | 1, orchestrator x1 on GPU 0 | 1")
     split = Placement(gpus=SPLIT.gpus, instances={"talker": 2}, pipelines=2)
@@ -230,6 +232,20 @@ def test_pipelines_render_each_stage_once_per_pipeline_on_its_gpu_group(tiny_che
     # one pipeline keeps the stages' own names
     one = render_repository(LaunchConfig(checkpoint_dir=tiny_checkpoint), tmp_path / "one")
     assert 'name: "thinker"' in (one / "thinker" / "config.pbtxt").read_text()
+
+
+@pytest.mark.parametrize("argv, orchestrators", [
+    (["--device", "cuda"], 2),                                   # the GPU's default: two processes per pipeline
+    (["--device", "cuda", "--pipelines", "2"], 2),               # ... per pipeline
+    (["--device", "cuda", "--instances", "orchestrator=1"], 1),  # named: as given
+    (["--device", "cuda", "--instances", "talker=2"], 2),        # another stage named: the default still holds
+    (["--device", "cpu"], 1),                                    # the CPU path keeps one
+])
+def test_the_gpu_runs_two_orchestrator_instances_per_pipeline_unless_told(argv, orchestrators):
+    placed = placement(cli.build_parser().parse_args(["serve", *argv]))
+    assert placed.count("orchestrator") == orchestrators
+    assert placed.orchestrator_instances == orchestrators * placed.pipelines
+    assert placed.count("talker") == (2 if "talker=2" in argv else 1)
 
 
 def test_pipeline_model_names_round_trip():

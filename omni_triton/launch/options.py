@@ -152,6 +152,13 @@ def _admission_capacity(text: str) -> str:
     return text
 
 
+# Orchestrator processes per pipeline on the GPU unless --instances names it: one process (one GIL) was the queue
+# every hop through the orchestrator waited in at 64 streams on an H200, and a second one shortened a stream's start
+# by 27% (requests/s 11.6 -> 13.6, TTFA p50 1832 -> 568 ms, none dry: benchmarks/results/h200-orchestrator-x2).
+# The CPU path keeps one: its stages share the few cores a CPU host gives them.
+DEFAULT_ORCHESTRATOR_INSTANCES_CUDA = 2
+
+
 def add_placement_arguments(group) -> None:
     """--stage-gpus, --instances and --pipelines: where each stage runs (omni_triton.shared.placement)."""
     group.add_argument("--stage-gpus", type=_option_type(parse_stage_gpus), default={}, metavar="STAGE=GPUS,...",
@@ -162,7 +169,8 @@ def add_placement_arguments(group) -> None:
                        help=f"instances of {', '.join(REPLICABLE_STAGES)} per GPU of the stage (Triton "
                             "instance_group count; the memory plan gives each its KV cache), e.g. "
                             "talker=2,code2wav=2; orchestrator=K: K orchestrator processes per pipeline, each taking "
-                            "1/K of its admission limits (default: 1 each)")
+                            "1/K of its admission limits (default: 1 each; on cuda the orchestrator "
+                            f"x{DEFAULT_ORCHESTRATOR_INSTANCES_CUDA})")
     group.add_argument("--pipelines", type=int, default=Placement.pipelines, metavar="N",
                        help="whole pipelines (thinker, talker, code2wav) in this server, each on its own GPU group: "
                             "pipeline k on GPU k, or with --stage-gpus on that layout shifted by k groups; each "
@@ -181,12 +189,16 @@ def _option_type(parse: Callable[[str], dict]) -> Callable[[str], dict]:
 
 
 def placement(args: argparse.Namespace) -> Placement:
-    """The placement ``args`` give (raises LaunchOptionError naming the option and value)."""
+    """The placement ``args`` give, with the GPU's default orchestrator instances where --instances does not name
+    them (raises LaunchOptionError naming the option and value)."""
     if args.stage_gpus and args.device != "cuda":
         raise LaunchOptionError(f"--stage-gpus places stages on GPUs: it needs --device cuda (got --device "
                                 f"{args.device})")
+    instances = dict(args.instances)
+    if args.device == "cuda":
+        instances.setdefault("orchestrator", DEFAULT_ORCHESTRATOR_INSTANCES_CUDA)
     try:
-        return Placement(gpus=args.stage_gpus, instances=args.instances, pipelines=args.pipelines)
+        return Placement(gpus=args.stage_gpus, instances=instances, pipelines=args.pipelines)
     except PlacementError as error:
         raise LaunchOptionError(str(error)) from None
 
