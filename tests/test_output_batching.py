@@ -69,6 +69,22 @@ def test_a_held_output_keeps_its_arrival_time_across_rounds():
     assert held.due([waiting], now=0.1) == [waiting]
 
 
+def test_a_round_delivers_the_starting_streams_first():
+    """Streams still waiting for their first tokens go before those already playing, each group in its order."""
+    held = HeldOutputs(OutputBatching(first_tokens=2, min_tokens=1, max_hold_s=1.0))
+    assert [o.request_id for o in held.due([out(2, request_id="a"), out(2, request_id="b")], now=0.0)] == ["a", "b"]
+    round_two = [out(1, request_id="a"), out(2, request_id="c"), out(1, request_id="b"),
+                 out(1, request_id="d"), out(3, request_id="e")]
+    # d is short of its first 2 tokens: held; c and e start; a and b play on
+    assert [o.request_id for o in held.due(round_two, now=0.1)] == ["c", "e", "a", "b"]
+    assert [o.request_id for o in held.take_held()] == ["d"]
+    # once delivered, a stream is a playing one; a finished stream's id reused starts again
+    finished = held.due([out(1, request_id="f"), out(1, finished=True, request_id="c")], now=0.2)
+    assert [o.request_id for o in finished] == ["c"] and [o.request_id for o in held.take_held()] == ["f"]
+    again = held.due([out(1, request_id="a"), out(2, request_id="c")], now=0.3)
+    assert [o.request_id for o in again] == ["c", "a"]
+
+
 def test_bad_policies_are_refused():
     for bad in (dict(first_tokens=0), dict(min_tokens=0), dict(eager_tokens=-1), dict(max_hold_s=-1)):
         with pytest.raises(ValueError):

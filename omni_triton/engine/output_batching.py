@@ -18,8 +18,12 @@ delivers what is due. An output is due when its request finished, or
 - while fewer than ``eager_tokens`` tokens were delivered: at once (a consumer starting up);
 - after that: once it has ``min_tokens`` tokens;
 and, after the first tokens, always once its oldest part waited ``max_hold_s`` (a slow request never waits on its
-own batch). The default delivers everything at once, as before batching existed. Pure logic: times come in as
-arguments.
+own batch). The default delivers everything at once, as before batching existed.
+
+A round's due outputs go out starting streams first: those carrying a request's first tokens, then the rest, each
+group in its order. A round's deliveries take the response thread a while (each is a Triton response: export,
+send), and a stream waiting for its first audio has nothing buffered, while the others' listeners play what they
+got. Pure logic: times come in as arguments.
 """
 
 from __future__ import annotations
@@ -64,16 +68,17 @@ class HeldOutputs:
         return held
 
     def due(self, merged: list[Any], now: float) -> list[Any]:
-        """Of ``merged`` (this round's outputs, one per request, each merged with its held one), those due now in
-        their order; the others are held."""
+        """Of ``merged`` (this round's outputs, one per request, each merged with its held one), those due now:
+        the ones with a request's first tokens first, then the others, each in their order (module doc); the
+        others are held."""
         if not self.policy.holds:  # nothing is ever held: no bookkeeping on the response thread
             return merged
-        due = []
+        starting, playing = [], []
         for output in merged:
             request_id = output.request_id
             since = self._since.setdefault(request_id, now)
             if self._is_due(output, since, now):
-                due.append(output)
+                (playing if request_id in self._delivered else starting).append(output)
                 self._since.pop(request_id, None)
                 if output.finished:
                     self._delivered.pop(request_id, None)
@@ -81,7 +86,7 @@ class HeldOutputs:
                     self._delivered[request_id] = self._delivered.get(request_id, 0) + len(output.new_token_ids)
             else:
                 self._held[request_id] = output
-        return due
+        return starting + playing
 
     def wait_s(self, now: float) -> float | None:
         """Seconds until the oldest held output is due by age (None: none can be). An output still short of its
