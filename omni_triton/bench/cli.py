@@ -60,8 +60,8 @@ from omni_triton.bench.stage_profiles import ProfileWindows
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
 from omni_triton.launch.options import (LaunchOptionError, add_engine_arguments, add_load_arguments,
                                         add_memory_arguments, add_model_source_arguments, flag_settings,
-                                        model_source, with_kv_budget)
-from omni_triton.launch.memory_plan import SERVED_GPU_PROCESSES
+                                        model_source, stage_instances, with_kv_budget)
+from omni_triton.shared.placement import Placement
 from omni_triton.shared.settings import LaunchConfig
 from omni_triton.stage_profile import PROFILE_DIR_ENV
 from omni_triton.trace import TRACE_DIR_ENV
@@ -157,13 +157,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def launch_config(args: argparse.Namespace, workload: Workload, interstage_memory: str = "device",
-                  gpu_processes: int = SERVED_GPU_PROCESSES) -> tuple[LaunchConfig, str]:
+                  gpu_processes: int | None = None) -> tuple[LaunchConfig, str]:
     """What the started server (and, with ``gpu_processes`` 1, the in-process pipeline) runs, with its KV
     budget and the note saying it. Enough engine slots for the highest level, so the launch config never caps
-    the measured concurrency."""
+    the measured concurrency. The started server's stages are placed as `serve` places them by default (its
+    GPU processes counted from that placement)."""
     config = LaunchConfig(**{
         # serve's settings by their shared flags; --torch-threads is this process's here, not the stages'
         **flag_settings(args, ignored=("torch_threads",)),
+        "placement": Placement(instances=stage_instances(args.device, {})),
         "checkpoint_dir": args.source.checkpoint_dir.resolve(), "load_format": args.source.load_format,
         "dummy_seed": args.source.seed, "interstage_memory": interstage_memory,
         "max_inflight_requests": args.max_inflight or max(16, *workload.concurrencies)})

@@ -188,17 +188,24 @@ def _option_type(parse: Callable[[str], dict]) -> Callable[[str], dict]:
     return parse_argument
 
 
+def stage_instances(device: str, given: dict[str, int]) -> dict[str, int]:
+    """``--instances`` as given, with the device's defaults for the stages it does not name (on cuda: the
+    orchestrator's, ``DEFAULT_ORCHESTRATOR_INSTANCES_CUDA``)."""
+    instances = dict(given)
+    if device == "cuda":
+        instances.setdefault("orchestrator", DEFAULT_ORCHESTRATOR_INSTANCES_CUDA)
+    return instances
+
+
 def placement(args: argparse.Namespace) -> Placement:
     """The placement ``args`` give, with the GPU's default orchestrator instances where --instances does not name
     them (raises LaunchOptionError naming the option and value)."""
     if args.stage_gpus and args.device != "cuda":
         raise LaunchOptionError(f"--stage-gpus places stages on GPUs: it needs --device cuda (got --device "
                                 f"{args.device})")
-    instances = dict(args.instances)
-    if args.device == "cuda":
-        instances.setdefault("orchestrator", DEFAULT_ORCHESTRATOR_INSTANCES_CUDA)
     try:
-        return Placement(gpus=args.stage_gpus, instances=instances, pipelines=args.pipelines)
+        return Placement(gpus=args.stage_gpus, instances=stage_instances(args.device, args.instances),
+                         pipelines=args.pipelines)
     except PlacementError as error:
         raise LaunchOptionError(str(error)) from None
 
