@@ -43,6 +43,19 @@ def api(triton_server):
         yield server
 
 
+# A reply the server bounds to this much audio (random weights: an unbounded one speaks until the talker
+# happens to stop, 1-10 s of CPU time here): for the tests whose point is not the reply's length. The unbounded
+# path keeps its own tests (a text turn, barge-in, a client that leaves).
+BRIEF_AUDIO_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def brief_api(triton_server):
+    with ApiServer(triton_server.grpc_url, triton_server.checkpoint_dir,
+                   realtime_limits=RealtimeLimits(max_output_audio_s=BRIEF_AUDIO_S)) as server:
+        yield server
+
+
 def async_client(api) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=api.url + "/v1", api_key="not-checked", max_retries=0)
 
@@ -155,9 +168,9 @@ def test_text_turn_is_answered_with_audio_and_transcript(api, triton_server):
 
 # -- turns by server VAD, and by a manual commit ----------------------------------------------------------
 
-def test_spoken_turn_by_server_vad(api, speech):
+def test_spoken_turn_by_server_vad(brief_api, speech):
     async def scenario():
-        async with async_client(api).realtime.connect(model="omni") as connection:
+        async with async_client(brief_api).realtime.connect(model="omni") as connection:
             await until(connection, "session.created")
             await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": VAD}},
                                                      **SHORT})
@@ -365,11 +378,11 @@ BAD_EVENTS = [
 ]
 
 
-def test_bad_events_are_errors_naming_the_field_and_the_session_goes_on(api):
+def test_bad_events_are_errors_naming_the_field_and_the_session_goes_on(brief_api):
     import websockets
 
     async def scenario():
-        async with websockets.connect(raw_url(api)) as socket:
+        async with websockets.connect(raw_url(brief_api)) as socket:
             assert json.loads(await socket.recv())["type"] == "session.created"
             errors = []
             for index, (event, _, _) in enumerate(BAD_EVENTS):
@@ -390,9 +403,9 @@ def test_bad_events_are_errors_naming_the_field_and_the_session_goes_on(api):
     assert done["response"]["status"] == "completed"
 
 
-def test_two_sessions_at_once(api):
+def test_two_sessions_at_once(brief_api):
     async def one_session(text: str):
-        async with async_client(api).realtime.connect(model="omni") as connection:
+        async with async_client(brief_api).realtime.connect(model="omni") as connection:
             await until(connection, "session.created")
             await connection.session.update(session={"type": "realtime", **SHORT})
             await connection.conversation.item.create(item=user_text(text))
@@ -506,11 +519,12 @@ def test_reply_audio_is_bounded_by_the_server_limit(triton_server):
     assert replies[-1][0].response.usage.output_token_details.audio_tokens == 5, "no reply reached the bound"
 
 
-def test_beta_client_dialect(api):
+def test_beta_client_dialect(brief_api):
     """The official client's beta path (``OpenAI-Beta: realtime=v1``): flat session fields, beta event names."""
     async def scenario():
         # the beta path takes wss:// unless told the WebSocket address
-        client = openai.AsyncOpenAI(base_url=api.url + "/v1", websocket_base_url=raw_url(api).split("/realtime")[0],
+        client = openai.AsyncOpenAI(base_url=brief_api.url + "/v1",
+                                    websocket_base_url=raw_url(brief_api).split("/realtime")[0],
                                     api_key="not-checked", max_retries=0)
         async with client.beta.realtime.connect(model="omni") as connection:
             created = await until(connection, "session.created")

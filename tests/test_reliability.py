@@ -329,9 +329,10 @@ def client_inputs(draw) -> list:
 
 
 # A request the fuzz leaves without MAX_AUDIO_FRAMES speaks until the talker stops (random weights: until
-# its KV budget is full, several seconds here): the deadline keeps such examples short. An error
-# "deadline_s exceeded" is a clean end too.
-FUZZ_DEADLINE_S = 2.0
+# its KV budget is full, several seconds here): the deadline keeps such examples short (some 10-15 of them end
+# there, most of the fuzz's wall time). An error "deadline_s exceeded" is a clean end too, and what such a stream
+# sent before it is checked like a completed one's.
+FUZZ_DEADLINE_S = 1.0
 FUZZ_EXAMPLES = 60
 
 
@@ -344,11 +345,12 @@ def test_bad_input_fuzz_always_ends_cleanly(server):
     @given(inputs=client_inputs())
     def one_request(inputs):
         outcome = raw_stream(server.grpc_url, inputs, timeout_s=30, parameters={"deadline_s": FUZZ_DEADLINE_S})
+        # what was streamed, up to the end or an error: the detokenizer only ever sends whole characters
+        outcome.text.decode("utf-8")
+        for chunk in outcome.audio:
+            assert np.isfinite(chunk).all() and np.abs(chunk).max() <= 1.0
         if outcome.error is None:
             completed.append(outcome)
-            outcome.text.decode("utf-8")  # the detokenizer only ever sends whole characters
-            for chunk in outcome.audio:
-                assert np.isfinite(chunk).all() and np.abs(chunk).max() <= 1.0
         else:
             assert outcome.error.strip(), "an error must say something"
             # a crashed stub or an exception escaping a model surfaces as one of these
