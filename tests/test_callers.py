@@ -115,3 +115,22 @@ def test_a_caller_is_watched_through_one_open_file_and_its_death_is_seen_at_the_
     caller.wait()
     assert not liveness.alive(caller.pid) and opened[-1] == caller.pid, "looked for anew, and gone"
     assert not liveness.alive(2 ** 22 + 1), "no such process"
+
+
+def test_the_caller_is_read_from_the_request_parameters():
+    """caller_of: the pid in CALLER_PARAMETER (an int, not a bool), else None; the same parameters text, parsed once,
+    answers the same every time (a talker reads it from every thinker chunk's request)."""
+    from omni_triton.stages.callers import CALLER_PARAMETER, caller_of
+
+    class Request:
+        def __init__(self, parameters):
+            self._parameters = parameters
+
+        def parameters(self):
+            return self._parameters
+
+    for parameters, caller in [(f'{{"{CALLER_PARAMETER}": 4242}}', 4242), (f'{{"{CALLER_PARAMETER}": true}}', None),
+                               (f'{{"{CALLER_PARAMETER}": "4242"}}', None), ('{"priority": 1}', None), ("", None),
+                               (None, None), ("not json", None), ("[1, 2]", None)]:
+        assert [caller_of(Request(parameters)) for _ in range(3)] == [caller] * 3, parameters
+    assert caller_of(object()) is None  # no parameters at all

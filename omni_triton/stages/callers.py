@@ -19,6 +19,7 @@ A request without the parameter (a client calling a stage directly over gRPC) ha
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -43,7 +44,18 @@ def caller_parameters() -> dict[str, int]:
 def caller_of(request: Any) -> int | None:
     """The pid of the stub that sent ``request``, or None (sent from outside, or without the parameter)."""
     try:
-        value = json.loads(request.parameters() or "{}").get(CALLER_PARAMETER)
+        parameters = request.parameters()
+    except AttributeError:
+        return None
+    return _caller_in(parameters or "{}")
+
+
+@functools.lru_cache(maxsize=256)
+def _caller_in(parameters: str) -> int | None:
+    """``caller_of`` of a request's parameters (JSON), remembered by their text: a stage's requests from one
+    orchestrator carry the same text (a talker gets one per thinker chunk), and parsing it was most of the cost."""
+    try:
+        value = json.loads(parameters).get(CALLER_PARAMETER)
     except (AttributeError, ValueError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -61,7 +61,8 @@ class TritonPythonModel:
                 self.orphans.forget(request_id)
 
         try:
-            self.host_hops.check(*(pb_utils.get_input_tensor_by_name(request, name) for name in ("EMBEDS", "HIDDEN")))
+            self.host_hops.check(pb_utils.get_input_tensor_by_name(request, "EMBEDS"),
+                                 pb_utils.get_input_tensor_by_name(request, "HIDDEN"))
             chunk = thinker_output_from_request(pb_utils, request, self.inputs)
             if is_start:
                 talker = talker_request({name: value.reshape(-1) for name, value in
