@@ -478,7 +478,16 @@ def test_engine_loop_delivers_a_held_output_once_its_hold_time_is_up(talker):
         deliveries = []
         reader = threading.Thread(target=lambda: deliveries.extend(stream), daemon=True)
         reader.start()
-        time.sleep(1.0)  # twenty hold times: the request makes its frames, then waits for text
+        # the request makes its frames, then waits for text; every frame it made goes out by the hold alone
+        # (polled with a generous deadline, not a fixed sleep: a loaded CI machine makes frames slowly)
+        deadline = time.monotonic() + 30
+        while loop.stats().num_waiting_for_input < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.stats().num_waiting_for_input == 1, "the request should wait for text"
+        made_by_engine = len(loop.engine.requests["a"].output_token_ids)  # its step thread is idle now
+        while (sum(len(output.new_token_ids) for output in list(deliveries)) < made_by_engine
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
         before = sum(len(output.new_token_ids) for output in list(deliveries))
         loop.abort("a")
         reader.join(timeout=30)
