@@ -221,7 +221,8 @@ class StepOverlap:
             return rows, "sampler"
         # (admit_ahead: requests that cannot be admitted before a row finishes are no reason; rows reaching their
         # length finish with current, which makes room)
-        if self.scheduler.waiting and (not self.admit_ahead or self.scheduler.admits_any(finishing=left.get("length", 0))):
+        finishing = left.get("length", 0)
+        if self.scheduler.waiting and (not self.admit_ahead or self.scheduler.admits_any(finishing=finishing)):
             return rows, "waiting"
         # another row can run now (every row of current but those stopped is running: only more rows can make the
         # count differ): rows that decode next (a talker row whose text came) join the step, others are the
