@@ -414,6 +414,10 @@ def test_merge_outputs_concatenates_a_requests_outputs_in_order():
     assert merged[1].finish_reason == "length" and merged[1].extras["codes"].tolist() == [[1, 2], [3, 4]]
 
 
+def idle(stats) -> bool:
+    return stats.num_running == stats.num_waiting == stats.num_waiting_for_input == 0
+
+
 def test_engine_loop_merges_what_queued_behind_a_slow_consumer(talker):
     prefill, text = talker_inputs(4, 8, 4)
     params = greedy(10)
@@ -431,8 +435,10 @@ def test_engine_loop_merges_what_queued_behind_a_slow_consumer(talker):
         loop.add_request("a", params, callback=slow_consumer, prompt_embeds=prefill, trailing_text_embeds=text,
                          thinker_finished=True)
         assert stalled.wait(10)
+        # the loop's stats are taken after a step's outputs are queued: all zero once the last output is queued
+        # (the engine's requests empty out earlier, inside the step, before its outputs reach the queue)
         deadline = time.time() + 30
-        while loop.engine.requests and time.time() < deadline:
+        while not idle(loop.stats()) and time.time() < deadline:
             time.sleep(0.01)
         release.set()
         while not delivered or not delivered[-1].finished:
