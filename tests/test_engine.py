@@ -414,6 +414,37 @@ def test_merge_outputs_concatenates_a_requests_outputs_in_order():
     assert merged[1].finish_reason == "length" and merged[1].extras["codes"].tolist() == [[1, 2], [3, 4]]
 
 
+def test_outputs_gathered_over_rounds_merge_once_into_what_merging_them_at_once_makes():
+    """The response thread holds a request's outputs over rounds as GatheredOutputs (a part a round) and merges them
+    only when it delivers: the same output as merging all the parts at once, the states starting where the first
+    part with states starts, a lone part delivered as it is."""
+    from omni_triton.engine.engine import gather_outputs, merge_outputs
+
+    def out(tokens, start=0, rows=0, codes=None, ids=None, events=(), finished=False):
+        states = {"input_embeds": torch.full((rows, 2), float(start))} if rows else {}
+        extras = {"codes": torch.tensor(codes)} if codes is not None else {}
+        ids = torch.tensor(ids) if ids is not None else None
+        return RequestOutput("a", tokens, finished, "stop" if finished else None, states, start, extras, ids, events)
+
+    parts = [out([1], codes=[[1, 2]], ids=[1], events=("e1",)), out([2], start=4, rows=2, codes=[[3, 4]], events=("e2",)),
+             out([3], start=6, rows=1, ids=[3]), out([], codes=[[5, 6]], finished=True, events=("e3",))]
+    held, tokens = [], []
+    for part in parts[:-1]:  # a round each, held after every one
+        held = gather_outputs([part], held=held)
+        tokens += part.new_token_ids
+        assert [(g.request_id, g.new_token_ids, g.finished) for g in held] == [("a", tokens, False)]
+    (gathered,) = gather_outputs([parts[-1]], held=held)
+    merged = gathered.merged()
+    (at_once,) = merge_outputs(parts)
+    assert merged.new_token_ids == at_once.new_token_ids == [1, 2, 3] and merged.finished
+    assert merged.finish_reason == "stop" and merged.ready_events == ("e1", "e2", "e3") == at_once.ready_events
+    assert merged.states_start == 4 and merged.states["input_embeds"][:, 0].tolist() == [4.0, 4.0, 6.0]
+    assert merged.extras["codes"].tolist() == [[1, 2], [3, 4], [5, 6]] == at_once.extras["codes"].tolist()
+    assert merged.token_ids_device.tolist() == [1, 3] and parts[0].new_token_ids == [1], "no part changed"
+    lone = out([7], codes=[[8, 9]])
+    assert merge_outputs([lone]) == [lone]
+
+
 def idle(stats) -> bool:
     return stats.num_running == stats.num_waiting == stats.num_waiting_for_input == 0
 

@@ -89,6 +89,24 @@ def test_output_stream_waits_for_the_step_event_and_not_for_later_steps():
 
 
 @cuda
+def test_output_stream_marks_each_storage_used_once(monkeypatch):
+    """A step's outputs are row views of a few tensors (the talker's codes: one row per stream): the allocator tracks
+    a storage, so one mark of it covers every view, and host tensors need none."""
+    device = torch.device("cuda")
+    marked, record_stream = [], torch.Tensor.record_stream
+
+    def counted(tensor, stream):
+        marked.append(tensor.untyped_storage().data_ptr())
+        record_stream(tensor, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", counted)
+    codes, ids = torch.zeros(4, 16, dtype=torch.long, device=device), torch.zeros(4, dtype=torch.long, device=device)
+    with OutputStream(device).handling([], [*codes.split(1), *ids.split(1), torch.zeros(3)]):
+        pass
+    assert sorted(marked) == sorted([codes.data_ptr(), ids.data_ptr()])
+
+
+@cuda
 def test_a_complete_tensor_reaches_the_host_without_waiting_for_the_default_stream():
     device = torch.device("cuda")
     ids = torch.arange(16, device=device)

@@ -557,13 +557,14 @@ class EngineLoop:
             stop = bool(outputs) and outputs[-1] is None
             outputs = [output for output in outputs if output is not None]
             # callbacks embed, cast, concatenate and export on the response thread's own stream (handoff.py); held
-            # outputs were made there in an earlier round, so they need no wait
+            # outputs were waited for, and their tensors marked as used, on that stream in an earlier round (the
+            # stream's wait holds for all its later work), so they need neither again when they are merged there
             with self._output_stream.handling((event for output in outputs for event in output.ready_events),
                                               (tensor for output in outputs for tensor in output.device_tensors())):
-                merged = merge_outputs(self._held.take_held() + outputs)
+                gathered = gather_outputs(outputs, held=self._held.take_held())
                 # at shutdown everything held goes out
-                for output in (merged if stop else self._held.due(merged, time.monotonic())):
-                    self._deliver(output)
+                for pending in (gathered if stop else self._held.due(gathered, time.monotonic())):
+                    self._deliver(pending.merged())
             if stop:
                 return
 
@@ -580,36 +581,78 @@ class EngineLoop:
             logger.exception("output callback for request %r failed", output.request_id)
 
 
-def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per request (in the order requests first appear): its consecutive outputs' tokens, state rows
-    and extras concatenated, finished (and its reason) from the last. The consumer sees what it would have seen
-    output by output, in fewer calls. A request id reused after its request finished starts a new output."""
-    merged: list[RequestOutput] = []
-    open_outputs: dict[str, RequestOutput] = {}
+class GatheredOutputs:
+    """A request's consecutive outputs (``parts``), merged into one only when it is delivered (``merged``). The
+    response thread holds a request's outputs for a few rounds (output_batching.py), a part more each round: merged
+    every round, the held output's tensors were concatenated again each time (a cat per held stream per step on the
+    response thread). ``HeldOutputs`` reads ``request_id``, ``new_token_ids`` and ``finished``, kept up to date."""
+
+    __slots__ = ("request_id", "new_token_ids", "finished", "parts")
+
+    def __init__(self, first: RequestOutput):
+        self.request_id, self.new_token_ids, self.finished = first.request_id, first.new_token_ids, first.finished
+        self.parts = [first]
+
+    def add(self, output: RequestOutput) -> None:
+        self.parts.append(output)
+        self.new_token_ids = self.new_token_ids + output.new_token_ids  # (a list of its own: no part's changes)
+        self.finished = output.finished
+
+    def merged(self) -> RequestOutput:
+        """The parts as one output: their tokens, state rows, extras and events concatenated in order (each tensor
+        once), finished and its reason from the last, the states' first position from the first part with states.
+        The consumer sees what it would have seen output by output, in fewer calls. One part is itself."""
+        parts = self.parts
+        if len(parts) == 1:
+            return parts[0]
+        states, extras, ids_device, events = [], [], [], []
+        states_start = parts[0].states_start
+        for part in parts:  # (one pass: this runs once per response the stage sends)
+            if part.states:
+                if not states:
+                    states_start = part.states_start
+                states.append(part.states)
+            extras.append(part.extras)
+            if part.token_ids_device is not None:
+                ids_device.append(part.token_ids_device)
+            events += part.ready_events
+        last = parts[-1]
+        return RequestOutput(self.request_id, self.new_token_ids, last.finished, last.finish_reason,
+                             dict(states[0]) if len(states) == 1 else _concat_all(states), states_start,
+                             _concat_all(extras),
+                             (ids_device[0] if len(ids_device) == 1 else torch.cat(ids_device)) if ids_device else None,
+                             tuple(events))
+
+
+def gather_outputs(outputs: list[RequestOutput], held: list[GatheredOutputs] = ()) -> list[GatheredOutputs]:
+    """One ``GatheredOutputs`` per request (in the order requests first appear), ``held`` ones (from earlier rounds,
+    none finished) first, extended by this round's ``outputs``. A request id reused after its request finished
+    starts a new one."""
+    gathered = list(held)
+    open_outputs = {pending.request_id: pending for pending in gathered}
     for output in outputs:
         into = open_outputs.get(output.request_id)
         if into is None:
-            into = RequestOutput(output.request_id, list(output.new_token_ids), output.finished,
-                                 output.finish_reason, dict(output.states), output.states_start,
-                                 dict(output.extras), output.token_ids_device, output.ready_events)
-            merged.append(into)
+            into = GatheredOutputs(output)
+            gathered.append(into)
         else:
-            into.new_token_ids += output.new_token_ids
-            into.finished, into.finish_reason = output.finished, output.finish_reason
-            if output.states:
-                if not into.states:
-                    into.states_start = output.states_start
-                into.states = _concat_rows(into.states, output.states)
-            into.extras = _concat_rows(into.extras, output.extras)
-            into.ready_events += output.ready_events
-            if output.token_ids_device is not None:
-                into.token_ids_device = (output.token_ids_device if into.token_ids_device is None
-                                         else torch.cat([into.token_ids_device, output.token_ids_device]))
+            into.add(output)
         if into.finished:
             open_outputs.pop(output.request_id, None)
         else:
             open_outputs[output.request_id] = into
-    return merged
+    return gathered
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request (in the order requests first appear): its consecutive outputs merged
+    (``GatheredOutputs.merged``). A request id reused after its request finished starts a new output."""
+    return [pending.merged() for pending in gather_outputs(outputs)]
+
+
+def _concat_all(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    names = {name: None for part in parts for name in part}  # (in order of appearance)
+    return {name: torch.cat([part[name] for part in parts if name in part]) for name in names}
 
 
 def _concat_rows(first: dict[str, torch.Tensor], then: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
