@@ -3,7 +3,7 @@ response cost in Python, on the CPU.
 
     python benchmarks/stage_io_bench.py --out-dir /tmp/stage_io_bench
     git worktree add /tmp/base main
-    python benchmarks/stage_io_bench.py --baseline-tree /tmp/base --rounds 3   # base and this tree, alternately
+    python benchmarks/stage_io_bench.py --baseline-tree /tmp/base   # base's stage_io and this one's, alternately
 
 The real ``stage_io`` functions over a stand-in of ``triton_python_backend_utils`` (its Tensor: DLPack in and out,
 ``as_numpy`` for host inputs; ``get_input_tensor_by_name`` scanning ``request.inputs()`` as the real one does):
@@ -16,21 +16,21 @@ Per call, in microseconds of this thread's CPU time (``time.thread_time``: time 
 shared machine is not counted), the least over ``--repeat`` loops of ``--calls`` calls. On a GPU the request also
 costs side-stream copies and a synchronize, the response torch's ``__dlpack__(stream)``: not seen here.
 
-``--baseline-tree DIR`` runs the same cases over that checkout's ``omni_triton`` and this one's, alternating process
-by process (``--rounds`` each), and prints base, branch and branch/base per case (medians over the processes).
+``--baseline-tree DIR`` loads that checkout's ``stage_io.py`` beside this one's in the same process (both over this
+tree's package: handoff and the stage services are this tree's) and times them alternately, loop by loop: the
+host of a small shared machine varies too much from one process to the next to compare separate runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 HIDDEN_SIZE, CODE_GROUPS = 2048, 16
 
@@ -106,68 +106,55 @@ def talker_append(rows: int, hidden_rows: int, dtype) -> FakeRequest:
         FakeTensor("THINKER_FINISHED", np.array([[False]], dtype=bool))])
 
 
-def per_call_us(call, calls: int, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.thread_time()
-        for _ in range(calls):
-            call()
-        best = min(best, time.thread_time() - start)
-    return best / calls * 1e6
+def load_stage_io(tree: Path):
+    """``tree``'s ``omni_triton/stages/stage_io.py`` as a module of its own, over this tree's package (the modules it
+    imports: handoff, the stage services), so that two versions of it run side by side in one process."""
+    spec = importlib.util.spec_from_file_location(f"stage_io_of_{tree.name}", tree / "omni_triton/stages/stage_io.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def worker(args) -> dict:
+def cases(args) -> list[tuple[str, str, str, Callable]]:
+    """(call, dtype, size, run(stage_io)) per case."""
     import torch
 
-    import omni_triton
     from omni_triton.engine.handoff import InputStream
     from omni_triton.pipeline.talker_service import TalkerOutput
-    from omni_triton.stages import stage_io
 
-    torch.set_num_threads(1)
     pb, sender, inputs = fake_pb(), FakeSender(), InputStream(torch.device("cpu"))
-    results = []
+    found = []
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
         for rows in map(int, args.rows.split(",")):
             for hidden_rows in (0, rows):
-                request = talker_append(rows, hidden_rows, dtype)
-                us = per_call_us(lambda: stage_io.thinker_output_from_request(pb, request, inputs),
-                                 args.calls, args.repeat)
-                results.append({"case": "request", "dtype": dtype_name, "size": f"{rows} rows, {hidden_rows} hidden",
-                                "us": us})
+                request = talker_append(rows, hidden_rows, getattr(torch, dtype_name))
+                found.append(("request", dtype_name, f"{rows} rows, {hidden_rows} hidden",
+                              lambda io, request=request: io.thinker_output_from_request(pb, request, inputs)))
     for frames in map(int, args.frames.split(",")):
         out = TalkerOutput(torch.zeros(frames, CODE_GROUPS, dtype=torch.int64), finished=False)
-        us = per_call_us(lambda: stage_io.send_output(pb, sender, out, stage_io.talker_output_tensors),
-                         args.calls, args.repeat)
-        results.append({"case": "response", "dtype": "int64", "size": f"{frames} frames", "us": us})
-    return {"tree": str(Path(omni_triton.__file__).resolve().parents[1]), "results": results}
+        found.append(("response", "int64", f"{frames} frames",
+                      lambda io, out=out: io.send_output(pb, sender, out, io.talker_output_tensors)))
+    return found
 
 
-def table(results: list[dict]) -> list[str]:
-    lines = ["| call | dtype | size | us/call |", "|---|---|---|---:|"]
-    lines += [f"| {r['case']} | {r['dtype']} | {r['size']} | {r['us']:.1f} |" for r in results]
-    return lines
+def measure(versions: dict[str, object], args) -> list[dict]:
+    """Per case, microseconds per call of each ``stage_io`` version: loops of ``--calls`` calls, the versions
+    alternating loop by loop, the least loop of each over ``--repeat``."""
+    import torch
 
-
-def compare_table(base: list[dict], branch: list[dict]) -> list[str]:
-    lines = ["| call | dtype | size | base us | branch us | branch/base |", "|---|---|---|---:|---:|---:|"]
-    lines += [f"| {r['case']} | {r['dtype']} | {r['size']} | {b['us']:.1f} | {r['us']:.1f} | {r['us'] / b['us']:.2f} |"
-              for b, r in zip(base, branch)]
-    return lines
-
-
-def run_tree(tree: Path, args) -> dict:
-    """This script's ``--worker`` in a process of its own over ``tree``'s omni_triton, and the JSON it prints last."""
-    command = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--rows", args.rows, "--dtypes",
-               args.dtypes, "--frames", args.frames, "--calls", str(args.calls), "--repeat", str(args.repeat)]
-    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(tree)}, check=True, stdout=subprocess.PIPE,
-                          text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def median_results(runs: list[dict]) -> list[dict]:
-    return [{**cells[0], "us": statistics.median(c["us"] for c in cells)} for cells in zip(*(r["results"] for r in runs))]
+    torch.set_num_threads(1)
+    results = []
+    for call, dtype, size, run in cases(args):
+        best = dict.fromkeys(versions, float("inf"))
+        for _ in range(args.repeat):
+            for label, stage_io in versions.items():
+                start = time.thread_time()
+                for _ in range(args.calls):
+                    run(stage_io)
+                best[label] = min(best[label], time.thread_time() - start)
+        results.append({"case": call, "dtype": dtype, "size": size,
+                        **{label: seconds / args.calls * 1e6 for label, seconds in best.items()}})
+    return results
 
 
 def main(argv=None) -> None:
@@ -175,38 +162,34 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default="4,100", help="comma-separated thinker rows per talker request")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="EMBEDS/HIDDEN dtypes")
     parser.add_argument("--frames", default="1,4", help="comma-separated codec frames per talker response")
-    parser.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
-    parser.add_argument("--repeat", type=int, default=7, help="timed loops per case (least)")
-    parser.add_argument("--baseline-tree", type=Path, default=None, help="a checkout to compare with, alternately")
-    parser.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: processes per tree")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed loop")
+    parser.add_argument("--repeat", type=int, default=30, help="timed loops per case and version (least)")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="a checkout whose stage_io.py runs beside this one's, alternately")
     parser.add_argument("--out-dir", type=Path, default=None, help="where stage_io_bench.json goes")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args)))
-        return
     this_tree = Path(__file__).resolve().parents[1]
-    report = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-              "calls": args.calls, "repeat": args.repeat}
-    print("stage_io host time per talker request / response (CPU, stand-in pb_utils), microseconds:")
+    sys.path.insert(0, str(this_tree))
+    versions = {"branch": load_stage_io(this_tree)}
+    if args.baseline_tree is not None:
+        versions = {"base": load_stage_io(args.baseline_tree.resolve()), **versions}
+    results = measure(versions, args)
+    print("stage_io host time per talker request / response (CPU, stand-in pb_utils), microseconds per call:")
     if args.baseline_tree is None:
-        run = run_tree(this_tree, args)
-        report.update(tree=run["tree"], results=run["results"])
-        print(f"tree {run['tree']}")
-        print("\n".join(table(run["results"])))
+        lines = ["| call | dtype | size | us/call |", "|---|---|---|---:|"]
+        lines += [f"| {r['case']} | {r['dtype']} | {r['size']} | {r['branch']:.1f} |" for r in results]
     else:
-        base_runs, branch_runs = [], []
-        for _ in range(args.rounds):
-            base_runs.append(run_tree(args.baseline_tree.resolve(), args))
-            branch_runs.append(run_tree(this_tree, args))
-        base, branch = median_results(base_runs), median_results(branch_runs)
-        report.update(base_tree=base_runs[0]["tree"], branch_tree=branch_runs[0]["tree"], rounds=args.rounds,
-                      base=base, branch=branch, base_runs=base_runs, branch_runs=branch_runs)
-        print(f"base {base_runs[0]['tree']} vs branch {branch_runs[0]['tree']}, medians of {args.rounds} processes "
-              "each, alternating")
-        print("\n".join(compare_table(base, branch)))
+        print(f"base {args.baseline_tree.resolve()} vs branch {this_tree}, alternating in one process")
+        lines = ["| call | dtype | size | base us | branch us | branch/base |", "|---|---|---|---:|---:|---:|"]
+        lines += [f"| {r['case']} | {r['dtype']} | {r['size']} | {r['base']:.1f} | {r['branch']:.1f} | "
+                  f"{r['branch'] / r['base']:.2f} |" for r in results]
+    print("\n".join(lines))
     if args.out_dir is not None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
+        report = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+                  "calls": args.calls, "repeat": args.repeat, "tree": str(this_tree),
+                  "baseline_tree": str(args.baseline_tree.resolve()) if args.baseline_tree else None,
+                  "results": results}
         (args.out_dir / "stage_io_bench.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
