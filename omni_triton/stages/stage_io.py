@@ -150,29 +150,46 @@ def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
     ]
 
 
+# A talker request's text ids: none (the talker reads rows). One tensor for every request: it has no elements, so
+# nothing can write to it, and consumers only read it (``merge_appends`` concatenates).
+_NO_TOKEN_IDS = torch.zeros(0, dtype=torch.long)
+
+
 def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream) -> ThinkerOutput:
     """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped), in memory of
     its own: the talker keeps the rows until its engine steps have used them, while Triton frees a request's
     input memory, and may hand it to another request, once the request is done. On a GPU the copies are kernels
     on ``inputs``' stream, waited for before this returns (never the talker's steps queued on its own stream:
     otherwise the talker read other requests' rows, served audio differing from the in-process pipeline's)."""
-    def get(name: str) -> Any:
-        return pb.get_input_tensor_by_name(request, name)
-
-    row_ids, embeds, hidden = inputs.owned_copies([to_torch(get(name)) for name in ("ROW_IDS", "EMBEDS", "HIDDEN")])
+    # one pass over the inputs (pb_utils.get_input_tensor_by_name lists and scans them again for every name); input
+    # names are unique in a request; an absent one is None, as there
+    tensors = {tensor.name(): tensor for tensor in request.inputs()}
+    row_ids, embeds, hidden = inputs.owned_copies([to_torch(tensors.get(name))
+                                                   for name in ("ROW_IDS", "EMBEDS", "HIDDEN")])
     hidden_size = embeds.shape[-1]
+    row_ids = _without_batch_dim(row_ids, -1)
     return ThinkerOutput(
-        token_ids=torch.zeros(0, dtype=torch.long),
-        row_ids=row_ids.reshape(-1).to(torch.long),  # ROW_IDS is INT64: the owned copy itself (complete)
-        embeds=embeds.reshape(-1, hidden_size),
-        hidden=hidden.reshape(-1, hidden_size),
-        prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
-        finished=bool(host_array(get("THINKER_FINISHED")).reshape(-1)[0]),
+        token_ids=_NO_TOKEN_IDS,
+        row_ids=row_ids if row_ids.dtype is torch.long else row_ids.to(torch.long),  # ROW_IDS is INT64: the copy
+        embeds=_without_batch_dim(embeds, -1, hidden_size),
+        hidden=_without_batch_dim(hidden, -1, hidden_size),
+        prompt_len=int(host_array(tensors.get("PROMPT_LEN")).reshape(-1)[0]),
+        finished=bool(host_array(tensors.get("THINKER_FINISHED")).reshape(-1)[0]),
     )
 
 
+def _without_batch_dim(tensor: torch.Tensor, *shape: int) -> torch.Tensor:
+    """``tensor.reshape(shape)`` (``shape``: -1 and the trailing dims); for the usual ``[1, ...]`` contiguous input,
+    the same view taken as ``tensor[0]``, which costs half as much host time as a reshape."""
+    if tensor.dim() == len(shape) + 1 and tensor.shape[0] == 1 and tensor.shape[2:] == shape[1:] \
+            and tensor.is_contiguous():
+        return tensor[0]
+    return tensor.reshape(shape)
+
+
 def talker_output_tensors(pb: Any, out: TalkerOutput) -> list[Any]:
-    return [from_torch(pb, "CODES", out.codes.to(torch.int64).unsqueeze(0))]  # [1, n, G]: batch dim
+    codes = out.codes if out.codes.dtype is torch.int64 else out.codes.to(torch.int64)  # the no-op .to costs a dispatch
+    return [from_torch(pb, "CODES", codes.unsqueeze(0))]  # [1, n, G]: batch dim
 
 
 def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors: Any) -> None:
