@@ -36,7 +36,7 @@ HIDDEN_SIZE, CODE_GROUPS = 2048, 16
 
 
 class FakeTensor:
-    """pb_utils.Tensor as a stage stub sees it: a name, a host buffer, DLPack out; ``from_dlpack`` keeps what it gets."""
+    """pb_utils.Tensor as a stage stub sees it: a name, a host buffer, DLPack out; ``from_dlpack`` keeps its input."""
 
     def __init__(self, name: str, value):
         self._name, self.value = name, value

@@ -1,4 +1,4 @@
-"""The talker's per-call paths in ``stage_io`` (a thinker chunk from a talker request; a talker response's tensors)
+"""The per-call paths in ``stage_io`` (a thinker chunk from a talker request; a talker or thinker response's tensors)
 give what the plain torch calls give -- same values, dtypes, shapes, strides, devices, errors -- while skipping
 the calls that change nothing (``benchmarks/stage_io_bench.py`` times both). On the CPU, over the bench's stand-in
 of pb_utils."""
@@ -76,3 +76,13 @@ def test_a_talker_response_sends_its_codes_as_int64_with_a_batch_dim(codes):
     sent = torch.utils.dlpack.from_dlpack(tensor.value)
     same(sent, codes.to(torch.int64).unsqueeze(0).contiguous())
     assert tensor.name() == "CODES"
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_a_thinker_response_sends_its_ids_as_int64(id_dtype):
+    from omni_triton.pipeline.thinker_service import ThinkerOutput
+    out = ThinkerOutput(torch.arange(3, dtype=id_dtype), torch.arange(5, dtype=id_dtype), torch.zeros(5, H),
+                        torch.zeros(0, H), prompt_len=0, finished=False)
+    tensors = {tensor.name(): tensor for tensor in stage_io.thinker_output_tensors(bench.fake_pb(), out)}
+    same(torch.utils.dlpack.from_dlpack(tensors["TOKEN_IDS"].value), torch.arange(3))
+    same(torch.utils.dlpack.from_dlpack(tensors["ROW_IDS"].value), torch.arange(5))

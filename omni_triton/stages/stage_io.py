@@ -94,6 +94,12 @@ def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
     return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor))
 
 
+def as_int64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.to(torch.int64)``, without the call where it would return ``tensor`` itself: once per response or
+    request, the no-op's dispatch costs about as much host time as a view."""
+    return tensor if tensor.dtype is torch.int64 else tensor.to(torch.int64)
+
+
 def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Rows of several stage outputs as one tensor, on the device of the non-empty ones: ``from_torch`` sends an
     empty tensor from host memory (a GPU tensor of no elements has no buffer to hand over), so a stage's empty
@@ -141,8 +147,8 @@ def control_word(pb: Any, request: Any) -> str | None:
 
 def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
     return [
-        from_torch(pb, "TOKEN_IDS", out.token_ids.to(torch.int64)),
-        from_torch(pb, "ROW_IDS", out.row_ids.to(torch.int64)),
+        from_torch(pb, "TOKEN_IDS", as_int64(out.token_ids)),
+        from_torch(pb, "ROW_IDS", as_int64(out.row_ids)),
         from_torch(pb, "EMBEDS", out.embeds),
         from_torch(pb, "HIDDEN", out.hidden),
         pb.Tensor("PROMPT_LEN", np.array([out.prompt_len], dtype=np.int32)),
@@ -170,7 +176,7 @@ def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream) -> T
     row_ids = _without_batch_dim(row_ids, -1)
     return ThinkerOutput(
         token_ids=_NO_TOKEN_IDS,
-        row_ids=row_ids if row_ids.dtype is torch.long else row_ids.to(torch.long),  # ROW_IDS is INT64: the copy
+        row_ids=as_int64(row_ids),  # ROW_IDS is INT64: the owned copy itself (complete)
         embeds=_without_batch_dim(embeds, -1, hidden_size),
         hidden=_without_batch_dim(hidden, -1, hidden_size),
         prompt_len=int(host_array(tensors.get("PROMPT_LEN")).reshape(-1)[0]),
@@ -188,8 +194,7 @@ def _without_batch_dim(tensor: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 def talker_output_tensors(pb: Any, out: TalkerOutput) -> list[Any]:
-    codes = out.codes if out.codes.dtype is torch.int64 else out.codes.to(torch.int64)  # the no-op .to costs a dispatch
-    return [from_torch(pb, "CODES", codes.unsqueeze(0))]  # [1, n, G]: batch dim
+    return [from_torch(pb, "CODES", as_int64(out.codes).unsqueeze(0))]  # [1, n, G]: batch dim
 
 
 def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors: Any) -> None:
