@@ -1,7 +1,8 @@
 """The per-call paths in ``stage_io`` (a thinker chunk from a talker request; a talker or thinker response's tensors)
 give what the plain torch calls give -- same values, dtypes, shapes, strides, devices, errors -- while skipping
-the calls that change nothing (``benchmarks/stage_io_bench.py`` times both). On the CPU, over the bench's stand-in
-of pb_utils."""
+the calls that change nothing (``benchmarks/stage_io_bench.py`` times both). Over the bench's stand-in of
+pb_utils, on the CPU and, where there is one, the GPU (owned copies on ``InputStream``'s stream, codes sent as
+tensors)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from omni_triton.stages import stage_io
 
 bench = load_script("stage_io_bench")
 H = 8
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 def request_of(row_ids, embeds, hidden, prompt_len=0, finished=False):
@@ -44,13 +46,15 @@ def same(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("rows, hidden_rows, dtype, batch_dim", [
     (4, 0, torch.bfloat16, True), (4, 4, torch.float32, True), (1, 1, torch.bfloat16, True),
     (0, 0, torch.bfloat16, True), (3, 0, torch.float32, False)])
-def test_a_talker_request_gives_the_chunk_of_plain_reshapes_in_memory_of_its_own(rows, hidden_rows, dtype, batch_dim):
-    row_ids = torch.arange(rows, dtype=torch.int64)
-    embeds, hidden = torch.randn(rows, H).to(dtype), torch.randn(hidden_rows, H).to(dtype)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_talker_request_gives_the_chunk_of_plain_reshapes_in_memory_of_its_own(rows, hidden_rows, dtype, batch_dim,
+                                                                                  device):
+    row_ids = torch.arange(rows, dtype=torch.int64, device=device)
+    embeds, hidden = torch.randn(rows, H, device=device).to(dtype), torch.randn(hidden_rows, H, device=device).to(dtype)
     if batch_dim:
         row_ids, embeds, hidden = row_ids[None], embeds[None], hidden[None]
     request = request_of(row_ids, embeds, hidden, prompt_len=hidden_rows, finished=True)
-    chunk = stage_io.thinker_output_from_request(bench.fake_pb(), request, InputStream(torch.device("cpu")))
+    chunk = stage_io.thinker_output_from_request(bench.fake_pb(), request, InputStream(torch.device(device)))
     for actual, expected, source in zip((chunk.row_ids, chunk.embeds, chunk.hidden),
                                         plain_chunk(row_ids, embeds, hidden), (row_ids, embeds, hidden)):
         same(actual, expected)
@@ -71,10 +75,13 @@ def test_int32_row_ids_become_int64_and_a_missing_input_is_the_same_error():
 @pytest.mark.parametrize("codes", [torch.arange(32).reshape(2, 16), torch.arange(64, dtype=torch.int32).reshape(4, 16),
                                    torch.arange(64).reshape(4, 16)[1:], torch.arange(64).reshape(16, 4).t(),
                                    torch.zeros(0, 16, dtype=torch.int64)])
-def test_a_talker_response_sends_its_codes_as_int64_with_a_batch_dim(codes):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_talker_response_sends_its_codes_as_int64_with_a_batch_dim(codes, device):
+    codes = codes.to(device)
     (tensor,) = stage_io.talker_output_tensors(bench.fake_pb(), TalkerOutput(codes, finished=False))
     sent = torch.utils.dlpack.from_dlpack(tensor.value)
-    same(sent, codes.to(torch.int64).unsqueeze(0).contiguous())
+    expected = codes.to(torch.int64).unsqueeze(0).contiguous()
+    same(sent, expected if expected.numel() else expected.cpu())  # an empty tensor is sent from the host
     assert tensor.name() == "CODES"
 
 
