@@ -117,6 +117,13 @@ def host_array(tensor: Any) -> np.ndarray:
     return np.asarray(complete_to_host(to_torch(tensor)).tolist())
 
 
+def request_inputs(request: Any) -> dict[str, Any]:
+    """A request's input tensors by name, in one pass: ``pb_utils.get_input_tensor_by_name`` lists the inputs and
+    scans them again for every name it is asked. Names are unique in a request; ``.get`` gives None for an absent
+    one, as that does."""
+    return {tensor.name(): tensor for tensor in request.inputs()}
+
+
 def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Small scalar inputs of a request, on the host; absent optional inputs are left out."""
     arrays = {}
@@ -161,15 +168,16 @@ def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
 _NO_TOKEN_IDS = torch.zeros(0, dtype=torch.long)
 
 
-def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream) -> ThinkerOutput:
+def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream,
+                                tensors: dict[str, Any] | None = None) -> ThinkerOutput:
     """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped), in memory of
     its own: the talker keeps the rows until its engine steps have used them, while Triton frees a request's
     input memory, and may hand it to another request, once the request is done. On a GPU the copies are kernels
     on ``inputs``' stream, waited for before this returns (never the talker's steps queued on its own stream:
-    otherwise the talker read other requests' rows, served audio differing from the in-process pipeline's)."""
-    # one pass over the inputs (pb_utils.get_input_tensor_by_name lists and scans them again for every name); input
-    # names are unique in a request; an absent one is None, as there
-    tensors = {tensor.name(): tensor for tensor in request.inputs()}
+    otherwise the talker read other requests' rows, served audio differing from the in-process pipeline's).
+    ``tensors``: ``request_inputs(request)``, where the caller has it already."""
+    if tensors is None:
+        tensors = request_inputs(request)
     row_ids, embeds, hidden = inputs.owned_copies([to_torch(tensors.get(name))
                                                    for name in ("ROW_IDS", "EMBEDS", "HIDDEN")])
     hidden_size = embeds.shape[-1]
