@@ -94,6 +94,12 @@ def from_torch(pb: Any, name: str, tensor: torch.Tensor) -> Any:
     return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(tensor))
 
 
+def as_int64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.to(torch.int64)``, without the call where it would return ``tensor`` itself: once per response or
+    request, the no-op's dispatch costs about as much host time as a view."""
+    return tensor if tensor.dtype is torch.int64 else tensor.to(torch.int64)
+
+
 def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Rows of several stage outputs as one tensor, on the device of the non-empty ones: ``from_torch`` sends an
     empty tensor from host memory (a GPU tensor of no elements has no buffer to hand over), so a stage's empty
@@ -109,6 +115,13 @@ def host_array(tensor: Any) -> np.ndarray:
     if tensor.is_cpu():
         return tensor.as_numpy()
     return np.asarray(complete_to_host(to_torch(tensor)).tolist())
+
+
+def request_inputs(request: Any) -> dict[str, Any]:
+    """A request's input tensors by name, in one pass: ``pb_utils.get_input_tensor_by_name`` lists the inputs and
+    scans them again for every name it is asked. Names are unique in a request; ``.get`` gives None for an absent
+    one, as that does."""
+    return {tensor.name(): tensor for tensor in request.inputs()}
 
 
 def input_arrays(pb: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -141,8 +154,8 @@ def control_word(pb: Any, request: Any) -> str | None:
 
 def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
     return [
-        from_torch(pb, "TOKEN_IDS", out.token_ids.to(torch.int64)),
-        from_torch(pb, "ROW_IDS", out.row_ids.to(torch.int64)),
+        from_torch(pb, "TOKEN_IDS", as_int64(out.token_ids)),
+        from_torch(pb, "ROW_IDS", as_int64(out.row_ids)),
         from_torch(pb, "EMBEDS", out.embeds),
         from_torch(pb, "HIDDEN", out.hidden),
         pb.Tensor("PROMPT_LEN", np.array([out.prompt_len], dtype=np.int32)),
@@ -150,29 +163,46 @@ def thinker_output_tensors(pb: Any, out: ThinkerOutput) -> list[Any]:
     ]
 
 
-def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream) -> ThinkerOutput:
+# A talker request's text ids: none (the talker reads rows). One tensor for every request: it has no elements, so
+# nothing can write to it, and consumers only read it (``merge_appends`` concatenates).
+_NO_TOKEN_IDS = torch.zeros(0, dtype=torch.long)
+
+
+def thinker_output_from_request(pb: Any, request: Any, inputs: InputStream,
+                                tensors: dict[str, Any] | None = None) -> ThinkerOutput:
     """The thinker chunk a talker request carries (batch dim of the sequence batcher dropped), in memory of
     its own: the talker keeps the rows until its engine steps have used them, while Triton frees a request's
     input memory, and may hand it to another request, once the request is done. On a GPU the copies are kernels
     on ``inputs``' stream, waited for before this returns (never the talker's steps queued on its own stream:
-    otherwise the talker read other requests' rows, served audio differing from the in-process pipeline's)."""
-    def get(name: str) -> Any:
-        return pb.get_input_tensor_by_name(request, name)
-
-    row_ids, embeds, hidden = inputs.owned_copies([to_torch(get(name)) for name in ("ROW_IDS", "EMBEDS", "HIDDEN")])
+    otherwise the talker read other requests' rows, served audio differing from the in-process pipeline's).
+    ``tensors``: ``request_inputs(request)``, where the caller has it already."""
+    if tensors is None:
+        tensors = request_inputs(request)
+    row_ids, embeds, hidden = inputs.owned_copies([to_torch(tensors.get(name))
+                                                   for name in ("ROW_IDS", "EMBEDS", "HIDDEN")])
     hidden_size = embeds.shape[-1]
+    row_ids = _without_batch_dim(row_ids, -1)
     return ThinkerOutput(
-        token_ids=torch.zeros(0, dtype=torch.long),
-        row_ids=row_ids.reshape(-1).to(torch.long),  # ROW_IDS is INT64: the owned copy itself (complete)
-        embeds=embeds.reshape(-1, hidden_size),
-        hidden=hidden.reshape(-1, hidden_size),
-        prompt_len=int(host_array(get("PROMPT_LEN")).reshape(-1)[0]),
-        finished=bool(host_array(get("THINKER_FINISHED")).reshape(-1)[0]),
+        token_ids=_NO_TOKEN_IDS,
+        row_ids=as_int64(row_ids),  # ROW_IDS is INT64: the owned copy itself (complete)
+        embeds=_without_batch_dim(embeds, -1, hidden_size),
+        hidden=_without_batch_dim(hidden, -1, hidden_size),
+        prompt_len=int(host_array(tensors.get("PROMPT_LEN")).reshape(-1)[0]),
+        finished=bool(host_array(tensors.get("THINKER_FINISHED")).reshape(-1)[0]),
     )
 
 
+def _without_batch_dim(tensor: torch.Tensor, *shape: int) -> torch.Tensor:
+    """``tensor.reshape(shape)`` (``shape``: -1 and the trailing dims); for the usual ``[1, ...]`` contiguous input,
+    the same view taken as ``tensor[0]``, which costs half as much host time as a reshape."""
+    if tensor.dim() == len(shape) + 1 and tensor.shape[0] == 1 and tensor.shape[2:] == shape[1:] \
+            and tensor.is_contiguous():
+        return tensor[0]
+    return tensor.reshape(shape)
+
+
 def talker_output_tensors(pb: Any, out: TalkerOutput) -> list[Any]:
-    return [from_torch(pb, "CODES", out.codes.to(torch.int64).unsqueeze(0))]  # [1, n, G]: batch dim
+    return [from_torch(pb, "CODES", as_int64(out.codes).unsqueeze(0))]  # [1, n, G]: batch dim
 
 
 def send_output(pb: Any, sender: Any, out: ThinkerOutput | TalkerOutput, tensors: Any) -> None:

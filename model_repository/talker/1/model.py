@@ -10,8 +10,8 @@ from omni_triton.stages.metrics import HostHopCounter, StageMetrics, engine_snap
 from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
                                            quantization, replica_labels, report_native_crashes, stage_device)
 from omni_triton.stages.stage_io import (OrphanSequences, answer_abort, configure_interstage_memory, host_array,
-                                         input_arrays, send_output, stage_loading, talker_output_tensors,
-                                         thinker_output_from_request)
+                                         input_arrays, request_inputs, send_output, stage_loading,
+                                         talker_output_tensors, thinker_output_from_request)
 from omni_triton.stage_profile import start_watching
 
 START_INPUTS = ("SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
@@ -51,7 +51,8 @@ class TritonPythonModel:
         request_id = request.request_id() or f"sequence-{request.correlation_id()}"
         if answer_abort(pb_utils, request, sender, self.service.abort, request_id):
             return
-        is_start = bool(host_array(pb_utils.get_input_tensor_by_name(request, "START")).reshape(-1)[0])
+        tensors = request_inputs(request)  # one pass over the inputs, not one per name
+        is_start = bool(host_array(tensors.get("START")).reshape(-1)[0])
         caller = caller_of(request)
 
         def send(out):
@@ -61,9 +62,8 @@ class TritonPythonModel:
                 self.orphans.forget(request_id)
 
         try:
-            self.host_hops.check(pb_utils.get_input_tensor_by_name(request, "EMBEDS"),
-                                 pb_utils.get_input_tensor_by_name(request, "HIDDEN"))
-            chunk = thinker_output_from_request(pb_utils, request, self.inputs)
+            self.host_hops.check(tensors.get("EMBEDS"), tensors.get("HIDDEN"))
+            chunk = thinker_output_from_request(pb_utils, request, self.inputs, tensors)
             if is_start:
                 talker = talker_request({name: value.reshape(-1) for name, value in
                                          input_arrays(pb_utils, request, START_INPUTS).items()})
