@@ -469,10 +469,10 @@ class Orchestrator:
                     self._wake.set()  # a waiting stream may start now
 
         generations = self._stages.generations()
-        alarm = Alarm()
-        self._watchdog.watch(request_id, ticket.request, ticket.cancelled, deadline, alarm)
         clients = BlsStageClients(pb, inputs, self._route.gpu, self._host_hops.check, stage_down=self._stages.is_down,
                                   models=self._route.models)
+        alarm = Alarm()
+        self._watchdog.watch(request_id, ticket.request, ticket.cancelled, deadline, alarm)  # unwatched in finally
         try:
             session = Session(
                 request_id,
