@@ -426,7 +426,8 @@ def test_outputs_gathered_over_rounds_merge_once_into_what_merging_them_at_once_
         ids = torch.tensor(ids) if ids is not None else None
         return RequestOutput("a", tokens, finished, "stop" if finished else None, states, start, extras, ids, events)
 
-    parts = [out([1], codes=[[1, 2]], ids=[1], events=("e1",)), out([2], start=4, rows=2, codes=[[3, 4]], events=("e2",)),
+    parts = [out([1], codes=[[1, 2]], ids=[1], events=("e1",)),
+             out([2], start=4, rows=2, codes=[[3, 4]], events=("e2",)),
              out([3], start=6, rows=1, ids=[3]), out([], codes=[[5, 6]], finished=True, events=("e3",))]
     held, tokens = [], []
     for part in parts[:-1]:  # a round each, held after every one

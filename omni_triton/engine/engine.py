@@ -269,7 +269,8 @@ class LLMEngine:
         result = step.result
         ready = step.ready
         finished = SequenceStatus.FINISHED
-        outputs = {seq.request_id: RequestOutput(seq.request_id) for seq in step.batch.seqs if seq.status is not finished}
+        outputs = {seq.request_id: RequestOutput(seq.request_id)
+                   for seq in step.batch.seqs if seq.status is not finished}
         if result.captured:
             ready = self._stream_states(result, outputs, ready)
 
