@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
 import torch
 
 from omni_triton import trace
+from omni_triton.pipeline.alarm import Alarm
 from omni_triton.pipeline.code2wav.chunking import ChunkJob, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 
@@ -55,7 +56,8 @@ class StageFailed(RuntimeError):
     """A stage stopped serving the request (its process died); the message names the stage."""
 
 
-# How often a wait on a stage looks up from it: for a cancel, the deadline, or a stage that died.
+# How often a wait on a stage looks up from it: for a cancel, the deadline, or a stage that died. A session given an
+# ``Alarm`` looks up when it rings instead, and at an item when its last look is this old.
 POLL_S = 0.05
 T = TypeVar("T")
 
@@ -73,7 +75,7 @@ class Session:
     def __init__(self, request_id: str, params: SessionParams, clients: StageClients,
                  detokenizer: IncrementalDetokenizer, audio_stream_factory: Callable[[], Code2WavStream],
                  is_cancelled: Callable[[], bool] = lambda: False,
-                 stage_failure: Callable[[str], str | None] = lambda stage: None):
+                 stage_failure: Callable[[str], str | None] = lambda stage: None, alarm: Alarm | None = None):
         self.request_id = request_id
         self.params = params
         self.clients = clients
@@ -81,6 +83,8 @@ class Session:
         self.audio_stream_factory = audio_stream_factory
         self.is_cancelled = is_cancelled
         self.stage_failure = stage_failure  # stage -> why it can no longer serve this request, or None
+        # rung when ``is_cancelled`` or ``stage_failure`` may have changed: waits sleep until then (None: they poll)
+        self.alarm = alarm
         self.audio_stream_stateful = False  # the code2wav stage holds state for this request's audio stream
 
     def run(self, emit: Emit) -> None:
@@ -131,14 +135,15 @@ class Session:
                     self.audio_stream_stateful = audio_stream.policy.stateful
                     # the frames' checks stand for the whole audio path: join looks up only during code2wav calls
                     audio_worker = _AudioWorker(
-                        lambda idle: self._stream("talker", frames, lambda: self._check("talker", "code2wav"),
-                                                  until=stopped, idle=idle),
-                        self.clients, audio_stream, emit, stopped, self.request_id)
+                        lambda idle, idle_wait_s: self._stream(
+                            "talker", frames, lambda: self._check("talker", "code2wav"), until=stopped, idle=idle,
+                            idle_wait_s=idle_wait_s),
+                        self.clients, audio_stream, emit, stopped, self.request_id, self.alarm)
                     chunks = chunks[1:]
                 if chunks:
                     self.clients.talker_append(self.request_id, self._merged(chunks))
             if audio_worker is not None:
-                audio_worker.join(lambda: self._check("code2wav"))
+                audio_worker.join(lambda: self._check("code2wav"), self.alarm)
         finally:
             if audio_worker is not None:
                 audio_worker.stop(leave_call=self.stage_failure("code2wav") is not None)
@@ -182,11 +187,13 @@ class Session:
 
     def _stream(self, stage: str, items: Iterable[T], check: Callable[[], None] | None = None,
                 until: threading.Event | None = None, coalesce: bool = False,
-                idle: Callable[[], None] | None = None) -> Iterator[Any]:
+                idle: Callable[[], None] | None = None,
+                idle_wait_s: Callable[[], float | None] | None = None) -> Iterator[Any]:
         """``items`` (a stage's response stream), read on a thread of their own and checked (default:
         ``_check(stage)``) at least every ``POLL_S``: at an item when the last check is that old, and at every
         ``POLL_S`` without one, when ``idle`` is called too (in the consuming thread); it ends early once ``until``
-        is set. A check per item cost more than the item (a talker streams a frame a response; the check asks
+        is set. With the session's ``alarm`` it sleeps until an item or a ring instead (then checks, and calls
+        ``idle``), or for ``idle_wait_s()`` where that says a timed ``idle`` is due (None: none is). A check per item cost more than the item (a talker streams a frame a response; the check asks
         the server whether the request was cancelled and the stage supervisor whether the stage lives), and
         said nothing newer: both answers are refreshed at most every ``POLL_S`` anyway.
         With ``coalesce``, it yields lists: each item with every later one already waiting in the queue.
@@ -219,12 +226,22 @@ class Session:
                 deliver((_END, exc))
 
         threading.Thread(target=read, name=f"{stage}-stream", daemon=True).start()
+        # a ring puts a look into the queue: the one wait then covers both
+        unsubscribe = self.alarm.subscribe(lambda: deliver((_LOOK, None))) if self.alarm is not None else None
         checked_at = float("-inf")
         try:
             while until is None or not until.is_set():
+                if unsubscribe is None:
+                    timeout = POLL_S
+                else:
+                    timeout = idle_wait_s() if idle_wait_s is not None else None
                 try:
-                    item, error = responses.get(timeout=POLL_S)
+                    item, error = responses.get(timeout=timeout)
                 except queue.Empty:
+                    item = _LOOK
+                if item is _LOOK:
+                    if until is not None and until.is_set():
+                        return  # a ring from ``stop``: the session has left
                     check()
                     checked_at = time.monotonic()
                     if idle is not None:
@@ -242,6 +259,10 @@ class Session:
                     continue
                 batch = [item]
                 while (waiting := _get_nowait(responses)) is not None:
+                    if waiting[0] is _LOOK:
+                        check()
+                        checked_at = time.monotonic()
+                        continue
                     if waiting[0] is _END:
                         yield batch
                         if waiting[1] is not None:
@@ -250,6 +271,8 @@ class Session:
                     batch.append(waiting[0])
                 yield batch
         finally:
+            if unsubscribe is not None:
+                unsubscribe()
             # What the stream still holds goes now, not with a traceback: an exception raised here references this
             # frame (and a queued one the reader's frame, whose cells reach the queue), so the locals and the queue
             # entries would form reference cycles with it, keeping the request's tensors (on a GPU, device memory)
@@ -262,6 +285,7 @@ class Session:
 
 
 _END = object()  # a stream's end in _stream's queue
+_LOOK = object()  # in _stream's queue: the alarm rang, check now
 
 
 def _get_nowait(responses: queue.SimpleQueue) -> tuple[Any, BaseException | None] | None:
@@ -277,14 +301,18 @@ class _AudioWorker:
     It runs beside the thinker loop so that text keeps flowing to the talker while frames are
     decoded; errors are re-raised in the request's thread (``raise_error``, ``join``). A stream with a
     ``ChunkPacer`` is told every frame arrival, decode time and audio sent, and is looked at again while no
-    frame comes (``frames(idle)``'s wake-ups), so a stalled talker does not hold frames a listener needs.
+    frame comes (``frames(idle, idle_wait_s)``'s wake-ups: with an alarm only while the pacer holds frames not
+    sent yet), so a stalled talker does not hold frames a listener needs. The session's ``alarm`` (if any) is rung
+    when the worker ends with an error (the thinker loop's check then raises it at once, not at its next chunk) and
+    by ``stop`` (the frame stream, asleep until a ring, then sees ``stopped``).
     """
 
-    def __init__(self, frames: Callable[[Callable[[], None]], Iterator[torch.Tensor]], clients: StageClients,
-                 stream: Code2WavStream, emit: Emit, stopped: threading.Event, request_id: str = ""):
+    def __init__(self, frames: Callable[[Callable[[], None], Callable[[], float | None]], Iterator[torch.Tensor]],
+                 clients: StageClients, stream: Code2WavStream, emit: Emit, stopped: threading.Event,
+                 request_id: str = "", alarm: Alarm | None = None):
         self._pacer = getattr(stream, "pacer", None)  # a stand-in stream (tests) may have none
         # Session._stream: it raises on a cancel, the deadline or a dead talker
-        self._frames = frames(self._on_idle)
+        self._frames = frames(self._on_idle, self._idle_wait_s)
         self._clients = clients
         self._stream = stream
         self._emit = emit
@@ -293,6 +321,8 @@ class _AudioWorker:
         self._done = threading.Event()
         self._in_call = threading.Event()  # inside a code2wav call
         self._call_or_done = threading.Condition()  # notified when a code2wav call starts and when the worker ends
+        self._alarm_rang = False  # (join, with an alarm) not looked at yet: looked at once inside a code2wav call
+        self._alarm = alarm
         self._request_id = request_id  # for trace events only
         self._traced: set[str] = set()  # trace events cover the way to the first audio, once each
         self._thread = threading.Thread(target=self._run, name="talker-frames", daemon=True)
@@ -310,6 +340,8 @@ class _AudioWorker:
                 self._decode_due(final=True)
         except BaseException as exc:  # surfaced in the request's thread
             self._error = exc
+            if self._alarm is not None and not self._stopped.is_set():
+                self._alarm.ring()
         finally:
             # a frame stream left early (a code2wav call failed) would keep buffering frames, and its frame holds
             # this worker (``_on_idle``): closed, it stops and lets go
@@ -359,6 +391,13 @@ class _AudioWorker:
         if self._pacer is not None and not self._stopped.is_set():
             self._decode_due(final=False)
 
+    def _idle_wait_s(self) -> float | None:
+        """How long the frame stream may sleep without a frame: a pacer holding frames not decoded yet may send them
+        on time alone, so it is looked at every ``POLL_S``; otherwise only a frame or the alarm changes anything."""
+        if self._pacer is not None and getattr(self._stream, "pending_frames", 1) > 0:
+            return POLL_S
+        return None
+
     def _trace_once(self, name: str) -> None:
         if trace.enabled() and name not in self._traced:
             self._traced.add(name)
@@ -377,12 +416,16 @@ class _AudioWorker:
         finally:
             del error  # nor does this frame, which the traceback holds, keep it
 
-    def join(self, check: Callable[[], None]) -> None:
-        """Wait for the last audio; ``check`` raises if the request must stop meanwhile. It is asked every ``POLL_S``
-        while the worker is inside a code2wav call (one to a stage that died never returns). Outside one the worker
-        reads its frame stream, whose own checks (every ``POLL_S``: a cancel, the deadline, a dead talker or
-        code2wav) end it with the error raised here, so this thread sleeps: a wake-up per stream every ``POLL_S``
-        was a good part of the orchestrator's CPU under load."""
+    def join(self, check: Callable[[], None], alarm: Alarm | None = None) -> None:
+        """Wait for the last audio; ``check`` raises if the request must stop meanwhile. It is asked while the worker
+        is inside a code2wav call (one to a stage that died never returns): every ``POLL_S``, or with ``alarm`` at
+        each ring (and once at a call's start if one rang since the last look). Outside one the worker reads its
+        frame stream, whose own checks (a cancel, the deadline, a dead talker or code2wav) end it with the error
+        raised here, so this thread sleeps: a wake-up per stream every ``POLL_S`` was a good part of the
+        orchestrator's CPU under load."""
+        if alarm is not None:
+            self._join_on_alarm(check, alarm)
+            return
         while True:
             with self._call_or_done:
                 self._call_or_done.wait_for(lambda: self._done.is_set() or self._in_call.is_set())
@@ -394,6 +437,27 @@ class _AudioWorker:
                 check()
         self.raise_error()
 
+    def _join_on_alarm(self, check: Callable[[], None], alarm: Alarm) -> None:
+        def rang() -> None:
+            with self._call_or_done:
+                self._alarm_rang = True
+                self._call_or_done.notify_all()
+
+        self._alarm_rang = True  # a ring before this subscription is not missed: the first call looks anyway
+        unsubscribe = alarm.subscribe(rang)
+        try:
+            while True:
+                with self._call_or_done:
+                    self._call_or_done.wait_for(
+                        lambda: self._done.is_set() or (self._alarm_rang and self._in_call.is_set()))
+                    if self._done.is_set():
+                        break
+                    self._alarm_rang = False
+                check()
+        finally:
+            unsubscribe()
+        self.raise_error()
+
     def stop(self, timeout_s: float = 10.0, leave_call: bool = False) -> None:
         """End the worker before the session ends: past that, its checks would ask Triton whether a request is
         cancelled after its response sender is gone, which crashes the server (TRITONBACKEND_ResponseFactory-
@@ -403,6 +467,8 @@ class _AudioWorker:
         1-3 s later, and after it the worker makes no check (an error ends it; a return sees ``stopped``, and
         the frame stream then ends on ``stopped`` before any check)."""
         self._stopped.set()
+        if self._alarm is not None:
+            self._alarm.ring()
         if leave_call and self._in_call.is_set():
             return  # the worker drops its own error once its call returns (``_run``)
         self._thread.join(timeout_s)

@@ -33,8 +33,12 @@ ends with UNAVAILABLE too.
 A client that vanishes without cancelling (killed, network gone) is not seen by the running
 orchestrator step for the same reason: its request runs to its natural end. The optional request
 parameter ``deadline_s`` (a Triton request parameter, which the ensemble passes to every step)
-bounds that: past it the request is cancelled (the session looks up from every stage wait every
+bounds that: past it the request is cancelled (``CancelWatchdog`` rings the session's alarm within
 ``POLL_S``) and every stage frees its state.
+
+A running session sleeps in its waits until its ``Alarm`` rings: one ``CancelWatchdog`` thread asks Triton
+whether any running request was cancelled, and looks at the cancel flags and deadlines, every ``POLL_S``;
+the stage supervisor rings every session when a stage dies.
 
 One route per Orchestrator (``PipelineRoute``): the Triton model of each stage it calls and the GPU their outputs
 are asked to land on. With one pipeline that is the stages by their own names; with ``serve --pipelines N`` the
@@ -78,6 +82,7 @@ from omni_triton.models.code2wav.vocoder import Code2WavConfig, exact_left_conte
 from omni_triton.pipeline.code2wav.pacing import ChunkPacer
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy, Code2WavStream
 from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
+from omni_triton.pipeline.alarm import Alarm
 from omni_triton.pipeline.session import Cancelled, Session, SessionParams, StageFailed
 from omni_triton.shared.admission_board import LET_THROUGH, BoardWriter
 from omni_triton.shared.cancel_registry import CancelRegistry
@@ -86,6 +91,7 @@ from omni_triton.shared.placement import OrchestratorSlot, Placement
 from omni_triton.shared.request_parameters import seconds_parameter
 from omni_triton.stages.admission import Admission, RealtimeCapacity, split_limit
 from omni_triton.stages.bls_clients import BlsStageClients
+from omni_triton.stages.cancel_watchdog import CancelWatchdog
 from omni_triton.stages.metrics import HostHopCounter, torch_memory_gauges
 from omni_triton.shared.settings import CHUNK_PACING
 from omni_triton.stages.stage_io import from_torch
@@ -175,8 +181,10 @@ class Orchestrator:
         self._drain_expired = False  # the bound passed: the sessions left were cancelled by the drain
         self._marked_drained = False
         self._unanswered = 0  # sessions started whose final response is not sent yet (a drain waits for them)
+        self._watchdog = CancelWatchdog()
         self._stages = StageSupervisor({self._route.models[stage]: (stage_instances or {}).get(stage, 1)
-                                        for stage in BLS_STAGES}, reloads=slot.index == 0)
+                                        for stage in BLS_STAGES}, reloads=slot.index == 0,
+                                       on_death=self._watchdog.ring_all)
         # capacity samples (dispatcher thread only): frames per stream at the last sample, and the streams that
         # received frames in the window before it
         self._seen_frames: dict[str, int] = {}
@@ -423,6 +431,7 @@ class Orchestrator:
             self._refuse(ticket.sender, "server shutting down")
         self._stages.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._watchdog.stop()
         if self._board is not None:
             self._board.close()
         self._host_hops.close()
@@ -462,6 +471,8 @@ class Orchestrator:
         generations = self._stages.generations()
         clients = BlsStageClients(pb, inputs, self._route.gpu, self._host_hops.check, stage_down=self._stages.is_down,
                                   models=self._route.models)
+        alarm = Alarm()
+        self._watchdog.watch(request_id, ticket.request, ticket.cancelled, deadline, alarm)  # unwatched in finally
         try:
             session = Session(
                 request_id,
@@ -469,9 +480,11 @@ class Orchestrator:
                 clients,
                 IncrementalDetokenizer(self._tokenizer),
                 lambda: self._open_audio_stream(request_id),
-                is_cancelled=ticket.is_cancelled,
+                # no IPC here: the watchdog asks Triton and sets the flag
+                is_cancelled=lambda: ticket.cancelled.is_set() or time.monotonic() > deadline,
                 stage_failure=lambda stage: self._stages.failure(generations, self._route.models[stage],
                                                                  max_age_s=STAGE_ALIVE_MAX_AGE_S),
+                alarm=alarm,
             )
             session.run(emit)
             error = None
@@ -488,6 +501,7 @@ class Orchestrator:
             else:
                 error = self._failure_error(exc, generations, request_id)
         finally:
+            self._watchdog.unwatch(request_id)  # before the final response: Triton is not asked after it
             # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
             with send_lock:  # not while emit counts its first audio
@@ -545,10 +559,10 @@ class _Ticket:
 
 
 class _CancelCheck:
-    """Whether a request should stop: cancelled by a control request, past its deadline, or cancelled in
-    Triton. The session asks from two threads (thinker loop, audio worker); ``request.is_cancelled()`` is
-    an IPC round trip on the request's own shared-memory slot and is not safe to call concurrently, so it
-    is serialized here and asked at most every ``poll_s``."""
+    """Whether a request waiting for admission should stop: cancelled by a control request, past its deadline,
+    or cancelled in Triton (asked by the admission dispatcher; once it runs, ``CancelWatchdog`` asks instead).
+    ``request.is_cancelled()`` is an IPC round trip on the request's own shared-memory slot and is not safe to
+    call concurrently, so it is serialized here and asked at most every ``poll_s``."""
 
     def __init__(self, request: Any, cancelled: threading.Event, deadline: float, poll_s: float = 0.05):
         self._request, self._cancelled, self._deadline, self._poll_s = request, cancelled, deadline, poll_s

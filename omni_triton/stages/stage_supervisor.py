@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from omni_triton.load_timeline import reload_line
 from omni_triton.shared.repository_api import ReloadSteps, reload_model, restart_mark
@@ -37,10 +37,14 @@ RELOAD_HINT = " (reloading a stage needs tritonserver --model-control-mode=expli
 
 class StageSupervisor:
     def __init__(self, stages: Mapping[str, int], interval_s: float = 0.1, scan_every_s: float = 0.5,
-                 reload_timeout_s: float = 600.0, reloads: bool = True):
+                 reload_timeout_s: float = 600.0, reloads: bool = True,
+                 on_death: Callable[[], None] | None = None):
         """``stages``: stage -> its instances (stub processes) to watch. ``reloads``: this watcher reloads a stage
-        that died (False: another orchestrator instance of the pipeline does; this one waits for the new stubs)."""
+        that died (False: another orchestrator instance of the pipeline does; this one waits for the new stubs).
+        ``on_death``: called (from the watcher's thread) once a death is recorded: sessions sleeping in their
+        waits look then (``failure``) instead of polling for it."""
         self._reloads = reloads
+        self._on_death = on_death
         # stage -> its config's restart mark when this watcher saw it die (reloads False): it is back once the
         # served config carries another (its new stubs start long before the reloaded model serves)
         self._awaited_marks: dict[str, str | None] = {}
@@ -148,6 +152,8 @@ class StageSupervisor:
                 self._down[stage] = ("is restarting (its process exited); retry shortly" if self._explicit
                                      else f"is down: its process exited{RELOAD_HINT}")
                 self._stubs[stage] = {}
+            if self._on_death is not None:
+                self._on_death()
             # An orchestrator left running its requests after its own model was reloaded (serve reloads a dead
             # orchestrator's model whole) leaves the reload to the fresh stub of its instance
             if self._explicit and self._reloads and not superseded(os.getpid(), self._server_pid):
