@@ -193,9 +193,10 @@ class Session:
         ``_check(stage)``) at least every ``POLL_S``: at an item when the last check is that old, and at every
         ``POLL_S`` without one, when ``idle`` is called too (in the consuming thread); it ends early once ``until``
         is set. With the session's ``alarm`` it sleeps until an item or a ring instead (then checks, and calls
-        ``idle``), or for ``idle_wait_s()`` where that says a timed ``idle`` is due (None: none is). A check per item cost more than the item (a talker streams a frame a response; the check asks
-        the server whether the request was cancelled and the stage supervisor whether the stage lives), and
-        said nothing newer: both answers are refreshed at most every ``POLL_S`` anyway.
+        ``idle``), or for ``idle_wait_s()`` where that says a timed ``idle`` is due (None: none is). A check per
+        item cost more than the item (a talker streams a frame a response; the check asks the server whether the
+        request was cancelled and the stage supervisor whether the stage lives), and said nothing newer: both
+        answers are refreshed at most every ``POLL_S`` anyway.
         With ``coalesce``, it yields lists: each item with every later one already waiting in the queue.
 
         A BLS stream in this Triton version cannot be cancelled, and one from a stage whose process died

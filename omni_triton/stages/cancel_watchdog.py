@@ -1,6 +1,6 @@
 """One thread that watches every running request of an orchestrator for its end: cancelled in Triton (the client
-went away), by a control request or a drain (its flag), or past its deadline; it rings the request's ``Alarm``. Stage deaths are
-rung here too (``ring_all``, called by the stage supervisor).
+went away), by a control request or a drain (its flag), or past its deadline; it rings the request's ``Alarm``.
+Stage deaths are rung here too (``ring_all``, called by the stage supervisor).
 
 Each stream used to ask for itself, from every wait, every ``POLL_S``: three threads per stream woke 20 times a second
 and most of the orchestrator's CPU under load went to those wake-ups. Here one thread asks for all of them on the same

@@ -141,10 +141,11 @@ class Orchestrator:
         ``slot.per_pipeline``); ``max_starting``: streams admitted and not yet playing at once (0: no limit);
         ``admission_queue``: requests that may wait (None: the free slots), none longer than
         ``admission_max_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for
-        this instance's pipeline, and each of its ``slot.per_pipeline`` instances takes its part (``split_limit``). ``route``: the stages' models and where
-        their outputs land (default: the stages by their own names, outputs on ``device``); ``stage_instances``:
-        stage -> instances of each of its models. ``shared_cancels``: where the server's other orchestrator
-        instances record cancels of requests they do not hold (None: this is the only instance);
+        this instance's pipeline, and each of its ``slot.per_pipeline`` instances takes its part (``split_limit``).
+        ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
+        on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where the
+        server's other orchestrator instances record cancels of requests they do not hold (None: this is the only
+        instance);
         ``metric_labels``: labels of this instance's metrics beside ``stage``; ``slot``: which instance this is;
         ``board``: where this instance says whether it would refuse a new request (``admission_board``: preprocess
         refuses before its work when every instance would), updated at each change of its admission."""
