@@ -26,9 +26,10 @@ part=${1:-all}
 first="tests/test_kernels.py tests/test_fast_path.py tests/test_code2wav_graphs.py tests/test_completion_graphs.py"
 rest=$(grep -l "torch.cuda.is_available()" tests/test_*.py | grep -v -F -x -f <(tr ' ' '\n' <<<"$first") | tr '\n' ' ')
 pytest_files() {  # the GPU test files given, in one pytest process
-  # server tests (a tritonserver on the CPU-side path) run in CI, not here
-  echo "# python3 -m pytest -q -rfEs -p no:cacheprovider -m 'not server' $*"
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -rfEs -p no:cacheprovider -m "not server" "$@"
+  # server tests (a tritonserver on the CPU-side path) run in CI, not here; `-o addopts=`: not the project's xdist
+  # workers (the device's Python has no pytest-xdist, and the groups below are the parallelism here)
+  echo "# python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts= -m 'not server' $*"
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts= -m "not server" "$@"
 }
 header() {
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) torch $(python3 -c 'import torch; print(torch.__version__)') commit ${OMNI_TRITON_GIT_COMMIT:-unknown (set OMNI_TRITON_GIT_COMMIT)} part $1"

@@ -7,19 +7,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from _session_helpers import DEATH, OneJob, word_detokenizer
 
 from omni_triton.pipeline.alarm import Alarm
-from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
-from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import POLL_S, Cancelled, Session, SessionParams, StageFailed, ThinkerChunk
 from omni_triton.stages.cancel_watchdog import CancelWatchdog
-
-DEATH = "code2wav stage failed: its process exited while serving this request; retry it"
 
 
 class FakeRequest:
@@ -97,27 +92,6 @@ def test_ring_all_rings_every_running_session(watchdog):
 
 
 # -- a session with an alarm -----------------------------------------------------------------------------------
-@dataclass
-class Job:
-    codes: torch.Tensor
-    context_frames: int = 0
-    start_frame: int = 0
-    new_frames: int = 1
-
-
-class OneJob:
-    policy = ChunkPolicy()
-
-    def __init__(self):
-        self.frames: list[torch.Tensor] = []
-
-    def append(self, frames):
-        self.frames.append(frames)
-
-    def next_job(self, final):
-        return Job(self.frames.pop(0).T) if self.frames else None
-
-
 class StalledStages:
     """A thinker that sends one chunk (then, with ``thinker_sends_more``, nothing until released); a talker with one
     frame (then, with ``talker_stalls``, nothing until released); a code2wav call that blocks until released
@@ -161,10 +135,8 @@ class StalledStages:
 
 
 def session_of(stages, alarm, is_cancelled=lambda: False, stage_failure=lambda stage: None):
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(4)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    return Session("r", SessionParams(return_audio=True, sequential=False), stages, IncrementalDetokenizer(tokenizer),
-                   OneJob, is_cancelled=is_cancelled, stage_failure=stage_failure, alarm=alarm)
+    return Session("r", SessionParams(return_audio=True, sequential=False), stages, word_detokenizer(), OneJob,
+                   is_cancelled=is_cancelled, stage_failure=stage_failure, alarm=alarm)
 
 
 def run_in_thread(session):

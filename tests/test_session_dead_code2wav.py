@@ -6,41 +6,14 @@ blocked worker behind."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from _session_helpers import DEATH, OneJob, word_detokenizer
 
-from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
-from omni_triton.pipeline.detokenizer import IncrementalDetokenizer
 from omni_triton.pipeline.session import Session, SessionParams, StageFailed, ThinkerChunk
 
 CHUNKS = 3000  # the thinker's chunks, one token each: far more than the session reads once code2wav died
-DEATH = "code2wav stage failed: its process exited while serving this request; retry it"
-
-
-@dataclass
-class Job:
-    codes: torch.Tensor
-    context_frames: int = 0
-    start_frame: int = 0
-    new_frames: int = 1
-
-
-class OneJob:
-    """An audio stream that makes one decode job of the first frames it gets."""
-
-    policy = ChunkPolicy()  # left context: the session closes no vocoder stream
-
-    def __init__(self):
-        self.frames: list[torch.Tensor] = []
-
-    def append(self, frames):
-        self.frames.append(frames)
-
-    def next_job(self, final):
-        return Job(self.frames.pop(0).T) if self.frames else None
 
 
 class DeadCode2Wav:
@@ -79,10 +52,7 @@ class DeadCode2Wav:
 
 def test_a_dead_code2wav_fails_the_request_while_the_thinker_streams():
     clients = DeadCode2Wav()
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(4)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    session = Session("r", SessionParams(return_audio=True, sequential=False), clients,
-                      IncrementalDetokenizer(tokenizer), OneJob,
+    session = Session("r", SessionParams(return_audio=True, sequential=False), clients, word_detokenizer(), OneJob,
                       stage_failure=lambda stage: DEATH if stage == "code2wav" and clients.dead.is_set() else None)
     try:
         with pytest.raises(StageFailed, match="code2wav stage failed"):
