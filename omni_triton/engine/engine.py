@@ -281,14 +281,13 @@ class LLMEngine:
             for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
                 if seq.status is finished:
                     continue
-                seq.append_output(token_id)
+                reason = seq.append_token(token_id)
                 if len(seq.output_token_ids) == 1:
                     trace.event(seq.request_id, f"{self.name}.first_token")
                 output = outputs[seq.request_id]
                 output.new_token_ids.append(token_id)
                 if ids_device is not None:
                     output.token_ids_device = ids_device[i]
-                reason = seq.check_stop(token_id)
                 if reason is None:
                     continuing.append(i)
                 else:

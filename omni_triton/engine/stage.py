@@ -333,8 +333,12 @@ class TalkerStage:
             codec = (next_embeds if len(ready) == len(seqs)
                      else next_embeds[to_device_async(torch.tensor(ready), next_embeds.device)])
             inputs = codec + torch.stack(texts).to(codec)
-            for i, row in zip(ready, inputs):
-                self._push_input(seqs[i], row)
+            for i, row in zip(ready, inputs.unbind(0)):  # _push_input, inlined: every row of every step
+                seq = seqs[i]
+                state = seq.stage_state
+                state.input_embeds.append(row)
+                state.pending_codec_embeds = None
+                seq.num_inputs += 1
         return [{"codes": codes} for codes in completed["codes"].split(1)]  # (a row's view each, in one call)
 
     def append_input(self, seq, trailing_text_embeds: torch.Tensor | None = None, thinker_rows=None,
