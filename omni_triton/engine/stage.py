@@ -334,15 +334,14 @@ class TalkerStage:
         the profiler)."""
         next_embeds = completed["next_embeds"]
         ahead, self._inputs_ahead = self._inputs_ahead, None
-        ready, texts = [], []
-        for i, seq in enumerate(seqs):
-            state: TalkerState = seq.stage_state
-            text = state.trailing.next_trailing()
-            if text is None:  # WAITING_FOR_INPUT until the thinker sends more text; fed by append_input then
-                state.pending_codec_embeds = next_embeds[i]
-            else:
-                ready.append(i)
-                texts.append(text)
+        texts = [seq.stage_state.trailing.next_trailing() for seq in seqs]
+        ready = range(len(seqs))
+        if any(text is None for text in texts):  # (the steady state: none, and no per-row lists to build)
+            ready = [i for i, text in enumerate(texts) if text is not None]
+            for i, text in enumerate(texts):
+                if text is None:  # WAITING_FOR_INPUT until the thinker sends more text; fed by append_input then
+                    seqs[i].stage_state.pending_codec_embeds = next_embeds[i]
+            texts = [text for text in texts if text is not None]
         if ready:
             if _same_inputs(ahead, next_embeds, seqs, texts):
                 inputs = ahead[3]  # the values made below: the same sum of the same tensors
