@@ -235,6 +235,7 @@ def test_talker_inputs_ahead_are_the_inputs_after_sample_pushes():
 
     def checked_after_sample(seqs, completed):
         ahead = stage.inputs_ahead(seqs, completed)
+        stage._inputs_ahead = None  # after_sample makes its own (else it takes these again: test_step_host_paths)
         ready = [seq.stage_state.trailing.peek_trailing() is not None for seq in seqs]
         counts = [len(seq.stage_state.input_embeds) for seq in seqs]
         extras = after_sample(seqs, completed)

@@ -80,11 +80,16 @@ class DecodeRows:
             self._row_starts = np.arange(len(self._lists), dtype=np.int64) * self.width
             self._lists = [None] * len(self._lists)
         width, flat = self.width, self._flat
-        for i, (table, length) in enumerate(zip(lists, lens)):
+        # only the rows whose table is another list or grew (a steady batch: a row every ``block_size`` steps),
+        # found in one comprehension instead of a loop body per row
+        staged_rows = zip(lists, self._lists, lens, self._lens)
+        changed = [i for i, (table, staged_table, length, staged) in enumerate(staged_rows)
+                   if table is not staged_table or length != staged]
+        for i in changed:
+            table, length = lists[i], lens[i]
             if self._lists[i] is table:
                 staged = self._lens[i]
-                if staged != length:
-                    flat[i * width + staged:i * width + length] = table[staged:length]
+                flat[i * width + staged:i * width + length] = table[staged:length]
             else:
                 flat[i * width:i * width + length] = table
                 self._lists[i] = table

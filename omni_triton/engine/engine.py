@@ -274,7 +274,7 @@ class LLMEngine:
         if result.captured:
             ready = self._stream_states(result, outputs, ready)
 
-        continuing = []
+        continuing, continuing_outputs = [], []
         if result.sampled_seqs:
             token_ids = step.host_ids.tolist()  # the step's one device -> host copy
             # each row's id where the step sampled it, for a stage whose consumer embeds it again (views in one call)
@@ -282,16 +282,16 @@ class LLMEngine:
             for i, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
                 if seq.status is finished:
                     continue
-                seq.append_output(token_id)
+                reason = seq.append_token(token_id)
                 if len(seq.output_token_ids) == 1:
                     trace.event(seq.request_id, f"{self.name}.first_token")
                 output = outputs[seq.request_id]
                 output.new_token_ids.append(token_id)
                 if ids_device is not None:
                     output.token_ids_device = ids_device[i]
-                reason = seq.check_stop(token_id)
                 if reason is None:
                     continuing.append(i)
+                    continuing_outputs.append(output)
                 else:
                     self._finish_request(seq, reason, output)
             if continuing:
@@ -309,9 +309,9 @@ class LLMEngine:
                     completed = self.runner.complete_step(seqs, hidden, ids)
                 # else: a CUDA graph completed every sampled row
                 extras = self.stage.after_sample(seqs, completed)
-                for seq, extra in zip(seqs, extras):
+                for output, extra in zip(continuing_outputs, extras):
                     if extra:
-                        outputs[seq.request_id].extras = extra
+                        output.extras = extra
                 if gathered or completes_here:
                     # the extras were made here, behind the step launched after this one when there is one (rare:
                     # a row stopped, or a step without a completion graph, which launches nothing ahead)
@@ -324,6 +324,8 @@ class LLMEngine:
         # finish's to refresh (now it would read no input pending)
         in_flight = self._inflight.row_ids if self._inflight is not None else frozenset()
         naming = self.block_manager.prefix_caching
+        if not naming and step.row_ids <= in_flight:  # (a steady overlapped step: every row goes on ahead)
+            return outputs, len(continuing)
         for seq in step.batch.seqs:
             if seq.status is not finished:
                 if naming:

@@ -185,15 +185,34 @@ def draw_seed(row_seed: int, draw: int) -> int:
 
 
 VECTOR_SEEDS_FROM = 16  # rows; numpy's ~8 us a call beats ~0.4 us a row of Python ints from about here
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_SHIFTS = tuple(map(np.uint64, (30, 27, 31, 2)))  # (numpy scalars made once: a conversion per operation fewer)
+
+
+def draw_seed_bases(row_seeds: np.ndarray) -> np.ndarray:
+    """The part of ``draw_seeds`` that depends on the row seeds only (uint64): kept while a batch's rows stay."""
+    return row_seeds * _GOLDEN + np.uint64(1)
 
 
 def draw_seeds(row_seeds: np.ndarray, draws: np.ndarray) -> np.ndarray:
     """``draw_seed`` of each (row seed, draw) pair at once (uint64 arrays, whose products wrap mod 2**64 as the
     scalar version's masks do) -> int64."""
-    x = row_seeds * np.uint64(0x9E3779B97F4A7C15) + draws + np.uint64(1)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return ((x ^ (x >> np.uint64(31))) >> np.uint64(2)).astype(np.int64)
+    out = np.empty(len(draws), dtype=np.int64)
+    draw_seeds_into(draw_seed_bases(row_seeds), draws, out)
+    return out
+
+
+def draw_seeds_into(bases: np.ndarray, draws: np.ndarray, out: np.ndarray) -> None:
+    """``draw_seeds`` from the rows' ``draw_seed_bases``, written into the contiguous int64 array ``out`` (a
+    sampler's control column: no result array to copy there), in place where numpy allows."""
+    x = out.view(np.uint64)
+    np.add(bases, draws, out=x)
+    x ^= x >> _SHIFTS[0]
+    x *= _MIX1
+    x ^= x >> _SHIFTS[1]
+    x *= _MIX2
+    x ^= x >> _SHIFTS[2]
+    x >>= _SHIFTS[3]
 
 
 class TokenHistory:
@@ -261,7 +280,7 @@ class DeviceSampler:
         self._keys: list[str] = []  # the rows of the last prepare (``_fill_request_columns``)
         self._rows: list[SampleRow] = []
         self._slots_version = -1
-        self._row_seeds = np.zeros(max_rows, dtype=np.uint64)  # the rows' seeds (mod 2**64), for draw_seeds
+        self._seed_bases = np.zeros(max_rows, dtype=np.uint64)  # the rows' draw_seed_bases, for draw_seeds_into
         self._ban_rows: list[int] = []  # rows with a min_new_tokens ban on stop ids (it lifts as they generate)
 
     def _reset_host(self) -> None:
@@ -293,7 +312,7 @@ class DeviceSampler:
             if n < VECTOR_SEEDS_FROM:
                 ints[1, :n] = [draw_seed(row.seed, draw) for row, draw in zip(rows, draws)]
             else:
-                ints[1, :n] = draw_seeds(self._row_seeds[:n], np.asarray(draws, dtype=np.uint64))
+                draw_seeds_into(self._seed_bases[:n], np.asarray(draws, dtype=np.uint64), ints[1, :n])
             per_row = not isinstance(tokens_ahead, int)
             for i in self._ban_rows:  # (every other row's flag stays 0 from the fill)
                 ints[3, i] = rows[i].stop_ids_banned_after(tokens_ahead[i] if per_row else tokens_ahead)
@@ -316,7 +335,7 @@ class DeviceSampler:
             floats[1, :n] = [p.top_p for p in params]
             floats[2, :n] = [p.repetition_penalty for p in params]
             ints[0, :n] = [p.top_k for p in params]
-            self._row_seeds[:n] = [row.seed & _MASK64 for row in rows]
+            self._seed_bases[:n] = draw_seed_bases(np.array([row.seed & _MASK64 for row in rows], dtype=np.uint64))
             if self.history is not None:
                 ints[2, :n] = [self.history.slot(key, row) for key, row in zip(keys, rows)]
         self._ban_rows = [i for i, p in enumerate(params) if p.min_new_tokens > 0 and p.stop_token_ids]

@@ -103,6 +103,22 @@ class Sequence:
             return "length"
         return None
 
+    def append_token(self, token_id: int) -> str | None:
+        """``append_output`` then ``check_stop``, in one call: the engine's finish does it for every row of every
+        step (``record`` and the counter inlined)."""
+        outputs = self.output_token_ids
+        outputs.append(token_id)
+        row = self.sample_row
+        row.seen_ids.add(token_id)
+        row.num_generated += 1
+        p = self.params
+        generated = len(outputs)
+        if not p.ignore_eos and token_id in p.stop_token_ids and generated >= p.min_new_tokens:
+            return "stop"
+        if generated >= p.max_new_tokens:
+            return "length"
+        return None
+
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = self.num_cached_tokens = self.states_through = self.num_named_blocks = 0
         self.block_table = []
