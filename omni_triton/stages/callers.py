@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from omni_triton.shared.stub_processes import StubWatch
+from omni_triton.shared.stub_processes import StubLiveness
 
 logger = logging.getLogger(__name__)
 
@@ -61,33 +61,8 @@ def _caller_in(parameters: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class CallerLiveness:
-    """Whether a caller (a stub process, a child of the same tritonserver) lives, asked afresh at every response:
-    through a ``StubWatch`` per caller, so a response costs a read of an open file, not a lookup of /proc by path.
-    Not through a cache of recent answers: a send that starts after its caller died is stuck for good (the stage
-    then exits, ``STUCK_SEND_S``, and is reloaded), and a stage's response thread sends a round of responses back
-    to back, so under load a cache's window after a kill, even of a few ms, would let some start. A caller seen
-    dead is forgotten (its file closed): its pid may come back as a fresh stub's."""
-
-    def __init__(self, server_pid: int, watch: Callable[[int, int], StubWatch] = StubWatch):
-        self._server_pid, self._watch = server_pid, watch
-        self._watches: dict[int, StubWatch] = {}
-        self._lock = threading.Lock()  # no file is closed while another thread reads it
-
-    def alive(self, caller: int) -> bool:
-        with self._lock:
-            watch = self._watches.get(caller)
-            if watch is None:
-                try:
-                    watch = self._watch(caller, self._server_pid)
-                except OSError:  # no such process
-                    return False
-                self._watches[caller] = watch
-            if watch.alive():
-                return True
-            watch.close()
-            del self._watches[caller]
-            return False
+# kept under its old name here: the stages' ``Callers`` and their tests know it as the callers' liveness
+CallerLiveness = StubLiveness
 
 
 class Callers:
