@@ -9,7 +9,7 @@ keeps their KV blocks and sequence slots while it waits for thinker chunks that 
 their stream states until its idle timeout (minutes).
 
 So the orchestrator names itself on every stage request (request parameter ``CALLER_PARAMETER``: its pid), and
-each stage keeps a ``Callers``: a response is sent only while its caller lives (``CallerLiveness``); a request
+each stage keeps a ``Callers``: a response is sent only while its caller lives (``StubLiveness``); a request
 whose caller is gone is dropped (``drop``, on this module's thread: never the engine's or Triton's), whether it
 is sending or waiting; and a send already under way when the caller died, which can never return, ends the
 stage's process (``STUCK_SEND_S``), so that the fresh orchestrator's stage supervisor reloads it.
@@ -61,10 +61,6 @@ def _caller_in(parameters: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-# kept under its old name here: the stages' ``Callers`` and their tests know it as the callers' liveness
-CallerLiveness = StubLiveness
-
-
 class Callers:
     def __init__(self, stage: str, drop: Callable[[str], None], exit_process: Callable[[int], None] = os._exit):
         """``drop(key)``: free what the request (or stream) ``key`` holds in the stage; called on this object's
@@ -73,7 +69,7 @@ class Callers:
         self._drop = drop
         self._exit = exit_process
         # tritonserver: the stages and their callers are its children
-        self._liveness = CallerLiveness(os.getppid())
+        self._liveness = StubLiveness(os.getppid())
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # key -> caller pid
         self._sending: dict[int, tuple[int, float]] = {}  # thread id -> (caller pid, when its send started)
