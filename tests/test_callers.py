@@ -13,8 +13,8 @@ import time
 import pytest
 
 from omni_triton.stages import callers as callers_module
-from omni_triton.shared.stub_processes import StubWatch, stub_alive
-from omni_triton.stages.callers import CallerLiveness, Callers
+from omni_triton.shared.stub_processes import StubLiveness, StubWatch, stub_alive
+from omni_triton.stages.callers import Callers
 
 
 def _orchestrator_stub() -> subprocess.Popen:
@@ -91,7 +91,7 @@ def test_a_send_stuck_on_a_caller_that_died_ends_the_stage(caller, monkeypatch):
 
 
 def test_a_caller_is_watched_through_one_open_file_and_its_death_is_seen_at_the_next_send(caller, other_caller):
-    """CallerLiveness against real processes: one StubWatch (an open /proc file) per live caller, asked afresh each
+    """StubLiveness against real processes: one StubWatch (an open /proc file) per live caller, asked afresh each
     time, so the first question after a kill says dead (a zombie not yet reaped too); the dead caller's file is
     closed, and a later question looks for the pid anew (it may be a fresh stub's)."""
     opened, closed = [], []
@@ -105,7 +105,7 @@ def test_a_caller_is_watched_through_one_open_file_and_its_death_is_seen_at_the_
             closed.append(self)
             super().close()
 
-    liveness = CallerLiveness(os.getpid(), watch=CountedWatch)
+    liveness = StubLiveness(os.getpid(), watch=CountedWatch)
     assert all(liveness.alive(caller.pid) for _ in range(5)) and liveness.alive(other_caller.pid)
     assert opened == [caller.pid, other_caller.pid], "one open file per caller"
     caller.kill()

@@ -221,3 +221,18 @@ def test_a_paced_stream_decodes_frames_a_stalled_talker_left_pending(paced, trac
     # the listener's buffer when each chunk went out: nothing before the first; only a pacer tracks it
     assert [r["buffered_ms"] is not None for r in records] == [paced, paced]
     assert not paced or records[0]["buffered_ms"] == 0 <= records[1]["buffered_ms"] <= 320
+
+
+@given(st.lists(st.tuples(st.floats(0.001, 0.5), st.integers(0, 5)), max_size=40), st.integers(1, 6))
+@settings(max_examples=200, deadline=None)
+def test_frames_per_s_kept_as_frames_come_is_the_rate_summed_afresh(arrivals, history):
+    """The running frame count of recent arrivals (kept as they come and go) gives the rate a sum over them would."""
+    pacer = ChunkPacer(POLICY, history=history)
+    now = 0.0
+    for gap, count in arrivals:
+        now += gap
+        pacer.frames_arrived(count, now)
+        recent = list(pacer._arrivals)
+        expected = (None if len(recent) < 2 or recent[-1][0] <= recent[0][0]
+                    else sum(frames for _, frames in recent[1:]) / (recent[-1][0] - recent[0][0]))
+        assert pacer.frames_per_s() == expected

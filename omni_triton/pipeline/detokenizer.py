@@ -19,11 +19,14 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the window that gives decoding its context
         self._read_offset = 0  # tokens before this are already emitted
+        # the prefix window's text, by (prefix_offset, read_offset): a push that releases nothing (a character
+        # still split) leaves the window as it was, and the next push would decode the same ids again
+        self._prefix_text: tuple[int, int, str] = (0, 0, "")
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the text that became final (possibly empty)."""
         self._ids.extend(t for t in token_ids if t not in self._skip_ids)
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        prefix = self._prefix()
         full = self._decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""
@@ -33,10 +36,17 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is left at the end of the stream, even an incomplete character."""
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        prefix = self._prefix()
         full = self._decode(self._ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset = len(self._ids)
         return full[len(prefix):]
+
+    def _prefix(self) -> str:
+        start, end, text = self._prefix_text
+        if (start, end) != (self._prefix_offset, self._read_offset):
+            text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = (self._prefix_offset, self._read_offset, text)
+        return text
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""

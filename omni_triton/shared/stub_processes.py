@@ -5,7 +5,9 @@ supervisor to reload a stage, the bench to read their CPU time."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Callable
 
 from omni_triton.shared.procfs import FLAGS, PARENT, PF_EXITING, START_TICKS, STATE, parse_stat, stat_fields
 
@@ -38,6 +40,36 @@ class StubWatch:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+class StubLiveness:
+    """Whether stub processes (children of one tritonserver) live, asked afresh each time: through a ``StubWatch``
+    per pid, so an answer costs a read of an open file, not a lookup of /proc by path. Asked at every response a
+    stage sends to its caller (``callers``) and before every call the orchestrator sends to a stage
+    (``stage_supervisor``). Not through a cache of recent answers: a send that starts after its caller died is stuck
+    for good (the stage then exits, ``callers.STUCK_SEND_S``, and is reloaded), and a request sent to a dead stage
+    can abort the whole server, so under load a cache's window after a kill, even of a few ms, would let some
+    through. A pid seen dead is forgotten (its file closed): it may come back as a fresh stub's."""
+
+    def __init__(self, server_pid: int, watch: Callable[[int, int], StubWatch] = StubWatch):
+        self._server_pid, self._watch = server_pid, watch
+        self._watches: dict[int, StubWatch] = {}
+        self._lock = threading.Lock()  # no file is closed while another thread reads it
+
+    def alive(self, pid: int) -> bool:
+        with self._lock:
+            watch = self._watches.get(pid)
+            if watch is None:
+                try:
+                    watch = self._watch(pid, self._server_pid)
+                except OSError:  # no such process
+                    return False
+                self._watches[pid] = watch
+            if watch.alive():
+                return True
+            watch.close()
+            del self._watches[pid]
+            return False
 
 
 def find_stubs(parent: int, stages: list[str]) -> dict[str, int]:

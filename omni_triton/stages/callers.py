@@ -9,7 +9,7 @@ keeps their KV blocks and sequence slots while it waits for thinker chunks that 
 their stream states until its idle timeout (minutes).
 
 So the orchestrator names itself on every stage request (request parameter ``CALLER_PARAMETER``: its pid), and
-each stage keeps a ``Callers``: a response is sent only while its caller lives (``CallerLiveness``); a request
+each stage keeps a ``Callers``: a response is sent only while its caller lives (``StubLiveness``); a request
 whose caller is gone is dropped (``drop``, on this module's thread: never the engine's or Triton's), whether it
 is sending or waiting; and a send already under way when the caller died, which can never return, ends the
 stage's process (``STUCK_SEND_S``), so that the fresh orchestrator's stage supervisor reloads it.
@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from omni_triton.shared.stub_processes import StubWatch
+from omni_triton.shared.stub_processes import StubLiveness
 
 logger = logging.getLogger(__name__)
 
@@ -61,35 +61,6 @@ def _caller_in(parameters: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class CallerLiveness:
-    """Whether a caller (a stub process, a child of the same tritonserver) lives, asked afresh at every response:
-    through a ``StubWatch`` per caller, so a response costs a read of an open file, not a lookup of /proc by path.
-    Not through a cache of recent answers: a send that starts after its caller died is stuck for good (the stage
-    then exits, ``STUCK_SEND_S``, and is reloaded), and a stage's response thread sends a round of responses back
-    to back, so under load a cache's window after a kill, even of a few ms, would let some start. A caller seen
-    dead is forgotten (its file closed): its pid may come back as a fresh stub's."""
-
-    def __init__(self, server_pid: int, watch: Callable[[int, int], StubWatch] = StubWatch):
-        self._server_pid, self._watch = server_pid, watch
-        self._watches: dict[int, StubWatch] = {}
-        self._lock = threading.Lock()  # no file is closed while another thread reads it
-
-    def alive(self, caller: int) -> bool:
-        with self._lock:
-            watch = self._watches.get(caller)
-            if watch is None:
-                try:
-                    watch = self._watch(caller, self._server_pid)
-                except OSError:  # no such process
-                    return False
-                self._watches[caller] = watch
-            if watch.alive():
-                return True
-            watch.close()
-            del self._watches[caller]
-            return False
-
-
 class Callers:
     def __init__(self, stage: str, drop: Callable[[str], None], exit_process: Callable[[int], None] = os._exit):
         """``drop(key)``: free what the request (or stream) ``key`` holds in the stage; called on this object's
@@ -98,7 +69,7 @@ class Callers:
         self._drop = drop
         self._exit = exit_process
         # tritonserver: the stages and their callers are its children
-        self._liveness = CallerLiveness(os.getppid())
+        self._liveness = StubLiveness(os.getppid())
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # key -> caller pid
         self._sending: dict[int, tuple[int, float]] = {}  # thread id -> (caller pid, when its send started)

@@ -27,11 +27,11 @@ from typing import Callable, Mapping
 
 from omni_triton.load_timeline import reload_line
 from omni_triton.shared.repository_api import ReloadSteps, reload_model, restart_mark
-from omni_triton.shared.stub_processes import find_stub_instances, stub_alive, superseded
+from omni_triton.shared.stub_processes import StubLiveness, find_stub_instances, superseded
 
 logger = logging.getLogger(__name__)
 
-UNSEEN_DEAD_STUB = -1  # no process has this pid: stub_alive() is False for it
+UNSEEN_DEAD_STUB = -1  # no process has this pid: StubLiveness.alive() is False for it
 RELOAD_HINT = " (reloading a stage needs tritonserver --model-control-mode=explicit: serve --allow-stage-reload)"
 
 
@@ -49,6 +49,8 @@ class StageSupervisor:
         # served config carries another (its new stubs start long before the reloaded model serves)
         self._awaited_marks: dict[str, str | None] = {}
         self._server_pid = os.getppid()  # tritonserver: every stub is its child
+        # asked before every call to a stage (``is_down``): an open /proc file per stub, not a lookup by path
+        self._liveness = StubLiveness(self._server_pid)
         flags = _server_flags(self._server_pid)
         self._http_url = _http_url(flags)
         self._explicit = flags.get("--model-control-mode") == "explicit"
@@ -107,7 +109,7 @@ class StageSupervisor:
         now = time.monotonic()
         if max_age_s > 0 and now - self._seen_alive_at.get(stage, float("-inf")) < max_age_s:
             return False
-        dead = any(not stub_alive(pid, self._server_pid) for pid in self._stubs.get(stage, {}).values())
+        dead = any(not self._liveness.alive(pid) for pid in self._stubs.get(stage, {}).values())
         if dead:  # only life is remembered: a death, and stubs found anew after it, are looked up every time
             self._seen_alive_at.pop(stage, None)
         else:

@@ -43,6 +43,7 @@ class ChunkPacer:
         self.frame_s, self.margin_s, self.poll_s, self.decode_prior_s = frame_s, margin_s, poll_s, decode_prior_s
         self._gaps: deque[float] = deque(maxlen=history)      # seconds between frame arrivals
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=history + 1)  # (time, frames)
+        self._arrived_frames = 0  # the frames of ``_arrivals``, kept as they come and go: asked at every frame
         self._decodes: deque[float] = deque(maxlen=history)   # seconds per decode call
         self._last_arrival: float | None = None
         self._plays_until: float | None = None  # when the listener's audio runs out; None: nothing sent yet
@@ -54,7 +55,10 @@ class ChunkPacer:
         if self._last_arrival is not None:
             self._gaps.append(now - self._last_arrival)
         self._last_arrival = now
+        if len(self._arrivals) == self._arrivals.maxlen:  # the oldest leaves as this one comes
+            self._arrived_frames -= self._arrivals[0][1]
         self._arrivals.append((now, count))
+        self._arrived_frames += count
 
     def decode_took(self, seconds: float) -> None:
         self._decodes.append(seconds)
@@ -76,7 +80,7 @@ class ChunkPacer:
         two arrivals at different times."""
         if len(self._arrivals) < 2 or self._arrivals[-1][0] <= self._arrivals[0][0]:
             return None
-        frames = sum(count for _, count in list(self._arrivals)[1:])
+        frames = self._arrived_frames - self._arrivals[0][1]
         return frames / (self._arrivals[-1][0] - self._arrivals[0][0])
 
     def decode_s(self) -> float:
