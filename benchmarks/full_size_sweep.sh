@@ -14,7 +14,10 @@
 # LEFT_CONTEXT (code2wav left context: frames, default 25: what transformers' own Code2Wav.chunked_decode uses;
 # "exact" = the receptive field, 578 frames; "stateful" = new frames only, the vocoder's state kept by the stage:
 # one-pass audio, the serve default; "default" = no flag), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG,
-# SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows),
+# SERVE_ARGS (more `serve` flags, e.g. "--mps off"), LABEL (the bench's label for the served rows), BENCH_ARGS (more
+# flags for the served part's bench), PORT (HTTP port, default 18000; gRPC +1, metrics +2), MODEL_ARGS (the model
+# flags of serve and bench, default the full-size config on cuda; tests/test_full_size_sweep.py serves the tiny
+# checkpoint on the CPU with "--device cpu"),
 # DEVICE_CHECK=1 (served): then benchmarks/served_device_check.py against the same server: 4 sampled streams
 # (seeds 0-3) of the sweep's lengths at one stream, the host-hop counters after everything it served, the streams
 # saved to OUT/served/device_check.npz; COMPARE_AUDIO=FILE checks them against another server's saved streams.
@@ -52,7 +55,10 @@ context_args() {  # $1: frames, "exact", "stateful", or "default" (no flag: serv
   [ "$1" = default ] || echo "--left-context-frames $1"
 }
 SERVE_ARGS=${SERVE_ARGS:-}
-MODEL="--device cuda --config $CONFIG --fast-path on --cuda-graphs on"
+BENCH_ARGS=${BENCH_ARGS:-}
+MODEL=${MODEL_ARGS:-"--device cuda --config $CONFIG --fast-path on --cuda-graphs on"}
+PORT=${PORT:-18000}  # HTTP; gRPC +1, metrics +2
+GRPC=127.0.0.1:$((PORT + 1))
 omni() { python3 -m omni_triton.cli "$@"; }
 
 stop_leftover_server() {  # a server left by a cut-short run (a `timeout` around this script, a device call that
@@ -60,10 +66,10 @@ stop_leftover_server() {  # a server left by a cut-short run (a `timeout` around
   # talks to the old server (it happened: a base run measured nothing)
   local pids=() pid
   for pid in $(pgrep -x tritonserver); do  # only servers on this script's ports (other servers are not ours)
-    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 18000 && pids+=("$pid")
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$PORT" && pids+=("$pid")
   done
   [ ${#pids[@]} -gt 0 ] || return 0
-  echo "a tritonserver is still running on port 18000 (pid ${pids[*]}): stopping it first"
+  echo "a tritonserver is still running on port $PORT (pid ${pids[*]}): stopping it first"
   kill -INT "${pids[@]}" 2>/dev/null
   for _ in $(seq 30); do kill -0 "${pids[@]}" 2>/dev/null || return 0; sleep 1; done
   kill -KILL "${pids[@]}" 2>/dev/null; sleep 5
@@ -72,11 +78,15 @@ stop_leftover_server() {  # a server left by a cut-short run (a `timeout` around
 serve_in_background() {  # $1: left context, $2: run dir; the server traces into $2/trace/server
   stop_leftover_server
   mkdir -p "$2"
-  OMNI_TRITON_TRACE_DIR="$2/trace/server" omni serve $MODEL $(context_args "$1") --max-inflight 64 $SERVE_ARGS \
-    --run-dir "$2/run" --http-port 18000 --grpc-port 18001 --metrics-port 18002 >"$2/serve.log" 2>&1 &
+  # exec: $! must be the serve process itself, which stops tritonserver on SIGINT. A background job of a script
+  # ignores SIGINT, so with a subshell in between (a function run with &) stop_server's SIGINT reached only that
+  # subshell and `wait` hung until the device call's timeout, the server still up (seen on the H200, 2026-11-28)
+  ( export OMNI_TRITON_TRACE_DIR="$2/trace/server"
+    exec python3 -m omni_triton.cli serve $MODEL $(context_args "$1") --max-inflight 64 $SERVE_ARGS \
+      --run-dir "$2/run" --http-port $PORT --grpc-port $((PORT + 1)) --metrics-port $((PORT + 2)) ) >"$2/serve.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 600); do
-    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2)" \
+    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/v2/health/ready', timeout=2)" \
         2>/dev/null; then
       echo "server ready after $SECONDS s of this part"; grep -E "KV cache|GiB" "$2/serve.log" | head -5; return 0
     fi
@@ -94,13 +104,13 @@ stop_server() {
 case $part in
 served)
   serve_in_background "$LEFT_CONTEXT" "$out/served" || exit 1
-  omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency "$LEVELS" \
+  omni bench --url $GRPC $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency "$LEVELS" $BENCH_ARGS \
     --trace "$out/served/trace" --out "$out/served" ${LABEL:+--label "$LABEL"} >"$out/served/bench.log" 2>&1
-  [ -z "${DEVICE_CHECK:-}" ] || python3 benchmarks/served_device_check.py --url 127.0.0.1:18001 \
-    --metrics-url http://127.0.0.1:18002/metrics --device cuda --concurrency 1 --requests 4 --tokens 100 \
+  [ -z "${DEVICE_CHECK:-}" ] || python3 benchmarks/served_device_check.py --url $GRPC \
+    --metrics-url http://127.0.0.1:$((PORT + 2))/metrics --device cuda --concurrency 1 --requests 4 --tokens 100 \
     --frames 250 --audio-out "$out/served/device_check.npz" ${COMPARE_AUDIO:+--compare-audio "$COMPARE_AUDIO"} \
     --out "$out/served/device_check.json" >"$out/served/device_check.log" 2>&1
-  [ -z "$SEQ_LEVELS" ] || omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") \
+  [ -z "$SEQ_LEVELS" ] || omni bench --url $GRPC $MODEL $(context_args "$LEFT_CONTEXT") \
     --systems server-sequential --concurrency "$SEQ_LEVELS" --out "$out/sequential" >"$out/served/bench-sequential.log" 2>&1
   stop_server "$out/served"
   ;;
@@ -108,15 +118,15 @@ perf)
   serve_in_background "$LEFT_CONTEXT" "$out/perf-server" || exit 1
   # perf_analyzer sends no warm-up: without one, its first points paid the fresh server's first-use costs
   # (Triton kernels compiled for new batch shapes, code2wav graphs captured on first use), seconds of TTFA
-  omni bench --url 127.0.0.1:18001 $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency 16 \
+  omni bench --url $GRPC $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency 16 \
     --requests-per-level 16 --warmup 2 --out "$out/perf-warmup" >"$out/perf-server/warmup.log" 2>&1
-  python3 client/perf/run_perf_analyzer.py --url 127.0.0.1:18001 --checkpoint "checkpoints/dummy/$CONFIG" \
+  python3 client/perf/run_perf_analyzer.py --url $GRPC --checkpoint "checkpoints/dummy/$CONFIG" \
     --models omni --concurrency "$PERF_LEVELS" --request-rate "" --requests 0 --out "$out/perf" \
     >"$out/perf-server/perf_analyzer.log" 2>&1
   stop_server "$out/perf-server"
   [ -n "$EXACT_LEVELS" ] || exit 0
   serve_in_background exact "$out/exact" || exit 1
-  omni bench --url 127.0.0.1:18001 $MODEL --systems server --concurrency "$EXACT_LEVELS" \
+  omni bench --url $GRPC $MODEL --systems server --concurrency "$EXACT_LEVELS" \
     --trace "$out/exact/trace" --out "$out/exact" --label "left context exact (578 frames)" >"$out/exact/bench.log" 2>&1
   stop_server "$out/exact"
   ;;
