@@ -38,8 +38,9 @@ for level in $LEVELS; do
   start=$SECONDS
   # exec: $! must be the serve process, which stops tritonserver on SIGINT (a background subshell ignores SIGINT:
   # the kill below would reach only it, and `wait` would hang with the server up; see full_size_sweep.sh)
-  ( exec python3 -m omni_triton.cli serve $MODEL --warmup "$WARMUP" --max-inflight "$MAX_INFLIGHT" --run-dir "$dir/run" \
-      --http-port $PORT --grpc-port $((PORT + 1)) --metrics-port $((PORT + 2)) ) >"$dir/serve.log" 2>&1 &
+  ( exec python3 -m omni_triton.cli serve $MODEL --warmup "$WARMUP" --max-inflight "$MAX_INFLIGHT" \
+      --run-dir "$dir/run" --http-port $PORT --grpc-port $((PORT + 1)) --metrics-port $((PORT + 2))
+  ) >"$dir/serve.log" 2>&1 &
   server_pid=$!
   ready=""
   for _ in $(seq 900); do

@@ -83,7 +83,8 @@ serve_in_background() {  # $1: left context, $2: run dir; the server traces into
   # subshell and `wait` hung until the device call's timeout, the server still up (seen on the H200, 2026-11-28)
   ( export OMNI_TRITON_TRACE_DIR="$2/trace/server"
     exec python3 -m omni_triton.cli serve $MODEL $(context_args "$1") --max-inflight 64 $SERVE_ARGS \
-      --run-dir "$2/run" --http-port $PORT --grpc-port $((PORT + 1)) --metrics-port $((PORT + 2)) ) >"$2/serve.log" 2>&1 &
+      --run-dir "$2/run" --http-port $PORT --grpc-port $((PORT + 1)) --metrics-port $((PORT + 2))
+  ) >"$2/serve.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 600); do
     if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/v2/health/ready', timeout=2)" \
