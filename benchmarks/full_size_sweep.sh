@@ -7,6 +7,8 @@
 #   bash benchmarks/full_size_sweep.sh inprocess    OUT  # the in-process pipeline (traced)
 #   bash benchmarks/full_size_sweep.sh transformers OUT  # transformers' generate at concurrency 1
 #
+# Several served runs side by side in one device call (trees, serve flags), each packed as it ends:
+# benchmarks/served_variants.sh.
 # then merge: omni-triton bench --merge OUT/served OUT/sequential OUT/inprocess OUT/transformers --out ...
 # Every bench run writes its results.json after each level, so a part cut short keeps what it measured.
 #

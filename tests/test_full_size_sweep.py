@@ -1,14 +1,17 @@
-"""benchmarks/full_size_sweep.sh's served part stops the server it started: the device runs several parts one
-after the other in one 10-minute call, and a part whose server outlived it cost the next part its ports and GPU
-memory (on the H200 the part's SIGINT reached a subshell that ignores it, and its `wait` hung until the call's
-timeout). Here the part serves the tiny checkpoint on the CPU with a short workload, as the device runs it."""
+"""benchmarks/full_size_sweep.sh's served part stops the server it started, and benchmarks/served_variants.sh packs
+each such part under OUT as it ends: the device runs several parts one after the other in one 10-minute call, and
+a part whose server outlived it cost the next part its ports and GPU memory (on the H200 the part's SIGINT reached
+a subshell that ignores it, and its `wait` hung until the call's timeout, with nothing packed). Here the parts serve
+the tiny checkpoint on the CPU with a short workload, as the device runs them."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import re
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -50,33 +53,49 @@ def processes_naming(text: str) -> list[str]:
 
 
 @pytest.mark.server
-def test_the_served_part_stops_its_server_and_exits(tiny_checkpoint, tmp_path):
-    out = tmp_path / "sweep"
-    env = {**os.environ, "PORT": str(three_free_ports()), "LEVELS": "1", "SEQ_LEVELS": "", "LEFT_CONTEXT": "default",
+def test_each_served_variant_is_packed_as_it_ends_and_leaves_no_server(tiny_checkpoint, tmp_path):
+    """benchmarks/served_variants.sh drives the sweep's served part once per variant: here one variant, its serve
+    flag passed through; the part must exit by itself (not by the variants' timeout) with its server stopped by
+    SIGINT, and its run packed under OUT at once."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "PORT": str(three_free_ports()), "LEVELS": "1", "TMPDIR": str(work),
            "MODEL_ARGS": f"--device cpu --checkpoint {tiny_checkpoint}",
            "BENCH_ARGS": "--requests-per-level 1 --warmup 0 --prompt-tokens 8 --thinker-tokens 4 --audio-frames 8",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "BUDGET_S": "200", "RUN_S": "60", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    work.mkdir()
     try:
-        done = subprocess.run(["bash", "benchmarks/full_size_sweep.sh", "served", str(out)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=240)
+        done = subprocess.run(["bash", "benchmarks/served_variants.sh", str(out), "one||--max-restarts 0",
+                               "bad name||"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=260)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the served part did not exit; left running: {processes_naming(str(out))}")
+        pytest.fail(f"the variants did not end; left running: {processes_naming(str(work))}")
     finally:
-        left = processes_naming(str(out))
-        if left:  # never leave a server of this test behind, whatever failed: SIGINT to the launcher (it stops
-            # tritonserver and removes the stubs' shared memory), then SIGKILL to what is still there
-            serve = [int(line.split(":")[0]) for line in left if "omni_triton.cli serve" in line]
-            subprocess.run(["kill", "-INT", *map(str, serve)], check=False)
-            for _ in range(60):
-                if not processes_naming(str(out / "served" / "run")):
-                    break
-                time.sleep(0.5)
-            for line in processes_naming(str(out)):
-                subprocess.run(["kill", "-KILL", line.split(":")[0]], check=False)
-    serve_log = (out / "served" / "serve.log").read_text()
-    assert done.returncode == 0, done.stdout + done.stderr + serve_log[-2000:]
+        left = stop_what_is_left(str(work))
+    summary = (out / "variants.txt").read_text()
+    assert done.returncode == 2 and "a variant's name is letters" in done.stderr, done.stdout + done.stderr
     assert left == [], left  # tritonserver, its stubs and the launcher are gone when the part returns
-    assert "stopping tritonserver" in serve_log  # stopped by its SIGINT, not killed
-    level = json.loads((out / "served" / "results.json").read_text())["results"]
+    assert re.search(r"^one: exit 0 in \d+ s .*--max-restarts 0", summary, re.M), summary
+    with tarfile.open(out / "one.tgz") as packed:
+        names = set(packed.getnames())
+        serve_log = packed.extractfile("one/served/serve.log").read().decode()
+        level = json.loads(packed.extractfile("one/served/results.json").read())["results"]
+    assert not any("/trace" in name or "/repository" in name for name in names), sorted(names)[:20]
+    assert "stopping tritonserver" in serve_log  # stopped by the part's SIGINT, not killed by a timeout
     assert [(row["system"], row["concurrency"], row["requests"], row["failed"]) for row in level] == [
         ("server", 1, 1, 0)]
+    assert "| server | 1 |" in summary  # the level's row, in the summary the device call prints
+
+
+def stop_what_is_left(text: str) -> list[str]:
+    """Never leave a server of a test behind, whatever failed: SIGINT to the launcher (it stops tritonserver and
+    removes the stubs' shared memory), then SIGKILL to what is still there. Returns what was running."""
+    left = processes_naming(text)
+    if left:
+        serve = [line.split(":")[0] for line in left if "omni_triton.cli serve" in line]
+        subprocess.run(["kill", "-INT", *serve], check=False)
+        for _ in range(60):
+            if not any("tritonserver" in line for line in processes_naming(text)):
+                break
+            time.sleep(0.5)
+        for line in processes_naming(text):
+            subprocess.run(["kill", "-KILL", line.split(":")[0]], check=False)
+    return left

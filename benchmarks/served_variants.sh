@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Served runs side by side in one device call: full_size_sweep.sh's served part for each variant (a tree and serve
+# flags), one after the other on the same warm machine, each packed into OUT/<name>.tgz the moment it ends. A call
+# returns only what is under $OUT, and only a few files: a call that packs everything at its end loses every run
+# when its time runs out first (it happened: three runs, 510 s of device time, nothing back). Run from the project
+# root after `source .device-pack/setup.sh && source benchmarks/gpu_backend_check/device_env.sh`:
+#
+#   LEVELS=64 bash benchmarks/served_variants.sh $OUT "base|.baseline|" "new||" \
+#     "talker2||--instances talker=2" "ms8||--admission-max-starting 8"
+#
+# A variant is NAME|TREE|SERVE_ARGS: TREE a directory with its own copy of the project (e.g. `git archive REV` in
+# .baseline; empty: this tree), SERVE_ARGS added to the sweep's SERVE_ARGS. Every run is cut at what is left of
+# BUDGET_S (default 560 s: a device call's 600 less its start); a variant starts only while RUN_S (default 150 s,
+# a full-size server's start, a level and its stop) are left, else it is named as skipped in OUT/variants.txt.
+# The sweep's other settings (LEVELS, SEQ_LEVELS, LEFT_CONTEXT, BENCH_ARGS, MODEL_ARGS, PORT, DEVICE_CHECK)
+# pass through; LEFT_CONTEXT defaults to "default" (serve's own) and SEQ_LEVELS to none here. Each .tgz holds
+# the part's directory without its traces and rendered repository (results.md/json, bench, serve and server logs).
+# Then: tar xzf OUT/NAME.tgz; NAME/served/results.md has the level's table and where its first audio went.
+set -uo pipefail
+out=${1:?output directory}; shift
+[ $# -gt 0 ] || { echo "name at least one variant: NAME|TREE|SERVE_ARGS" >&2; exit 2; }
+BUDGET_S=${BUDGET_S:-560}
+RUN_S=${RUN_S:-150}
+export LEFT_CONTEXT=${LEFT_CONTEXT:-default} SEQ_LEVELS=${SEQ_LEVELS-}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+work=$(mktemp -d)  # the runs' full directories (traces included) stay on the machine, not under OUT
+mkdir -p "$out"
+summary="$out/variants.txt"
+: >"$summary"
+for variant in "$@"; do
+  IFS='|' read -r name tree args <<<"$variant"
+  case "$name" in
+    ''|*[!A-Za-z0-9_.-]*) echo "a variant's name is letters, digits, . _ -: got '$name'" >&2; exit 2 ;;
+  esac
+  tree=${tree:-$root}
+  [ -d "$tree/omni_triton" ] || { echo "$name: no omni_triton package under $tree" >&2; exit 2; }
+  left=$((BUDGET_S - SECONDS))
+  if [ "$left" -lt "$RUN_S" ]; then
+    echo "$name: skipped, ${left} s left of BUDGET_S=$BUDGET_S (a run needs RUN_S=$RUN_S)" | tee -a "$summary"
+    continue
+  fi
+  start=$SECONDS
+  # this tree's sweep script in the variant's directory (`python3 -m` imports the package from there): an older
+  # tree's script may lack a fix (before 73a6b29 its server outlived its part and the part hung until its timeout)
+  (cd "$tree" && LABEL=${LABEL_PREFIX:-}$name SERVE_ARGS="${SERVE_ARGS:-} $args" \
+     timeout "$left" bash "$root/benchmarks/full_size_sweep.sh" served "$work/$name") >"$work/$name.log" 2>&1
+  rc=$?
+  cp "$work/$name.log" "$work/$name/sweep.log" 2>/dev/null
+  tar czf "$out/$name.tgz" -C "$work" --exclude=trace --exclude=repository "$name"
+  echo "$name: exit $rc in $((SECONDS - start)) s (tree $tree, serve args '${SERVE_ARGS:-} $args')" | tee -a "$summary"
+  grep -h "^| server |" "$work/$name/served/results.md" 2>/dev/null | head -"${SUMMARY_ROWS:-4}" | tee -a "$summary"
+done
