@@ -11,6 +11,7 @@ import os
 import socket
 import re
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -61,7 +62,9 @@ def test_each_served_variant_is_packed_as_it_ends_and_leaves_no_server(tiny_chec
     env = {**os.environ, "PORT": str(three_free_ports()), "LEVELS": "1", "TMPDIR": str(work),
            "MODEL_ARGS": f"--device cpu --checkpoint {tiny_checkpoint}",
            "BENCH_ARGS": "--requests-per-level 1 --warmup 0 --prompt-tokens 8 --thinker-tokens 4 --audio-frames 8",
-           "BUDGET_S": "200", "RUN_S": "60", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "BUDGET_S": "200", "RUN_S": "60", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           # the scripts run `python3`: this interpreter's (the project's environment, activated or not)
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     work.mkdir()
     try:
         done = subprocess.run(["bash", "benchmarks/served_variants.sh", str(out), "one||--max-restarts 0",
