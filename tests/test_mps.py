@@ -10,6 +10,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -104,9 +105,14 @@ fi
 """
 
 # Stand-in for tritonserver: writes the environment it was started with, then waits to be stopped.
-FAKE_TRITONSERVER = """#!/bin/sh
-env > "{out}/$$.env"
-exec sleep 600
+FAKE_TRITONSERVER = """#!{python}
+# as tritonserver does, SIGINT ends it whatever its parent ignored (a suite run in the background ignores SIGINT,
+# and a stand-in that kept that waited out every stop's escalation: 80 s for this test)
+import os, signal, sys, time
+signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+with open(f"{out}/{{os.getpid()}}.env", "w") as env:
+    env.write("".join(f"{{name}}={{value}}\\n" for name, value in os.environ.items()))
+time.sleep(600)
 """
 
 
@@ -156,7 +162,7 @@ def test_two_servers_side_by_side_each_get_a_daemon_on_their_own_gpus(tmp_path, 
     binary, log = fake_daemon
     out = tmp_path / "envs"
     out.mkdir()
-    install = TritonInstall(binary=_script(tmp_path / "tritonserver", FAKE_TRITONSERVER.format(out=out)),
+    install = TritonInstall(binary=_script(tmp_path / "tritonserver", FAKE_TRITONSERVER.format(out=out, python=sys.executable)),
                             backend_dir=tmp_path, lib_dirs=(), origin="explicit")
     install.__dict__["help_text"] = ""
     monkeypatch.setenv("PATH", f"{binary.parent}{os.pathsep}{os.environ['PATH']}")

@@ -394,8 +394,10 @@ class TritonServer:
                 os.killpg(process.pid, sig)
             except ProcessLookupError:
                 break
-            if sig == signal.SIGINT and self._wait_for_unload(process, stubs, wait_s):
-                break
+            if sig == signal.SIGINT:  # its whole wait is the unload's: past it, on to SIGTERM (not a second wait)
+                if self._wait_for_unload(process, stubs, wait_s):
+                    break
+                continue
             try:
                 process.wait(wait_s)
             except subprocess.TimeoutExpired:
