@@ -15,6 +15,9 @@
 # The sweep's other settings (LEVELS, SEQ_LEVELS, LEFT_CONTEXT, BENCH_ARGS, MODEL_ARGS, PORT, DEVICE_CHECK)
 # pass through; LEFT_CONTEXT defaults to "default" (serve's own) and SEQ_LEVELS to none here. Each .tgz holds
 # the part's directory without its traces and rendered repository (results.md/json, bench, serve and server logs).
+# PYSPY="DELAY SECONDS RATE" adds a py-spy profile of every stage stub to each run (benchmarks/pyspy_stages.sh:
+# from the server's ready plus DELAY, SECONDS long, RATE Hz; py-spy on PATH: pip install .whl/py_spy*.whl), in
+# NAME/pyspy/ of its .tgz; then python -m omni_triton.bench.pyspy_summary NAME/pyspy.
 # Then: tar xzf OUT/NAME.tgz; NAME/served/results.md has the level's table and where its first audio went.
 set -uo pipefail
 out=${1:?output directory}; shift
@@ -40,11 +43,22 @@ for variant in "$@"; do
     continue
   fi
   start=$SECONDS
+  spy=
+  if [ -n "${PYSPY:-}" ]; then  # waits for this run's server to be ready, then records
+    read -r delay seconds rate <<<"$PYSPY"
+    bash "$root/benchmarks/pyspy_stages.sh" "$work/$name/pyspy" "$delay" "$seconds" "$rate" \
+      "http://127.0.0.1:${PORT:-18000}" >"$work/$name.pyspy.log" 2>&1 &
+    spy=$!
+  fi
   # this tree's sweep script in the variant's directory (`python3 -m` imports the package from there): an older
   # tree's script may lack a fix (before 73a6b29 its server outlived its part and the part hung until its timeout)
   (cd "$tree" && LABEL=${LABEL_PREFIX:-}$name SERVE_ARGS="${SERVE_ARGS:-} $args" \
      timeout "$left" bash "$root/benchmarks/full_size_sweep.sh" served "$work/$name") >"$work/$name.log" 2>&1
   rc=$?
+  if [ -n "$spy" ]; then  # a profile still waiting (the run ended first) must not record the next run's server
+    pkill -P "$spy" 2>/dev/null; kill "$spy" 2>/dev/null; wait "$spy" 2>/dev/null
+    cp "$work/$name.pyspy.log" "$work/$name/pyspy/" 2>/dev/null
+  fi
   cp "$work/$name.log" "$work/$name/sweep.log" 2>/dev/null
   tar czf "$out/$name.tgz" -C "$work" --exclude=trace --exclude=repository "$name"
   echo "$name: exit $rc in $((SECONDS - start)) s (tree $tree, serve args '${SERVE_ARGS:-} $args')" | tee -a "$summary"

@@ -39,6 +39,13 @@ def three_free_ports() -> int:
     raise RuntimeError("no three consecutive free ports")
 
 
+STAND_IN_PYSPY = """#!/bin/sh
+# stand-in for `py-spy record`: the profile file it was asked for, naming the process it was given
+while [ $# -gt 0 ]; do case "$1" in --output) out=$2; shift ;; --pid) pid=$2; shift ;; esac; shift; done
+echo "stand-in profile of $pid" > "$out"
+"""
+
+
 def processes_naming(text: str) -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -56,16 +63,22 @@ def processes_naming(text: str) -> list[str]:
 @pytest.mark.server
 def test_each_served_variant_is_packed_as_it_ends_and_leaves_no_server(tiny_checkpoint, tmp_path):
     """benchmarks/served_variants.sh drives the sweep's served part once per variant: here one variant, its serve
-    flag passed through; the part must exit by itself (not by the variants' timeout) with its server stopped by
-    SIGINT, and its run packed under OUT at once."""
+    flag passed through, profiled by (a stand-in) py-spy; the part must exit by itself (not by the variants'
+    timeout) with its server stopped by SIGINT, and its run packed under OUT at once, profile included."""
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "PORT": str(three_free_ports()), "LEVELS": "1", "TMPDIR": str(work),
            "MODEL_ARGS": f"--device cpu --checkpoint {tiny_checkpoint}",
            "BENCH_ARGS": "--requests-per-level 1 --warmup 0 --prompt-tokens 8 --thinker-tokens 4 --audio-frames 8",
-           "BUDGET_S": "200", "RUN_S": "60", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "BUDGET_S": "200", "RUN_S": "60", "PYSPY": "0 1 10",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            # the scripts run `python3`: this interpreter's (the project's environment, activated or not)
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+           # and py-spy a stand-in (the real one needs ptrace rights a CI container may not give)
+           "PATH": os.pathsep.join((str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]))}
     work.mkdir()
+    (tmp_path / "bin").mkdir()
+    stand_in = tmp_path / "bin" / "py-spy"
+    stand_in.write_text(STAND_IN_PYSPY)
+    stand_in.chmod(0o755)
     try:
         done = subprocess.run(["bash", "benchmarks/served_variants.sh", str(out), "one||--max-restarts 0",
                                "bad name||"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=260)
@@ -81,6 +94,11 @@ def test_each_served_variant_is_packed_as_it_ends_and_leaves_no_server(tiny_chec
         names = set(packed.getnames())
         serve_log = packed.extractfile("one/served/serve.log").read().decode()
         level = json.loads(packed.extractfile("one/served/results.json").read())["results"]
+        stubs = packed.extractfile("one/pyspy/stubs.txt").read().decode().splitlines()
+        ours = [line.split()[0] for line in stubs if str(work) in line and "/thinker/1/model.py" in line]
+        assert len(ours) == 1, stubs  # this run's thinker stub (other tests' servers may be running too)
+        profile = packed.extractfile(f"one/pyspy/thinker-{ours[0]}.txt").read().decode()
+    assert profile == f"stand-in profile of {ours[0]}\n"  # recorded while the run's server was up
     assert not any("/trace" in name or "/repository" in name for name in names), sorted(names)[:20]
     assert "stopping tritonserver" in serve_log  # stopped by the part's SIGINT, not killed by a timeout
     assert [(row["system"], row["concurrency"], row["requests"], row["failed"]) for row in level] == [
