@@ -25,7 +25,7 @@ while read -r pid args; do
     --pid "$pid" --output "$out/$model-$pid.txt" >"$out/$model-$pid.log" 2>&1 &
   pids+=($!)
   echo "$pid $args" >>"$out/stubs.txt"
-done < <(ps -eo pid=,args= | grep '[t]riton_python_backend_stub')
+done < <(ps -ww -eo pid=,args= | grep '[t]riton_python_backend_stub')  # -ww: whole lines, whatever COLUMNS says
 top -b -n 1 -H -w 200 | head -60 >"$out/top_threads.txt" 2>/dev/null
 wait "${pids[@]}"
 echo "py-spy: $(ls "$out"/*.txt | wc -l) files in $out"
