@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import re
+import socket
 import subprocess
 import sys
 import tarfile

@@ -162,8 +162,8 @@ def test_two_servers_side_by_side_each_get_a_daemon_on_their_own_gpus(tmp_path, 
     binary, log = fake_daemon
     out = tmp_path / "envs"
     out.mkdir()
-    install = TritonInstall(binary=_script(tmp_path / "tritonserver", FAKE_TRITONSERVER.format(out=out, python=sys.executable)),
-                            backend_dir=tmp_path, lib_dirs=(), origin="explicit")
+    stand_in = _script(tmp_path / "tritonserver", FAKE_TRITONSERVER.format(out=out, python=sys.executable))
+    install = TritonInstall(binary=stand_in, backend_dir=tmp_path, lib_dirs=(), origin="explicit")
     install.__dict__["help_text"] = ""
     monkeypatch.setenv("PATH", f"{binary.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-host-daemon"))

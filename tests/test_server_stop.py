@@ -12,8 +12,11 @@ import pytest
 
 from omni_triton.launch.tritonserver import ServerOptions, TritonInstall, TritonServer, free_port
 
-IGNORES_SIGINT = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
-ENDS_ON_SIGINT = "import signal, sys, time; signal.signal(signal.SIGINT, lambda *_: sys.exit(0)); time.sleep(60)"
+# each says "set" once its SIGINT handler is in place: a stop sent earlier would meet Python's default handler
+IGNORES_SIGINT = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('set', flush=True); " \
+                 "time.sleep(60)"
+ENDS_ON_SIGINT = "import signal, sys, time; signal.signal(signal.SIGINT, lambda *_: sys.exit(0)); " \
+                 "print('set', flush=True); time.sleep(60)"
 
 
 @pytest.mark.parametrize("stand_in, outcome", [(ENDS_ON_SIGINT, "graceful"),
@@ -24,8 +27,9 @@ def test_sigterm_follows_sigint_once_the_unload_time_passed(tmp_path, stand_in, 
     install = TritonInstall(binary=tmp_path / "tritonserver", backend_dir=tmp_path, lib_dirs=(), origin="explicit")
     server = TritonServer(tmp_path, install, options)  # tmp_path: a repository with no orchestrator (no drain)
     # a session of its own, as start() gives tritonserver: the stop signals the group
-    process = server.process = subprocess.Popen([sys.executable, "-c", stand_in], start_new_session=True)
-    time.sleep(0.5)  # its handler set
+    process = server.process = subprocess.Popen([sys.executable, "-c", stand_in], start_new_session=True,
+                                                stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "set\n"  # its handler in place, however slowly it started
     unload_s = 2.0
     start = time.monotonic()
     try:
@@ -33,6 +37,7 @@ def test_sigterm_follows_sigint_once_the_unload_time_passed(tmp_path, stand_in, 
     finally:
         if process.poll() is None:
             process.kill()
+        process.stdout.close()
     took = time.monotonic() - start
     assert process.poll() is not None and server.stop_outcome == outcome
     # graceful: at once; escalated: the unload time, then SIGTERM ends it (two unload times before the fix)
