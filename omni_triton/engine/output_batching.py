@@ -9,8 +9,8 @@ latency where nothing needs it sooner -- the first audio chunk needs ``first_chu
 talker consumes the thinker's text one token a frame, slower than the thinker makes it.
 
 ``OutputBatching`` says when an output is due; ``HeldOutputs`` keeps the ones that are not, per request. Each round
-the engine's response thread merges what it holds with what the steps produced (``engine.merge_outputs``) and
-delivers what is due. An output is due when its request finished, or
+the engine's response thread gathers what it holds with what the steps produced (``engine.gather_outputs``: a
+request's parts, merged only when delivered) and delivers what is due. An output is due when its request finished, or
 - until its first ``first_tokens`` tokens were delivered: once they are all there, however long that takes (the
   consumer cannot use fewer: the talker's first response carries the first audio chunk's frames; delivered in part
   once the hold ran out, the rest waited for ``min_tokens`` or another hold, 40 ms at the defaults, and the first
