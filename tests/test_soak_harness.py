@@ -1,7 +1,8 @@
 """`omni-triton bench --soak` (issue 48's harness) run for real at a tiny scale: a soak with cancels and expiring
 deadlines, a burst past the admission limit, and the code2wav stub killed under load, against real tritonservers
-(tiny checkpoint); the report's invariants checked. No timing thresholds: only what must hold however slow the
-machine. The pure parts (the request mix, the recovery point, the leak comparison) are checked on their own first.
+(tiny checkpoint); the report's invariants checked; and one rate of the soak's mix on the open loop (`--request-rate
+--mix`, its goodput). No timing thresholds: only what must hold however slow the machine. The pure parts (the request
+mix, the recovery point, the leak comparison) are checked on their own first.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from omni_triton.bench.open_loop import arrival_times
 from omni_triton.bench.soak import _recovered_after, other_errors, unexpected_around_kill
 from omni_triton.bench.soak_probes import leaks
-from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakTiming
+from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakTiming, speakers_of
 
 
 def test_request_mix_is_seeded_and_spans_its_ranges():
@@ -87,6 +89,50 @@ def test_leaks_compare_an_idle_server_with_its_start():
     assert any("kv_blocks_free" in line for line in found) and any("omni1_2_b" in line for line in found)
     assert any(line.startswith("talker_0_0: 9 threads") for line in found), "a restarted thinker is not compared"
     assert not any("threads" in line for line in leaks(start, end, thread_reference={"talker_0_0": 9}))
+
+
+def test_mix_goes_with_the_open_loop_of_one_streaming_server(capsys):
+    from omni_triton.bench.cli import parse_args
+
+    for argv, message in ((["--mix"], "--mix goes with --request-rate"),
+                          (["--request-rate", "1", "--mix", "--systems", "server-sequential"], "--systems must be"),
+                          (["--request-rate", "auto", "--mix", "--cancel-fraction", "0.99"], "cancel_fraction")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+    assert parse_args(["--request-rate", "auto", "--mix", "--mix-thinker-tokens", "4-16"]).mix
+
+
+@pytest.mark.server
+def test_open_loop_goodput_of_the_soaks_mix(triton_server, tiny_checkpoint, tmp_path):
+    """`bench --request-rate R --mix`: the soak's requests (its mix options, its seed) on the open loop; the ones
+    the client cancelled and the expired ones end so and are not failures: the rate's verdict is the soak's load's.
+    Before: the open loop had only the fixed workload (whose goodput overloaded the server with the mix)."""
+    from omni_triton.bench.cli import main
+
+    rate, duration_s, seed = 2.0, 4.0, 0
+    options = dict(thinker_tokens=(4, 16), audio_frames=(30, 50), cancel_fraction=0.3, deadline_fraction=0.3,
+                   deadline_s=0.3, seed=seed)
+    out = tmp_path / "goodput-mix"
+    # a generous TTFA limit: on a shared CPU the verdict's TTFA depends on the machine, the failures must not
+    status = main(["--url", triton_server.grpc_url, "--checkpoint", str(tiny_checkpoint), "--warmup", "1",
+                   "--request-rate", str(rate), "--mix", "--duration", str(duration_s), "--arrival-seed", str(seed),
+                   "--ttfa-p95-limit-ms", "60000", "--mix-thinker-tokens", "4-16", "--mix-audio-frames", "30-50",
+                   "--cancel-fraction", "0.3", "--deadline-fraction", "0.3", "--deadline-s", "0.3",
+                   "--out", str(out)])
+    report = json.loads((out / "results.json").read_text())
+    mix = RequestMix(**options, speakers=speakers_of(tiny_checkpoint))
+    assert report["open_loop"]["mix"] == json.loads(json.dumps(mix.describe()))
+    [row] = report["rates"]
+    scheduled = mix.draw(len(arrival_times(rate, duration_s, seed)))
+    meant_to_fail = sum(request.fate != COMPLETE for request in scheduled)
+    assert meant_to_fail >= 2 and row["sent"] == len(scheduled), "seed 0 draws cancels and deadlines"
+    assert status == 0 and row["failed_by_code"] == {} and "failed" not in (row["verdict"] or ""), row
+    assert 1 <= row["ended_as_meant"] <= meant_to_fail and row["completed"] + row["ended_as_meant"] == row["sent"]
+    assert (30 - 1) / 12.5 < row["audio_s_per_request"] <= 50 / 12.5, "the mix's lengths, not the fixed workload's"
+    table = (out / "results.md").read_text()
+    assert "Workload: the soak's request mix" in table and "Ended as meant" in table
+    assert "cancelled or expired as meant excepted" in table
 
 
 @pytest.mark.server

@@ -131,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.request_rate is not None:
         open_loop_cli.check_arguments(parser, args)
         args.max_inflight = args.max_inflight or OPEN_LOOP_MAX_INFLIGHT
+    if args.mix and args.request_rate is None:
+        parser.error("--mix goes with --request-rate (--soak draws from the mix by itself)")
     if args.soak is not None:
         soak_cli.check_arguments(parser, args)
         args.max_inflight = args.max_inflight or OPEN_LOOP_MAX_INFLIGHT

@@ -192,6 +192,7 @@ class RateSummary:
     achieved_rate: float           # requests sent / duration_s: the rate this sample of arrivals offered
     metrics: LevelSummary
     verdict: str | None = None     # None: meets the goodput criterion; else why not (bench.goodput)
+    ended_as_meant: int = 0        # a request mix's: failed as they were meant to (cancelled, expired), not counted
 
     def to_dict(self) -> dict:
         """One flat row: the request metrics with the open-loop fields beside them."""
@@ -199,10 +200,17 @@ class RateSummary:
         return {**row, **self.metrics.to_dict(), "passes": self.verdict is None}
 
 
-def summarize_rate(system: str, rate: float, duration_s: float, run: RateRun) -> RateSummary:
-    """The row of one rate's run."""
-    failed = Counter(t.error_code or "UNKNOWN" for t in run.timings if not t.ok)
-    metrics = summarize(system, run.peak_in_flight, run.timings, run.wall_s or 1.0)
+def summarize_rate(system: str, rate: float, duration_s: float, run: RateRun,
+                   ended_as_meant: Callable[[RequestTiming], bool] | None = None) -> RateSummary:
+    """The row of one rate's run. ``ended_as_meant``: with a request mix (bench.soak_requests), whether a request
+    ended as it was meant to; the failed ones it says so of (a client's cancel, an expired ``deadline_s``) are
+    neither failures nor in the request metrics, only counted (``ended_as_meant``)."""
+    meant: list[RequestTiming] = []
+    counted: list[RequestTiming] = []
+    for timing in run.timings:
+        (meant if not timing.ok and ended_as_meant is not None and ended_as_meant(timing) else counted).append(timing)
+    failed = Counter(t.error_code or "UNKNOWN" for t in counted if not t.ok)
+    metrics = summarize(system, run.peak_in_flight, counted, run.wall_s or 1.0)
     if not run.wall_s:  # nothing was sent: no throughput, no wall time
         metrics = replace(metrics, wall_s=0.0)
     return RateSummary(
@@ -210,4 +218,4 @@ def summarize_rate(system: str, rate: float, duration_s: float, run: RateRun) ->
         completed=sum(t.ok for t in run.timings), failed_by_code=dict(sorted(failed.items())),
         not_started=run.not_started, late_starts=sum(lag > LATE_START_S for lag in run.start_lags_s),
         start_lag_p99_s=percentile(run.start_lags_s, 99), achieved_rate=len(run.timings) / duration_s,
-        metrics=metrics)
+        metrics=metrics, ended_as_meant=len(meant))

@@ -1,14 +1,21 @@
 """`omni-triton bench --request-rate R[,R...]|auto`: the open loop against one served system, its goodput, and
-its report (results.json after every rate, then results.md and open_loop.png)."""
+its report (results.json after every rate, then results.md and open_loop.png).
+
+Every request is the fixed workload's, or with ``--mix`` one of the soak's request mix (bench.soak_requests): the
+soak's own requests in its order (same seed, same options), so that ``--request-rate auto --mix`` finds the goodput
+of the load the soak runs (``bench --soak --goodput R``). A request of the mix that fails as it was meant to (the
+client cancelled it, its deadline expired) is not a failure there, as in the soak.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
-from omni_triton.bench import open_loop_report
+from omni_triton.bench import open_loop_report, soak_cli
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak
@@ -17,6 +24,7 @@ from omni_triton.bench.open_loop import (LATE_START_S, RateSummary, StreamPool, 
                                          summarize_rate)
 from omni_triton.bench.runners.triton_stream import TritonStreamRunner
 from omni_triton.bench.server_cpu import ServerCpu, ms_per_request
+from omni_triton.bench.soak_requests import SoakRunner, ended_as_meant
 from omni_triton.bench.workload import Workload, client_tensors
 
 AUTO = "auto"
@@ -67,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drain-timeout", type=float, default=120.0, metavar="S",
                        help="after a rate's last arrival, wait this long for its requests; the ones still running "
                             "are cancelled and fail as DRAIN_TIMEOUT (default: %(default)s)")
+    group.add_argument("--mix", action="store_true",
+                       help="each request one of the soak's request mix (its options below, seeded by "
+                            "--arrival-seed: the soak's own requests) instead of the fixed workload; a request "
+                            "cancelled or expired as it was meant to is not a failure. With auto: the goodput of "
+                            "the load `--soak` runs")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -89,14 +102,24 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--stop-after-fail goes with a list of rates (--request-rate auto searches by itself)")
     if args.goodput_start > args.goodput_max:
         parser.error(f"--goodput-start {args.goodput_start} is above --goodput-max {args.goodput_max}")
+    if args.mix:
+        if args.systems != ["server"]:
+            parser.error("--mix streams its requests: --systems must be server")
+        try:
+            soak_cli.mix_of(args)
+        except ValueError as error:
+            parser.error(str(error))
 
 
 def run(args: argparse.Namespace, workload: Workload, text: str, url: str, header: dict, notes: list[str],
         out_dir: Path) -> int:
     """The open loop of ``args`` against the server at ``url``; writes the report into ``out_dir``. Exit status
     1 when any request failed or was not sent."""
-    runner = TritonStreamRunner(url, sequential=args.systems[0] == "server-sequential")
-    tensors = client_tensors(workload, text, sequential=runner.sequential)
+    mix = soak_cli.mix_of(args) if args.mix else None
+    runner = (SoakRunner(url, time.perf_counter()) if mix is not None
+              else TritonStreamRunner(url, sequential=args.systems[0] == "server-sequential"))
+    tensors = None if mix is not None else client_tensors(workload, text, sequential=runner.sequential)
+    drawn: list = []  # the mix's requests drawn so far: every rate's schedule starts with the same ones
     limit_s = args.ttfa_p95_limit_ms / 1000
     rows: list[RateSummary] = []
     search = (Search(start=args.goodput_start, max_rate=args.goodput_max, min_rate=min(0.125, args.goodput_start),
@@ -106,7 +129,7 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
                                      if key not in ("concurrencies", "requests_per_level")}}
     settings = {"system": runner.name, "duration_s": args.duration, "arrival_seed": args.arrival_seed,
                 "max_client_streams": args.max_client_streams, "drain_timeout_s": args.drain_timeout,
-                "late_start_s": LATE_START_S}
+                "late_start_s": LATE_START_S, **({"mix": mix.describe()} if mix is not None else {})}
 
     def build_report() -> dict:
         tried = [(row.rate, row.verdict is None) for row in rows]
@@ -122,10 +145,14 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
         arrivals = arrival_times(rate, args.duration, args.arrival_seed)
         print(f"{runner.name} at {rate:g} requests/s: {len(arrivals)} arrivals over {args.duration:g} s",
               file=sys.stderr)
+        if mix is not None and len(drawn) < len(arrivals):
+            drawn.extend(mix.draw(len(arrivals) - len(drawn), first_index=len(drawn)))
+        requests = drawn.__getitem__ if mix is not None else tensors
         with GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu:
-            rate_run = run_rate(pool, tensors, arrivals, max_in_flight=args.max_client_streams,
+            rate_run = run_rate(pool, requests, arrivals, max_in_flight=args.max_client_streams,
                                 drain_timeout_s=args.drain_timeout)
-        row = summarize_rate(runner.name, rate, args.duration, rate_run)
+        row = summarize_rate(runner.name, rate, args.duration, rate_run,
+                             ended_as_meant if mix is not None else None)
         row.metrics = replace(row.metrics, gpu_memory_peak_gib=gpu_memory.gib,
                               gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu, server_cpu_pct=server_cpu.percent,
                               server_cpu_ms_per_request=ms_per_request(server_cpu.seconds, row.completed))
@@ -139,7 +166,10 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
         return row.verdict is None
 
     if workload.warmup_requests:
-        run_level(runner, tensors, 1, workload.warmup_requests)
+        if mix is not None:
+            soak_cli.warm_up(url, mix, workload.warmup_requests)
+        else:
+            run_level(runner, tensors, 1, workload.warmup_requests)
     pool = StreamPool(runner)
     try:
         if search is not None:

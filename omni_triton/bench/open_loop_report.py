@@ -3,21 +3,31 @@ requests/s against the offered rate). results.json is the report dict itself (be
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omni_triton.bench.metrics import RAN_DRY_S
 from omni_triton.bench.report import merged_commands, ms, num, server_cpu_table, workload_line, write_report
 
 
-def goodput_line(goodput: dict) -> str:
+def goodput_line(goodput: dict, mix: bool = False) -> str:
     limit_ms = goodput["ttfa_p95_limit_s"] * 1000
     rate = goodput["requests_per_s"]
     found = "none of the rates tried passed" if rate is None else f"**{rate:g} requests/s**"
     how = (f"search from {goodput['search']['start']:g}/s, doubling then {goodput['search']['bisections']} "
            "bisection step(s)" if goodput.get("search") else "the highest passing rate of the list")
     return (f"Goodput: {found} ({how}; a rate passes with TTFA p95 <= {limit_ms:.0f} ms, no stream dry "
-            f"(> {RAN_DRY_S * 1000:.0f} ms), none failed or unsent). Rates tried: "
+            f"(> {RAN_DRY_S * 1000:.0f} ms), none failed or unsent"
+            + (", the mix's requests cancelled or expired as meant excepted" if mix else "") + "). Rates tried: "
             + ", ".join(f"{rate:g} {'pass' if ok else 'fail'}" for rate, ok in goodput["tried"]) + ".")
+
+
+def mix_line(report: dict, load: str) -> str:
+    """The soak's request mix every request of ``report`` was drawn from (``--mix``), and how the load was
+    offered (``load``)."""
+    return (f"Workload: the soak's request mix `{json.dumps(report['open_loop']['mix'])}` (every request "
+            f"fixed-length, IGNORE_EOS; the soak's own requests in its order); {load}, "
+            f"{report['workload']['warmup_requests']} warm-up request(s) of the mix not counted.")
 
 
 def markdown(report: dict) -> str:
@@ -35,11 +45,12 @@ def markdown(report: dict) -> str:
     lines += [
         "Machine: " + ", ".join(f"{key} {value}" for key, value in report["machine"].items()),
         "",
-        workload_line(report, "open loop: Poisson arrivals for "
-                              f"{open_loop['duration_s']:g} s per rate (arrival seed {open_loop['arrival_seed']}), "
-                              "each request on its own gRPC stream"),
+        (mix_line if "mix" in open_loop else workload_line)(
+            report, "open loop: Poisson arrivals for "
+                    f"{open_loop['duration_s']:g} s per rate (arrival seed {open_loop['arrival_seed']}), "
+                    "each request on its own gRPC stream"),
         "",
-        goodput_line(report["goodput"]),
+        goodput_line(report["goodput"], "mix" in open_loop),
         "",
         "| system | rate /s | achieved /s | sent | completed | failed | late starts | peak in flight | TTFT p50 ms "
         "| TTFA p50 ms | TTFA p95 ms | TTFA p99 ms | dry p95 ms | ran dry | req/s | audio s/s | RTF mean | GPU GiB "
@@ -61,6 +72,10 @@ def markdown(report: dict) -> str:
                   f"{open_loop['late_start_s'] * 1000:.0f} ms after their arrival time (the client fell behind); "
                   "peak in flight: most requests running at once; req/s, audio s/s: completed requests over the "
                   "time from the rate's start to its last request's end (the drain included)."]
+    if "mix" in open_loop:
+        lines += ["", "Ended as meant (the mix's requests the client cancelled or whose deadline expired, failed so: "
+                      "not failures, not in the metrics): " + "; ".join(
+                          f"{row['rate']:g}/s: {row.get('ended_as_meant', 0)}" for row in rows) + "."]
     lines += server_cpu_table([(row["system"], f"{row['rate']:g}/s", row["server_cpu_pct"]) for row in rows], "rate",
                               [row.get("server_cpu_ms_per_request") for row in rows])
     failures = [(row["system"], row["rate"], code, count) for row in report["rates"]

@@ -28,10 +28,9 @@ import numpy as np
 from omni_triton.bench.metrics import RAN_DRY_S, dry_time, percentile, ttfa
 from omni_triton.bench.open_loop import DRAIN_TIMEOUT_CODE, StreamPool, arrival_times, run_rate
 from omni_triton.bench.soak_probes import Sampler, ServerProbe, held, leaks, read_gauges
-from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakRunner, SoakTiming
+from omni_triton.bench.soak_requests import COMPLETE, RequestMix, SoakRunner, SoakTiming, ended_as_meant
 from omni_triton.client import OmniStreamClient
 
-EXPECTED_CODES = {COMPLETE: None, CANCEL: "CANCELLED", DEADLINE: "DEADLINE_EXCEEDED"}
 LIMIT_WORDS = ("max_inflight_requests", "admission_queue", "admission")  # a refusal names one of them
 # a refused probe is answered at once: the next one this long after it, so "back" is over-measured by at most this
 PROBE_EVERY_S = 0.05
@@ -94,16 +93,6 @@ def _ms(value: float | None) -> float | None:
 
 def _fate(timing) -> str:
     return getattr(timing, "fate", COMPLETE)
-
-
-def _expected(timing) -> bool:
-    """Whether a request ended as it may: completed, or failed with its fate's code (a cancel sent first)."""
-    if timing.ok:
-        return True
-    fate = _fate(timing)
-    if fate == CANCEL and not getattr(timing, "cancel_sent", False):
-        return False
-    return EXPECTED_CODES[fate] is not None and timing.error_code == EXPECTED_CODES[fate]
 
 
 def _ran_dry(timings) -> list:
@@ -182,7 +171,7 @@ def soak(load: LoadSettings, probe: ServerProbe, rate: float, duration_s: float,
     reference = {name: max(s["processes"][name]["threads"] or 0 for s in first_half if name in s["processes"])
                  for name in start_snapshot["processes"]}
     left = leaks(start_snapshot, end_snapshot, reference)
-    unexpected = [t for t in timings if not _expected(t)]
+    unexpected = [t for t in timings if not ended_as_meant(t)]
     dry = _ran_dry(timings)
     windows = ttfa_windows(timings, window_s)
     full = [w for w in windows if w["start_s"] + window_s <= duration_s] or windows
@@ -375,7 +364,7 @@ def unexpected_around_kill(timings) -> list:
     """Every request of a kill scenario that ended otherwise than it may: completed, refused or failed with
     UNAVAILABLE (whenever it was sent: before the kill, while the stage was down, around its reload, after it),
     or with its own fate's code (a cancel or a deadline the scenario set)."""
-    return [t for t in timings if not (_expected(t) or t.error_code == "UNAVAILABLE")]
+    return [t for t in timings if not (ended_as_meant(t) or t.error_code == "UNAVAILABLE")]
 
 
 def other_errors(timings, killed_at: float, limit: int = OTHER_ERRORS_KEPT) -> list[dict]:

@@ -1,5 +1,8 @@
 """`omni-triton bench --soak soak,burst,kill --goodput R`: issue 48's soak, burst and killed stages (bench.soak) at
 fractions of a measured goodput, one report (results.json after every scenario, then results.md and soak.png).
+The goodput to give is the mix's own (`bench --request-rate auto --mix`, the same mix options and --arrival-seed):
+the mix's requests cost the server more than the fixed workload's, and fractions of the fixed workload's goodput
+can overload it.
 
 The soak and the burst share one server (--url, or one started here: the burst then finds it warm); each killed
 stage gets a fresh server started here with --allow-stage-reload (the orchestrator reloads a dead thinker, talker
@@ -57,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "burst on the warm server, each --kill-stages stage killed under load on a fresh server "
                             "(kill needs --start-server)")
     group.add_argument("--goodput", type=float, metavar="R",
-                       help="--soak: the measured goodput, requests/s (bench --request-rate auto); every rate below "
-                            "is a multiple of it")
+                       help="--soak: the measured goodput, requests/s (bench --request-rate auto --mix with the "
+                            "same mix options: the goodput of the load soaked); every rate below is a multiple of it")
     group.add_argument("--soak-load", type=float, default=0.8, help="soak rate / goodput (default: %(default)s)")
     group.add_argument("--soak-duration", type=float, default=480.0, metavar="S",
                        help="seconds of soak arrivals (default: %(default)s)")
@@ -88,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--back-timeout", type=float, default=180.0, metavar="S",
                        help="a killed stage not serving this long after its kill fails the scenario "
                             "(default: %(default)s)")
+    group.add_argument("--metrics-url", help="the server's metrics endpoint (default: the started server's, else "
+                                             "http://HOST:8002/metrics for --url HOST:PORT)")
+    group = parser.add_argument_group(
+        "the soak's request mix (--soak's, and --request-rate's with --mix: its goodput; seeded by --arrival-seed)")
     group.add_argument("--mix-thinker-tokens", type=_int_range, default=(10, 400), metavar="LOW-HIGH",
                        help="thinker tokens per request, drawn uniformly (default: 10-400)")
     group.add_argument("--mix-audio-frames", type=_int_range, default=(25, 500), metavar="LOW-HIGH",
@@ -95,14 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--spoken-fraction", type=float, default=0.5,
                        help="requests with spoken input (16 kHz, 1-3 s) instead of text (default: %(default)s)")
     group.add_argument("--cancel-fraction", type=float, default=0.10,
-                       help="soak requests the client cancels after their 1st-3rd audio chunk (default: %(default)s)")
+                       help="requests the client cancels after their 1st-3rd audio chunk (default: %(default)s)")
     group.add_argument("--deadline-fraction", type=float, default=0.05,
-                       help="soak requests with --deadline-s, at the longest lengths so that it expires "
+                       help="requests with --deadline-s, at the longest lengths so that it expires "
                             "(default: %(default)s)")
     group.add_argument("--deadline-s", type=float, default=0.5, metavar="S",
                        help="their deadline_s parameter (default: %(default)s)")
-    group.add_argument("--metrics-url", help="the server's metrics endpoint (default: the started server's, else "
-                                             "http://HOST:8002/metrics for --url HOST:PORT)")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -165,7 +170,7 @@ def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_
         metrics_url = server.metrics_url if server else (args.metrics_url or _default_metrics_url(url))
         probe = ServerProbe(local_grpc_port(url), metrics_url)
         try:
-            _warm_up(url, mix, workload.warmup_requests)
+            warm_up(url, mix, workload.warmup_requests)
             if "soak" in args.soak:
                 print(f"soak at {rates['soak']:g} requests/s for {args.soak_duration:g} s", file=sys.stderr)
                 report["scenarios"]["soak"] = soak.soak(load_for(url), probe, rates["soak"], args.soak_duration,
@@ -210,7 +215,7 @@ def _kill_on_fresh_server(start_server, args, workload, notes, load_for, mix: Re
         reloaded_by_orchestrator=STAGE_RELOADED, stopped=stopping.is_set))
     watcher.start()
     try:
-        _warm_up(server.grpc_url, mix, workload.warmup_requests)
+        warm_up(server.grpc_url, mix, workload.warmup_requests)
         probe = ServerProbe(local_grpc_port(server.grpc_url), server.metrics_url)
 
         def stub_pid() -> int | None:
@@ -237,7 +242,7 @@ def _kill_on_fresh_server(start_server, args, workload, notes, load_for, mix: Re
         server.stop()
 
 
-def _warm_up(url: str, mix: RequestMix, count: int) -> None:
+def warm_up(url: str, mix: RequestMix, count: int) -> None:
     """A few requests of the mix, one at a time, not measured: the server's first-use paths run before the load."""
     worker = SoakRunner(url, time.perf_counter()).open_worker()
     try:

@@ -22,6 +22,7 @@ from omni_triton.bench.workload import PROMPT_WORDS
 from omni_triton.client import INPUT_SAMPLE_RATE, OmniStreamClient
 
 COMPLETE, CANCEL, DEADLINE = "complete", "cancel", "deadline"  # what a request is meant to end with
+MEANT_CODES = {COMPLETE: None, CANCEL: "CANCELLED", DEADLINE: "DEADLINE_EXCEEDED"}  # the error code each ends with
 DEFAULT_SPEAKERS = ("chelsie", "ethan", "aiden")
 # A cancelled request is cancelled after this many audio chunks (drawn): mid-stream, not always at the first.
 CANCEL_AFTER_CHUNKS = (1, 3)
@@ -131,6 +132,17 @@ class SoakTiming(RequestTiming):
     sent_at: float = 0.0
     cancel_sent: bool = False
     extra: dict = field(default_factory=dict)
+
+
+def ended_as_meant(timing: RequestTiming) -> bool:
+    """Whether a request ended as it may: completed, or failed with its fate's code (a cancel sent first). A
+    timing without a fate (a bare RequestTiming) was meant to complete."""
+    if timing.ok:
+        return True
+    fate = getattr(timing, "fate", COMPLETE)
+    if fate == CANCEL and not getattr(timing, "cancel_sent", False):
+        return False
+    return MEANT_CODES[fate] is not None and timing.error_code == MEANT_CODES[fate]
 
 
 class SoakWorker(TritonStreamWorker):
