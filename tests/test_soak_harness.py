@@ -2,7 +2,7 @@
 deadlines, a burst past the admission limit, and the code2wav stub killed under load, against real tritonservers
 (tiny checkpoint); the report's invariants checked; and one rate of the soak's mix on the open loop (`--request-rate
 --mix`, its goodput). No timing thresholds: only what must hold however slow the machine. The pure parts (the request
-mix, the recovery point, the leak comparison) are checked on their own first.
+mix, the recovery point, the leak comparison, the thread counts) are checked on their own first.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omni_triton.bench.open_loop import arrival_times
-from omni_triton.bench.soak import _recovered_after, other_errors, unexpected_around_kill
+from omni_triton.bench.soak import _recovered_after, other_errors, thread_counts, unexpected_around_kill
 from omni_triton.bench.soak_probes import leaks
 from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakTiming, speakers_of
 
@@ -89,6 +89,23 @@ def test_leaks_compare_an_idle_server_with_its_start():
     assert any("kv_blocks_free" in line for line in found) and any("omni1_2_b" in line for line in found)
     assert any(line.startswith("talker_0_0: 9 threads") for line in found), "a restarted thinker is not compared"
     assert not any("threads" in line for line in leaks(start, end, thread_reference={"talker_0_0": 9}))
+
+
+def test_thread_counts_tell_a_pool_filling_from_threads_left_behind():
+    """A pool fills to what the load needs in the first half and stays (the idle end at most its most there); a
+    process that leaves a thread per request grows on in the second half and ends above it: a leak."""
+    def snapshot(pool: int, leaky: int) -> dict:
+        return {"processes": {"orchestrator_0_0": {"pid": 5, "threads": pool}, "talker_0_0": {"pid": 6,
+                                                                                             "threads": leaky}},
+                "gauges": {}, "shm_regions": []}
+
+    # (t, orchestrator threads: base 9, a pool of up to 8 and 3 per request in flight; talker: one more per 10 s)
+    samples = [{"t": t, **snapshot(9 + min(8, t // 5) + 3 * (t % 3), 8 + t // 10)} for t in range(0, 121, 10)]
+    counts = thread_counts(snapshot(10, 8), samples, snapshot(17, 21), half_s=60)
+    assert counts["orchestrator_0_0"] == {"start": 10, "first_half_most": 23, "second_half_most": 23, "end": 17}
+    assert counts["talker_0_0"] == {"start": 8, "first_half_most": 14, "second_half_most": 20, "end": 21}
+    left = leaks(snapshot(10, 8), snapshot(17, 21), {name: row["first_half_most"] for name, row in counts.items()})
+    assert left == ["talker_0_0: 21 threads, 14 earlier in the run"]
 
 
 def test_mix_goes_with_the_open_loop_of_one_streaming_server(capsys):
@@ -170,6 +187,9 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
     assert set(codes[DEADLINE]) == {"DEADLINE_EXCEEDED"}, codes
     assert soak["leaks"] == [] and soak["idle_after_s"] is not None
     assert soak["ttfa_windows"] and len(soak["samples"]) >= 3
+    assert set(soak["threads"]) == set(soak["start"]["processes"]), soak["threads"]
+    assert "Threads per process, idle at the start -> the most in the soak's first half" in \
+        (out / "results.md").read_text()
     for name in ("tritonserver", "thinker_0_0", "talker_0_0", "code2wav_0_0", "orchestrator_0_0"):
         assert soak["start"]["processes"][name]["rss_mib"] > 0 and name in soak["memory"], name
     assert soak["start"]["shm_regions"], "the server's shared-memory regions are found"

@@ -138,6 +138,24 @@ def memory_growth(samples: list[dict]) -> dict[str, dict]:
     return growth
 
 
+def thread_counts(start: dict, samples: list[dict], end: dict, half_s: float) -> dict[str, dict]:
+    """Per process of ``start`` (an idle server's snapshot): its threads idle at the start and at ``end``, and the
+    most any sample saw in the soak's first half (up to ``half_s``) and in its second. Thread pools grow to what
+    the load needs and stay (the orchestrator's request pool, up to its --max-inflight share): at a steady rate
+    they are full by the first half's end, so the second half's most stays near the first's and the idle end at
+    most the first's (``leaks``' reference); threads left behind by requests grow on past it."""
+    counts = {}
+    for name, row in start["processes"].items():
+        seen = [(s["t"], s["processes"][name]["threads"]) for s in samples if name in s["processes"]
+                and s["processes"][name]["threads"] is not None]
+        first = [count for t, count in seen if t <= half_s] or [row["threads"] or 0]
+        second = [count for t, count in seen if t > half_s]
+        counts[name] = {"start": row["threads"], "first_half_most": max(first),
+                        "second_half_most": max(second, default=None),
+                        "end": end["processes"].get(name, {}).get("threads")}
+    return counts
+
+
 # Memory is flat after warm-up when a process's end window is within this share of its warm-up value, or within
 # FLAT_SLACK_MIB, whichever is larger: the share alone would fail a small process on noise (a few MiB of a lazily
 # loaded CUDA module, an allocator's next 2 MiB segment) and fail one at 0 MiB (no GPU) on anything.
@@ -166,11 +184,8 @@ def soak(load: LoadSettings, probe: ServerProbe, rate: float, duration_s: float,
     with Sampler(probe, sample_every_s, lambda: time.perf_counter() - clock_zero) as sampler:
         timings, _, _ = run_phases(load, [("soak", rate, duration_s)])
     end_snapshot, idle_s = probe.wait_idle(idle_timeout_s)
-    # thread pools grow to what the load needs, then stay: the reference is the most seen in the first half
-    first_half = [s for s in sampler.samples if s["t"] <= duration_s / 2] or sampler.samples[:1]
-    reference = {name: max(s["processes"][name]["threads"] or 0 for s in first_half if name in s["processes"])
-                 for name in start_snapshot["processes"]}
-    left = leaks(start_snapshot, end_snapshot, reference)
+    threads = thread_counts(start_snapshot, sampler.samples, end_snapshot, duration_s / 2)
+    left = leaks(start_snapshot, end_snapshot, {name: row["first_half_most"] for name, row in threads.items()})
     unexpected = [t for t in timings if not ended_as_meant(t)]
     dry = _ran_dry(timings)
     windows = ttfa_windows(timings, window_s)
@@ -184,7 +199,7 @@ def soak(load: LoadSettings, probe: ServerProbe, rate: float, duration_s: float,
         "errors_by_fate_and_code": errors_by_code(timings),
         "unexpected_errors": [_describe(t) for t in unexpected[:20]], "unexpected_error_count": len(unexpected),
         "ran_dry": len(dry), "ttfa_windows": windows, "ttfa_p95_drift": drift,
-        "memory": growth, "samples": sampler.samples, "idle_after_s": idle_s,
+        "memory": growth, "threads": threads, "samples": sampler.samples, "idle_after_s": idle_s,
         "start": start_snapshot, "end": end_snapshot, "leaks": left,
         "checks": [
             check("only the cancelled and expired fail, with CANCELLED / DEADLINE_EXCEEDED", not unexpected,

@@ -61,10 +61,11 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {rss.get('start')} | {rss.get('after_warmup')} | {rss.get('end_window')} | "
                          f"{rss.get('growth_pct')} | {gpu.get('start', '-')} | {gpu.get('after_warmup', '-')} | "
                          f"{gpu.get('end_window', '-')} | {gpu.get('growth_pct', '-')} |")
-        threads = {name: (row["threads"], result["end"]["processes"].get(name, {}).get("threads"))
-                   for name, row in result["start"]["processes"].items()}
-        lines += ["", "Threads per process, start -> end: " + ", ".join(f"{name} {a} -> {b}"
-                                                                     for name, (a, b) in threads.items())
+        lines += ["", "Threads per process, idle at the start -> the most in the soak's first half -> in its second "
+                      "half -> idle at the end (pools fill up to what the load needs by the first half and stay; "
+                      "threads left behind grow on past it: the idle end is checked against the first half's): "
+                  + ", ".join(f"{name} {row['start']} -> {row['first_half_most']} -> {row['second_half_most']} -> "
+                              f"{row['end']}" for name, row in result["threads"].items())
                   + f". Shared-memory regions: {len(result['start']['shm_regions'])} -> "
                     f"{len(result['end']['shm_regions'])}. Idle {result['idle_after_s']} s after the last request.",
                   ""]
