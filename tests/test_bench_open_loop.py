@@ -339,6 +339,8 @@ def test_open_loop_merge_refuses_a_rate_twice_other_settings_and_closed_loop_run
         write_merged([first, write_run(tmp_path, "b", {2.0})], tmp_path / "out")
     with pytest.raises(MergeError, match="open_loop duration_s"):
         write_merged([first, write_run(tmp_path, "c", {4.0}, duration_s=60.0)], tmp_path / "out")
+    with pytest.raises(MergeError, match="open_loop mix"):  # the soak's mix is another workload
+        write_merged([first, write_run(tmp_path, "d", {4.0}, mix={"seed": 0})], tmp_path / "out")
     closed = tmp_path / "closed"
     closed.mkdir()
     (closed / "results.json").write_text(json.dumps({"results": [], "workload": {}, "machine": {}, "command": "x"}))

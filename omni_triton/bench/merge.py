@@ -29,7 +29,8 @@ SAME_WORKLOAD = ("prompt_tokens", "thinker_tokens", "audio_frames")
 # Machine fields that must agree: what the numbers were measured on (load average, git commit may differ).
 SAME_MACHINE = ("cpu", "gpu")
 # Open-loop settings that must agree: what a rate's row means.
-SAME_OPEN_LOOP = ("system", "duration_s", "arrival_seed")
+# "mix": the soak's requests (--mix), another workload than the fixed one
+SAME_OPEN_LOOP = ("system", "duration_s", "arrival_seed", "mix")
 
 
 class MergeError(ValueError):
