@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from omni_triton import cli
 from omni_triton.stages.admission import FRAME_S, Admission, RealtimeCapacity, split_limit
+from omni_triton.stages.queue_drain import QueueDrain
 from omni_triton.shared.settings import LaunchConfig, admission_capacity_setting
 
 
@@ -203,10 +205,11 @@ def test_split_limit_keeps_the_default_queue_and_no_limit():
     assert split_limit(None, 3) is None and split_limit(0, 3) == 0 and split_limit(7, 3) == 3
 
 
+@pytest.mark.parametrize("name", ["admission_max_wait", "admission_max_queue_wait"])
 @pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
-def test_launch_config_rejects_a_bad_admission_max_wait(seconds):
-    with pytest.raises(ValueError, match="admission_max_wait"):
-        LaunchConfig(checkpoint_dir=".", admission_max_wait=seconds)
+def test_launch_config_rejects_bad_admission_seconds(name, seconds):
+    with pytest.raises(ValueError, match=f"{name} must be >= 0 seconds"):
+        LaunchConfig(checkpoint_dir=".", **{name: seconds})
 
 
 def test_the_outlook_says_how_many_more_arrive_would_take_and_the_refusal_then():
@@ -245,3 +248,102 @@ def test_an_instance_of_a_split_pipeline_may_hold_up_to_the_pipelines_limit():
     assert "2 streaming and 2 waiting for admission, 4 in all" in admission.refusal()
     with pytest.raises(ValueError, match="max_held"):
         Admission(max_running=4, queue_limit=None, capacity=None, max_held=2)
+
+
+def test_the_queue_drain_is_learned_from_starts_out_of_the_queue_while_it_holds_requests():
+    drain = QueueDrain()
+    assert drain.per_second() is None and drain.wait_s(0) is None
+    drain.update(10.0, waiting=True)  # a request queues
+    drain.update(12.0, waiting=True, started=1)  # one starts 2 s later, another still waits
+    assert drain.per_second() is None  # one gap may be chance: not learned yet
+    drain.update(14.0, waiting=False, started=1)  # the last one starts 2 s later: empty
+    assert drain.per_second() == pytest.approx(0.5) and drain.wait_s(2) == pytest.approx(6.0)
+    drain.update(100.0, waiting=True)  # 86 s with nothing waiting: starts followed arrivals, not counted
+    drain.update(102.0, waiting=True, started=1)
+    assert drain.per_second() == pytest.approx(0.5)
+    drain.update(103.0, waiting=False, started=2)  # two more at once, 1 s later: a faster pace
+    assert 0.5 < drain.per_second() < 2.0
+    stuck = QueueDrain()
+    for now in (2.0, 4.0):
+        stuck.update(now, waiting=True, started=1)
+    stuck.update(30.0, waiting=True)  # nothing started for 26 s: the queue reads slow before its next start
+    assert stuck.per_second() < 0.1
+    dropped = QueueDrain()
+    dropped.update(0.0, waiting=True)
+    dropped.update(1.0, waiting=True, started=2)
+    dropped.emptied()  # cancelled at a time not given: what follows until the next update is not counted
+    dropped.update(50.0, waiting=False)
+    assert dropped.per_second() == pytest.approx(2.0)
+
+
+def learned(max_queue_wait_s: float, max_held: int = 8) -> Admission:
+    """One stream at a time, each 2 s long, 3 waiting behind the first: once two started out of the queue the
+    drain rate is learned, 0.5 starts per second; one still waits (``d``), behind ``c`` streaming."""
+    admission = Admission(max_running=1, queue_limit=None, capacity=None, max_held=max_held,
+                          max_queue_wait_s=max_queue_wait_s)
+    assert [admission.arrive(name, 0.0) for name in "abcd"] == ["start", "queued", "queued", "queued"]
+    for now, name in ((2.0, "b"), (4.0, "c")):
+        admission.finished()
+        assert admission.due(now) == [(name, now)]
+    return admission
+
+
+def test_a_request_whose_expected_wait_passes_max_queue_wait_is_refused_at_once():
+    admission = learned(max_queue_wait_s=3.0)
+    assert admission.expected_wait_s == pytest.approx(4.0)  # behind d: 2 starts at 0.5 a second
+    assert admission.arrive("e", 4.0) == "refused" and admission.queued == 1 and admission.refused == 1
+    message = admission.refusal()
+    assert message == ("server busy: an estimated 4.0 s wait for admission behind 1 streaming and 1 waiting "
+                       "(admission_max_queue_wait 3 s); retry later")
+    admission.finished()
+    assert admission.due(6.0) == [("d", 6.0)]
+    assert admission.arrive("f", 6.0) == "queued"  # first in the queue: 2 s expected
+    assert admission.arrive("g", 6.0) == "refused"  # behind f: 4 s expected
+    assert admission.arrive("h", 6.0) == "refused" and admission.refused == 3
+
+
+def test_max_queue_wait_refuses_nothing_before_the_drain_is_learned():
+    """A cold server (or one that never queued) knows no drain rate: the queue limits alone decide, however short
+    the bound."""
+    admission = Admission(max_running=1, queue_limit=None, capacity=None, max_held=4, max_queue_wait_s=0.001)
+    assert admission.expected_wait_s == 0.0
+    assert [admission.arrive(i, 0.0) for i in range(5)] == ["start", "queued", "queued", "queued", "refused"]
+    assert "max_inflight_requests" in admission.refusal()  # the free slots, not the wait
+    admission.finished()
+    assert admission.due(5.0) == [(1, 5.0)]  # one start out of the queue: not learned yet
+    assert admission.arrive("late", 5.0) == "queued"
+    admission.finished()
+    assert admission.due(6.0) == [(2, 6.0)]  # two: learned, and now the bound holds
+    assert admission.arrive("later", 6.0) == "refused" and "admission_max_queue_wait" in admission.refusal()
+
+
+def test_the_outlook_counts_the_expected_wait_as_arrive_does():
+    admission = learned(max_queue_wait_s=7.0)  # 0.5 starts/s: 3 may wait (the 3rd expects 6 s, a 4th 8 s)
+    room, refusal = admission.outlook()
+    assert room == 2 and "an estimated 8.0 s wait" in refusal and "admission_max_queue_wait 7 s" in refusal
+    assert [admission.arrive(i, 4.0) for i in range(room + 1)] == ["queued", "queued", "refused"]
+    assert admission.refusal() == refusal
+    slots = learned(max_queue_wait_s=9.0, max_held=4)  # the free slots bind first (3 may wait, by 8 s 4): named
+    room, refusal = slots.outlook()
+    assert room == 2 and "max_inflight_requests" in refusal and "admission_max_queue_wait" not in refusal
+    assert [slots.arrive(i, 4.0) for i in range(room + 1)] == ["queued", "queued", "refused"]
+
+
+def test_max_queue_wait_is_off_by_default():
+    """The closed-loop benchmarks rely on a closed loop of up to max_running clients never being refused."""
+    assert LaunchConfig(checkpoint_dir=".").admission_max_queue_wait == 0.0
+    assert cli.build_parser().parse_args(["serve"]).admission_max_queue_wait == 0.0
+    admission = learned(max_queue_wait_s=0.0)
+    assert admission.expected_wait_s == pytest.approx(4.0)  # learned all the same: the gauge shows it
+    assert [admission.arrive(i, 4.0) for i in range(7)] == ["queued"] * 6 + ["refused"]
+    assert "max_inflight_requests" in admission.refusal()
+    with pytest.raises(ValueError, match="max_queue_wait_s"):
+        Admission(max_running=1, queue_limit=None, capacity=None, max_queue_wait_s=-1.0)
+
+
+def test_the_serve_flag_rejects_bad_seconds_naming_itself(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--admission-max-queue-wait", "-1"])
+    assert "--admission-max-queue-wait: must be a number of seconds >= 0, got '-1'" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["serve", "--admission-max-queue-wait", "2"])
+    assert args.admission_max_queue_wait == 2.0

@@ -21,8 +21,13 @@ unless the pipeline is split among instances: see ``Admission``; as TGI's
 that is refused at once instead of waiting for seconds behind it; a closed loop of up to ``max_running`` clients
 never sees a refusal. ``max_wait_s`` bounds the wait in time too (as the queue timeout of Triton's dynamic batcher
 with ``timeout_action: REJECT``): a request that waited that long is refused instead of starting late
-(``expired``). It counts what waited, for how long, and what was refused (the orchestrator's gauges). It admits onto one pipeline: with ``serve --pipelines`` each pipeline's
-orchestrator instance has its own, so every limit holds per pipeline and each learns its own GPUs' capacity.
+(``expired``). ``max_queue_wait_s`` bounds the expected wait instead, when a request arrives: one that would queue
+is refused at once if the queue's drain rate, learned from the starts out of it (``QueueDrain``), says it would
+wait longer for its start (an H200 burst: the default queue let ~40 requests wait behind ~25 streams per instance,
+and requests arriving after the burst waited 7 s for theirs); nothing is refused so before that rate is learned.
+It counts what waited, for how long, and what was refused (the orchestrator's gauges). It admits onto one pipeline:
+with ``serve --pipelines`` each pipeline's orchestrator instance has its own, so every limit holds per pipeline and
+each learns its own GPUs' capacity.
 
 A pipeline served by several orchestrator instances (``--instances orchestrator=K``) gives each 1/K of its limits
 (``split_limit``), and each instance's capacity sees 1/K of the pipeline's streams: Triton hands requests to the
@@ -32,10 +37,13 @@ estimate is kept, and asked, in the pipeline's streams. Pure logic: times come i
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from omni_triton.stages.queue_drain import QueueDrain
 
 FRAME_S = 1 / 12.5           # audio per codec frame
 HEADROOM = 1.1               # each stream should get at least this x real time
@@ -118,24 +126,29 @@ class Admission:
     """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
 
     def __init__(self, max_running: int, queue_limit: int | None, capacity: RealtimeCapacity | None,
-                 max_starting: int = 0, max_wait_s: float = 0.0, max_held: int | None = None):
+                 max_starting: int = 0, max_wait_s: float = 0.0, max_held: int | None = None,
+                 max_queue_wait_s: float = 0.0):
         """``max_running`` streams, ``max_starting`` admitted and not yet playing at once (0: no limit), a
         ``capacity`` learned from their frames (None: by ``max_running`` alone); ``queue_limit`` requests
         waiting (None: the free slots, ``max_held`` less those running), none longer than ``max_wait_s``
         (0: no limit). ``max_held``: requests running and waiting together with the default queue (None:
         ``max_running``); one of K orchestrator instances of a pipeline runs 1/K of its streams but may hold up to
-        all of them, since Triton hands requests to the instances in turn, not by their load."""
-        if max_running < 1 or (queue_limit or 0) < 0 or max_starting < 0 or max_wait_s < 0:
-            raise ValueError(f"max_running must be >= 1, queue_limit, max_starting and max_wait_s >= 0, got "
-                             f"{max_running}, {queue_limit}, {max_starting}, {max_wait_s}")
+        all of them, since Triton hands requests to the instances in turn, not by their load. ``max_queue_wait_s``:
+        a request that would wait longer than this for its start, by the queue's learned drain rate, is refused
+        when it arrives (0: no limit)."""
+        if min(max_starting, max_wait_s, max_queue_wait_s, queue_limit or 0) < 0 or max_running < 1:
+            raise ValueError(f"max_running must be >= 1, queue_limit, max_starting, max_wait_s and max_queue_wait_s "
+                             f">= 0, got {max_running}, {queue_limit}, {max_starting}, {max_wait_s}, "
+                             f"{max_queue_wait_s}")
         self.max_running, self.queue_limit, self.max_starting = max_running, queue_limit, max_starting
-        self.max_wait_s = max_wait_s
+        self.max_wait_s, self.max_queue_wait_s = max_wait_s, max_queue_wait_s
         self.max_held = max_running if max_held is None else max_held
         if self.max_held < max_running:
             raise ValueError(f"max_held must be >= max_running {max_running}, got {max_held}")
         self.capacity = capacity
         self._lock = threading.Lock()
         self._queue: deque[Waiting] = deque()
+        self._drain = QueueDrain()  # learned whether or not max_queue_wait_s is set: a gauge shows it
         self.running = 0
         self.starting = 0        # admitted, not playing yet
         self.waited = 0          # requests that started after waiting in the queue
@@ -156,11 +169,13 @@ class Admission:
     def arrive(self, item: Any, now: float) -> str:
         """'start' (counted as running now), 'queued' or 'refused'."""
         with self._lock:
+            self._drain.update(now, waiting=bool(self._queue))  # the rate as of now: the wait so far counts
             decision = self._decision()
             if decision == "start":
                 self._count_start()
             elif decision == "queued":
                 self._queue.append(Waiting(item, now))
+                self._drain.update(now, waiting=True)
             else:
                 self.refused += 1
             return decision
@@ -174,9 +189,23 @@ class Admission:
         return "queued" if queued < self._queue_room(running) else "refused"
 
     def _queue_room(self, running: int) -> int:
+        wait_room = self._wait_room()
+        limit_room = self._limit_room(running)
+        return limit_room if wait_room is None else min(limit_room, wait_room)
+
+    def _limit_room(self, running: int) -> int:
+        """Requests that may wait by ``queue_limit`` (by default the free slots)."""
         if self.queue_limit is None:
             return self.max_held - running
         return self.queue_limit
+
+    def _wait_room(self) -> int | None:
+        """Requests that may wait by ``max_queue_wait_s``: the last of them expects its start within it, at the
+        learned drain rate (None: no bound: off, or nothing learned yet)."""
+        rate = self._drain.per_second()
+        if not self.max_queue_wait_s or rate is None:
+            return None
+        return math.floor(self.max_queue_wait_s * rate + 1e-9)  # (ahead + 1) / rate <= max_queue_wait_s
 
     def refusal(self) -> str:
         """Why ``arrive`` refused, naming the limit."""
@@ -199,6 +228,11 @@ class Admission:
         running = self.running if running is None else running
         starting = self.starting if starting is None else starting
         queued = len(self._queue) if queued is None else queued
+        wait_room = self._wait_room()
+        if wait_room is not None and wait_room < self._limit_room(running):  # the expected wait is the bound
+            return (f"server busy: an estimated {self._drain.wait_s(queued):.1f} s wait for admission behind "
+                    f"{running} streaming and {queued} waiting (admission_max_queue_wait "
+                    f"{self.max_queue_wait_s:g} s); retry later")
         if self.queue_limit is None:  # waiting and running: every slot taken
             return (f"server busy: {running} streaming and {queued} waiting for admission, "
                     f"{self.max_held} in all (max_inflight_requests; admission_queue: the free slots); "
@@ -237,6 +271,7 @@ class Admission:
                 self.waited += 1
                 self.wait_s += now - waiting.since
                 started.append((waiting.item, now - waiting.since))
+            self._drain.update(now, waiting=bool(self._queue), started=len(started))
         return started
 
     def expired(self, now: float) -> list[tuple[Any, float]]:
@@ -248,6 +283,7 @@ class Admission:
                 waiting = self._queue.popleft()
                 self.refused += 1
                 gone.append((waiting.item, now - waiting.since))
+            self._drain.update(now, waiting=bool(self._queue))
         return gone
 
     def expiry(self, waited_s: float) -> str:
@@ -263,8 +299,16 @@ class Admission:
             for waiting in self._queue:
                 (gone.append(waiting.item) if predicate(waiting.item) else kept.append(waiting))
             self._queue = kept
+            if not kept:
+                self._drain.emptied()
         return gone
 
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    @property
+    def expected_wait_s(self) -> float:
+        """Expected seconds a request that queued now would wait for its start (0: not learned yet)."""
+        with self._lock:
+            return self._drain.wait_s(len(self._queue)) or 0.0

@@ -6,7 +6,8 @@ must not stall the other streams. Admission (``admission``): a request starts wh
 ``max_inflight`` stream and, with a capacity, while one more stream would leave every playing one real time;
 otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
 ``waited_s``), and past ``admission_queue`` waiting (default: the free slots) it is refused at once with UNAVAILABLE
-naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late.
+naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late, and one
+whose expected wait passes ``admission_max_queue_wait`` seconds is refused at once.
 How many more requests it would take before refusing one, and the mark of the latest request it received, are
 published at each change (``admission_board``), so that preprocess refuses a request before its work and without
 waiting for this process's thread when the instances' room is taken, those on their way here counted.
@@ -136,12 +137,14 @@ class Orchestrator:
                  max_starting: int = 0, route: PipelineRoute | None = None,
                  shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None,
                  slot: OrchestratorSlot = OrchestratorSlot(), admission_max_wait_s: float = 0.0,
-                 board: BoardWriter | None = None):
+                 board: BoardWriter | None = None, admission_max_queue_wait_s: float = 0.0):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone; its ``share`` is
         ``slot.per_pipeline``); ``max_starting``: streams admitted and not yet playing at once (0: no limit);
         ``admission_queue``: requests that may wait (None: the free slots), none longer than
-        ``admission_max_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for
-        this instance's pipeline, and each of its ``slot.per_pipeline`` instances takes its part (``split_limit``).
+        ``admission_max_wait_s`` (0: no limit), none queued whose expected wait (learned from this instance's own
+        queue) is longer than ``admission_max_queue_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue``
+        and ``max_starting`` hold for this instance's pipeline, and each of its ``slot.per_pipeline`` instances
+        takes its part (``split_limit``).
         ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
         on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where the
         server's other orchestrator instances record cancels of requests they do not hold (None: this is the only
@@ -166,7 +169,7 @@ class Orchestrator:
         pipeline_inflight, max_inflight = max_inflight, split_limit(max_inflight, slot.per_pipeline)
         self._admission = Admission(max_inflight, split_limit(admission_queue, slot.per_pipeline), capacity,
                                     split_limit(max_starting, slot.per_pipeline), admission_max_wait_s,
-                                    max_held=pipeline_inflight)
+                                    max_held=pipeline_inflight, max_queue_wait_s=admission_max_queue_wait_s)
         self._board, self._board_lock = board, threading.Lock()
         self._latest_let_through = 0  # the board: preprocess's requests up to this mark are no longer on their way
         self._publish()
@@ -210,6 +213,7 @@ class Orchestrator:
                 "omni_admission_waited_requests": admission.waited,
                 "omni_admission_wait_seconds": admission.wait_s,
                 "omni_admission_refused_requests": admission.refused,
+                "omni_admission_expected_wait_seconds": admission.expected_wait_s,
                 "omni_realtime_capacity_audio_s_per_s": capacity,
                 **torch_memory_gauges(self._route.gpu)}
 
