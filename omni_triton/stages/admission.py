@@ -22,9 +22,11 @@ that is refused at once instead of waiting for seconds behind it; a closed loop 
 never sees a refusal. ``max_wait_s`` bounds the wait in time too (as the queue timeout of Triton's dynamic batcher
 with ``timeout_action: REJECT``): a request that waited that long is refused instead of starting late
 (``expired``). ``max_queue_wait_s`` bounds the expected wait instead, when a request arrives: one that would queue
-is refused at once if the queue's drain rate, learned from the starts out of it (``QueueDrain``), says it would
-wait longer for its start (an H200 burst: the default queue let ~40 requests wait behind ~25 streams per instance,
-and requests arriving after the burst waited 7 s for theirs); nothing is refused so before that rate is learned.
+is refused at once if it expects to wait longer for its start (an H200 burst: the default queue let ~40 requests
+wait behind ~25 streams per instance, and requests arriving after the burst waited 7 s for theirs). ``QueueDrain``
+expects: by the queue's drain rate, learned from the starts out of it, and before that by a prior from the
+lifetimes and start lengths of recent streams (a warm server refuses a burst's surplus from its first request);
+nothing is refused so before either is learned (a cold server).
 It counts what waited, for how long, and what was refused (the orchestrator's gauges). It admits onto one pipeline:
 with ``serve --pipelines`` each pipeline's orchestrator instance has its own, so every limit holds per pipeline and
 each learns its own GPUs' capacity.
@@ -37,13 +39,12 @@ estimate is kept, and asked, in the pipeline's streams. Pure logic: times come i
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from omni_triton.stages.queue_drain import QueueDrain
+from omni_triton.stages.queue_drain import Occupancy, QueueDrain
 
 FRAME_S = 1 / 12.5           # audio per codec frame
 HEADROOM = 1.1               # each stream should get at least this x real time
@@ -134,8 +135,8 @@ class Admission:
         (0: no limit). ``max_held``: requests running and waiting together with the default queue (None:
         ``max_running``); one of K orchestrator instances of a pipeline runs 1/K of its streams but may hold up to
         all of them, since Triton hands requests to the instances in turn, not by their load. ``max_queue_wait_s``:
-        a request that would wait longer than this for its start, by the queue's learned drain rate, is refused
-        when it arrives (0: no limit)."""
+        a request that would wait longer than this for its start, as ``QueueDrain`` expects it, is refused when it
+        arrives (0: no limit)."""
         if min(max_starting, max_wait_s, max_queue_wait_s, queue_limit or 0) < 0 or max_running < 1:
             raise ValueError(f"max_running must be >= 1, queue_limit, max_starting, max_wait_s and max_queue_wait_s "
                              f">= 0, got {max_running}, {queue_limit}, {max_starting}, {max_wait_s}, "
@@ -183,15 +184,15 @@ class Admission:
     def _decision(self, running: int | None = None, starting: int | None = None, queued: int | None = None) -> str:
         """Under the lock: what ``arrive`` answers a request that comes now (or in the state given)."""
         running = self.running if running is None else running
+        starting = self.starting if starting is None else starting
         queued = len(self._queue) if queued is None else queued
         if not queued and self._can_start(running, starting):
             return "start"
-        return "queued" if queued < self._queue_room(running) else "refused"
+        return "queued" if queued < self._queue_room(running, starting) else "refused"
 
-    def _queue_room(self, running: int) -> int:
-        wait_room = self._wait_room()
-        limit_room = self._limit_room(running)
-        return limit_room if wait_room is None else min(limit_room, wait_room)
+    def _queue_room(self, running: int, starting: int) -> int:
+        """Requests that may wait: by ``queue_limit``, and of those the ones within ``max_queue_wait_s``."""
+        return self._wait_room(running, starting, self._limit_room(running))
 
     def _limit_room(self, running: int) -> int:
         """Requests that may wait by ``queue_limit`` (by default the free slots)."""
@@ -199,13 +200,32 @@ class Admission:
             return self.max_held - running
         return self.queue_limit
 
-    def _wait_room(self) -> int | None:
-        """Requests that may wait by ``max_queue_wait_s``: the last of them expects its start within it, at the
-        learned drain rate (None: no bound: off, or nothing learned yet)."""
-        rate = self._drain.per_second()
-        if not self.max_queue_wait_s or rate is None:
-            return None
-        return math.floor(self.max_queue_wait_s * rate + 1e-9)  # (ahead + 1) / rate <= max_queue_wait_s
+    def _wait_room(self, running: int, starting: int, places: int) -> int:
+        """Of the first ``places`` in the queue, those whose request expects its start within ``max_queue_wait_s``
+        (all of them where the bound is off or the wait is not known yet)."""
+        if not self.max_queue_wait_s:
+            return places
+        occupancy = self._occupancy(running, starting)
+        for ahead in range(places):  # the waits grow with the place: the first one past the bound ends the room
+            wait = self._drain.wait_s(ahead, occupancy)
+            if wait is not None and wait > self.max_queue_wait_s + 1e-9:
+                return ahead
+        return places
+
+    def _occupancy(self, running: int, starting: int) -> Occupancy:
+        return Occupancy(running, starting, self._stream_limit(running), self.max_starting)
+
+    def _stream_limit(self, running: int) -> int:
+        """Streams that may run now, by ``max_running`` and the capacity estimate (``_can_start`` less the stagger):
+        searched from ``running``, where it usually is under load (the capacity admits fewer as streams grow)."""
+        if self.capacity is None:
+            return self.max_running
+        limit = min(max(running, 1), self.max_running)  # one always starts when none runs
+        while limit > 1 and not self.capacity.admits(limit - 1):
+            limit -= 1
+        while limit < self.max_running and self.capacity.admits(limit):
+            limit += 1
+        return limit
 
     def refusal(self) -> str:
         """Why ``arrive`` refused, naming the limit."""
@@ -220,7 +240,7 @@ class Admission:
             running, starting, queued, room = self.running, self.starting, len(self._queue), 0
             while not queued and self._can_start(running, starting):  # as ``_decision``: those that would start
                 running, starting, room = running + 1, starting + 1, room + 1
-            waiting_room = max(0, self._queue_room(running) - queued)  # then those that would wait
+            waiting_room = max(0, self._queue_room(running, starting) - queued)  # then those that would wait
             return room + waiting_room, self._refusal(running, starting, queued + waiting_room)
 
     def _refusal(self, running: int | None = None, starting: int | None = None, queued: int | None = None) -> str:
@@ -228,11 +248,15 @@ class Admission:
         running = self.running if running is None else running
         starting = self.starting if starting is None else starting
         queued = len(self._queue) if queued is None else queued
-        wait_room = self._wait_room()
-        if wait_room is not None and wait_room < self._limit_room(running):  # the expected wait is the bound
-            return (f"server busy: an estimated {self._drain.wait_s(queued):.1f} s wait for admission behind "
-                    f"{running} streaming and {queued} waiting (admission_max_queue_wait "
-                    f"{self.max_queue_wait_s:g} s); retry later")
+        limit_room = self._limit_room(running)
+        wait_room = self._wait_room(running, starting, limit_room)
+        if wait_room < limit_room:  # the expected wait is the bound
+            occupancy = self._occupancy(running, starting)
+            wait = self._drain.wait_s(queued, occupancy)
+            if wait is None:  # a mean its place needs is not learned yet: it waits at least as the first place refused
+                wait = self._drain.wait_s(wait_room, occupancy)
+            return (f"server busy: an estimated {wait:.1f} s wait for admission behind {running} streaming and "
+                    f"{queued} waiting (admission_max_queue_wait {self.max_queue_wait_s:g} s); retry later")
         if self.queue_limit is None:  # waiting and running: every slot taken
             return (f"server busy: {running} streaming and {queued} waiting for admission, "
                     f"{self.max_held} in all (max_inflight_requests; admission_queue: the free slots); "
@@ -249,17 +273,21 @@ class Admission:
                 f"{self.capacity.instance_audio_s_per_s(running + 1):.2f} audio-s/s; admission_queue 0); "
                 "retry later")
 
-    def playing(self) -> None:
-        """A started stream sent its first audio: its start is over."""
+    def playing(self, start_s: float) -> None:
+        """A started stream sent its first audio, ``start_s`` seconds after it was admitted (``arrive`` or ``due``
+        counted it as running): its start is over."""
         with self._lock:
             self.starting -= 1
+            self._drain.stream_played(start_s)
 
-    def finished(self, played: bool = True) -> None:
-        """A started stream ended; ``played``: ``playing`` was called for it."""
+    def finished(self, lifetime_s: float, played: bool = True) -> None:
+        """A started stream ended, ``lifetime_s`` seconds after it was admitted; ``played``: ``playing`` was called
+        for it."""
         with self._lock:
             self.running -= 1
             if not played:
                 self.starting -= 1
+            self._drain.stream_ended(lifetime_s, played)
 
     def due(self, now: float) -> list[tuple[Any, float]]:
         """Waiting requests that may start now, in arrival order, with their waits (each counted as running)."""
@@ -309,6 +337,7 @@ class Admission:
 
     @property
     def expected_wait_s(self) -> float:
-        """Expected seconds a request that queued now would wait for its start (0: not learned yet)."""
+        """Expected seconds a request that queued now would wait for its start (0: it would start at once, or
+        nothing is learned yet)."""
         with self._lock:
-            return self._drain.wait_s(len(self._queue)) or 0.0
+            return self._drain.wait_s(len(self._queue), self._occupancy(self.running, self.starting)) or 0.0

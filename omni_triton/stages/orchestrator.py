@@ -259,10 +259,11 @@ class Orchestrator:
                          _CancelCheck(request, cancelled, deadline))
         with self._lock:  # before it may start: a cancel sent while it waits must find it
             self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
-        decision = self._admission.arrive(ticket, time.monotonic())
+        arrived = time.monotonic()
+        decision = self._admission.arrive(ticket, arrived)
         self._publish()  # before its start or refusal: preprocess sees its place taken at once
         if decision == "start":
-            self._start(ticket, waited_s=0.0)
+            self._start(ticket, waited_s=0.0, admitted=arrived)
         elif decision == "refused":
             self._forget(ticket)
             self._refuse(sender, self._admission.refusal())
@@ -278,12 +279,14 @@ class Orchestrator:
         error = triton_error(self._pb, "UNAVAILABLE", message)
         sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _start(self, ticket: "_Ticket", waited_s: float) -> None:
+    def _start(self, ticket: "_Ticket", waited_s: float, admitted: float) -> None:
+        """``admitted``: when admission counted it as running (monotonic): its start and lifetime count from there,
+        not from its arrival, for admission's prior of the queue's pace."""
         trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s, pipeline=self._route.index)
         with self._lock:  # before its thread runs: the gauges count it from now on
             self._active[ticket.request_id] = None
             self._unanswered += 1
-        self._pool.submit(self._run, ticket)
+        self._pool.submit(self._run, ticket, admitted)
 
     def _forget(self, ticket: "_Ticket") -> None:
         with self._lock:
@@ -333,7 +336,7 @@ class Orchestrator:
                 self._refuse(ticket.sender, down)
             return last_sample
         for ticket, waited_s in self._admission.due(now):
-            self._start(ticket, waited_s)
+            self._start(ticket, waited_s, admitted=now)
         self._publish()
         return last_sample
 
@@ -451,7 +454,7 @@ class Orchestrator:
             self._request_counter += 1
             return f"{request.request_id() or 'req'}#{os.getpid()}.{self._request_counter}"
 
-    def _run(self, ticket: "_Ticket") -> None:
+    def _run(self, ticket: "_Ticket", admitted: float) -> None:
         pb = self._pb
         sender, inputs, request_id, deadline = ticket.sender, ticket.inputs, ticket.request_id, ticket.deadline
         send_lock = threading.Lock()
@@ -469,7 +472,7 @@ class Orchestrator:
                 sender.send(pb.InferenceResponse(outputs))
                 if audio is not None and not played:
                     played.append(True)
-                    self._admission.playing()
+                    self._admission.playing(time.monotonic() - admitted)
                     self._publish()
                     self._wake.set()  # a waiting stream may start now
 
@@ -510,7 +513,7 @@ class Orchestrator:
             # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
             with send_lock:  # not while emit counts its first audio
-                self._admission.finished(played=bool(played))
+                self._admission.finished(time.monotonic() - admitted, played=bool(played))
             self._publish()  # before the final response: its client's next request must not find it full
             with self._lock:
                 del self._active[request_id]
