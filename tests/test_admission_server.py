@@ -56,17 +56,17 @@ def wait_for_gauge(server, name: str, value: float, timeout_s: float = 30.0) -> 
 class Listener:
     """One request on a thread of its own, with the arrival time of every audio chunk."""
 
-    def __init__(self, server, text: str):
+    def __init__(self, server, text: str, request: dict = REQUEST):
         self.audio_times: list[float] = []
         self.result, self.error = None, None
         self._client = OmniStreamClient(server.grpc_url)
-        self._thread = threading.Thread(target=self._run, args=(text,))
+        self._thread = threading.Thread(target=self._run, args=(text, request))
         self._thread.start()
 
-    def _run(self, text: str) -> None:
+    def _run(self, text: str, request: dict) -> None:
         try:
             self.result = self._client.stream(text, timeout_s=120, on_audio=lambda _: self.audio_times.append(
-                time.monotonic()), **REQUEST)
+                time.monotonic()), **request)
         except StreamError as error:
             self.error = error
         finally:

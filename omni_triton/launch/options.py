@@ -21,7 +21,8 @@ from omni_triton.launch.memory_plan import (DEFAULT_UTILIZATION, THINKER_KV_SHAR
 from omni_triton.shared.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
 from omni_triton.shared.settings import (CHUNK_PACING, CPU_KV_CACHE_TOKENS, LINEAR_LAUNCHES, LOAD_FORMATS,
-                                         QUANTIZATIONS, LaunchConfig, admission_capacity_setting, on_off)
+                                         QUANTIZATIONS, LaunchConfig, admission_capacity_setting, on_off,
+                                         seconds_setting)
 
 
 class LaunchOptionError(ValueError):
@@ -131,9 +132,15 @@ def add_load_arguments(group) -> None:
                        help="requests that may wait for admission (FIFO; the wait counts in their TTFA); past it "
                             "a request is refused at once with UNAVAILABLE (default: the free slots, so that those "
                             "waiting and those running stay within --max-inflight)")
-    group.add_argument("--admission-max-wait", type=float, metavar="S", default=LaunchConfig.admission_max_wait,
+    group.add_argument("--admission-max-wait", type=_seconds, metavar="S", default=LaunchConfig.admission_max_wait,
                        help="a request that waited S seconds for admission is refused with UNAVAILABLE instead of "
                             "starting late (0: no limit; default: %(default)s)")
+    group.add_argument("--admission-max-queue-wait", type=_seconds, metavar="S",
+                       default=LaunchConfig.admission_max_queue_wait,
+                       help="refuse at once, with UNAVAILABLE, a request whose expected wait for admission exceeds S "
+                            "seconds, learned from the rate streams start out of the queue (nothing is refused so "
+                            "before that is learned); pairs with --admission-max-wait, which refuses after waiting "
+                            "(0: no limit; default: %(default)s)")
     group.add_argument("--admission-capacity", type=_admission_capacity, metavar="auto|off|AUDIO_S_PER_S",
                        help="admit a stream only while every running one keeps real time: auto (estimated from "
                             "the frame rate streams get, learned online), off (--max-inflight alone), or a fixed "
@@ -142,6 +149,14 @@ def add_load_arguments(group) -> None:
                        help="streams admitted and not yet playing at once: a burst's starts are staggered so that "
                             "their prefills do not starve the streams already playing (0: no limit; default: 6 on "
                             "cuda, 0 on cpu)")
+
+
+def _seconds(text: str) -> float:
+    """A flag's seconds, checked as LaunchConfig checks them (argparse names the flag in its error)."""
+    try:
+        return seconds_setting("seconds", float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}") from None
 
 
 def _admission_capacity(text: str) -> str:

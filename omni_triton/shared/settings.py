@@ -66,11 +66,14 @@ class LaunchConfig:
     left_context_frames: int | str | None = None
     chunk_pacing: str = "adaptive"        # adaptive | ramp (see CHUNK_PACING)
     # Admission (stages/admission.py): requests that may wait for a start (None: the free slots, so that those
-    # waiting and running stay within max_inflight_requests), for at most admission_max_wait seconds (0: no limit), and
+    # waiting and running stay within max_inflight_requests), for at most admission_max_wait seconds (0: no limit),
+    # refused at once when their expected wait, learned from the rate streams start, passes admission_max_queue_wait
+    # seconds (0: no limit; off by default: a closed loop of up to max_inflight_requests clients is never refused), and
     # the real-time capacity that gates starts: "auto" (learned), "off" (max_inflight alone), or a fixed number of
     # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
     admission_queue: int | None = None
     admission_max_wait: float = 0.0
+    admission_max_queue_wait: float = 0.0
     admission_capacity: str | None = None
     # streams admitted and not yet playing at once (their starts staggered; 0: no limit); None: 6 on cuda, 0 on cpu
     admission_max_starting: int | None = None
@@ -146,8 +149,8 @@ class LaunchConfig:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {self.chunk_pacing!r}")
         if self.admission_queue is not None and self.admission_queue < 0:
             raise ValueError(f"admission_queue must be >= 0, got {self.admission_queue}")
-        if not 0 <= self.admission_max_wait < math.inf:
-            raise ValueError(f"admission_max_wait must be >= 0 seconds, got {self.admission_max_wait}")
+        for name in ("admission_max_wait", "admission_max_queue_wait"):
+            seconds_setting(name, getattr(self, name))
         if self.admission_capacity is not None:
             admission_capacity_setting(self.admission_capacity)
         if self.admission_max_starting is not None and self.admission_max_starting < 0:
@@ -223,6 +226,13 @@ DEFAULT_MAX_STARTING_CUDA = 6  # starts at once on a GPU (stages/admission.py; b
 def on_off(value: bool) -> str:
     """A bool setting as its flag spells it."""
     return "on" if value else "off"
+
+
+def seconds_setting(name: str, seconds: float) -> float:
+    """A number of seconds >= 0 and finite (0: no limit), else ValueError naming the setting."""
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"{name} must be >= 0 seconds, got {seconds}")
+    return seconds
 
 
 def admission_capacity_setting(text: str) -> float | str:

@@ -21,8 +21,15 @@ unless the pipeline is split among instances: see ``Admission``; as TGI's
 that is refused at once instead of waiting for seconds behind it; a closed loop of up to ``max_running`` clients
 never sees a refusal. ``max_wait_s`` bounds the wait in time too (as the queue timeout of Triton's dynamic batcher
 with ``timeout_action: REJECT``): a request that waited that long is refused instead of starting late
-(``expired``). It counts what waited, for how long, and what was refused (the orchestrator's gauges). It admits onto one pipeline: with ``serve --pipelines`` each pipeline's
-orchestrator instance has its own, so every limit holds per pipeline and each learns its own GPUs' capacity.
+(``expired``). ``max_queue_wait_s`` bounds the expected wait instead, when a request arrives: one that would queue
+is refused at once if it expects to wait longer for its start (an H200 burst: the default queue let ~40 requests
+wait behind ~25 streams per instance, and requests arriving after the burst waited 7 s for theirs). ``QueueDrain``
+expects: by the queue's drain rate, learned from the starts out of it, and before that by a prior from the
+lifetimes and start lengths of recent streams (a warm server refuses a burst's surplus from its first request);
+nothing is refused so before either is learned (a cold server).
+It counts what waited, for how long, and what was refused (the orchestrator's gauges). It admits onto one pipeline:
+with ``serve --pipelines`` each pipeline's orchestrator instance has its own, so every limit holds per pipeline and
+each learns its own GPUs' capacity.
 
 A pipeline served by several orchestrator instances (``--instances orchestrator=K``) gives each 1/K of its limits
 (``split_limit``), and each instance's capacity sees 1/K of the pipeline's streams: Triton hands requests to the
@@ -36,6 +43,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from omni_triton.stages.queue_drain import Occupancy, QueueDrain
 
 FRAME_S = 1 / 12.5           # audio per codec frame
 HEADROOM = 1.1               # each stream should get at least this x real time
@@ -118,24 +127,29 @@ class Admission:
     """Thread-safe: the orchestrator's request threads and its dispatcher call it."""
 
     def __init__(self, max_running: int, queue_limit: int | None, capacity: RealtimeCapacity | None,
-                 max_starting: int = 0, max_wait_s: float = 0.0, max_held: int | None = None):
+                 max_starting: int = 0, max_wait_s: float = 0.0, max_held: int | None = None,
+                 max_queue_wait_s: float = 0.0):
         """``max_running`` streams, ``max_starting`` admitted and not yet playing at once (0: no limit), a
         ``capacity`` learned from their frames (None: by ``max_running`` alone); ``queue_limit`` requests
         waiting (None: the free slots, ``max_held`` less those running), none longer than ``max_wait_s``
         (0: no limit). ``max_held``: requests running and waiting together with the default queue (None:
         ``max_running``); one of K orchestrator instances of a pipeline runs 1/K of its streams but may hold up to
-        all of them, since Triton hands requests to the instances in turn, not by their load."""
-        if max_running < 1 or (queue_limit or 0) < 0 or max_starting < 0 or max_wait_s < 0:
-            raise ValueError(f"max_running must be >= 1, queue_limit, max_starting and max_wait_s >= 0, got "
-                             f"{max_running}, {queue_limit}, {max_starting}, {max_wait_s}")
+        all of them, since Triton hands requests to the instances in turn, not by their load. ``max_queue_wait_s``:
+        a request that would wait longer than this for its start, as ``QueueDrain`` expects it, is refused when it
+        arrives (0: no limit)."""
+        if min(max_starting, max_wait_s, max_queue_wait_s, queue_limit or 0) < 0 or max_running < 1:
+            raise ValueError(f"max_running must be >= 1, queue_limit, max_starting, max_wait_s and max_queue_wait_s "
+                             f">= 0, got {max_running}, {queue_limit}, {max_starting}, {max_wait_s}, "
+                             f"{max_queue_wait_s}")
         self.max_running, self.queue_limit, self.max_starting = max_running, queue_limit, max_starting
-        self.max_wait_s = max_wait_s
+        self.max_wait_s, self.max_queue_wait_s = max_wait_s, max_queue_wait_s
         self.max_held = max_running if max_held is None else max_held
         if self.max_held < max_running:
             raise ValueError(f"max_held must be >= max_running {max_running}, got {max_held}")
         self.capacity = capacity
         self._lock = threading.Lock()
         self._queue: deque[Waiting] = deque()
+        self._drain = QueueDrain()  # learned whether or not max_queue_wait_s is set: a gauge shows it
         self.running = 0
         self.starting = 0        # admitted, not playing yet
         self.waited = 0          # requests that started after waiting in the queue
@@ -156,11 +170,13 @@ class Admission:
     def arrive(self, item: Any, now: float) -> str:
         """'start' (counted as running now), 'queued' or 'refused'."""
         with self._lock:
+            self._drain.update(now, waiting=bool(self._queue))  # the rate as of now: the wait so far counts
             decision = self._decision()
             if decision == "start":
                 self._count_start()
             elif decision == "queued":
                 self._queue.append(Waiting(item, now))
+                self._drain.update(now, waiting=True)
             else:
                 self.refused += 1
             return decision
@@ -168,15 +184,48 @@ class Admission:
     def _decision(self, running: int | None = None, starting: int | None = None, queued: int | None = None) -> str:
         """Under the lock: what ``arrive`` answers a request that comes now (or in the state given)."""
         running = self.running if running is None else running
+        starting = self.starting if starting is None else starting
         queued = len(self._queue) if queued is None else queued
         if not queued and self._can_start(running, starting):
             return "start"
-        return "queued" if queued < self._queue_room(running) else "refused"
+        return "queued" if queued < self._queue_room(running, starting) else "refused"
 
-    def _queue_room(self, running: int) -> int:
+    def _queue_room(self, running: int, starting: int) -> int:
+        """Requests that may wait: by ``queue_limit``, and of those the ones within ``max_queue_wait_s``."""
+        return self._wait_room(running, starting, self._limit_room(running))
+
+    def _limit_room(self, running: int) -> int:
+        """Requests that may wait by ``queue_limit`` (by default the free slots)."""
         if self.queue_limit is None:
             return self.max_held - running
         return self.queue_limit
+
+    def _wait_room(self, running: int, starting: int, places: int) -> int:
+        """Of the first ``places`` in the queue, those whose request expects its start within ``max_queue_wait_s``
+        (all of them where the bound is off or the wait is not known yet)."""
+        if not self.max_queue_wait_s:
+            return places
+        occupancy = self._occupancy(running, starting)
+        for ahead in range(places):  # the waits grow with the place: the first one past the bound ends the room
+            wait = self._drain.wait_s(ahead, occupancy)
+            if wait is not None and wait > self.max_queue_wait_s + 1e-9:
+                return ahead
+        return places
+
+    def _occupancy(self, running: int, starting: int) -> Occupancy:
+        return Occupancy(running, starting, self._stream_limit(running), self.max_starting)
+
+    def _stream_limit(self, running: int) -> int:
+        """Streams that may run now, by ``max_running`` and the capacity estimate (``_can_start`` less the stagger):
+        searched from ``running``, where it usually is under load (the capacity admits fewer as streams grow)."""
+        if self.capacity is None:
+            return self.max_running
+        limit = min(max(running, 1), self.max_running)  # one always starts when none runs
+        while limit > 1 and not self.capacity.admits(limit - 1):
+            limit -= 1
+        while limit < self.max_running and self.capacity.admits(limit):
+            limit += 1
+        return limit
 
     def refusal(self) -> str:
         """Why ``arrive`` refused, naming the limit."""
@@ -191,7 +240,7 @@ class Admission:
             running, starting, queued, room = self.running, self.starting, len(self._queue), 0
             while not queued and self._can_start(running, starting):  # as ``_decision``: those that would start
                 running, starting, room = running + 1, starting + 1, room + 1
-            waiting_room = max(0, self._queue_room(running) - queued)  # then those that would wait
+            waiting_room = max(0, self._queue_room(running, starting) - queued)  # then those that would wait
             return room + waiting_room, self._refusal(running, starting, queued + waiting_room)
 
     def _refusal(self, running: int | None = None, starting: int | None = None, queued: int | None = None) -> str:
@@ -199,6 +248,15 @@ class Admission:
         running = self.running if running is None else running
         starting = self.starting if starting is None else starting
         queued = len(self._queue) if queued is None else queued
+        limit_room = self._limit_room(running)
+        wait_room = self._wait_room(running, starting, limit_room)
+        if wait_room < limit_room:  # the expected wait is the bound
+            occupancy = self._occupancy(running, starting)
+            wait = self._drain.wait_s(queued, occupancy)
+            if wait is None:  # a mean its place needs is not learned yet: it waits at least as the first place refused
+                wait = self._drain.wait_s(wait_room, occupancy)
+            return (f"server busy: an estimated {wait:.1f} s wait for admission behind {running} streaming and "
+                    f"{queued} waiting (admission_max_queue_wait {self.max_queue_wait_s:g} s); retry later")
         if self.queue_limit is None:  # waiting and running: every slot taken
             return (f"server busy: {running} streaming and {queued} waiting for admission, "
                     f"{self.max_held} in all (max_inflight_requests; admission_queue: the free slots); "
@@ -215,17 +273,21 @@ class Admission:
                 f"{self.capacity.instance_audio_s_per_s(running + 1):.2f} audio-s/s; admission_queue 0); "
                 "retry later")
 
-    def playing(self) -> None:
-        """A started stream sent its first audio: its start is over."""
+    def playing(self, start_s: float) -> None:
+        """A started stream sent its first audio, ``start_s`` seconds after it was admitted (``arrive`` or ``due``
+        counted it as running): its start is over."""
         with self._lock:
             self.starting -= 1
+            self._drain.stream_played(start_s)
 
-    def finished(self, played: bool = True) -> None:
-        """A started stream ended; ``played``: ``playing`` was called for it."""
+    def finished(self, lifetime_s: float, played: bool = True) -> None:
+        """A started stream ended, ``lifetime_s`` seconds after it was admitted; ``played``: ``playing`` was called
+        for it."""
         with self._lock:
             self.running -= 1
             if not played:
                 self.starting -= 1
+            self._drain.stream_ended(lifetime_s, played)
 
     def due(self, now: float) -> list[tuple[Any, float]]:
         """Waiting requests that may start now, in arrival order, with their waits (each counted as running)."""
@@ -237,6 +299,7 @@ class Admission:
                 self.waited += 1
                 self.wait_s += now - waiting.since
                 started.append((waiting.item, now - waiting.since))
+            self._drain.update(now, waiting=bool(self._queue), started=len(started))
         return started
 
     def expired(self, now: float) -> list[tuple[Any, float]]:
@@ -248,6 +311,7 @@ class Admission:
                 waiting = self._queue.popleft()
                 self.refused += 1
                 gone.append((waiting.item, now - waiting.since))
+            self._drain.update(now, waiting=bool(self._queue))
         return gone
 
     def expiry(self, waited_s: float) -> str:
@@ -263,8 +327,17 @@ class Admission:
             for waiting in self._queue:
                 (gone.append(waiting.item) if predicate(waiting.item) else kept.append(waiting))
             self._queue = kept
+            if not kept:
+                self._drain.emptied()
         return gone
 
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    @property
+    def expected_wait_s(self) -> float:
+        """Expected seconds a request that queued now would wait for its start (0: it would start at once, or
+        nothing is learned yet)."""
+        with self._lock:
+            return self._drain.wait_s(len(self._queue), self._occupancy(self.running, self.starting)) or 0.0

@@ -21,6 +21,9 @@ see ``StageMetrics.update``). Names:
     omni_admission_waited_requests{stage}       requests started after waiting (cumulative)
     omni_admission_wait_seconds{stage}          their waits, summed (cumulative; / waited = mean wait)
     omni_admission_refused_requests{stage}      requests refused with UNAVAILABLE (cumulative)
+    omni_admission_expected_wait_seconds{stage} expected wait of a request that queued now, learned from the starts
+                                                out of the queue, before that from recent streams' lifetimes and
+                                                starts (0: it would start at once, or nothing is learned yet)
     omni_realtime_capacity_audio_s_per_s{stage} estimated audio-seconds per second at the running streams
                                                 (0: admission by real-time capacity is off)
   GPU memory of the orchestrator's own process (on a GPU only; torch's caching allocator, ``torch_memory_gauges``):
@@ -55,6 +58,7 @@ GAUGES = {
     "omni_admission_waited_requests": "Requests started after waiting for admission (cumulative)",
     "omni_admission_wait_seconds": "Seconds requests waited for admission, summed (cumulative)",
     "omni_admission_refused_requests": "Requests refused with UNAVAILABLE by admission (cumulative)",
+    "omni_admission_expected_wait_seconds": "Expected wait for admission of a request queued now (0: none or unknown)",
     "omni_realtime_capacity_audio_s_per_s": "Estimated audio-seconds per second at the running streams (0: off)",
     "omni_gpu_memory_allocated_bytes": "GPU memory held by this stage process's live tensors (torch)",
     "omni_gpu_memory_reserved_bytes": "GPU memory torch's allocator reserved in this stage process (live + cached)",

@@ -6,7 +6,8 @@ must not stall the other streams. Admission (``admission``): a request starts wh
 ``max_inflight`` stream and, with a capacity, while one more stream would leave every playing one real time;
 otherwise it waits in a FIFO queue (its wait counts in its TTFA: trace event ``orchestrator.admitted`` with
 ``waited_s``), and past ``admission_queue`` waiting (default: the free slots) it is refused at once with UNAVAILABLE
-naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late.
+naming the limit; one that waited ``admission_max_wait`` seconds is refused then, instead of starting late, and one
+whose expected wait passes ``admission_max_queue_wait`` seconds is refused at once.
 How many more requests it would take before refusing one, and the mark of the latest request it received, are
 published at each change (``admission_board``), so that preprocess refuses a request before its work and without
 waiting for this process's thread when the instances' room is taken, those on their way here counted.
@@ -136,12 +137,14 @@ class Orchestrator:
                  max_starting: int = 0, route: PipelineRoute | None = None,
                  shared_cancels: CancelRegistry | None = None, metric_labels: Mapping[str, str] | None = None,
                  slot: OrchestratorSlot = OrchestratorSlot(), admission_max_wait_s: float = 0.0,
-                 board: BoardWriter | None = None):
+                 board: BoardWriter | None = None, admission_max_queue_wait_s: float = 0.0):
         """``capacity``: admission by real-time capacity (None: by ``max_inflight`` alone; its ``share`` is
         ``slot.per_pipeline``); ``max_starting``: streams admitted and not yet playing at once (0: no limit);
         ``admission_queue``: requests that may wait (None: the free slots), none longer than
-        ``admission_max_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for
-        this instance's pipeline, and each of its ``slot.per_pipeline`` instances takes its part (``split_limit``).
+        ``admission_max_wait_s`` (0: no limit), none queued whose expected wait (learned from this instance's own
+        queue) is longer than ``admission_max_queue_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue``
+        and ``max_starting`` hold for this instance's pipeline, and each of its ``slot.per_pipeline`` instances
+        takes its part (``split_limit``).
         ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
         on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where the
         server's other orchestrator instances record cancels of requests they do not hold (None: this is the only
@@ -166,7 +169,7 @@ class Orchestrator:
         pipeline_inflight, max_inflight = max_inflight, split_limit(max_inflight, slot.per_pipeline)
         self._admission = Admission(max_inflight, split_limit(admission_queue, slot.per_pipeline), capacity,
                                     split_limit(max_starting, slot.per_pipeline), admission_max_wait_s,
-                                    max_held=pipeline_inflight)
+                                    max_held=pipeline_inflight, max_queue_wait_s=admission_max_queue_wait_s)
         self._board, self._board_lock = board, threading.Lock()
         self._latest_let_through = 0  # the board: preprocess's requests up to this mark are no longer on their way
         self._publish()
@@ -210,6 +213,7 @@ class Orchestrator:
                 "omni_admission_waited_requests": admission.waited,
                 "omni_admission_wait_seconds": admission.wait_s,
                 "omni_admission_refused_requests": admission.refused,
+                "omni_admission_expected_wait_seconds": admission.expected_wait_s,
                 "omni_realtime_capacity_audio_s_per_s": capacity,
                 **torch_memory_gauges(self._route.gpu)}
 
@@ -255,10 +259,11 @@ class Orchestrator:
                          _CancelCheck(request, cancelled, deadline))
         with self._lock:  # before it may start: a cancel sent while it waits must find it
             self._cancel_events.setdefault(client_id, {})[cancelled] = time.monotonic()
-        decision = self._admission.arrive(ticket, time.monotonic())
+        arrived = time.monotonic()
+        decision = self._admission.arrive(ticket, arrived)
         self._publish()  # before its start or refusal: preprocess sees its place taken at once
         if decision == "start":
-            self._start(ticket, waited_s=0.0)
+            self._start(ticket, waited_s=0.0, admitted=arrived)
         elif decision == "refused":
             self._forget(ticket)
             self._refuse(sender, self._admission.refusal())
@@ -274,12 +279,14 @@ class Orchestrator:
         error = triton_error(self._pb, "UNAVAILABLE", message)
         sender.send(self._pb.InferenceResponse(error=error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _start(self, ticket: "_Ticket", waited_s: float) -> None:
+    def _start(self, ticket: "_Ticket", waited_s: float, admitted: float) -> None:
+        """``admitted``: when admission counted it as running (monotonic): its start and lifetime count from there,
+        not from its arrival, for admission's prior of the queue's pace."""
         trace.event(ticket.request_id, "orchestrator.admitted", waited_s=waited_s, pipeline=self._route.index)
         with self._lock:  # before its thread runs: the gauges count it from now on
             self._active[ticket.request_id] = None
             self._unanswered += 1
-        self._pool.submit(self._run, ticket)
+        self._pool.submit(self._run, ticket, admitted)
 
     def _forget(self, ticket: "_Ticket") -> None:
         with self._lock:
@@ -329,7 +336,7 @@ class Orchestrator:
                 self._refuse(ticket.sender, down)
             return last_sample
         for ticket, waited_s in self._admission.due(now):
-            self._start(ticket, waited_s)
+            self._start(ticket, waited_s, admitted=now)
         self._publish()
         return last_sample
 
@@ -447,7 +454,7 @@ class Orchestrator:
             self._request_counter += 1
             return f"{request.request_id() or 'req'}#{os.getpid()}.{self._request_counter}"
 
-    def _run(self, ticket: "_Ticket") -> None:
+    def _run(self, ticket: "_Ticket", admitted: float) -> None:
         pb = self._pb
         sender, inputs, request_id, deadline = ticket.sender, ticket.inputs, ticket.request_id, ticket.deadline
         send_lock = threading.Lock()
@@ -465,7 +472,7 @@ class Orchestrator:
                 sender.send(pb.InferenceResponse(outputs))
                 if audio is not None and not played:
                     played.append(True)
-                    self._admission.playing()
+                    self._admission.playing(time.monotonic() - admitted)
                     self._publish()
                     self._wake.set()  # a waiting stream may start now
 
@@ -506,7 +513,7 @@ class Orchestrator:
             # the slot first: once the gauges say this request is gone, a new one is admitted
             self._forget(ticket)
             with send_lock:  # not while emit counts its first audio
-                self._admission.finished(played=bool(played))
+                self._admission.finished(time.monotonic() - admitted, played=bool(played))
             self._publish()  # before the final response: its client's next request must not find it full
             with self._lock:
                 del self._active[request_id]

@@ -33,6 +33,7 @@ class TritonPythonModel:
             pb_utils, settings.checkpoint_dir, device, chunk_policy(settings),
             max_inflight=settings.max_inflight_requests, chunk_pacing=settings.chunk_pacing,
             admission_queue=settings.admission_queue, admission_max_wait_s=settings.admission_max_wait,
+            admission_max_queue_wait_s=settings.admission_max_queue_wait,
             max_starting=settings.resolved_admission_max_starting,
             capacity=None if capacity == "off" else RealtimeCapacity(forced, share=slot.per_pipeline),
             # the orchestrator watches every stage instance's process of its pipeline (stage_supervisor)
