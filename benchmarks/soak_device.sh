@@ -9,6 +9,9 @@
 #                                                           # server
 #   GOODPUT=R bash benchmarks/soak_device.sh soak OUT       # the soak at 0.8 x R for SOAK_S s (a server of its own)
 #   GOODPUT=R bash benchmarks/soak_device.sh kill OUT       # KILL_STAGES killed under load, a fresh server each
+#   SERVE_ARGS="--admission-max-queue-wait 2" bash benchmarks/soak_device.sh goodput-mix,burst OUT
+#                                  # the burst with a queue no longer than ~2 s of starts (docs/load.md): what waited
+#                                  # in the default queue (the free slots) kept TTFA high ~19 s after an H200's burst
 #
 # The burst's, soak's and kills' rates are fractions of a goodput: GOODPUT=R when set, else the goodput of the soak's
 # own request mix this command measured (goodput-mix: `bench --request-rate auto --mix` with MIX_ARGS, the mix the
