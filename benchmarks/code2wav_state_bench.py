@@ -16,6 +16,10 @@ the code2wav stage can decode it, all eager (no CUDA graphs), seeded random weig
 
 Also, at batch 1: the stateful stream of the 4/8/24/25 ramp against a one-pass decode of the same frames (max
 abs error; bf16 rounding at full size). Prints a markdown table; writes code2wav_state_bench.json and .md.
+
+``--profile-batch N``: then one stateful call at batch N (eager) under torch.profiler: its ops by time on the
+device (CPU time where there is no GPU), into code2wav_profile.txt: where a served code2wav call's time goes (at 64
+streams on an H200 the stage was busy 86-93% of the wall, its calls of ~5 chunks taking ~20 ms on the GPU).
 """
 
 from __future__ import annotations
@@ -102,6 +106,24 @@ def time_batch(runtime: Code2WavRuntime, graph_runtime: Code2WavRuntime | None, 
     return row
 
 
+@torch.inference_mode()
+def profile_call(runtime: Code2WavRuntime, batch: int, chunk: int, generator: torch.Generator) -> str:
+    """One stateful call at ``batch`` (after a warm-up call) under torch.profiler: the ops' table, slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call = stateful_call(runtime, batch, chunk, generator)
+    call()
+    on_gpu = runtime.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        call()
+        if on_gpu:
+            torch.cuda.synchronize(runtime.device)
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    return (f"One stateful call, batch {batch}, {chunk} new frames a stream, eager, ops by {sort_by}:\n"
+            + prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=50))
+
+
 def markdown(result: dict) -> str:
     ramp = result["ramp"]
     lines = [f"Device: {result['device_name']}; {result['config']} Code2Wav (random {result['dtype']} weights); "
@@ -133,7 +155,11 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-frames", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
     parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--profile-batch", type=int, metavar="N",
+                        help="also profile one stateful call at batch N (code2wav_profile.txt)")
     args = parser.parse_args(argv)
+    if args.profile_batch is not None and args.profile_batch < 1:
+        parser.error(f"--profile-batch must be >= 1, got {args.profile_batch}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -159,6 +185,10 @@ def main(argv=None) -> None:
     (out / "code2wav_state_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "code2wav_state_bench.md").write_text(markdown(result))
     print(f"wrote {out / 'code2wav_state_bench.json'} and {out / 'code2wav_state_bench.md'}")
+    if args.profile_batch is not None:
+        table = profile_call(runtime, args.profile_batch, args.chunk_frames, generator)
+        (out / "code2wav_profile.txt").write_text(table + "\n")
+        print(table, f"\nwrote {out / 'code2wav_profile.txt'}", sep="\n")
 
 
 if __name__ == "__main__":
