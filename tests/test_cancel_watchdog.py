@@ -121,7 +121,7 @@ class StalledStages:
     def merge_payloads(self, payloads):
         return None
 
-    def code2wav(self, codes, left_context_frames):
+    def code2wav(self, codes, left_context_frames, urgent=False):
         self.in_code2wav.set()
         if self.code2wav_returns:
             return torch.zeros(4)

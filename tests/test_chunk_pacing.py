@@ -152,9 +152,24 @@ def test_pacer_reads_the_listeners_buffer_as_a_player_that_pauses():
     assert pacer.decode_s() == 0.07 and pacer.next_frame_wait_s() == FRAME_S
 
 
+def test_a_chunk_is_urgent_while_its_listener_has_under_urgent_s_left():
+    pacer = ChunkPacer(POLICY)
+    assert pacer.urgent_s == 0.5
+    assert not pacer.urgent(1.0)                         # nothing sent: the first chunk has its own priority
+    pacer.audio_sent(0.32, now=1.0)
+    assert pacer.urgent(1.0)                             # 0.32 s left
+    pacer.audio_sent(0.64, now=1.1)                      # 0.86 s left
+    assert not pacer.urgent(1.1)
+    assert not pacer.urgent(1.45) and pacer.urgent(1.47)  # the 0.5 s line is crossed at 1.46
+    assert pacer.urgent(5.0)                             # dry
+    assert not ChunkPacer(POLICY, urgent_s=0).urgent(1.0)
+
+
 def test_pacer_rejects_nonsense_settings():
     with pytest.raises(ValueError, match="poll_s"):
         ChunkPacer(POLICY, poll_s=0)
+    with pytest.raises(ValueError, match="urgent_s"):
+        ChunkPacer(POLICY, urgent_s=-1)
 
 
 # -- the session's audio worker: a stalled talker is looked at again ------------------------------------
@@ -172,6 +187,7 @@ class _StallingTalker:
 
     def __init__(self):
         self.release = threading.Event()
+        self.urgent: list[bool] = []  # per code2wav call, whether the session sent it ahead
 
     def thinker(self, request_id):
         yield ThinkerChunk([1], finished=True)
@@ -184,7 +200,8 @@ class _StallingTalker:
     def talker_append(self, request_id, chunk):
         pass
 
-    def code2wav(self, codes, left_context_frames):
+    def code2wav(self, codes, left_context_frames, urgent=False):
+        self.urgent.append(urgent)
         return torch.zeros((codes.shape[1] - left_context_frames) * 10)
 
     def abort(self, request_id):
@@ -221,6 +238,10 @@ def test_a_paced_stream_decodes_frames_a_stalled_talker_left_pending(paced, trac
     # the listener's buffer when each chunk went out: nothing before the first; only a pacer tracks it
     assert [r["buffered_ms"] is not None for r in records] == [paced, paced]
     assert not paced or records[0]["buffered_ms"] == 0 <= records[1]["buffered_ms"] <= 320
+    # the chunk its deadline sent has under half a second left for its listener: it goes ahead of queued chunks
+    # (the first has a priority of its own); without a pacer nothing is known of the listener
+    assert clients.urgent == [False, paced]
+    assert [r["urgent"] for r in records] == [False, paced]
 
 
 @given(st.lists(st.tuples(st.floats(0.001, 0.5), st.integers(0, 5)), max_size=40), st.integers(1, 6))

@@ -173,9 +173,9 @@ def call(t, host_ms, chunks=2, frames_max=25, frames_total=None, gpu_ms=None, ga
                 send_queued_ms=send_queued_ms)
 
 
-def chunk(t, frames, reason, call_ms=10.0, request="r"):
+def chunk(t, frames, reason, call_ms=10.0, request="r", urgent=False):
     return dict(record="code2wav_chunk", t=t, pid=9, request=request, frames=frames, context_frames=0,
-                reason=reason, call_ms=call_ms, buffered_ms=None)
+                reason=reason, call_ms=call_ms, buffered_ms=None, urgent=urgent)
 
 
 def test_call_stats_over_a_window():
@@ -222,6 +222,18 @@ def test_chunk_stats_say_how_the_pacer_cut_the_chunks():
     assert stats["deadline_pct"] == pytest.approx(100 / 3)  # of the chunks after a stream's first
     assert stats["round_trip_p50_ms"] == pytest.approx(40)
     assert "calls" not in stats
+    assert stats["urgent_pct"] == 0 and stats["urgent_round_trip_p50_ms"] is None
+
+
+def test_chunk_stats_count_the_urgent_chunks_and_their_round_trips():
+    chunks = [chunk(0.1, 4, "first", 20), chunk(0.3, 8, "ramp", 30, urgent=True),
+              chunk(0.5, 3, "deadline", 50, urgent=True), chunk(0.7, 25, "ramp", 300)]
+    stats = code2wav_breakdown.code2wav_stats([], chunks, 0.0, 1.0)
+    assert stats["urgent_pct"] == pytest.approx(200 / 3)  # of the chunks after a stream's first
+    assert stats["urgent_round_trip_p50_ms"] == pytest.approx(40)
+    # a trace written before chunks went ahead as urgent says nothing of them: no figure, not 0%
+    old = [{k: v for k, v in c.items() if k != "urgent"} for c in chunks]
+    assert code2wav_breakdown.code2wav_stats([], old, 0.0, 1.0)["urgent_pct"] is None
 
 
 def test_breakdown_table_gets_code2wav_rows_per_level():
@@ -297,12 +309,16 @@ def test_served_streams_log_every_code2wav_call_and_chunk(tiny_checkpoint, tmp_p
     for stream in by_stream.values():
         assert stream[0]["reason"] == "first" and {c["reason"] for c in stream[1:]} <= {"ramp", "deadline", "final"}
         assert sum(c["frames"] for c in stream) == REQUEST["max_audio_frames"]
+        # a chunk went ahead of those queued at the stage exactly when its listener had under 0.5 s left
+        assert not stream[0]["urgent"] and all(c["urgent"] == (c["buffered_ms"] < 500) for c in stream[1:])
     # the bench's breakdown of this level (the clients' window) reads them into its code2wav rows
     row = breakdown.level_row("server", STREAMS, client_trace, server_trace)
     stats = row["code2wav"]
     assert stats["calls"] == len(calls) and stats["chunks_sent"] == len(chunks)
     assert stats["chunks_mean"] >= 1 and stats["new_frames"] == STREAMS * REQUEST["max_audio_frames"]
     assert 0 < stats["busy_pct"] <= 100
+    assert stats["urgent_pct"] == pytest.approx(
+        100 * sum(c["urgent"] for c in chunks) / sum(c["reason"] != "first" for c in chunks))
     table = breakdown.markdown([row])
     for label in ("calls/s", "chunks per call (mean / p95)", "frames per call (mean)", "busy % of wall",
                   "gap between calls", "sent to execute ms", "deferred send ms", "pacer chunk frames (p50)"):

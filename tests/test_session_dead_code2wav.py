@@ -41,7 +41,7 @@ class DeadCode2Wav:
     def merge_payloads(self, payloads):  # chunks that queued behind an append go as one
         return None
 
-    def code2wav(self, codes, left_context_frames):
+    def code2wav(self, codes, left_context_frames, urgent=False):
         self.dead.set()  # the stage dies under this call
         assert self.release.wait(30), "the test releases every blocked call"
         raise RuntimeError("Stub process 'code2wav_0_0' is not healthy.")

@@ -72,7 +72,7 @@ class TensorStages:
     def merge_payloads(self, payloads):
         return {"HIDDEN": torch.cat([payload["HIDDEN"] for payload in payloads])}
 
-    def code2wav(self, codes, left_context_frames):
+    def code2wav(self, codes, left_context_frames, urgent=False):
         self._code2wav_calls += 1
         if self.fail == "code2wav" and self._code2wav_calls == 2:
             raise StageError("code2wav: boom")

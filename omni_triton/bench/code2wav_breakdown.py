@@ -35,6 +35,9 @@ TABLE_ROWS = (
     ("pacer chunks cut short by the deadline (% of those after the first)", ("deadline_pct",), "{:.0f}"),
     ("chunk round trip from the orchestrator ms (p50 / p95)", ("round_trip_p50_ms", "round_trip_p95_ms"),
      "{:.1f} / {:.1f}"),
+    ("chunks sent ahead as urgent (% of those after the first)", ("urgent_pct",), "{:.0f}"),
+    ("urgent chunk round trip ms (p50 / p95)", ("urgent_round_trip_p50_ms", "urgent_round_trip_p95_ms"),
+     "{:.1f} / {:.1f}"),
 )
 
 
@@ -79,11 +82,18 @@ def _call_stats(calls: list[dict], start: float, end: float) -> dict:
 def _chunk_stats(chunks: list[dict]) -> dict:
     after_first = [c for c in chunks if c["reason"] != "first"]
     round_trips = [c["call_ms"] for c in chunks]
+    # records written before chunks could go ahead as urgent have no "urgent": no figure then
+    urgent = [c for c in after_first if c.get("urgent")]
+    urgent_known = bool(after_first) and all("urgent" in c for c in after_first)
+    urgent_trips = [c["call_ms"] for c in urgent]
     return {"chunks_sent": len(chunks), "chunk_frames_p50": _percentile([c["frames"] for c in chunks], 50),
             "chunk_sizes": len({c["frames"] for c in chunks}),  # Triton batches only chunks of one size
             "deadline_pct": (100 * sum(c["reason"] == "deadline" for c in after_first) / len(after_first)
                              if after_first else None),
-            "round_trip_p50_ms": _percentile(round_trips, 50), "round_trip_p95_ms": _percentile(round_trips, 95)}
+            "round_trip_p50_ms": _percentile(round_trips, 50), "round_trip_p95_ms": _percentile(round_trips, 95),
+            "urgent_pct": 100 * len(urgent) / len(after_first) if urgent_known else None,
+            "urgent_round_trip_p50_ms": _percentile(urgent_trips, 50),
+            "urgent_round_trip_p95_ms": _percentile(urgent_trips, 95)}
 
 
 def _percentile(values: list[float], q: float) -> float | None:

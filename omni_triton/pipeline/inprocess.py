@@ -186,10 +186,11 @@ class _DirectClients:
     def merge_payloads(self, payloads: list[ThinkerOutput]) -> ThinkerOutput:
         return merge_appends(payloads)
 
-    def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
+    # ``urgent`` has nothing to go ahead of here: one process decodes each chunk when it is asked
+    def code2wav(self, codes: torch.Tensor, left_context_frames: int, urgent: bool = False) -> torch.Tensor:
         return self.pipeline.decode_chunk(codes, left_context_frames)
 
-    def code2wav_stream(self, codes: torch.Tensor, first: bool) -> torch.Tensor:
+    def code2wav_stream(self, codes: torch.Tensor, first: bool, urgent: bool = False) -> torch.Tensor:
         return self.pipeline.decode_stream_chunk(self.stream_id, codes, first)
 
     def code2wav_close(self) -> None:

@@ -38,11 +38,12 @@ class StageClients(Protocol):
     def talker_append(self, request_id: str, chunk: ThinkerChunk) -> None: ...
     def merge_payloads(self, payloads: list[Any]) -> Any:
         """One payload for consecutive thinker chunks past the first (rows concatenated in order)."""
-    def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
-        """codes [G, N] (left context first) -> the new samples only."""
-    def code2wav_stream(self, codes: torch.Tensor, first: bool) -> torch.Tensor:
+    def code2wav(self, codes: torch.Tensor, left_context_frames: int, urgent: bool = False) -> torch.Tensor:
+        """codes [G, N] (left context first) -> the new samples only. ``urgent``: the listener has little audio
+        left, so the chunk goes ahead of those queued (``ChunkPacer.urgent``)."""
+    def code2wav_stream(self, codes: torch.Tensor, first: bool, urgent: bool = False) -> torch.Tensor:
         """codes [G, n]: this request's next new frames; the code2wav stage carries the vocoder state between
-        calls (``first`` opens it) -> the new samples."""
+        calls (``first`` opens it) -> the new samples. ``urgent`` as ``code2wav``'s."""
     def code2wav_close(self) -> None:
         """Free this request's code2wav stream state, if it has one (idempotent, never raises)."""
     def abort(self, request_id: str) -> None: ...
@@ -358,21 +359,22 @@ class _AudioWorker:
             self._trace_once("session.code2wav_first_call")
             started = time.monotonic()
             buffered_s = self._pacer.buffered_s(started) if self._pacer is not None else None
+            urgent = self._pacer is not None and self._pacer.urgent(started)
             with self._call_or_done:
                 self._in_call.set()
                 self._call_or_done.notify_all()
             try:
                 if self._stream.policy.stateful:
-                    audio = self._clients.code2wav_stream(job.codes, first=job.start_frame == 0)
+                    audio = self._clients.code2wav_stream(job.codes, first=job.start_frame == 0, urgent=urgent)
                 else:
-                    audio = self._clients.code2wav(job.codes, job.context_frames)
+                    audio = self._clients.code2wav(job.codes, job.context_frames, urgent=urgent)
             finally:
                 self._in_call.clear()
             if self._stopped.is_set():
                 return  # the session ended while this call was blocked (a code2wav that died): say nothing
             now = time.monotonic()
             if trace.enabled():
-                self._trace_chunk(job, buffered_s, started, now)
+                self._trace_chunk(job, buffered_s, urgent, started, now)
             if audio.numel():
                 self._trace_once("session.code2wav_first_audio")
                 self._emit("", audio)
@@ -380,13 +382,14 @@ class _AudioWorker:
                 self._pacer.decode_took(now - started)
                 self._pacer.audio_sent(job.new_frames * self._pacer.frame_s, now)
 
-    def _trace_chunk(self, job: ChunkJob, buffered_s: float | None, started: float, ended: float) -> None:
+    def _trace_chunk(self, job: ChunkJob, buffered_s: float | None, urgent: bool, started: float,
+                     ended: float) -> None:
         """A ``code2wav_chunk`` record per chunk (stamped when its audio came back): its new frames, why it has that
-        many (``ChunkJob.reason``), the listener's buffer when it was sent (with a pacer) and the call's round
-        trip, so a trace shows the sizes the code2wav stage is given and why."""
+        many (``ChunkJob.reason``), the listener's buffer when it was sent (with a pacer), whether it went ahead
+        as urgent, and the call's round trip, so a trace shows the sizes the code2wav stage is given and why."""
         trace.record("code2wav_chunk", ended, request=self._request_id, frames=job.new_frames,
                      context_frames=job.context_frames, reason=job.reason, call_ms=(ended - started) * 1e3,
-                     buffered_ms=None if buffered_s is None else buffered_s * 1e3)
+                     buffered_ms=None if buffered_s is None else buffered_s * 1e3, urgent=urgent)
 
     def _on_idle(self) -> None:
         if self._pacer is not None and not self._stopped.is_set():

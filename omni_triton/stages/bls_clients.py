@@ -37,10 +37,12 @@ THINKER_PARAMS = ["MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "
                   "IGNORE_EOS"]
 TALKER_PARAMS = ["SPEAKER_ID", "TEMPERATURE", "TALKER_REPETITION_PENALTY", "SEED", "IGNORE_EOS", "MAX_AUDIO_FRAMES",
                  "MIN_AUDIO_FRAMES"]
-# A stream's first code2wav chunk goes ahead of the later chunks queued at the stage (its config: priority_levels
-# 2, default 2): it is the listener's first audio and the end of the stream's start, and admission lets only a few
-# streams start at once, so the time it waits behind other streams' chunks bounds requests/s.
-FIRST_CHUNK_PRIORITY = 1
+# Chunks that go ahead of the others queued at the code2wav stage (its config: priority_levels 2, default 2):
+# a stream's first chunk (the listener's first audio and the end of the stream's start; admission lets only a few
+# streams start at once, so the time it waits behind other streams' chunks bounds requests/s), and an urgent one
+# (its listener has little audio left: ``ChunkPacer.urgent``), which would otherwise run dry behind chunks of
+# streams with seconds buffered.
+AHEAD_PRIORITY = 1
 
 _correlation_ids = itertools.count(1)
 
@@ -152,26 +154,28 @@ class BlsStageClients:
                 self._outputs(response)
 
     # -- code2wav ------------------------------------------------------------------------------------
-    def code2wav(self, codes: torch.Tensor, left_context_frames: int) -> torch.Tensor:
-        """codes [G, N] on the stage device -> new audio samples (left context trimmed) on that device."""
+    def code2wav(self, codes: torch.Tensor, left_context_frames: int, urgent: bool = False) -> torch.Tensor:
+        """codes [G, N] on the stage device -> new audio samples (left context trimmed) on that device; an
+        ``urgent`` chunk (and a stream's first, with no left context) goes ahead of those queued."""
         pb = self._pb
         codes = codes.to(torch.int64).unsqueeze(0)  # code2wav batches: [1, G, N]
         inputs = [from_torch(pb, "CODES", codes),
                   pb.Tensor("LEFT_CONTEXT", np.array([[left_context_frames]], dtype=np.int32))]
-        audio = self._code2wav_call(inputs, first=left_context_frames == 0)["AUDIO"]
+        audio = self._code2wav_call(inputs, ahead=urgent or left_context_frames == 0)["AUDIO"]
         self._check_device(audio)
         return to_torch(audio).reshape(-1)
 
-    def code2wav_stream(self, codes: torch.Tensor, first: bool) -> torch.Tensor:
+    def code2wav_stream(self, codes: torch.Tensor, first: bool, urgent: bool = False) -> torch.Tensor:
         """codes [G, n] new frames on the stage device -> their samples; the code2wav stage keeps the vocoder
-        state under this request's stream id (unique per orchestrator process and request)."""
+        state under this request's stream id (unique per orchestrator process and request). The first chunk and
+        an ``urgent`` one go ahead of those queued."""
         pb = self._pb
         if first:
             self._code2wav_stream_id = f"{_next_correlation_id():x}"
         if self._code2wav_stream_id is None:
             raise ValueError("code2wav_stream: the first chunk of a stream must come first")
         inputs = [from_torch(pb, "CODES", codes.to(torch.int64).unsqueeze(0)), *self._stream_inputs(start=first)]
-        audio = self._code2wav_call(inputs, first=first)["AUDIO"]
+        audio = self._code2wav_call(inputs, ahead=first or urgent)["AUDIO"]
         self._check_device(audio)
         return to_torch(audio).reshape(-1)
 
@@ -182,13 +186,13 @@ class BlsStageClients:
             self._code2wav_call(self._stream_inputs(end=True))
         self._code2wav_stream_id = None
 
-    def _code2wav_call(self, inputs: list, first: bool = False) -> dict[str, Any]:
+    def _code2wav_call(self, inputs: list, ahead: bool = False) -> dict[str, Any]:
         """One code2wav request and its one response's outputs. The stage is decoupled (it answers from a thread
-        of its own once the decode is done, ``deferred_sends``), so the call is a decoupled one. ``first``: a
-        stream's first chunk, sent at ``FIRST_CHUNK_PRIORITY``."""
+        of its own once the decode is done, ``deferred_sends``), so the call is a decoupled one. ``ahead``: sent
+        at ``AHEAD_PRIORITY``."""
         outputs: dict[str, Any] = {}
         # stamped with its send time while tracing: the stage's call log says how long it took to get there
-        parameters = {**send_stamp(), **({"priority": FIRST_CHUNK_PRIORITY} if first else {})}
+        parameters = {**send_stamp(), **({"priority": AHEAD_PRIORITY} if ahead else {})}
         for response in bls_stream(self._request("code2wav", inputs, ["AUDIO"], parameters=parameters)):
             outputs.update(self._outputs(response) or {})
         if "AUDIO" not in outputs:

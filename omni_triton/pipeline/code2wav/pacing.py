@@ -18,6 +18,13 @@ chunks: it cannot keep the listener fed however it cuts them, so its chunks are 
 of frames (a rebuffer) and it does not turn into one decode call per frame.
 
 The first chunk stays the ramp's (``first_chunk_frames``): nothing is buffered and nothing is measured yet.
+
+``urgent``: whether a chunk sent now should go ahead of the other streams' chunks queued at the code2wav stage
+(the orchestrator sends it at the first chunk's priority): its listener has less than ``urgent_s`` of audio left.
+At 64 streams on an H200 a later chunk waited 52-179 ms p50, 240-403 ms p95 at the stage before its call
+(benchmarks/results/h200-variants-ab36502), so a listener with less than half a second buffered ran dry behind
+chunks of streams that had seconds left. A chunk this pacer's deadline sends is urgent as long as a decode takes
+under ``urgent_s`` - ``margin_s`` - ``poll_s`` (0.33 s by default).
 Pure logic: times come in as arguments (``now``), so tests drive it with a simulated clock.
 """
 
@@ -32,15 +39,17 @@ FRAME_S = 1 / 12.5  # audio per codec frame (12.5 frames per second)
 
 class ChunkPacer:
     def __init__(self, policy: ChunkPolicy, *, frame_s: float = FRAME_S, margin_s: float = 0.12,
-                 poll_s: float = 0.05, decode_prior_s: float = 0.1, history: int = 8):
+                 poll_s: float = 0.05, decode_prior_s: float = 0.1, history: int = 8, urgent_s: float = 0.5):
         """``margin_s``: audio the listener should still have when a chunk lands; ``poll_s``: how often the
         caller looks at the stream when no frame comes (``Session``'s idle wake-up); ``decode_prior_s``: the
-        decode time assumed before one is measured; ``history``: recent gaps and decode times kept."""
-        if margin_s < 0 or poll_s <= 0 or decode_prior_s < 0 or frame_s <= 0 or history < 1:
-            raise ValueError(f"ChunkPacer: margin_s {margin_s} and decode_prior_s {decode_prior_s} must be >= 0, "
-                             f"poll_s {poll_s}, frame_s {frame_s} and history {history} > 0")
+        decode time assumed before one is measured; ``history``: recent gaps and decode times kept;
+        ``urgent_s``: a chunk sent while the listener has less than this left is ``urgent``."""
+        if margin_s < 0 or poll_s <= 0 or decode_prior_s < 0 or frame_s <= 0 or history < 1 or urgent_s < 0:
+            raise ValueError(f"ChunkPacer: margin_s {margin_s}, decode_prior_s {decode_prior_s} and urgent_s "
+                             f"{urgent_s} must be >= 0, poll_s {poll_s}, frame_s {frame_s} and history {history} > 0")
         self.policy = policy
         self.frame_s, self.margin_s, self.poll_s, self.decode_prior_s = frame_s, margin_s, poll_s, decode_prior_s
+        self.urgent_s = urgent_s
         self._gaps: deque[float] = deque(maxlen=history)      # seconds between frame arrivals
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=history + 1)  # (time, frames)
         self._arrived_frames = 0  # the frames of ``_arrivals``, kept as they come and go: asked at every frame
@@ -85,6 +94,11 @@ class ChunkPacer:
 
     def decode_s(self) -> float:
         return max(self._decodes, default=self.decode_prior_s)
+
+    def urgent(self, now: float) -> bool:
+        """A chunk sent now should go ahead of the queued ones: the listener has audio and less than ``urgent_s``
+        of it left, or has run dry (a stream's first chunk has a priority of its own: nothing was sent yet)."""
+        return self._plays_until is not None and self.buffered_s(now) < self.urgent_s
 
     # -- the decision --------------------------------------------------------------------------------
     def chunk_size(self, decoded_frames: int, pending_frames: int, now: float) -> int:
