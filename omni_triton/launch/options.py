@@ -83,6 +83,10 @@ def add_memory_arguments(group) -> None:
     group.add_argument("--code2wav-max-batch", type=int, default=LaunchConfig.code2wav_max_batch,
                        help="audio chunks decoded together in one vocoder call; its activations grow with it "
                             "(default: %(default)s)")
+    group.add_argument("--code2wav-overlap", choices=["on", "off"], default=on_off(LaunchConfig.code2wav_overlap),
+                       help="cuda: a code2wav call returns to Triton once the previous call's decode is done, so "
+                            "the next call's host work runs while this one decodes (two calls queued on the GPU; "
+                            "a chunk may wait one decode longer) (default: %(default)s)")
 
 
 def add_engine_arguments(group) -> None:

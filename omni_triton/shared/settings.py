@@ -106,6 +106,9 @@ class LaunchConfig:
     code2wav_runtime: str = "torch"       # torch | onnx | trt | auto
     code2wav_engine_path: Path | None = None  # the .onnx file or TensorRT .plan for onnx | trt
     code2wav_max_batch: int = 8
+    # the code2wav stage's execute returns once the previous call's decode is done, not its own: the next call's
+    # host work (Triton's batch, parsing, launches) runs while this one decodes (stages/decode_pacing.py)
+    code2wav_overlap: bool = False
     placement: Placement = field(default_factory=Placement)  # GPUs, instances, pipelines (see placement.py)
 
     def __post_init__(self):

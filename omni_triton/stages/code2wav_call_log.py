@@ -10,7 +10,8 @@ A record (times in ms; ``t`` = the execute's end, CLOCK_MONOTONIC seconds):
   Triton's queue and the hand-off to this stub; the orchestrator stamps its code2wav requests with their send
   time while it traces, ``send_stamp``); null when no request of the call carries a stamp;
 - ``gap_ms``: since the previous execute returned (Triton's batcher gathering the next batch, or no request);
-- ``host_ms``: the execute's wall time (it returns once the decode is done on the GPU), of which ``inputs_ms``
+- ``host_ms``: the execute's wall time (it returns once the decode is done on the GPU; with --code2wav-overlap on,
+  once the previous call's is), of which ``inputs_ms``
   before the decode (parsing the requests, copying and checking their CODES) and ``decode_host_ms`` in it (on a
   GPU: launching it; on the CPU: all of it); the rest is the wait for the GPU and the bookkeeping after;
 - ``gpu_ms``: the decode's span on the GPU stream (CUDA events around it; null on the CPU);

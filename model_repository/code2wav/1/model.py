@@ -24,6 +24,7 @@ from omni_triton.pipeline.code2wav.warmup import capture_count, stage_graph_sett
 from omni_triton.stages.callers import Callers, GuardedSender, caller_of
 from omni_triton.stages.code2wav_call_log import Code2WavCallLog
 from omni_triton.stages.code2wav_requests import Code2WavRequests
+from omni_triton.stages.decode_pacing import DecodePacing
 from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 from omni_triton.stages.metrics import HostHopCounter
 from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, load_options,
@@ -100,6 +101,7 @@ class TritonPythonModel:
                                          None if self.streams is not None else self.vocoder.kind,
                                          InputStream(self.device))
         self.sends = DeferredSends(pb_utils, self.device)
+        self.pacing = DecodePacing(settings.code2wav_overlap and self.device.type == "cuda")
         self.model_name = args["model_name"]
         self.callers = Callers("code2wav", self._end_orphan_stream)  # streams whose orchestrator died: closed
         self.call_log = Code2WavCallLog(self.device)  # a trace record per call while tracing is on
@@ -172,11 +174,10 @@ class TritonPythonModel:
         self.sends.send_after(decoded, outputs, [PendingResponse(sender, make)
                                                  for sender, make in zip(senders, responses)],
                               on_sent=self.call_log.when_sent(call))
-        # back to Triton once this batch's decode is done, not before: the chunks that arrive meanwhile make the
-        # next batch (returning at once left the batcher a chunk or two a call: 2x the first chunk's time at 64
-        # streams); the export and send still overlap the next batch (deferred_sends)
-        if decoded is not None:
-            decoded.synchronize()
+        # back to Triton once this batch's decode is done (or, --code2wav-overlap on, the previous batch's), not
+        # before: the chunks that arrive meanwhile make the next batch (decode_pacing); the export and send still
+        # overlap the next batch (deferred_sends)
+        self.pacing.before_return(decoded)
         self.call_log.end(call, frames)
         return None
 
@@ -191,6 +192,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.callers.stop()
+        self.pacing.drain()
         self.sends.close()
         self.call_log.close()
         del self.batch_chunks, self.decoded_frames, self.open_streams  # metrics before their families
