@@ -2,7 +2,10 @@
 # Sampling profiles of every stage's Python stub (py-spy, every thread, raw collapsed stacks) while a served level
 # runs: which thread of which stage spends its time where. Starts when the server is ready plus DELAY seconds
 # (warm-up requests and the level's ramp), records SECONDS at RATE Hz, non-blocking (the stub is not paused).
-#   bash benchmarks/pyspy_stages.sh OUTDIR [DELAY=40] [SECONDS=10] [RATE=200] [HEALTH=http://127.0.0.1:18000] [MODE=idle]
+#   bash benchmarks/pyspy_stages.sh OUTDIR [DELAY=40] [SECONDS=10] [RATE=200] [HEALTH=http://127.0.0.1:18000] [MODE=idle] \
+#     [STREAMS=0] [METRICS=HEALTH's host, its port + 2]
+# STREAMS > 0: after the ready, first wait until the orchestrator instances hold STREAMS requests together (the
+# level's steady state, not its ramp: omni_triton.bench.wait_for_load on METRICS, at most 300 s), then DELAY.
 # then: python -m omni_triton.bench.pyspy_summary OUTDIR   (top frames over all threads, then per thread)
 # MODE idle: every thread at every sample, waits included; gil: only the thread holding the GIL (the stub's Python
 # time: its all-threads summary is where a stub near 100% of a core spends it).
@@ -10,12 +13,17 @@
 set -uo pipefail
 out=${1:?output directory}
 delay=${2:-40}; seconds=${3:-10}; rate=${4:-200}; health=${5:-http://127.0.0.1:18000}; mode=${6:-idle}
+streams=${7:-0}
+port=${health##*:}; metrics=${8:-${health%:*}:$((port + 2))/metrics}
 case "$mode" in idle|gil) ;; *) echo "MODE must be idle or gil, got $mode" >&2; exit 2 ;; esac
 mkdir -p "$out"
 for _ in $(seq 900); do
   curl -sf "$health/v2/health/ready" >/dev/null 2>&1 && break
   sleep 1
 done
+if [ "$streams" -gt 0 ]; then
+  python3 -m omni_triton.bench.wait_for_load "$metrics" "$streams" 300 || echo "recording anyway" >&2
+fi
 sleep "$delay"
 pids=()
 while read -r pid args; do

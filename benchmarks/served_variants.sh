@@ -15,9 +15,11 @@
 # The sweep's other settings (LEVELS, SEQ_LEVELS, LEFT_CONTEXT, BENCH_ARGS, MODEL_ARGS, PORT, DEVICE_CHECK)
 # pass through; LEFT_CONTEXT defaults to "default" (serve's own) and SEQ_LEVELS to none here. Each .tgz holds
 # the part's directory without its traces and rendered repository (results.md/json, bench, serve and server logs).
-# PYSPY="DELAY SECONDS RATE" adds a py-spy profile of every stage stub to each run (benchmarks/pyspy_stages.sh:
-# from the server's ready plus DELAY, SECONDS long, RATE Hz; py-spy on PATH: pip install .whl/py_spy*.whl), in
-# NAME/pyspy/ of its .tgz; then python -m omni_triton.bench.pyspy_summary NAME/pyspy.
+# PYSPY="DELAY SECONDS RATE [STREAMS]" adds a py-spy profile of every stage stub to each run
+# (benchmarks/pyspy_stages.sh: from the server's ready, once the orchestrators hold STREAMS requests when given, plus
+# DELAY, SECONDS long, RATE Hz; py-spy on PATH: pip install .whl/py_spy*.whl), in NAME/pyspy/ of its .tgz; then
+# python -m omni_triton.bench.pyspy_summary NAME/pyspy. E.g. PYSPY="2 8 200 48" at LEVELS=64: the level's steady
+# state.
 # Then: tar xzf OUT/NAME.tgz; NAME/served/results.md has the level's table and where its first audio went.
 set -uo pipefail
 out=${1:?output directory}; shift
@@ -45,9 +47,9 @@ for variant in "$@"; do
   start=$SECONDS
   spy=
   if [ -n "${PYSPY:-}" ]; then  # waits for this run's server to be ready, then records
-    read -r delay seconds rate <<<"$PYSPY"
+    read -r delay seconds rate streams <<<"$PYSPY"
     bash "$root/benchmarks/pyspy_stages.sh" "$work/$name/pyspy" "$delay" "$seconds" "$rate" \
-      "http://127.0.0.1:${PORT:-18000}" >"$work/$name.pyspy.log" 2>&1 &
+      "http://127.0.0.1:${PORT:-18000}" idle "${streams:-0}" >"$work/$name.pyspy.log" 2>&1 &
     spy=$!
   fi
   # this tree's sweep script in the variant's directory (`python3 -m` imports the package from there): an older
