@@ -28,7 +28,7 @@ import numpy as np
 from omni_triton.bench.metrics import RAN_DRY_S, dry_time, percentile, ttfa
 from omni_triton.bench.open_loop import DRAIN_TIMEOUT_CODE, StreamPool, arrival_times, run_rate
 from omni_triton.bench.soak_probes import Sampler, ServerProbe, held, leaks, read_gauges
-from omni_triton.bench.soak_requests import COMPLETE, RequestMix, SoakRunner, SoakTiming, ended_as_meant
+from omni_triton.bench.soak_requests import RequestMix, SoakRunner, SoakTiming, ended_as_meant, fate_of
 from omni_triton.client import OmniStreamClient
 
 LIMIT_WORDS = ("max_inflight_requests", "admission_queue", "admission")  # a refusal names one of them
@@ -91,10 +91,6 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 1)
 
 
-def _fate(timing) -> str:
-    return getattr(timing, "fate", COMPLETE)
-
-
 def _ran_dry(timings) -> list:
     return [t for t in timings if t.ok and t.audio_chunks and dry_time(t.audio_chunks) > RAN_DRY_S]
 
@@ -103,7 +99,7 @@ def errors_by_code(timings) -> dict[str, dict[str, int]]:
     """fate -> {error code (or "ok") -> requests}."""
     table: dict[str, Counter] = {}
     for timing in timings:
-        table.setdefault(_fate(timing), Counter())["ok" if timing.ok else (timing.error_code or "UNKNOWN")] += 1
+        table.setdefault(fate_of(timing), Counter())["ok" if timing.ok else (timing.error_code or "UNKNOWN")] += 1
     return {fate: dict(sorted(counts.items())) for fate, counts in sorted(table.items())}
 
 
@@ -220,7 +216,7 @@ def soak(load: LoadSettings, probe: ServerProbe, rate: float, duration_s: float,
 
 
 def _describe(timing) -> str:
-    return f"#{getattr(timing, 'index', '?')} {_fate(timing)}: {timing.error}"
+    return f"#{getattr(timing, 'index', '?')} {fate_of(timing)}: {timing.error}"
 
 
 def _refusal_names_limit(timing) -> bool:
@@ -387,7 +383,7 @@ def other_errors(timings, killed_at: float, limit: int = OTHER_ERRORS_KEPT) -> l
     sent and ended (seconds after the kill: negative before it), its code and its whole message."""
     rows = sorted((t for t in timings if not t.ok and t.error_code != "UNAVAILABLE"),
                   key=lambda t: (np.isnan(t.sent_at), t.sent_at))
-    return [{"index": getattr(t, "index", None), "fate": _fate(t), "sent_s": _after(t.sent_at, killed_at),
+    return [{"index": getattr(t, "index", None), "fate": fate_of(t), "sent_s": _after(t.sent_at, killed_at),
              "ended_s": _after(t.sent_at + t.total_s, killed_at), "code": t.error_code, "error": t.error}
             for t in rows[:limit]]
 

@@ -134,12 +134,16 @@ class SoakTiming(RequestTiming):
     extra: dict = field(default_factory=dict)
 
 
+def fate_of(timing: RequestTiming) -> str:
+    """What a request was meant to end with; a timing without a fate (a bare RequestTiming) was meant to complete."""
+    return getattr(timing, "fate", COMPLETE)
+
+
 def ended_as_meant(timing: RequestTiming) -> bool:
-    """Whether a request ended as it may: completed, or failed with its fate's code (a cancel sent first). A
-    timing without a fate (a bare RequestTiming) was meant to complete."""
+    """Whether a request ended as it may: completed, or failed with its fate's code (a cancel sent first)."""
     if timing.ok:
         return True
-    fate = getattr(timing, "fate", COMPLETE)
+    fate = fate_of(timing)
     if fate == CANCEL and not getattr(timing, "cancel_sent", False):
         return False
     return MEANT_CODES[fate] is not None and timing.error_code == MEANT_CODES[fate]

@@ -142,9 +142,10 @@ def add_load_arguments(group) -> None:
     group.add_argument("--admission-max-queue-wait", type=_seconds, metavar="S",
                        default=LaunchConfig.admission_max_queue_wait,
                        help="refuse at once, with UNAVAILABLE, a request whose expected wait for admission exceeds S "
-                            "seconds, learned from the rate streams start out of the queue (nothing is refused so "
-                            "before that is learned); pairs with --admission-max-wait, which refuses after waiting "
-                            "(0: no limit; default: %(default)s)")
+                            "seconds, learned from the rate requests start out of the queue, before that from recent "
+                            "streams' lifetimes and start lengths (nothing is refused so before either is learned); "
+                            "pairs with --admission-max-wait, which refuses after waiting (0: no limit; default: "
+                            "%(default)s)")
     group.add_argument("--admission-capacity", type=_admission_capacity, metavar="auto|off|AUDIO_S_PER_S",
                        help="admit a stream only while every running one keeps real time: auto (estimated from "
                             "the frame rate streams get, learned online), off (--max-inflight alone), or a fixed "

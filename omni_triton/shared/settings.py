@@ -67,8 +67,9 @@ class LaunchConfig:
     chunk_pacing: str = "adaptive"        # adaptive | ramp (see CHUNK_PACING)
     # Admission (stages/admission.py): requests that may wait for a start (None: the free slots, so that those
     # waiting and running stay within max_inflight_requests), for at most admission_max_wait seconds (0: no limit),
-    # refused at once when their expected wait, learned from the rate streams start, passes admission_max_queue_wait
-    # seconds (0: no limit; off by default: a closed loop of up to max_inflight_requests clients is never refused), and
+    # refused at once when their expected wait (stages/queue_drain.py: the queue's drain rate, before that recent
+    # streams' lifetimes and start lengths) passes admission_max_queue_wait seconds (0: no limit; off by default: a
+    # closed loop of up to max_inflight_requests clients is never refused), and
     # the real-time capacity that gates starts: "auto" (learned), "off" (max_inflight alone), or a fixed number of
     # audio-seconds per second; None: auto on cuda, off on cpu (a shared CPU's speed would make tests flaky).
     admission_queue: int | None = None

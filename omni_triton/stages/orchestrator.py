@@ -142,9 +142,9 @@ class Orchestrator:
         ``slot.per_pipeline``); ``max_starting``: streams admitted and not yet playing at once (0: no limit);
         ``admission_queue``: requests that may wait (None: the free slots), none longer than
         ``admission_max_wait_s`` (0: no limit), none queued whose expected wait (learned from this instance's own
-        queue) is longer than ``admission_max_queue_wait_s`` (0: no limit); ``max_inflight``, ``admission_queue``
-        and ``max_starting`` hold for this instance's pipeline, and each of its ``slot.per_pipeline`` instances
-        takes its part (``split_limit``).
+        queue and streams: ``queue_drain``) is longer than ``admission_max_queue_wait_s`` (0: no limit);
+        ``max_inflight``, ``admission_queue`` and ``max_starting`` hold for this instance's pipeline, and each of
+        its ``slot.per_pipeline`` instances takes its part (``split_limit``).
         ``route``: the stages' models and where their outputs land (default: the stages by their own names, outputs
         on ``device``); ``stage_instances``: stage -> instances of each of its models. ``shared_cancels``: where the
         server's other orchestrator instances record cancels of requests they do not hold (None: this is the only
