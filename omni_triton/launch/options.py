@@ -124,6 +124,10 @@ def add_engine_arguments(group) -> None:
                             "first at --first-chunk-frames frames, then 8; the thinker's first 8 tokens at once, then "
                             "4), none held longer than this: fewer, larger responses for the orchestrator to handle "
                             "under load; 0: every step (docs/performance.md) (default: %(default)s)")
+    group.add_argument("--gil-switch-interval-ms", type=float, metavar="MS", default=LaunchConfig.gil_switch_interval_ms,
+                       help="every stage process's GIL switch interval (sys.setswitchinterval): how long a thread "
+                            "back from a GPU wait may wait for a thread busy in Python to hand the GIL over (an "
+                            "engine's step thread, the stub's response thread); default: Python's own, 5 ms")
 
 
 def add_load_arguments(group) -> None:

@@ -110,6 +110,10 @@ class LaunchConfig:
     # the code2wav stage's execute returns once the previous call's decode is done, not its own: the next call's
     # host work (Triton's batch, parsing, launches) runs while this one decodes (stages/decode_pacing.py)
     code2wav_overlap: bool = False
+    # every stage process's GIL switch interval (sys.setswitchinterval), in ms; None: Python's own (5 ms). A thread
+    # that waited with the GIL released (an engine's step thread on its step's sampled ids) may wait this long to get
+    # it back from a thread busy in Python (the stub's response sends): benchmarks/gil_switch_probe.py
+    gil_switch_interval_ms: float | None = None
     placement: Placement = field(default_factory=Placement)  # GPUs, instances, pipelines (see placement.py)
 
     def __post_init__(self):
@@ -135,6 +139,9 @@ class LaunchConfig:
         if self.code2wav_runtime == "trt" and self.left_context_frames == "stateful":
             raise ValueError("code2wav_runtime trt keeps no streaming state: use left_context_frames exact or a "
                              "frame count with it (--left-context-frames), or the torch / onnx runtime")
+        if self.gil_switch_interval_ms is not None and not 0 < self.gil_switch_interval_ms <= 1000:
+            raise ValueError(f"gil_switch_interval_ms must be > 0 and <= 1000 (or None: Python's own), "
+                             f"got {self.gil_switch_interval_ms!r}")
         if self.code2wav_runtime in ("onnx", "trt") and self.code2wav_engine_path is None:
             raise ValueError(f"code2wav_runtime {self.code2wav_runtime} needs code2wav_engine_path")
         for name in ("first_chunk_frames", "next_chunk_frames", "kv_cache_tokens", "kv_block_size",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import json
+import sys
 from typing import Any
 
 import torch
@@ -123,6 +124,13 @@ def orchestrator_slot(settings: LaunchConfig, args: dict) -> tuple[int, Orchestr
         labels["model_instance"] = args["model_instance_name"]
     slot = OrchestratorSlot(index, placement.count("orchestrator"), placement.orchestrator_instances)
     return pipeline, slot, labels
+
+
+def prepare_stage_process(settings: LaunchConfig, stage: str) -> None:
+    """What every stage's stub process sets before its model loads: its torch threads, its GIL switch interval."""
+    limit_torch_threads(settings.threads_of(stage))
+    if settings.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
 
 
 def limit_torch_threads(threads: int) -> None:

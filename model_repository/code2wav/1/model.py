@@ -27,7 +27,7 @@ from omni_triton.stages.code2wav_requests import Code2WavRequests
 from omni_triton.stages.decode_pacing import DecodePacing
 from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 from omni_triton.stages.metrics import HostHopCounter
-from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, load_options,
+from omni_triton.stages.model_args import (chunk_policy, launch_settings, prepare_stage_process, load_options,
                                            replica_labels, report_native_crashes, stage_device)
 from omni_triton.stages.stage_io import configure_interstage_memory, from_torch, request_self, stage_loading
 from omni_triton.stage_profile import start_watching
@@ -44,7 +44,7 @@ class TritonPythonModel:
         report_native_crashes()
         start_watching("code2wav")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
-        limit_torch_threads(settings.threads_of("code2wav"))
+        prepare_stage_process(settings, "code2wav")
         configure_interstage_memory(settings.interstage_memory)
         self.device = stage_device(settings, args)
         kind, engine_argument = RUNTIMES[settings.code2wav_runtime]

@@ -11,7 +11,7 @@ from omni_triton.shared.placement import GPU_STAGES
 from omni_triton.shared.settings import admission_capacity_setting
 from omni_triton.stages.admission import RealtimeCapacity
 from omni_triton.stages.metrics import StageMetrics
-from omni_triton.stages.model_args import (chunk_policy, launch_settings, limit_torch_threads, orchestrator_slot,
+from omni_triton.stages.model_args import (chunk_policy, launch_settings, prepare_stage_process, orchestrator_slot,
                                            report_native_crashes, stage_device)
 from omni_triton.stages.orchestrator import Orchestrator, pipeline_route
 from omni_triton.stages.stage_io import configure_interstage_memory
@@ -23,7 +23,7 @@ class TritonPythonModel:
         report_native_crashes()
         start_watching("orchestrator")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
-        limit_torch_threads(settings.threads_of("orchestrator"))
+        prepare_stage_process(settings, "orchestrator")
         configure_interstage_memory(settings.interstage_memory)
         capacity = admission_capacity_setting(settings.resolved_admission_capacity)
         device = stage_device(settings, args)

@@ -10,7 +10,7 @@ from omni_triton.shared.admission_board import (DIRECT_CALL, LET_THROUGH, EarlyR
                                                 on_its_way)
 from omni_triton.pipeline.preprocess import Preprocessor
 from omni_triton.pipeline.request_params import InvalidRequest, RequestLimits
-from omni_triton.stages.model_args import launch_settings, limit_torch_threads, report_native_crashes
+from omni_triton.stages.model_args import launch_settings, prepare_stage_process, report_native_crashes
 
 CLIENT_INPUTS = ("TEXT", "AUDIO_IN", "MAX_TOKENS", "MIN_TOKENS", "SPEAKER", "TEMPERATURE", "TOP_P", "TOP_K",
                  "REPETITION_PENALTY", "TALKER_REPETITION_PENALTY", "SEED", "RETURN_AUDIO", "IGNORE_EOS",
@@ -21,7 +21,7 @@ class TritonPythonModel:
     def initialize(self, args):
         report_native_crashes()
         settings = launch_settings(args)
-        limit_torch_threads(settings.threads_of("preprocess"))
+        prepare_stage_process(settings, "preprocess")
         limits = RequestLimits(
             max_text_chars=settings.max_text_chars, max_audio_seconds=settings.max_audio_seconds,
             max_tokens_cap=settings.max_tokens_cap, default_max_tokens=settings.default_max_tokens,

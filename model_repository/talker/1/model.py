@@ -7,7 +7,7 @@ from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
 from omni_triton.stages.callers import Callers, caller_of
 from omni_triton.stages.metrics import HostHopCounter, StageMetrics, engine_snapshot
-from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
+from omni_triton.stages.model_args import (engine_config, launch_settings, prepare_stage_process, load_options,
                                            quantization, replica_labels, report_native_crashes, stage_device)
 from omni_triton.stages.stage_io import (OrphanSequences, answer_abort, configure_interstage_memory, host_array,
                                          input_arrays, request_inputs, send_output, stage_loading,
@@ -24,7 +24,7 @@ class TritonPythonModel:
         report_native_crashes()
         start_watching("talker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
-        limit_torch_threads(settings.threads_of("talker"))
+        prepare_stage_process(settings, "talker")
         configure_interstage_memory(settings.interstage_memory)
         device = stage_device(settings, args)
         config, dtype = engine_config(settings, "talker", device)

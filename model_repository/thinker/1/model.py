@@ -7,7 +7,7 @@ import triton_python_backend_utils as pb_utils
 from omni_triton.pipeline.stage_requests import thinker_request
 from omni_triton.stages.callers import Callers, caller_of
 from omni_triton.stages.metrics import StageMetrics, engine_snapshot
-from omni_triton.stages.model_args import (engine_config, launch_settings, limit_torch_threads, load_options,
+from omni_triton.stages.model_args import (engine_config, launch_settings, prepare_stage_process, load_options,
                                            quantization, replica_labels, report_native_crashes, stage_device)
 from omni_triton.stages.stage_io import (answer_abort, configure_interstage_memory, input_arrays, send_output,
                                          stage_loading, thinker_output_tensors)
@@ -23,7 +23,7 @@ class TritonPythonModel:
         report_native_crashes()
         start_watching("thinker")  # OMNI_TRITON_PROFILE_DIR: torch.profiler windows on request
         settings = launch_settings(args)
-        limit_torch_threads(settings.threads_of("thinker"))
+        prepare_stage_process(settings, "thinker")
         configure_interstage_memory(settings.interstage_memory)
         config, dtype = engine_config(settings, "thinker", stage_device(settings, args))
         with stage_loading("thinker"):
