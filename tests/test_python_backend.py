@@ -91,6 +91,9 @@ def test_our_patches_apply_to_the_pinned_sources(tmp_path):
     assert "TRITON_COMMON_ENABLE_TESTS" in (src / "common" / "src" / "CMakeLists.txt").read_text()
     assert "TRITONSERVER_InferenceRequestSetPriorityUInt64" in (
         src / "python_backend" / "src" / "request_executor.cc").read_text()  # python_backend-bls-priority.patch
+    metric = (src / "python_backend" / "src" / "metric.cc").read_text()  # python_backend-metric-set-without-gil.patch
+    set_value = metric[metric.index("Metric::SendSetValueRequest"):metric.index("Metric::SendObserveRequest")]
+    assert "py::gil_scoped_release release;" in set_value
 
 
 # A model whose one instance serves its queue by priority (two levels, the second the default) and answers each

@@ -127,9 +127,10 @@ class StageMetrics:
             self.update()
 
     def update(self) -> None:
-        """Set the gauges whose value changed since the last update. A ``set`` is a round trip to tritonserver that
-        holds the stub's GIL (python_backend r26.07 binds it without releasing it), stalling every other thread of
-        the stage meanwhile: most gauges stay put between updates, so most of those stalls are skipped."""
+        """Set the gauges whose value changed since the last update. A ``set`` is a round trip to tritonserver;
+        python_backend r26.07 made it holding the stub's GIL, stalling every other thread of the stage meanwhile
+        (our backend build releases it: python_backend-metric-set-without-gil.patch; another build still holds
+        it), and most gauges stay put between updates, so most of those round trips are skipped."""
         for name, value in self._snapshot().items():
             if self._set_values.get(name) != float(value):
                 self._gauges[name].set(float(value))
