@@ -3,19 +3,28 @@ it (omni_triton/bench/step_breakdown.py) on synthetic step records."""
 
 from __future__ import annotations
 
+import gc
+import queue
+import threading
+from collections import Counter
+
 import pytest
 import torch
 
 from engine_toy_model import ToyTalker, ToyThinker, reference_greedy
 from omni_triton import trace
 from omni_triton.bench import breakdown, step_breakdown
-from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
+from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, SamplingParams, TalkerStage, ThinkerStage
+from omni_triton.engine.step_log import GAP_PARTS, BetweenSteps, StepLog, thread_gc_ms
 
 PROMPTS = [[1, 2, 3], list(range(5, 45)), [7] * 11]
 MAX_NEW = [12, 7, 20]
 FIELDS = {"record", "t", "pid", "engine", "kind", "rows", "tokens", "prefill_tokens", "decode_rows", "sampled",
           "completion_rows", "graph", "preempted", "waiting", "waiting_input", "left_runnable", "left_waiting_input",
-          "ahead", "not_ahead", "left_out", "joined", "host_ms", "gpu_ms", "gap_ms"}
+          "ahead", "not_ahead", "left_out", "joined", "host_ms", "gpu_ms", "gap_ms", "cpu_ms", "gc_ms", "gap_cpu_ms",
+          "gap_gc_ms", "gap_commands", "gap_commands_by_kind", *(f"gap_{part}_ms" for part in GAP_PARTS)}
+# the step thread's times of a step and of the gap before it (ms), from the thread's clocks and the loop's timers
+TIMES = ("cpu_ms", "gc_ms", "gap_cpu_ms", "gap_gc_ms", *(f"gap_{part}_ms" for part in GAP_PARTS))
 
 
 def test_thinker_steps_are_logged_and_add_up_to_what_was_generated(traced):
@@ -38,6 +47,86 @@ def test_thinker_steps_are_logged_and_add_up_to_what_was_generated(traced):
     assert all(r["gpu_ms"] is None and r["host_ms"] > 0 and r["completion_rows"] == 0 for r in records)
     assert records[0]["gap_ms"] is None and all(r["gap_ms"] >= 0 for r in records[1:])
     assert records[-1]["left_runnable"] == 0
+    # stepped by hand: no loop applied commands between the steps; the thread's clocks ran
+    assert all(r["gap_commands"] == 0 and r["gap_commands_by_kind"] == {} and r["gap_commands_ms"] == 0
+               for r in records)
+    assert records[0]["gap_cpu_ms"] is None and records[0]["gap_gc_ms"] is None
+    assert all(r[time] >= 0 for r in records[1:] for time in TIMES) and all(r["cpu_ms"] >= 0 for r in records)
+
+
+def test_engine_loop_logs_what_it_did_between_steps(traced):
+    """EngineLoop times each gap between steps into the next step's record (step_log.BetweenSteps): every command
+    it applied is counted once, by kind (appends for a finished request and aborts of unknown ones too: the loop
+    applied them), and the gap's times are known."""
+    talker = ToyTalker().eval()
+    hidden = talker.hidden_size
+    stage = TalkerStage(talker, tts_eos_embed=torch.full((hidden,), 0.5), tts_pad_embed=torch.full((hidden,), -0.25))
+    loop = EngineLoop(LLMEngine(stage, EngineConfig(block_size=4, num_blocks=128))).start()
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randn(6, hidden, generator=gen)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    try:
+        first = loop.add_request("a", params, prompt_embeds=torch.randn(5, hidden, generator=gen),
+                                 trailing_text_embeds=text[:1])
+        for row in text[1:]:  # the thinker's text, a row at a time
+            loop.append("a", trailing_text_embeds=row[None])
+        loop.append("a", finished=True)
+        loop.abort("unknown")
+        # its prefill is a step after every command above: each one lies in a logged gap
+        last = loop.add_request("b", params, prompt_embeds=torch.randn(4, hidden, generator=gen),
+                                thinker_finished=True)
+        assert list(first)[-1].finished and list(last)[-1].finished
+    finally:
+        loop.shutdown()
+    records = trace.read_records(traced, "step")
+    assert records and all(set(r) == FIELDS for r in records)
+    by_kind = Counter()
+    for r in records:
+        assert all(n > 0 for n in r["gap_commands_by_kind"].values())  # (kinds applied only)
+        assert r["gap_commands"] == sum(r["gap_commands_by_kind"].values())
+        by_kind.update(r["gap_commands_by_kind"])
+    assert by_kind == {"add": 2, "append": 6, "abort": 1}
+    assert records[0]["gap_commands_by_kind"]["add"] >= 1  # a's add (at least), before the first step
+    assert all(isinstance(r[time], float) and r[time] >= 0 for r in records[1:] for time in TIMES)
+    assert sum(r["gap_commands_ms"] for r in records) > 0
+
+
+def test_between_steps_times_parts_and_counts_commands():
+    between = BetweenSteps()
+    assert between.command("append", lambda x: x + 1, 1) == 2
+    between.command("append", lambda: None)
+    between.command("add", lambda: None)
+    with pytest.raises(queue.Empty):  # a wait for a command that timed out is timed all the same
+        between.time("blocked", queue.SimpleQueue().get, True, 0.001)
+    fields = between.fields()
+    assert fields["gap_commands"] == 3 and fields["gap_commands_by_kind"] == {"append": 2, "add": 1}
+    assert fields["gap_blocked_ms"] > 0 and fields["gap_stats_ms"] == 0
+    assert set(fields) == {"gap_commands", "gap_commands_by_kind", *(f"gap_{part}_ms" for part in GAP_PARTS)}
+    between.reset()
+    assert sum(between.ms.values()) == 0 and between.fields()["gap_commands_by_kind"] == {}
+    # a step's end starts the next gap in the same object: the loop holds it across the step
+    log = StepLog("talker", torch.device("cpu"))
+    between = log.between
+    between.command("append", lambda: None)
+    log.end(log.begin())
+    assert log.between is between and between.fields()["gap_commands"] == 0
+    # the breakdown names every part the loop times
+    assert set(step_breakdown.GAP_PARTS) == set(GAP_PARTS)
+
+
+def test_garbage_collection_is_timed_on_the_thread_that_ran_it():
+    thread_gc_ms()  # (installs the clock)
+    gc.disable()  # (no automatic collection in between: only the two below)
+    try:
+        before = thread_gc_ms()
+        other = threading.Thread(target=gc.collect)
+        other.start()
+        other.join()
+        assert thread_gc_ms() == before
+        gc.collect()
+        assert thread_gc_ms() > before
+    finally:
+        gc.enable()
 
 
 def test_steps_say_whether_they_were_launched_ahead_and_why_not(traced):
@@ -133,10 +222,19 @@ def test_talker_rows_waiting_for_input_are_counted(traced):
 
 
 def step(engine, t_end, host_ms, gpu_ms=None, kind="decode", rows=4, waiting_input=0, left_runnable=1,
-         left_waiting_input=0, pid=1):
+         left_waiting_input=0, pid=1, **fields):
     return dict(record="step", engine=engine, t=t_end, pid=pid, host_ms=host_ms, gpu_ms=gpu_ms, kind=kind,
                 rows=rows, decode_rows=rows if kind != "prefill" else 0, waiting_input=waiting_input,
-                left_runnable=left_runnable, left_waiting_input=left_waiting_input)
+                left_runnable=left_runnable, left_waiting_input=left_waiting_input, **fields)
+
+
+def timed(cpu_ms, gc_ms=0.0, gap_ms=None, gap_cpu_ms=None, gap_gc_ms=None, by_kind=None, commands=0.0, stats=0.0,
+          outputs=0.0, blocked=0.0, log=0.0):
+    """A step record's timing fields (step_log.py)."""
+    by_kind = by_kind or {}
+    return dict(cpu_ms=cpu_ms, gc_ms=gc_ms, gap_ms=gap_ms, gap_cpu_ms=gap_cpu_ms, gap_gc_ms=gap_gc_ms,
+                gap_commands=sum(by_kind.values()), gap_commands_by_kind=by_kind, gap_commands_ms=commands,
+                gap_stats_ms=stats, gap_outputs_ms=outputs, gap_blocked_ms=blocked, gap_log_ms=log)
 
 
 def test_shares_cut_the_window_into_gpu_host_input_and_idle():
@@ -205,3 +303,57 @@ def test_share_of_steps_launched_ahead_and_the_commonest_reasons():
     old = step_breakdown.engine_shares([step("talker", 0.01, 5)], 0.0, 1.0)
     assert old["talker"]["ahead_pct"] is None
     assert not [line for line in step_breakdown.markdown_rows([{"engines": old}]) if "ahead" in line]
+
+
+def test_time_between_steps_while_rows_were_runnable_is_split_by_what_the_loop_did():
+    # window 0..1 s: steps 0-0.1, 0.2-0.3 (after a 100 ms gap, rows runnable), 0.5-0.6 (after waiting for input:
+    # not a runnable gap), 0.65-0.8 (after a 50 ms gap), then rows runnable until the window's end
+    steps = [step("talker", 0.1, 100, **timed(80)),
+             step("talker", 0.3, 100, left_runnable=0, left_waiting_input=1,
+                  **timed(60, gc_ms=1.0, gap_ms=100, gap_cpu_ms=40, gap_gc_ms=2, by_kind={"append": 2, "add": 1},
+                          commands=30, stats=10, outputs=5, log=5)),
+             step("talker", 0.6, 100, **timed(50, gap_ms=200, gap_cpu_ms=1, gap_gc_ms=0, by_kind={"append": 1},
+                                               commands=50, blocked=150)),
+             step("talker", 0.8, 150, **timed(100, gap_ms=50, gap_cpu_ms=20, gap_gc_ms=0, by_kind={"abort": 1},
+                                               commands=10, outputs=5, blocked=20, log=5))]
+    shares = step_breakdown.engine_shares(steps, 0.0, 1.0)["talker"]
+    assert shares["between_pct"] == pytest.approx(10 + 5 + 20)
+    assert shares["host_pct"] == pytest.approx(shares["between_pct"] + 45)  # (no GPU time: the steps are host)
+    assert (shares["between_p50_ms"], shares["between_p95_ms"]) == (pytest.approx(75), pytest.approx(97.5))
+    assert shares["cpu_in_steps_pct"] == pytest.approx(100 * 290 / 450)
+    assert shares["cpu_between_pct"] == pytest.approx(100 * 60 / 150)
+    assert shares["off_cpu_pct"] == pytest.approx(6 + 1)  # 100 - 40 ms, and 50 - 20 blocked - 20 on the CPU
+    assert shares["gc_in_steps_pct"] == pytest.approx(100 * 1 / 450)
+    assert shares["gc_between_pct"] == pytest.approx(100 * 2 / 150)
+    assert shares["commands_pct"] == pytest.approx(4)
+    assert shares["commands_per_gap"] == pytest.approx(2)
+    assert shares["commands_by_kind"] == "append 1.0, add 0.5, abort 0.5"
+    assert shares["gap_parts"] == "stats snapshots 1.0, queueing outputs 1.0, blocked 2.0, step log 1.0, rest 6.0"
+    lines = step_breakdown.markdown_rows([{"engines": {"talker": shares}}])
+    for line in ("| talker steps: host: between steps, rows runnable % of wall | 35 |",
+                 "| talker steps: between steps, rows runnable p50 / p95 (ms) | 75.0 / 97.5 |",
+                 "| talker steps: step thread CPU % of its wall (in steps / between steps) | 64 / 40 |",
+                 "| talker steps: between steps: applying commands % of wall | 4.0 |",
+                 "| talker steps: between steps: commands per gap (mean) | 2.0 |",
+                 "| talker steps: between steps: commands per gap by kind (mean) | append 1.0, add 0.5, abort 0.5 |",
+                 "| talker steps: between steps: other parts % of wall | stats snapshots 1.0, queueing outputs 1.0, "
+                 "blocked 2.0, step log 1.0, rest 6.0 |",
+                 "| talker steps: between steps: off the CPU, not blocked (the GIL, preempted) % of wall | 7.0 |",
+                 "| talker steps: step thread garbage collection % of its wall (in steps / between steps) | 0.2 / 1.3 |"):
+        assert line in lines
+
+
+def test_records_from_before_the_gaps_were_timed_show_no_such_rows():
+    old = [step("talker", 0.1, 100), step("talker", 0.3, 100), step("talker", 0.5, 100, left_runnable=0)]
+    old[1]["gap_ms"], old[2]["gap_ms"] = 100.0, 100.0
+    shares = step_breakdown.engine_shares(old, 0.0, 1.0)["talker"]
+    assert shares["between_pct"] == pytest.approx(20) and shares["between_p50_ms"] == pytest.approx(100)
+    assert all(shares[key] is None for key in ("cpu_in_steps_pct", "cpu_between_pct", "gc_in_steps_pct",
+                                               "commands_pct", "commands_per_gap", "commands_by_kind", "gap_parts",
+                                               "off_cpu_pct"))
+    lines = step_breakdown.markdown_rows([{"engines": {"talker": shares}}, {"engines": {}}])
+    assert "| talker steps: between steps, rows runnable p50 / p95 (ms) | 100.0 / 100.0 |  |" in lines
+    assert not [line for line in lines if "CPU" in line or "commands" in line or "garbage" in line]
+    # records without gap_ms at all (the oldest): no gaps, no crash
+    assert step_breakdown.engine_shares([step("talker", 0.1, 100), step("talker", 0.3, 100)],
+                                        0.0, 1.0)["talker"]["between_p50_ms"] is None

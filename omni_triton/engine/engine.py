@@ -26,7 +26,7 @@ from omni_triton.engine.sampling import SamplingParams
 from omni_triton.engine.scheduler import Scheduler
 from omni_triton.engine.sequence import Sequence, SequenceStatus
 from omni_triton.engine.stage import StageModel
-from omni_triton.engine.step_log import StepLog
+from omni_triton.engine.step_log import UNTIMED, BetweenSteps, StepLog, Untimed
 
 logger = logging.getLogger(__name__)
 
@@ -485,12 +485,14 @@ class EngineLoop:
         if device.type == "cuda":  # CUDA's current device is per thread: kernels and syncs here are the stage's
             torch.cuda.set_device(device)
         while not self._stop.is_set():
+            # while tracing, what the loop does between steps is timed into the step log (step_log.BetweenSteps)
+            gap = self.engine.step_log.between if trace.enabled() else UNTIMED
             # block for commands when idle, or when everything runnable is stuck behind blocks held by
             # requests waiting for input (only an append or abort can change that)
             idle = not self.engine.has_work() or self.engine.last_step_size == 0
-            if idle:
-                self.engine.step_log.flush(wait=True)  # nothing queued behind the last steps' GPU events
-            self._apply_commands(block=idle)
+            if idle:  # nothing queued behind the last steps' GPU events
+                gap.time("blocked", self.engine.step_log.flush, True)
+            self._apply_commands(block=idle, gap=gap)
             if self._stop.is_set() or not self.engine.has_work():
                 continue
             try:
@@ -498,19 +500,26 @@ class EngineLoop:
             except Exception as exc:  # one bad step must not kill the server: fail the in-flight requests
                 logger.exception("engine step failed")
                 outputs = self.engine.abort_all(f"error: {exc}")
-            for output in outputs:
-                self._responses.put(output)
-            self._stats = self.engine.stats()
-        for output in self.engine.abort_all("abort"):
+            gap.time("outputs", self._send_outputs, outputs)
+            gap.time("stats", self._snapshot_stats)
+        self._send_outputs(self.engine.abort_all("abort"))
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
             self._responses.put(output)
 
-    def _apply_commands(self, block: bool) -> None:
+    def _snapshot_stats(self) -> None:
+        self._stats = self.engine.stats()
+
+    def _apply_commands(self, block: bool, gap: BetweenSteps | Untimed) -> None:
         try:
-            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+            command = (gap.time("blocked", self._commands.get, True, self._idle_wait_s) if block
+                       else self._commands.get_nowait())
         except queue.Empty:
             return
         while True:
-            self._apply(command)
+            gap.command(command[0], self._apply, command)
+            gap.time("stats", self._snapshot_stats)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -536,7 +545,6 @@ class EngineLoop:
             logger.warning("request %r: %s failed: %s", request_id, kind, exc)
             output = self.engine.abort(request_id, f"error: {exc}")
             self._responses.put(output or RequestOutput(request_id, finished=True, finish_reason=f"error: {exc}"))
-        self._stats = self.engine.stats()
 
     def _response_loop(self) -> None:
         device = self.engine.runner.device
