@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import uuid
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omni_triton import trace
 from omni_triton.bench import open_loop_report
 from omni_triton.bench.cli import parse_args
 from omni_triton.bench.goodput import Search, highest_passing, verdict
@@ -300,6 +303,71 @@ def test_goodput_notes_name_a_search_at_its_ceiling_and_failures_below_the_goodp
     (note,) = _goodput_notes(None, {"requests_per_s": 6, "tried": [(2, True), (4, False), (6, True), (8, False)]})
     assert note.startswith("rates below the goodput failed (4/s)")
     assert _goodput_notes(None, {"requests_per_s": None, "tried": [(2, False)]}) == []
+
+
+# -- --trace: a TTFA breakdown per rate -----------------------------------------------------------
+
+class TracingRunner(FakeRunner):
+    """Streams that trace what a served request traces: the client's milestones in this process, and its
+    orchestrator's ``session.start`` as the server would (``<client id>#1``, in the server's own directory)."""
+
+    def __init__(self, server_dir):
+        super().__init__()
+        self.server_dir = server_dir
+
+    def open_worker(self):
+        return TracingWorker(self.server_dir)
+
+
+class TracingWorker(FakeWorker):
+    def __init__(self, server_dir):
+        super().__init__(until_cancelled=False)
+        self.server_dir = server_dir
+
+    def request(self, tensors) -> RequestTiming:
+        request_id = uuid.uuid4().hex
+        trace.event(request_id, "client.sent")
+        self.server_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.server_dir / "4242.jsonl", "a") as server_log:  # the orchestrator's process
+            server_log.write(json.dumps({"id": f"{request_id}#1", "event": "session.start",
+                                         "t": time.monotonic(), "pid": 4242}) + "\n")
+        trace.event(request_id, "client.first_audio")
+        trace.event(request_id, "client.finished")
+        return super().request(tensors)
+
+
+def test_trace_gives_each_rate_its_dir_and_a_breakdown_column_in_rate_order(tmp_path, monkeypatch):
+    from omni_triton.bench import open_loop_cli
+    from omni_triton.bench.cli import main
+
+    trace_dir, out = tmp_path / "trace", tmp_path / "report"
+    monkeypatch.setattr(open_loop_cli, "TritonStreamRunner",
+                        lambda url, sequential: TracingRunner(trace_dir / "server"))
+    # given out of order, as a search tries them; one warm-up request, traced into no rate
+    assert main(["--url", "127.0.0.1:1", "--quick", "--warmup", "1", "--request-rate", "8,4", "--duration", "0.5",
+                 "--arrival-seed", "3", "--trace", str(trace_dir), "--out", str(out)]) == 0
+    assert open_loop_cli.rate_trace_dir(trace_dir, "server", 0.5) == trace_dir / "server-r0.5"
+    assert sorted(path.name for path in trace_dir.iterdir()) == ["server", "server-r4", "server-r8"]
+    report = json.loads((out / "results.json").read_text())
+    sent = {row["rate"]: row["sent"] for row in report["rates"]}
+    breakdowns = {row["rate"]: row for row in report["ttfa_breakdown"]}
+    assert list(breakdowns) == [8.0, 4.0] and all(row["system"] == "server" for row in breakdowns.values())
+    for rate, row in breakdowns.items():
+        assert sent[rate] >= 1 and row["requests"] == sent[rate]  # this rate's requests only
+        # joined with the server's events: client.sent -> session.start -> client.first_audio
+        assert set(row["segments"]) == {"orchestrator admission", "audio to host, response out"}
+        assert row["starting"]["starting_max"] >= 1
+    text = (out / "results.md").read_text()
+    assert "Where the time to first audio goes" in text
+    assert "| segment (p50 ms) | server 4/s | server 8/s |" in text
+    assert f"| requests | {sent[4.0]} | {sent[8.0]} |" in text
+
+
+def test_closed_loop_options_are_still_refused_with_trace(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--request-rate", "1", "--trace", "t", "--requests-per-level", "4"])
+    assert "drop --requests-per-level" in capsys.readouterr().err
+    assert parse_args(["--request-rate", "1", "--trace", "t"]).trace.name == "t"
 
 
 # -- merging open-loop runs ------------------------------------------------------------------------

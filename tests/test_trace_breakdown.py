@@ -1,7 +1,10 @@
 """Request traces (omni_triton.trace) and the TTFA breakdown built from them (omni_triton.bench.breakdown):
-the pure joins and sums, then a real in-process pipeline and a real tritonserver writing the traces."""
+the pure joins and sums, then a real in-process pipeline and a real tritonserver writing the traces (and the open
+loop's `bench --request-rate --trace` reading that server's)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -112,26 +115,57 @@ def test_served_request_records_every_milestone_from_client_to_client(tiny_check
     from omni_triton.client import OmniStreamClient
     from omni_triton.shared.settings import LaunchConfig
 
-    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path / "server-trace"))  # the stubs inherit it
+    server_trace = tmp_path / "trace" / "server"  # where `bench --trace tmp_path/trace` reads a server's events
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(server_trace))  # the stubs inherit it
     handle = start_server(LaunchConfig(checkpoint_dir=tiny_checkpoint), tmp_path / "run")
     trace.configure(tmp_path / "client-trace")
     try:
-        with OmniStreamClient(handle.grpc_url) as client:
-            result = client.stream("hello there", **REQUEST)
+        try:
+            with OmniStreamClient(handle.grpc_url) as client:
+                result = client.stream("hello there", **REQUEST)
+        finally:
+            trace.configure(None)
+        # then, on the same traced server, the open loop's breakdown (its requests come after this one's end)
+        open_loop = _open_loop_report(handle.grpc_url, tiny_checkpoint, tmp_path)
     finally:
-        trace.configure(None)
         handle.server.stop()
     assert result.ttfa_s is not None
-    events = join_client_ids({**trace.read_events(tmp_path / "server-trace"),
-                              **trace.read_events(tmp_path / "client-trace")})
-    (request,) = events.values()
+    (client_id,) = trace.read_events(tmp_path / "client-trace")
+    request = join_client_ids({**trace.read_events(server_trace),
+                               **trace.read_events(tmp_path / "client-trace")})[client_id]
     _assert_ordered_and_complete(request, "client.sent", "client.first_audio")
     segments = request_segments(request)
     # the segments are the client's TTFA, cut where the stages saw the request
     assert sum(segments.values()) == pytest.approx(result.ttfa_s, abs=5e-3)
     # the served engines log their steps into the same trace (each stage's own process)
-    steps = trace.read_records(tmp_path / "server-trace", "step")
+    steps = [step for step in trace.read_records(server_trace, "step") if step["t"] <= request["client.finished"]]
     assert {step["engine"] for step in steps} == {"thinker", "talker"}
     assert len({step["pid"] for step in steps}) == 2
     talker_frames = sum(step["sampled"] for step in steps if step["engine"] == "talker")
     assert talker_frames == REQUEST["max_audio_frames"] + 1  # frames = talker tokens - 1
+    _assert_open_loop_breakdown(*open_loop)
+
+
+def _open_loop_report(url: str, checkpoint, tmp_path) -> tuple[dict, str]:
+    """`bench --request-rate 1 --trace tmp_path/trace` against the server tracing into tmp_path/trace/server: two
+    short requests (arrival seed 1) in 2 s; results.json and results.md."""
+    from omni_triton.bench.cli import main
+
+    out = tmp_path / "open-loop"
+    assert main(["--url", url, "--checkpoint", str(checkpoint), "--quick", "--warmup", "0", "--thinker-tokens", "6",
+                 "--audio-frames", "8", "--request-rate", "1", "--duration", "2", "--arrival-seed", "1",
+                 "--ttfa-p95-limit-ms", "60000", "--trace", str(tmp_path / "trace"), "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def _assert_open_loop_breakdown(report: dict, table: str):
+    """The rate's column holds its requests' segments from the client's and the server's traces alike, and the
+    engines' and code2wav's rows from the server's records over the rate's window."""
+    (rate,), (row,) = report["rates"], report["ttfa_breakdown"]
+    assert row["system"] == "server" and row["rate"] == 1.0
+    assert row["requests"] == rate["completed"] == rate["sent"] == 2
+    assert {"gRPC in, ensemble, preprocess", "thinker prefill + first token", "talker prefill + first frame",
+            "code2wav first chunk", "audio to host, response out"} <= set(row["segments"])
+    assert set(row["engines"]) == {"thinker", "talker"} and row["code2wav"]["calls"] >= 2
+    assert "Where the time to first audio goes" in table and "| segment (p50 ms) | server 1/s |" in table
+    assert "| thinker prefill + first token |" in table and "| talker steps: " in table

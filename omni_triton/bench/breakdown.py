@@ -6,10 +6,10 @@ milestone before it). The served pipeline has every milestone; the in-process pi
 missing are left out, so the segments present always add up to the span from the first to the last
 milestone present: with ``client.sent`` and ``client.first_audio``, that is the client's TTFA.
 
-With the engines' step logs in the traces, each level's row also says where the thinker's and the talker's wall
-time went during the level (GPU, host, waiting for input, idle; prefill stalls: ``step_breakdown.py``); with the
-code2wav stage's call log and the orchestrator's chunk records, what bounds code2wav (its GPU, calls too small to
-fill it, or the way to it: ``code2wav_breakdown.py``).
+With the engines' step logs in the traces, each level's row (an open-loop rate's alike) also says where the
+thinker's and the talker's wall time went during the level (GPU, host, waiting for input, idle; prefill stalls:
+``step_breakdown.py``); with the code2wav stage's call log and the orchestrator's chunk records, what bounds
+code2wav (its GPU, calls too small to fill it, or the way to it: ``code2wav_breakdown.py``).
 """
 
 from __future__ import annotations
@@ -117,11 +117,17 @@ def _starting_rows(rows: list[dict]) -> list[str]:
             + " | ".join(f"{s['start_mean_ms']:.0f}" if s else "" for s in stats) + " |"]
 
 
+def _column_name(row: dict) -> str:
+    """A row's column header: ``server c32`` for a closed-loop level, ``server 12/s`` for an open-loop rate."""
+    level = f"{row['rate']:g}/s" if "rate" in row else f"c{row['concurrency']}"
+    return f"{row['system']} {level}"
+
+
 def markdown(rows: list[dict]) -> str:
-    """``rows``: ``{"system", "concurrency", **summarize(...)}`` -> one table, a column per system and level."""
+    """``rows``: ``level_row``'s or ``rate_row``'s -> one table, a column per system and level (or rate)."""
     if not rows:
         return ""
-    header = [f"{row['system']} c{row['concurrency']}" for row in rows]
+    header = [_column_name(row) for row in rows]
     lines = ["| segment (p50 ms) | " + " | ".join(header) + " |", "|---|" + "---:|" * len(rows)]
     for segment in SEGMENTS:
         cells = [row["segments"].get(segment, {}).get("p50_ms") for row in rows]
@@ -146,17 +152,30 @@ def report_section(rows: list[dict]) -> str:
 
 
 def level_row(system: str, concurrency: int, level_dir, server_dir=None) -> dict:
-    """The breakdown of one benchmark level: the client's (or the in-process pipeline's) events in
+    """The breakdown of one closed-loop level: the client's (or the in-process pipeline's) events in
     ``level_dir``, joined with the server's from ``server_dir`` for the requests this level sent."""
+    return {"system": system, "concurrency": concurrency, **_traced_window(level_dir, server_dir)}
+
+
+def rate_row(system: str, rate: float, rate_dir, server_dir=None) -> dict:
+    """The breakdown of one open-loop rate (requests/s), as ``level_row``'s of a level: its requests' events in
+    ``rate_dir``, the server's from ``server_dir``."""
+    return {"system": system, "rate": rate, **_traced_window(rate_dir, server_dir)}
+
+
+def _traced_window(local_dir, server_dir) -> dict:
+    """Segments, starts, engine and code2wav metrics of the requests traced in ``local_dir`` (joined with their
+    server events in ``server_dir``, a directory every level's requests share) over their window: the first
+    request sent -> the last event (client.finished)."""
     from omni_triton.trace import read_events, records_by_kind
 
-    local = read_events(level_dir)
+    local = read_events(local_dir)
     served = join_client_ids(read_events(server_dir)) if server_dir is not None else {}
     requests = [{**served.get(request_id, {}), **events} for request_id, events in local.items()]
-    row = {"system": system, "concurrency": concurrency, **summarize(requests)}
+    row = summarize(requests)
     times = [t for events in local.values() for t in events.values()]
-    if times:  # the level's window: its first request sent -> its last event (client.finished)
-        read = [records_by_kind(level_dir)] + ([records_by_kind(server_dir)] if server_dir is not None else [])
+    if times:
+        read = [records_by_kind(local_dir)] + ([records_by_kind(server_dir)] if server_dir is not None else [])
 
         def records(kind: str) -> list[dict]:
             return [record for by_kind in read for record in by_kind.get(kind, [])]

@@ -30,9 +30,9 @@ stream dry, none failed (bench/goodput.py); `auto` searches it.
 load; errors by code, dry streams, TTFA drift, memory per process, nothing left behind), burst (4 R for 5 s) and
 killed stages (each stage's stub killed at 0.5 R on a fresh server) (bench/soak_cli.py).
 
---trace DIR: every measured request is traced (omni_triton/trace.py) and the report gets, per system and level,
-where the time to first audio went: client -> orchestrator, thinker queueing and prefill, the first thinker
-chunk, talker queueing and prefill, the first chunk's frames, code2wav, the way back
+--trace DIR: every measured request is traced (omni_triton/trace.py) and the report gets, per system and level
+(open loop: per rate), where the time to first audio went: client -> orchestrator, thinker queueing and prefill,
+the first thinker chunk, talker queueing and prefill, the first chunk's frames, code2wav, the way back
 (omni_triton/bench/breakdown.py). A server started here traces into DIR/server; one started elsewhere must have
 been started with OMNI_TRITON_TRACE_DIR=DIR/server.
 """
@@ -111,9 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "another CPU/GPU)")
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="trace every measured request (omni_triton.trace) under DIR and report where each "
-                             "level's time to first audio goes: this process's events in DIR/<system>-c<N>, the "
-                             "server's in DIR/server (set for a --start-server server; start a server of your own "
-                             f"with {TRACE_DIR_ENV}=DIR/server)")
+                             "level's (open loop: each rate's) time to first audio goes: this process's events in "
+                             "DIR/<system>-c<N> (open loop: DIR/<system>-r<R>), the server's in DIR/server (set for "
+                             f"a --start-server server; start a server of your own with {TRACE_DIR_ENV}=DIR/server)")
     parser.add_argument("--profile-stages", type=Path, metavar="DIR",
                         help="a torch.profiler window (GPU kernels, host threads' CUDA waits) in every stage process, "
                              "--profile-delay seconds into each server level, into DIR/<system>-c<N>, summarised "

@@ -146,7 +146,8 @@ def merge(run_dirs: list[Path], out_dir: Path, label: str | None = None, referen
 
 
 def merge_open_loop(runs: dict[Path, dict], out_dir: Path, label: str | None = None) -> dict:
-    """The merged report of open-loop runs: their rates in rate order, the goodput of them all."""
+    """The merged report of open-loop runs: their rates in rate order (and their TTFA breakdowns, from --trace),
+    the goodput of them all."""
     _check_agreement(runs, "open_loop", SAME_OPEN_LOOP)
     limits = {str(run_dir): run["goodput"]["ttfa_p95_limit_s"] for run_dir, run in runs.items()}
     if len(set(limits.values())) > 1:
@@ -164,7 +165,7 @@ def merge_open_loop(runs: dict[Path, dict], out_dir: Path, label: str | None = N
     return {**_merged_header(runs, out_dir, label), "open_loop": first["open_loop"],
             "goodput": {"system": first["goodput"]["system"], "requests_per_s": highest_passing(dict(tried)),
                         "ttfa_p95_limit_s": first["goodput"]["ttfa_p95_limit_s"], "tried": tried, "search": None},
-            "rates": rows}
+            "rates": rows, "ttfa_breakdown": [row for run in runs.values() for row in run.get("ttfa_breakdown", [])]}
 
 
 def _provenance(run_dir: Path, run: dict) -> dict:

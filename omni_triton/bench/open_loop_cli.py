@@ -5,17 +5,25 @@ Every request is the fixed workload's, or with ``--mix`` one of the soak's reque
 soak's own requests in its order (same seed, same options), so that ``--request-rate auto --mix`` finds the goodput
 of the load the soak runs (``bench --soak --goodput R``). A request of the mix that fails as it was meant to (the
 client cancelled it, its deadline expired) is not a failure there, as in the soak.
+
+With ``--trace DIR`` each rate's requests are traced into ``DIR/<system>-r<R>`` (the closed loop's levels go to
+``DIR/<system>-c<N>``) and the report gets the closed loop's TTFA breakdown, a column per rate
+(bench/breakdown.py); the server's own events are in ``DIR/server``, shared by every rate and cut to a rate's
+requests and window when read.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
-from omni_triton.bench import open_loop_report, soak_cli
+from omni_triton import trace
+from omni_triton.bench import breakdown, open_loop_report, soak_cli
 from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak
@@ -41,6 +49,12 @@ def request_rates(text: str) -> tuple[float, ...] | str:
     if min(rates) <= 0:
         raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
     return rates
+
+
+def rate_trace_dir(trace_dir: Path, system: str, rate: float) -> Path:
+    """Where one rate's requests are traced: ``DIR/server-r12`` for 12 requests/s (``DIR/server-c12`` would be
+    the closed loop's 12 clients)."""
+    return trace_dir / f"{system}-r{rate:g}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Options that do not go with the open loop, refused by name; --systems resolved to the one system."""
     conflicts = [flag for flag, given in (("--concurrency", args.concurrency), ("--merge", args.merge),
-                                          ("--trace", args.trace), ("--requests-per-level", args.requests_per_level))
+                                          ("--requests-per-level", args.requests_per_level))
                  if given is not None]
     if conflicts:
         parser.error(f"--request-rate runs the open loop: drop {', '.join(conflicts)} (closed-loop options)")
@@ -122,6 +136,7 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
     drawn: list = []  # the mix's requests drawn so far: every rate's schedule starts with the same ones
     limit_s = args.ttfa_p95_limit_ms / 1000
     rows: list[RateSummary] = []
+    breakdowns: list[dict] = []  # with --trace: a TTFA breakdown per rate
     search = (Search(start=args.goodput_start, max_rate=args.goodput_max, min_rate=min(0.125, args.goodput_start),
                      bisections=args.goodput_bisections) if args.request_rate == AUTO else None)
     # the closed loop's levels are not this run's
@@ -139,7 +154,7 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
                                                           "min_rate": search.min_rate,
                                                           "bisections": search.bisections}}
         return {**header, "open_loop": settings, "goodput": goodput, "rates": [row.to_dict() for row in rows],
-                "notes": notes + _goodput_notes(search, goodput)}
+                "ttfa_breakdown": breakdowns, "notes": notes + _goodput_notes(search, goodput)}
 
     def measure(rate: float) -> bool:
         arrivals = arrival_times(rate, args.duration, args.arrival_seed)
@@ -148,9 +163,12 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
         if mix is not None and len(drawn) < len(arrivals):
             drawn.extend(mix.draw(len(arrivals) - len(drawn), first_index=len(drawn)))
         requests = drawn.__getitem__ if mix is not None else tensors
-        with GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu:
+        rate_dir = rate_trace_dir(args.trace, runner.name, rate) if args.trace is not None else None
+        with _traced_into(rate_dir), GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu:
             rate_run = run_rate(pool, requests, arrivals, max_in_flight=args.max_client_streams,
                                 drain_timeout_s=args.drain_timeout)
+        if rate_dir is not None:
+            breakdowns.append(breakdown.rate_row(runner.name, rate, rate_dir, args.trace / "server"))
         row = summarize_rate(runner.name, rate, args.duration, rate_run,
                              ended_as_meant if mix is not None else None)
         row.metrics = replace(row.metrics, gpu_memory_peak_gib=gpu_memory.gib,
@@ -190,6 +208,20 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
     print(f"wrote {out_dir}/results.json, results.md" + (f" ({plot})" if isinstance(plot, str) else f", {plot.name}"),
           file=sys.stderr)
     return 1 if any(row.failed_by_code or row.not_started for row in rows) else 0
+
+
+@contextlib.contextmanager
+def _traced_into(directory: Path | None) -> Iterator[None]:
+    """This process's requests traced into ``directory`` inside the block: one rate's, not the warm-up's nor
+    another rate's. None: tracing left as it is."""
+    if directory is None:
+        yield
+        return
+    trace.configure(directory)
+    try:
+        yield
+    finally:
+        trace.configure(None)
 
 
 def _goodput_notes(search: Search | None, goodput: dict) -> list[str]:

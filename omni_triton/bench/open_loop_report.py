@@ -1,11 +1,13 @@
-"""The open loop's report: results.md's tables (per rate, goodput) and open_loop.png (TTFA and completed
-requests/s against the offered rate). results.json is the report dict itself (bench/open_loop_cli.py)."""
+"""The open loop's report: results.md's tables (per rate, goodput; with --trace, the closed loop's TTFA breakdown
+a column per rate) and open_loop.png (TTFA and completed requests/s against the offered rate). results.json is the
+report dict itself (bench/open_loop_cli.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from omni_triton.bench import breakdown
 from omni_triton.bench.metrics import RAN_DRY_S
 from omni_triton.bench.report import merged_commands, ms, num, server_cpu_table, workload_line, write_report
 
@@ -90,7 +92,9 @@ def markdown(report: dict) -> str:
         lines += ["", "Errors:", ""] + [f"- {system} @ {rate:g}/s: {error}" for system, rate, error in errors]
     for note in report.get("notes", []):
         lines += ["", note]
-    return "\n".join(lines) + "\n"
+    # a search tries its rates out of order: the columns go in rate order, as the rows above
+    traced = sorted(report.get("ttfa_breakdown", []), key=lambda row: (row["system"], row["rate"]))
+    return "\n".join(lines) + "\n" + breakdown.report_section(traced)
 
 
 def write(report: dict, out_dir: Path) -> tuple[str, Path | str]:
