@@ -12,7 +12,8 @@
 # then merge: omni-triton bench --merge OUT/served OUT/sequential OUT/inprocess OUT/transformers --out ...
 # Every bench run writes its results.json after each level, so a part cut short keeps what it measured.
 #
-# Settings (environment): LEVELS (default 1,4,8,16,32,64), SEQ_LEVELS (1,4,16; empty: no sequential run),
+# Settings (environment): LEVELS (default 1,4,8,16,32,64), RATES (served: Poisson arrivals at these rates,
+# RATE_DURATION s each (default 20), `bench --request-rate`, instead of the closed loop's LEVELS), SEQ_LEVELS (1,4,16; empty: no sequential run),
 # LEFT_CONTEXT (code2wav left context: frames, default 25: what transformers' own Code2Wav.chunked_decode uses;
 # "exact" = the receptive field, 578 frames; "stateful" = new frames only, the vocoder's state kept by the stage:
 # one-pass audio, the serve default; "default" = no flag), PERF_LEVELS (1,4,16,64), EXACT_LEVELS (1,32), CONFIG,
@@ -46,6 +47,8 @@ part=${1:?part: served, baselines or exact}
 out=${2:?output directory}
 CONFIG=${CONFIG:-qwen3_omni_30b_a3b}
 LEVELS=${LEVELS:-1,4,8,16,32,64}
+RATES=${RATES:-}  # set: the served part runs the open loop at these rates instead of the LEVELS
+RATE_DURATION=${RATE_DURATION:-20}
 PERF_LEVELS=${PERF_LEVELS:-1,4,16,64}
 SEQ_LEVELS=${SEQ_LEVELS-1,4,16}  # set empty to skip the sequential levels
 EXACT_LEVELS=${EXACT_LEVELS-1,32}
@@ -107,7 +110,9 @@ stop_server() {
 case $part in
 served)
   serve_in_background "$LEFT_CONTEXT" "$out/served" || exit 1
-  omni bench --url $GRPC $MODEL $(context_args "$LEFT_CONTEXT") --systems server --concurrency "$LEVELS" $BENCH_ARGS \
+  if [ -n "$RATES" ]; then load=(--request-rate "$RATES" --duration "$RATE_DURATION")  # the open loop
+  else load=(--concurrency "$LEVELS"); fi
+  omni bench --url $GRPC $MODEL $(context_args "$LEFT_CONTEXT") --systems server "${load[@]}" $BENCH_ARGS \
     --trace "$out/served/trace" --out "$out/served" ${LABEL:+--label "$LABEL"} >"$out/served/bench.log" 2>&1
   [ -z "${DEVICE_CHECK:-}" ] || python3 benchmarks/served_device_check.py --url $GRPC \
     --metrics-url http://127.0.0.1:$((PORT + 2))/metrics --device cuda --concurrency 1 --requests 4 --tokens 100 \

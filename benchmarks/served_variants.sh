@@ -13,11 +13,14 @@
 # BUDGET_S (default 560 s: a device call's 600 less its start); a variant starts only while RUN_S (default 150 s,
 # a full-size server's start, a level and its stop) are left, else it is named as skipped in OUT/variants.txt.
 # The sweep's other settings (LEVELS, SEQ_LEVELS, LEFT_CONTEXT, BENCH_ARGS, MODEL_ARGS, PORT, DEVICE_CHECK)
-# pass through; LEFT_CONTEXT defaults to "default" (serve's own) and SEQ_LEVELS to none here. Each .tgz holds
-# the part's directory without its traces and rendered repository (results.md/json, bench, serve and server logs).
-# PYSPY="DELAY SECONDS RATE [STREAMS]" adds a py-spy profile of every stage stub to each run
+# pass through, and RATES (the open loop at those rates instead of LEVELS: a goodput A/B, e.g. RATES=12,14,16);
+# LEFT_CONTEXT defaults to "default" (serve's own) and SEQ_LEVELS to none here. Each .tgz holds the part's
+# directory without its rendered repository (results.md/json, bench, serve and server logs, the request traces
+# unless over TRACE_PACK_MB, default 100 MB: e.g. the step log's records, `trace.read_records(DIR, "step")`).
+# PYSPY="DELAY SECONDS RATE [STREAMS [MODE]]" adds a py-spy profile of every stage stub to each run
 # (benchmarks/pyspy_stages.sh: from the server's ready, once the orchestrators hold STREAMS requests when given, plus
-# DELAY, SECONDS long, RATE Hz; py-spy on PATH: pip install .whl/py_spy*.whl), in NAME/pyspy/ of its .tgz; then
+# DELAY, SECONDS long, RATE Hz; MODE idle (default: every thread, waits included) or gil (only the GIL's holder);
+# py-spy on PATH, else installed from the carried .whl/py_spy*.whl), in NAME/pyspy/ of its .tgz; then
 # python -m omni_triton.bench.pyspy_summary NAME/pyspy. E.g. PYSPY="2 8 200 48" at LEVELS=64: the level's steady
 # state.
 # Then: tar xzf OUT/NAME.tgz; NAME/served/results.md has the level's table and where its first audio went.
@@ -26,9 +29,15 @@ out=${1:?output directory}; shift
 [ $# -gt 0 ] || { echo "name at least one variant: NAME|TREE|SERVE_ARGS" >&2; exit 2; }
 BUDGET_S=${BUDGET_S:-560}
 RUN_S=${RUN_S:-150}
+TRACE_PACK_MB=${TRACE_PACK_MB:-100}
 export LEFT_CONTEXT=${LEFT_CONTEXT:-default} SEQ_LEVELS=${SEQ_LEVELS-}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=$(mktemp -d)  # the runs' full directories (traces included) stay on the machine, not under OUT
+if [ -n "${PYSPY:-}" ] && ! command -v py-spy >/dev/null; then  # the carried wheel (a session lost its profiles)
+  wheel=$(ls "$root"/.whl/py_spy*.whl 2>/dev/null | head -1)
+  [ -n "$wheel" ] && python3 -m pip install -q "$wheel" >/dev/null 2>&1
+  command -v py-spy >/dev/null || echo "PYSPY is set but py-spy is not on PATH (pip install .whl/py_spy*.whl)" >&2
+fi
 mkdir -p "$out"
 summary="$out/variants.txt"
 : >"$summary"
@@ -47,9 +56,9 @@ for variant in "$@"; do
   start=$SECONDS
   spy=
   if [ -n "${PYSPY:-}" ]; then  # waits for this run's server to be ready, then records
-    read -r delay seconds rate streams <<<"$PYSPY"
+    read -r delay seconds rate streams mode <<<"$PYSPY"
     bash "$root/benchmarks/pyspy_stages.sh" "$work/$name/pyspy" "$delay" "$seconds" "$rate" \
-      "http://127.0.0.1:${PORT:-18000}" idle "${streams:-0}" >"$work/$name.pyspy.log" 2>&1 &
+      "http://127.0.0.1:${PORT:-18000}" "${mode:-idle}" "${streams:-0}" >"$work/$name.pyspy.log" 2>&1 &
     spy=$!
   fi
   # this tree's sweep script in the variant's directory (`python3 -m` imports the package from there): an older
@@ -62,7 +71,15 @@ for variant in "$@"; do
     cp "$work/$name.pyspy.log" "$work/$name/pyspy/" 2>/dev/null
   fi
   cp "$work/$name.log" "$work/$name/sweep.log" 2>/dev/null
-  tar czf "$out/$name.tgz" -C "$work" --exclude=trace --exclude=repository "$name"
+  # the request traces come too (the step log's records say what each engine did between its steps), unless
+  # they are too big for a returned file (16 MiB, compressed ~10x)
+  leave_out=(--exclude=repository)
+  trace_mb=$(du -sm "$work/$name/served/trace" 2>/dev/null | cut -f1)
+  if [ "${trace_mb:-0}" -gt "$TRACE_PACK_MB" ]; then
+    leave_out+=(--exclude=trace)
+    echo "$name: its traces (${trace_mb} MB) left out of $name.tgz (TRACE_PACK_MB=$TRACE_PACK_MB)" | tee -a "$summary"
+  fi
+  tar czf "$out/$name.tgz" -C "$work" "${leave_out[@]}" "$name"
   echo "$name: exit $rc in $((SECONDS - start)) s (tree $tree, serve args '${SERVE_ARGS:-} $args')" | tee -a "$summary"
   grep -h "^| server |" "$work/$name/served/results.md" 2>/dev/null | head -"${SUMMARY_ROWS:-4}" | tee -a "$summary"
 done
