@@ -5,9 +5,10 @@
 # the orchestrator's per-response work; absolute numbers belong to this machine, the ratio is the result.
 #
 #   bash benchmarks/server_cpu_ab.sh BASE_TREE NEW_TREE OUT     # e.g. a `git archive main` copy and this tree
+#   NEW_SERVE_ARGS="--gil-switch-interval-ms 0.5" bash benchmarks/server_cpu_ab.sh . . OUT   # a flag, one tree
 #
 # Settings (environment): ROUNDS (2), CONCURRENCY (8), REQUESTS (32), SERVE_ARGS (default: the tiny checkpoint
-# on the CPU), BENCH_ARGS (default: --checkpoint checkpoints/tiny). Writes OUT/<tree>-<round>/ (bench reports),
+# on the CPU), BASE_SERVE_ARGS / NEW_SERVE_ARGS (added to one side's serve flags), BENCH_ARGS (default: --checkpoint checkpoints/tiny). Writes OUT/<tree>-<round>/ (bench reports),
 # OUT/summary.json and prints a table.
 set -uo pipefail
 base=$(realpath "${1:?base tree}"); new=$(realpath "${2:?new tree}"); out=$(realpath -m "${3:?output dir}")
@@ -20,10 +21,11 @@ if pgrep -x tritonserver >/dev/null; then  # its processes would be read as the 
 fi
 for round in $(seq "$ROUNDS"); do
   for side in base new; do
-    tree=$base; [ $side = new ] && tree=$new
+    tree=$base side_args=${BASE_SERVE_ARGS:-}
+    [ $side = new ] && tree=$new side_args=${NEW_SERVE_ARGS:-}
     run="$out/$side-$round"; mkdir -p "$run"
     # exec: $! is the serve process itself, which stops tritonserver on SIGINT
-    (cd "$tree" && PYTHONPATH=$tree exec $python -m omni_triton.cli serve $SERVE_ARGS --http-port 28100 \
+    (cd "$tree" && PYTHONPATH=$tree exec $python -m omni_triton.cli serve $SERVE_ARGS $side_args --http-port 28100 \
        --grpc-port 28101 --metrics-port 28102 --max-inflight 64 --run-dir "$run/server" >"$run/serve.log" 2>&1) &
     server=$!
     ready=0
