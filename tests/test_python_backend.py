@@ -94,6 +94,9 @@ def test_our_patches_apply_to_the_pinned_sources(tmp_path):
     metric = (src / "python_backend" / "src" / "metric.cc").read_text()  # python_backend-metric-set-without-gil.patch
     set_value = metric[metric.index("Metric::SendSetValueRequest"):metric.index("Metric::SendObserveRequest")]
     assert "py::gil_scoped_release release;" in set_value
+    stub = (src / "python_backend" / "src" / "pb_stub.cc").read_text()  # python_backend-execute-handback-without-gil
+    handbacks = stub[stub.index("Stub::ProcessRequests("):stub.index("py::object execute_return;")]
+    assert handbacks.count("py::gil_scoped_release release;") == 2
 
 
 # A model whose one instance serves its queue by priority (two levels, the second the default) and answers each
