@@ -4,8 +4,10 @@ it (omni_triton/bench/step_breakdown.py) on synthetic step records."""
 from __future__ import annotations
 
 import gc
+import json
 import queue
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -89,6 +91,31 @@ def test_engine_loop_logs_what_it_did_between_steps(traced):
     assert records[0]["gap_commands_by_kind"]["add"] >= 1  # a's add (at least), before the first step
     assert all(isinstance(r[time], float) and r[time] >= 0 for r in records[1:] for time in TIMES)
     assert sum(r["gap_commands_ms"] for r in records) > 0
+
+
+def test_engine_loop_traces_each_request_s_first_response_once(traced):
+    """``<engine>.first_response``: the response thread hands a request's first tokens to its callback, once per
+    request (the breakdown's split between a stage's own first chunk and the hand-off after it), after its
+    first token, before the consumer has them."""
+    loop = EngineLoop(LLMEngine(ThinkerStage(ToyThinker().eval()), EngineConfig(block_size=4, num_blocks=256))).start()
+    received: dict[str, float] = {}
+    try:
+        streams = {f"r{i}": loop.add_request(f"r{i}", SamplingParams(temperature=0.0, max_new_tokens=n),
+                                             prompt_token_ids=prompt)
+                   for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_NEW))}
+        for request_id, stream in streams.items():
+            for output in stream:
+                if output.new_token_ids and request_id not in received:
+                    received[request_id] = time.monotonic()
+    finally:
+        loop.shutdown()
+    lines = [json.loads(line) for path in traced.glob("*.jsonl") for line in path.read_text().splitlines()]
+    firsts = Counter(line["id"] for line in lines if line.get("event") == "thinker.first_response")
+    assert firsts == dict.fromkeys(streams, 1)
+    events = trace.read_events(traced)
+    for request_id in streams:
+        assert events[request_id]["thinker.first_token"] <= events[request_id]["thinker.first_response"]
+        assert events[request_id]["thinker.first_response"] <= received[request_id]
 
 
 def test_between_steps_times_parts_and_counts_commands():

@@ -6,6 +6,11 @@ milestone before it). The served pipeline has every milestone; the in-process pi
 missing are left out, so the segments present always add up to the span from the first to the last
 milestone present: with ``client.sent`` and ``client.first_audio``, that is the client's TTFA.
 
+The hand-offs between processes: "BLS request to the thinker", "talker request to the talker", and, since the
+engines trace ``<engine>.first_response`` (the first tokens handed to the stage's send), "first thinker chunk to the
+orchestrator" and "first frame to the orchestrator"; in traces without it those two segments also hold the stage's
+first chunk being made and held (the talker's first response waits for its first chunk's frames).
+
 With the engines' step logs in the traces, each level's row (an open-loop rate's alike) also says where the
 thinker's and the talker's wall time went during the level (GPU, host, waiting for input, idle; prefill stalls:
 ``step_breakdown.py``); with the code2wav stage's call log and the orchestrator's chunk records, what bounds
@@ -26,11 +31,13 @@ MILESTONES = (
     ("thinker.added", "BLS request to the thinker"),
     ("thinker.prefill_start", "thinker queueing"),
     ("thinker.first_token", "thinker prefill + first token"),
+    ("thinker.first_response", "thinker's first chunk, held until sent"),
     ("session.thinker_first_chunk", "first thinker chunk to the orchestrator"),
     ("session.talker_start", "text out, talker request made"),
     ("talker.added", "talker request to the talker"),
     ("talker.prefill_start", "talker queueing"),
     ("talker.first_token", "talker prefill + first frame"),
+    ("talker.first_response", "talker's first chunk of frames, made and held until sent"),
     ("session.talker_first_frames", "first frame to the orchestrator"),
     ("session.code2wav_first_call", "until the first chunk's frames"),
     ("session.code2wav_first_audio", "code2wav first chunk"),

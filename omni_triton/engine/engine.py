@@ -441,6 +441,7 @@ class EngineLoop:
         self._response_thread = threading.Thread(target=self._response_loop, name="engine-response", daemon=True)
         self._output_stream = OutputStream(engine.runner.device)
         self._held = HeldOutputs(engine.config.output_batching)
+        self._first_tokens_sent: set[str] = set()  # (while tracing) requests whose first tokens went out
 
     def start(self) -> "EngineLoop":
         self._step_thread.start()
@@ -586,10 +587,24 @@ class EngineLoop:
                 self._callbacks.pop(output.request_id, None)
         if callback is None:
             return
+        if trace.enabled():
+            self._trace_first_response(output)
         try:
             callback(output)
         except Exception:
             logger.exception("output callback for request %r failed", output.request_id)
+
+    def _trace_first_response(self, output: RequestOutput) -> None:
+        """``<engine>.first_response``: the request's first tokens handed to its send (after the engine made
+        them and output batching held them): splits "first token -> the orchestrator has it" into the stage's own
+        part and the hand-off between processes. Recorded before the send: a consumer in this process (the
+        in-process pipeline) records its receipt inside the callback."""
+        request_id = output.request_id
+        if output.new_token_ids and request_id not in self._first_tokens_sent:
+            trace.event(request_id, f"{self.engine.name}.first_response")
+            self._first_tokens_sent.add(request_id)
+        if output.finished:
+            self._first_tokens_sent.discard(request_id)
 
 
 class GatheredOutputs:
