@@ -4,21 +4,19 @@ the interval for a busy thread to hand the GIL over)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load_script
 from omni_triton import cli
 from omni_triton.launch.options import flag_settings
 from omni_triton.launch.repository import render_repository
 from omni_triton.shared.settings import STAGES, LaunchConfig
 from omni_triton.stages.model_args import prepare_stage_process
 from server_fixture import rendered_settings
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -56,15 +54,8 @@ def test_a_stage_process_takes_the_interval(tiny_checkpoint, kept_switch_interva
     assert sys.getswitchinterval() == pytest.approx(0.0005)
 
 
-def load_probe():
-    spec = importlib.util.spec_from_file_location("gil_switch_probe", ROOT / "benchmarks" / "gil_switch_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_probe_reports_each_interval_and_restores_the_process(tmp_path, capsys, kept_switch_interval):
-    probe = load_probe()
+    probe = load_script("gil_switch_probe")
     sys.setswitchinterval(0.005)
     assert probe.main(["--intervals-ms", "5,0.5", "--cycles", "3", "--repeat", "1", "--wait-ms", "0.5",
                        "--work-us", "50", "--out-dir", str(tmp_path)]) == 0
@@ -78,4 +69,4 @@ def test_the_probe_reports_each_interval_and_restores_the_process(tmp_path, caps
 
 def test_the_probe_refuses_bad_intervals():
     with pytest.raises(SystemExit):
-        load_probe().main(["--intervals-ms", "5,zero"])
+        load_script("gil_switch_probe").main(["--intervals-ms", "5,zero"])
