@@ -19,11 +19,13 @@ per code2wav request, ``pipeline/session.py``): ``{"record": kind, "t": ..., "pi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 TRACE_DIR_ENV = "OMNI_TRITON_TRACE_DIR"
 
@@ -63,6 +65,17 @@ def configure(directory: str | Path | None) -> None:
     global _log
     old, _log = _log, _TraceLog(str(directory) if directory else None)
     old.close()
+
+
+@contextlib.contextmanager
+def traced_into(directory: str | Path | None) -> Iterator[None]:
+    """This process traced into ``directory`` inside the block (None: not traced there), not after it: one
+    benchmark level's or rate's requests, not the warm-up's nor the next level's."""
+    configure(directory)
+    try:
+        yield
+    finally:
+        configure(None)
 
 
 def enabled() -> bool:

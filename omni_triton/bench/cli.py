@@ -273,14 +273,10 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
         for concurrency in levels:
             progress.set_postfix(concurrency=concurrency)
             level_dir = trace_dir / f"{runner.name}-c{concurrency}" if trace_dir is not None else None
-            trace.configure(level_dir)
-            try:
-                with (GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu,
-                      profile.during(f"{runner.name}-c{concurrency}") if profile else contextlib.nullcontext()):
-                    timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
-                                                on_done=lambda _: progress.update())
-            finally:
-                trace.configure(None)
+            with (trace.traced_into(level_dir), GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu,
+                  profile.during(f"{runner.name}-c{concurrency}") if profile else contextlib.nullcontext()):
+                timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
+                                            on_done=lambda _: progress.update())
             summary = summarize(runner.name, concurrency, timings, wall_s)
             cpu_ms = ms_per_request(server_cpu.seconds, summary.requests - summary.failed)
             summaries.append(replace(summary, gpu_memory_peak_gib=gpu_memory.gib,

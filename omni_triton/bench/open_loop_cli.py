@@ -20,7 +20,6 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 from omni_triton import trace
 from omni_triton.bench import breakdown, open_loop_report, soak_cli
@@ -164,7 +163,9 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
             drawn.extend(mix.draw(len(arrivals) - len(drawn), first_index=len(drawn)))
         requests = drawn.__getitem__ if mix is not None else tensors
         rate_dir = rate_trace_dir(args.trace, runner.name, rate) if args.trace is not None else None
-        with _traced_into(rate_dir), GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu:
+        # (without --trace, this process's tracing is left as it is)
+        traced = trace.traced_into(rate_dir) if rate_dir is not None else contextlib.nullcontext()
+        with traced, GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu:
             rate_run = run_rate(pool, requests, arrivals, max_in_flight=args.max_client_streams,
                                 drain_timeout_s=args.drain_timeout)
         if rate_dir is not None:
@@ -208,20 +209,6 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
     print(f"wrote {out_dir}/results.json, results.md" + (f" ({plot})" if isinstance(plot, str) else f", {plot.name}"),
           file=sys.stderr)
     return 1 if any(row.failed_by_code or row.not_started for row in rows) else 0
-
-
-@contextlib.contextmanager
-def _traced_into(directory: Path | None) -> Iterator[None]:
-    """This process's requests traced into ``directory`` inside the block: one rate's, not the warm-up's nor
-    another rate's. None: tracing left as it is."""
-    if directory is None:
-        yield
-        return
-    trace.configure(directory)
-    try:
-        yield
-    finally:
-        trace.configure(None)
 
 
 def _goodput_notes(search: Search | None, goodput: dict) -> list[str]:
