@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from omni_triton.bench.metric_rows import metric_row
+
 # (row label, metric keys, format) of the breakdown table; a cell needs every key of its row
 TABLE_ROWS = (
     ("calls/s", ("calls_per_s",), "{:.1f}"),
@@ -106,12 +108,6 @@ def _overlap(a: float, b: float, start: float, end: float) -> float:
 
 def markdown_rows(rows: list[dict]) -> list[str]:
     """Table lines (one column per level, as ``breakdown.markdown``) for the levels' ``code2wav`` metrics."""
-    lines = []
-    for label, keys, fmt in TABLE_ROWS:
-        cells = []
-        for row in rows:
-            values = [row.get("code2wav", {}).get(key) for key in keys]
-            cells.append("" if any(v is None for v in values) else fmt.format(*values))
-        if any(cells):
-            lines.append(f"| code2wav {label} | " + " | ".join(cells) + " |")
-    return lines
+    columns = [row.get("code2wav", {}) for row in rows]
+    return [line for label, keys, fmt in TABLE_ROWS
+            if (line := metric_row(f"code2wav {label}", columns, keys, fmt)) is not None]

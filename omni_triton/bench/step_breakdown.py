@@ -31,6 +31,7 @@ from collections import Counter
 
 import numpy as np
 
+from omni_triton.bench.metric_rows import metric_row
 from omni_triton.bench.metrics import mean, percentile
 
 SHARES = ("gpu", "host", "input", "idle")
@@ -210,11 +211,7 @@ def markdown_rows(rows: list[dict]) -> list[str]:
     engines = sorted({engine for row in rows for engine in row.get("engines", {})})
     lines = []
     for engine in engines:
-        for label, keys, fmt in TABLE_ROWS:
-            cells = []
-            for row in rows:
-                values = [row.get("engines", {}).get(engine, {}).get(key) for key in keys]
-                cells.append(None if any(value is None for value in values) else fmt.format(*values))
-            if any(cell is not None for cell in cells):
-                lines.append(f"| {engine} steps: {label} | " + " | ".join(cell or "" for cell in cells) + " |")
+        columns = [row.get("engines", {}).get(engine, {}) for row in rows]
+        lines += [line for label, keys, fmt in TABLE_ROWS
+                  if (line := metric_row(f"{engine} steps: {label}", columns, keys, fmt)) is not None]
     return lines
