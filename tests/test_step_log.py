@@ -356,6 +356,8 @@ def test_time_between_steps_while_rows_were_runnable_is_split_by_what_the_loop_d
     assert shares["commands_per_gap"] == pytest.approx(2)
     assert shares["commands_by_kind"] == "append 1.0, add 0.5, abort 0.5"
     assert shares["gap_parts"] == "stats snapshots 1.0, queueing outputs 1.0, blocked 2.0, step log 1.0, rest 6.0"
+    assert shares["add_gap_commands_p50_ms"] == pytest.approx(30)  # the one gap with an add (and its 2 appends)
+    assert shares["append_commands_p50_ms"] is None  # the appends-only gap followed rows waiting for input
     lines = step_breakdown.markdown_rows([{"engines": {"talker": shares}}])
     for line in ("| talker steps: host: between steps, rows runnable % of wall | 35 |",
                  "| talker steps: between steps, rows runnable p50 / p95 (ms) | 75.0 / 97.5 |",
@@ -366,8 +368,24 @@ def test_time_between_steps_while_rows_were_runnable_is_split_by_what_the_loop_d
                  "| talker steps: between steps: other parts % of wall | stats snapshots 1.0, queueing outputs 1.0, "
                  "blocked 2.0, step log 1.0, rest 6.0 |",
                  "| talker steps: between steps: off the CPU, not blocked (the GIL, preempted) % of wall | 7.0 |",
+                 "| talker steps: between steps: a gap with one add: applying its commands p50 (ms) | 30.0 |",
                  "| talker steps: step thread garbage collection % of its wall (in steps / between steps) | 0.2 / 1.3 |"):
         assert line in lines
+
+
+def test_what_one_admission_and_one_append_cost_the_loop():
+    # runnable gaps: one add with 3 appends (14 ms), two adds (counted in neither), appends only (4 in 2 ms, 1 in
+    # 0.9 ms, 2 in 1 ms), an abort alone
+    gaps = [({"add": 1, "append": 3}, 14.0), ({"add": 2}, 30.0), ({"append": 4}, 2.0), ({"append": 1}, 0.9),
+            ({"append": 2}, 1.0), ({"abort": 1}, 0.2)]
+    steps = [step("talker", 0.01, 5, **timed(4))] + [
+        step("talker", 0.02 * (i + 1), 5, **timed(4, gap_ms=10, gap_cpu_ms=5, by_kind=by_kind, commands=ms))
+        for i, (by_kind, ms) in enumerate(gaps)]
+    shares = step_breakdown.engine_shares(steps, 0.0, 1.0)["talker"]
+    assert shares["add_gap_commands_p50_ms"] == pytest.approx(14)
+    assert shares["append_commands_p50_ms"] == pytest.approx(0.5)  # of 0.5, 0.9, 0.5 ms per append
+    lines = step_breakdown.markdown_rows([{"engines": {"talker": shares}}])
+    assert "| talker steps: between steps: gaps of appends only: applying one p50 (ms) | 0.50 |" in lines
 
 
 def test_records_from_before_the_gaps_were_timed_show_no_such_rows():

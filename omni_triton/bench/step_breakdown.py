@@ -19,7 +19,8 @@ The host share's time between steps while rows were runnable (the step thread's 
 further, from the step log's gap fields (records from before it had them: no such rows): its length per gap;
 the step thread's CPU time in steps and in those gaps (wall minus CPU: waits for the GPU, or for the GIL held
 by the process's other threads); what the loop spent the gaps on: applying commands (adds, appends from the
-thinker, aborts; how many per gap), the stats snapshots, queueing outputs for the response thread, waiting with
+thinker, aborts; how many per gap; the p50 of a gap with one add and of one append in gaps of appends only: what an
+admission and an append cost the loop), the stats snapshots, queueing outputs for the response thread, waiting with
 nothing to run, the step log itself, and the rest (the loop around them, the GIL); and the gaps' time off the
 CPU while not waiting for a command (the GIL, or no core free). Garbage collection on the step thread is shown
 apart (it runs inside any of those parts and inside steps).
@@ -58,6 +59,8 @@ TABLE_ROWS = (
     ("between steps: applying commands % of wall", ("commands_pct",), "{:.1f}"),
     ("between steps: commands per gap (mean)", ("commands_per_gap",), "{:.1f}"),
     ("between steps: commands per gap by kind (mean)", ("commands_by_kind",), "{}"),
+    ("between steps: a gap with one add: applying its commands p50 (ms)", ("add_gap_commands_p50_ms",), "{:.1f}"),
+    ("between steps: gaps of appends only: applying one p50 (ms)", ("append_commands_p50_ms",), "{:.2f}"),
     ("between steps: other parts % of wall", ("gap_parts",), "{}"),
     ("between steps: off the CPU, not blocked (the GIL, preempted) % of wall", ("off_cpu_pct",), "{:.1f}"),
     ("step thread garbage collection % of its wall (in steps / between steps)", ("gc_in_steps_pct", "gc_between_pct"),
@@ -176,7 +179,7 @@ def _gap_stats(steps: list[dict], gaps: list[dict], wall: float) -> dict:
              "cpu_between_pct": _ratio_pct(timed, "gap_cpu_ms", "gap_ms"),
              "gc_between_pct": _ratio_pct(timed, "gap_gc_ms", "gap_ms"),
              "commands_pct": None, "commands_per_gap": None, "commands_by_kind": None, "gap_parts": None,
-             "off_cpu_pct": None}
+             "off_cpu_pct": None, "add_gap_commands_p50_ms": None, "append_commands_p50_ms": None}
     if not timed:
         return stats
     part_ms = {part: sum(gap.get(f"gap_{part}_ms", 0.0) for gap in timed) for part in GAP_PARTS}
@@ -186,6 +189,11 @@ def _gap_stats(steps: list[dict], gaps: list[dict], wall: float) -> dict:
     kinds = Counter()
     for gap in timed:
         kinds.update(gap["gap_commands_by_kind"])
+    # what one admission and one append cost the loop (an admission's gap holds the appends that came with it)
+    add_gaps = [gap["gap_commands_ms"] for gap in timed if gap["gap_commands_by_kind"].get("add") == 1]
+    appends = [gap["gap_commands_ms"] / gap["gap_commands"] for gap in timed
+               if gap["gap_commands"] and set(gap["gap_commands_by_kind"]) == {"append"}]
+    stats.update(add_gap_commands_p50_ms=percentile(add_gaps, 50), append_commands_p50_ms=percentile(appends, 50))
     stats.update(commands_pct=_ms_pct(part_ms["commands"], wall), off_cpu_pct=_ms_pct(off_cpu_ms, wall),
                  commands_per_gap=mean([gap["gap_commands"] for gap in timed]),
                  commands_by_kind=", ".join(f"{kind} {n / len(timed):.1f}" for kind, n in kinds.most_common()) or "-",
