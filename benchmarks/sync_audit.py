@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import tempfile
 import threading
 import traceback
@@ -33,17 +32,16 @@ from omni_triton.models.config import resolve_config_dir
 from omni_triton.pipeline.inprocess import InProcessPipeline
 
 PROMPT = "Tell me about the weather today, in two short sentences."
-PACKAGE = "omni_triton" + "/"  # frames of this package name the call site
-SYNC_WARNING = re.compile("synchroniz", re.IGNORECASE)
+PACKAGE = "omni_triton/"  # frames of this package name the call site
+SYNC_WORD = "synchroniz"  # the mode's warning: "called a synchronizing CUDA operation"
 
 
 def call_site(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
     """(innermost package frame "file:line function", the package frames above it, outermost first, joined)."""
-    ours = [frame for frame in stack if PACKAGE in frame.filename.replace("\\", "/")]
-    if not ours:
+    paths = [(frame.filename.replace("\\", "/"), frame) for frame in stack]
+    names = [f"{path.split(PACKAGE, 1)[1]}:{frame.lineno} {frame.name}" for path, frame in paths if PACKAGE in path]
+    if not names:
         return "(outside omni_triton)", ""
-    names = [f"{frame.filename.replace(chr(92), '/').split(PACKAGE, 1)[1]}:{frame.lineno} {frame.name}"
-             for frame in ours]
     return names[-1], " < ".join(reversed(names[-4:-1]))
 
 
@@ -57,7 +55,7 @@ class SyncRecorder:
 
     def __enter__(self):
         self._filters = warnings.filters[:]
-        warnings.filterwarnings("always", message=".*synchroniz.*")
+        warnings.filterwarnings("always", message=f".*{SYNC_WORD}")
         self._shown, warnings.showwarning = warnings.showwarning, self._record
         return self
 
@@ -66,7 +64,7 @@ class SyncRecorder:
         warnings.filters[:] = self._filters
 
     def _record(self, message, category, filename, lineno, file=None, line=None):
-        if not SYNC_WARNING.search(str(message)):
+        if SYNC_WORD not in str(message).lower():
             return self._shown(message, category, filename, lineno, file, line)
         site, chain = call_site(traceback.extract_stack()[:-1])
         with self._lock:
@@ -87,30 +85,29 @@ def request_inputs(max_tokens: int, audio_frames: int) -> dict:
 
 def audit(args) -> dict:
     checkpoint, weights = checkpoint_dir(args.config)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    on_gpu = torch.device(args.device).type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     config = EngineConfig(num_blocks=args.num_blocks, device=args.device, kv_dtype=dtype, prefix_caching=True,
-                          warmup=device.type == "cuda")  # (its graphs captured before the audit)
+                          warmup=on_gpu)  # (its graphs captured before the audit)
     pipeline = InProcessPipeline(checkpoint, device=args.device, dtype=dtype, engine_config=config, **weights)
     inputs = request_inputs(args.max_tokens, args.audio_frames)
     try:
         pipeline.generate(inputs)  # first request outside the audit: lazy allocations, caches
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         with SyncRecorder() as recorder, ThreadPoolExecutor(args.concurrency) as pool:
-            if device.type == "cuda":
+            if on_gpu:
+                torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("warn")
             try:
                 results = list(pool.map(lambda _: pipeline.generate(inputs), range(args.requests)))
             finally:
-                if device.type == "cuda":
+                if on_gpu:
                     torch.cuda.set_sync_debug_mode("default")
     finally:
         pipeline.close()
     grouped: Counter[tuple[str, str, str]] = Counter()
     for (thread, site, chain), count in recorder.sites.items():
         grouped[(thread_kind(thread), site, chain)] += count
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+    return {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
             "config": args.config, "requests": args.requests, "concurrency": args.concurrency,
             "completed_with_audio": sum(1 for _, audio in results if audio.size),
             "syncs": sum(grouped.values()),
