@@ -107,11 +107,12 @@ class StubStarts:
 
 
 def raw_stream(grpc_url: str, inputs: list, timeout_s: float, parameters: dict | None = None,
-               model: str = "omni") -> StreamOutcome:
+               model: str = "omni", streaming: threading.Event | None = None) -> StreamOutcome:
     """Send ready-made InferInputs on a stream of their own; gather it until FINAL or an error.
 
     Unlike OmniStreamClient this never raises for what the server answers (errors become the outcome);
-    it raises TimeoutError when the server goes silent for ``timeout_s``, i.e. a hang.
+    it raises TimeoutError when the server goes silent for ``timeout_s``, i.e. a hang. ``streaming`` is set once
+    the first text has reached this client (a server's gauges count a request before its first response does).
     """
     import tritonclient.grpc as grpcclient
 
@@ -133,6 +134,8 @@ def raw_stream(grpc_url: str, inputs: list, timeout_s: float, parameters: dict |
                 text, audio = result.as_numpy("TEXT_DELTA"), result.as_numpy("AUDIO")
                 if text is not None and text.size:
                     outcome.text += text.reshape(-1)[0]
+                    if streaming is not None and outcome.text:
+                        streaming.set()
                 if audio is not None and audio.size:
                     outcome.audio.append(audio.reshape(-1))
                 if result.get_response().parameters["triton_final_response"].bool_param:

@@ -522,10 +522,12 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
         reference = stream(server, "After the fault", **SMALL_REQUEST)
         stubs = find_stubs(server.server.process.pid, list(STAGES))
         ended_at: dict[int, float] = {}
+        streaming = [threading.Event() for _ in range(MAX_INFLIGHT)]
 
         def in_flight(index: int):
             outcome = raw_stream(server.grpc_url, build_inputs(f"Fault request {index}: a long story.",
-                                                               **FAULT_REQUEST), timeout_s=30)
+                                                               **FAULT_REQUEST), timeout_s=30,
+                                 streaming=streaming[index])
             ended_at[index] = time.monotonic()
             return outcome
 
@@ -536,6 +538,10 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
                 futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
                 _wait_for_gauges(server, {("omni_active_requests", "thinker"): MAX_INFLIGHT,
                                           ("omni_active_requests", "talker"): MAX_INFLIGHT})
+                # the gauges count a request before its first text reaches the client (a loaded CI runner showed the
+                # gap): kill only once every stream has text, which is what "killed while streaming" asserts below
+                for index, started in enumerate(streaming):
+                    assert started.wait(20.0), f"fault request {index} streamed no text within 20 s"
                 killed_unix = time.time()
                 os.kill(stubs[victim], signal.SIGKILL)
                 killed_at = time.monotonic()
