@@ -95,6 +95,7 @@ from omni_triton.stages.bls_clients import BlsStageClients
 from omni_triton.stages.cancel_watchdog import CancelWatchdog
 from omni_triton.stages.metrics import HostHopCounter, torch_memory_gauges
 from omni_triton.shared.settings import CHUNK_PACING
+from omni_triton.stages.running_threads import RunningThreads, report_still_running
 from omni_triton.stages.stage_io import from_torch
 from omni_triton.stages.stage_supervisor import StageSupervisor
 
@@ -112,6 +113,8 @@ STAGE_ALIVE_MAX_AGE_S = 0.05
 # Past a drain's bound the sessions left are cancelled; their aborts and final responses get this long before the
 # drain is answered anyway
 ABORTS_S = 2.0
+# At unload, sessions still running this long after the stop began are logged with where they wait
+SESSIONS_END_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,7 @@ class Orchestrator:
         self._latest_let_through = 0  # the board: preprocess's requests up to this mark are no longer on their way
         self._publish()
         self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="omni-request")
+        self._sessions = RunningThreads()  # request id -> its pool thread, while its _run runs
         self._slot = slot
         self._request_counter = 0
         self._lock = threading.Lock()
@@ -438,6 +442,9 @@ class Orchestrator:
         for ticket in self._admission.drop(lambda ticket: True):  # nothing will start them now
             self._refuse(ticket.sender, "server shutting down")
         self._stages.stop()
+        # the pool's shutdown waits for every session: one still running now is stuck (a drain ends them first),
+        # and the unload, with tritonserver's exit timeout, waits for it: say where
+        report_still_running(self._sessions, SESSIONS_END_S, logger.warning)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._watchdog.stop()
         if self._board is not None:
@@ -455,6 +462,13 @@ class Orchestrator:
             return f"{request.request_id() or 'req'}#{os.getpid()}.{self._request_counter}"
 
     def _run(self, ticket: "_Ticket", admitted: float) -> None:
+        self._sessions.enter(ticket.request_id)
+        try:
+            self._serve(ticket, admitted)
+        finally:
+            self._sessions.leave(ticket.request_id)
+
+    def _serve(self, ticket: "_Ticket", admitted: float) -> None:
         pb = self._pb
         sender, inputs, request_id, deadline = ticket.sender, ticket.inputs, ticket.request_id, ticket.deadline
         send_lock = threading.Lock()
