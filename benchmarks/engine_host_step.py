@@ -40,10 +40,12 @@ THINKER_VOCAB, TALKER_VOCAB, CODEBOOKS = 2048, 512, 16
 PROMPT = 100  # prompt positions per request
 WARM_STEPS = 8
 STOP_ID = 7  # never sampled (the stub samples id 0), but looked for
+ADMIT_WIDTH = 1024  # the talker's hidden size at full size (Qwen3-Omni-30B-A3B): an admission hashes its prompt rows
 
 
-def stub_models():
-    """Stand-ins of the thinker and the talker with the call surface the stages use."""
+def stub_models(talker_hidden: int = HIDDEN):
+    """Stand-ins of the thinker and the talker with the call surface the stages use (the talker ``talker_hidden``
+    wide: its prompt rows are what an admission hashes for the prefix cache)."""
     import torch
     from torch import nn
 
@@ -67,12 +69,12 @@ def stub_models():
             return self.logits[:hidden.shape[0]]
 
     class StubTalker(nn.Module):
-        num_layers, num_kv_heads, head_dim, hidden_size, vocab_size = 2, 1, 8, HIDDEN, TALKER_VOCAB
+        num_layers, num_kv_heads, head_dim, hidden_size, vocab_size = 2, 1, 8, talker_hidden, TALKER_VOCAB
 
         def __init__(self, max_tokens: int):
             super().__init__()
-            self.codec_embed = nn.Embedding(1, HIDDEN)
-            self.hidden = torch.zeros(max_tokens, HIDDEN)
+            self.codec_embed = nn.Embedding(1, talker_hidden)
+            self.hidden = torch.zeros(max_tokens, talker_hidden)
             self.logits = torch.zeros(max_tokens, TALKER_VOCAB)
             self.codes = torch.zeros(max_tokens, CODEBOOKS, dtype=torch.long)
 
@@ -206,39 +208,114 @@ def measure(stage_name: str, rows: int, steps: int, repeat: int) -> dict:
             **{key: 1e6 * min(run[key] for run in runs) / steps for key in runs[0]}}
 
 
+def measure_admissions(rows: int, admissions: int, repeat: int) -> dict:
+    """The talker as served (prefix caching on, prompts ``ADMIT_WIDTH`` wide in bf16, each its own values): ``rows``
+    requests decoding steadily; then, ``admissions`` times, one of them ends and a new one is added, as the talker
+    service hands it over (its prompt's keys made on the caller's thread where the tree takes them:
+    ``prompt_keys``), and the engine steps until the new one decodes with the others. Per admission, in
+    microseconds of the step thread's CPU time, the least of ``repeat`` runs: applying the add (``add_request``),
+    the steps that carried its prefill rows (not launched ahead), and a steady decode step beside them."""
+    import torch
+
+    from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams
+    from omni_triton.engine.prefix_cache import embedding_keys
+    from omni_triton.engine.stage import TalkerStage, TrailingTextQueue
+
+    _, StubTalker = stub_models(ADMIT_WIDTH)
+    takes_keys = "prompt_keys" in inspect.signature(TalkerStage.init_sequence).parameters
+    steps_each = 4  # steady steps after an admission's prefill, timed as the steady step
+    max_new_tokens = WARM_STEPS + admissions * (steps_each + 4) + 8
+    blocks = (rows + admissions + 2) * (-(-(PROMPT + max_new_tokens) // 16) + 1)
+    params = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, max_new_tokens=max_new_tokens,
+                            stop_token_ids=(STOP_ID,))
+    text = torch.zeros(ADMIT_WIDTH, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(repeat):
+        config = EngineConfig(block_size=16, num_blocks=blocks, max_num_batched_tokens=max(rows * PROMPT, 512),
+                              max_num_seqs=rows + 1, prefix_caching=True)
+        engine = LLMEngine(TalkerStage(StubTalker(max(rows * PROMPT, 512))), config)
+        emulate_fast_path(engine, rows + 1)
+        generator = torch.Generator().manual_seed(0)
+
+        def request(index: int) -> tuple[str, dict]:
+            prompt = torch.randn(PROMPT, ADMIT_WIDTH, generator=generator).to(torch.bfloat16)
+            inputs = dict(prompt_embeds=prompt, talker_inputs=TrailingTextQueue(text, text), thinker_finished=True)
+            if takes_keys:  # made on the service's thread, as served: not the engine thread's time
+                inputs["prompt_keys"] = embedding_keys(prompt)
+            return f"r{index}", inputs
+
+        for index in range(rows):
+            request_id, inputs = request(index)
+            engine.add_request(request_id, params, **inputs)
+        for _ in range(WARM_STEPS):
+            engine.step()
+        add_s = prefill_s = steady_s = 0.0
+        steady_steps = 0
+        for admission in range(admissions):
+            engine.abort(f"r{admission}")  # one ends (untimed), one comes
+            request_id, inputs = request(rows + admission)
+            start = time.thread_time()
+            engine.add_request(request_id, params, **inputs)
+            add_s += time.thread_time() - start
+            seq = engine.requests[request_id]
+            start = time.thread_time()
+            while seq.num_computed_tokens < seq.num_prompt_positions:
+                engine.step()
+            prefill_s += time.thread_time() - start
+            for _ in range(steps_each):
+                start = time.thread_time()
+                engine.step()
+                steady_s += time.thread_time() - start
+                steady_steps += 1
+        runs.append({"add_us": 1e6 * add_s / admissions, "prefill_steps_us": 1e6 * prefill_s / admissions,
+                     "steady_step_us": 1e6 * steady_s / steady_steps})
+    return {"stage": "talker admissions", "rows": rows, **{key: min(run[key] for run in runs) for key in runs[0]}}
+
+
 def worker(args) -> dict:
     import torch
 
     import omni_triton
 
     torch.set_num_threads(1)
-    results = [measure(stage, rows, args.steps, args.repeat)
-               for stage in args.stages.split(",") for rows in map(int, args.rows.split(","))]
+    if args.admissions:
+        results = [measure_admissions(rows, args.admissions, args.repeat) for rows in map(int, args.rows.split(","))]
+    else:
+        results = [measure(stage, rows, args.steps, args.repeat)
+                   for stage in args.stages.split(",") for rows in map(int, args.rows.split(","))]
     return {"tree": str(Path(omni_triton.__file__).resolve().parents[1]), "results": results}
 
 
-PARTS = ("step_us", "schedule", "launch", "finish")
+STEP_PARTS = ("step_us", "schedule", "launch", "finish")
+ADMISSION_PARTS = ("add_us", "prefill_steps_us", "steady_step_us")
+
+
+def parts_of(results: list[dict]) -> tuple[str, ...]:
+    return ADMISSION_PARTS if "add_us" in results[0] else STEP_PARTS
 
 
 def table(results: list[dict]) -> list[str]:
-    lines = ["| stage | rows | step | schedule | launch | finish |", "|---|---:|---:|---:|---:|---:|"]
+    parts = parts_of(results)
+    lines = ["| stage | rows | " + " | ".join(p.removesuffix("_us") for p in parts) + " |",
+             "|---|---:|" + "---:|" * len(parts)]
     for r in results:
-        lines.append(f"| {r['stage']} | {r['rows']} | " + " | ".join(f"{r[p]:.1f}" for p in PARTS) + " |")
+        lines.append(f"| {r['stage']} | {r['rows']} | " + " | ".join(f"{r[p]:.1f}" for p in parts) + " |")
     return lines
 
 
 def compare_table(base: list[dict], branch: list[dict]) -> list[str]:
-    lines = ["| stage | rows | " + " | ".join(f"{p.removesuffix('_us')} base / branch / ratio" for p in PARTS) + " |",
-             "|---|---:|" + "---:|" * len(PARTS)]
+    parts = parts_of(base)
+    lines = ["| stage | rows | " + " | ".join(f"{p.removesuffix('_us')} base / branch / ratio" for p in parts) + " |",
+             "|---|---:|" + "---:|" * len(parts)]
     for b, r in zip(base, branch):
-        cells = [f"{b[p]:.1f} / {r[p]:.1f} / {r[p] / b[p]:.2f}" if b[p] else "-" for p in PARTS]
+        cells = [f"{b[p]:.1f} / {r[p]:.1f} / {r[p] / b[p]:.2f}" if b[p] else "-" for p in parts]
         lines.append(f"| {r['stage']} | {r['rows']} | " + " | ".join(cells) + " |")
     return lines
 
 
 def run_tree(tree: Path, args) -> dict:
     return run_worker(Path(__file__), tree, ["--rows", args.rows, "--stages", args.stages, "--steps", str(args.steps),
-                                             "--repeat", str(args.repeat)])
+                                             "--repeat", str(args.repeat), "--admissions", str(args.admissions)])
 
 
 def run_worker(script: Path, tree: Path, worker_args: list[str]) -> dict:
@@ -253,7 +330,7 @@ def run_worker(script: Path, tree: Path, worker_args: list[str]) -> dict:
 def median_results(runs: list[dict]) -> list[dict]:
     merged = []
     for cells in zip(*(run["results"] for run in runs)):
-        merged.append({**cells[0], **{p: statistics.median(c[p] for c in cells) for p in PARTS}})
+        merged.append({**cells[0], **{p: statistics.median(c[p] for c in cells) for p in parts_of(list(cells))}})
     return merged
 
 
@@ -262,7 +339,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default="1,16,64", help="comma-separated decode rows per step")
     parser.add_argument("--stages", default="thinker,talker")
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps per run")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per cell in one process (median)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per cell in one process (the least)")
+    parser.add_argument("--admissions", type=int, default=0,
+                        help="time this many talker admissions per run instead of decode steps (prefix caching on)")
     parser.add_argument("--baseline-tree", type=Path, default=None, help="a checkout to compare with, alternately")
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: processes per tree")
     parser.add_argument("--out-dir", type=Path, default=None, help="where engine_host_step.json goes")
@@ -274,7 +353,8 @@ def main(argv=None) -> None:
     this_tree = Path(__file__).resolve().parents[1]
     report = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
               "steps": args.steps, "repeat": args.repeat}
-    print("Engine host time per decode step (stub models, fast path emulated on the CPU), microseconds:")
+    what = "talker admission" if args.admissions else "decode step"
+    print(f"Engine host time per {what} (stub models, fast path emulated on the CPU), microseconds:")
     if args.baseline_tree is None:
         run = run_tree(this_tree, args)
         report.update(tree=run["tree"], results=run["results"])

@@ -29,3 +29,10 @@ def test_a_baseline_tree_runs_beside_this_one(tmp_path, capsys):
     assert "| talker | 2 |" in capsys.readouterr().out
     report = json.loads((tmp_path / "engine_host_step.json").read_text())
     assert len(report["base"]) == len(report["branch"]) == 1
+
+
+def test_admissions_time_the_add_its_prefill_steps_and_a_steady_step(tmp_path, capsys):
+    main(["--rows", "2", "--admissions", "3", "--repeat", "1", "--out-dir", str(tmp_path)])
+    assert "| talker admissions | 2 |" in capsys.readouterr().out
+    (result,) = json.loads((tmp_path / "engine_host_step.json").read_text())["results"]
+    assert result["add_us"] > 0 and result["prefill_steps_us"] > 0 and result["steady_step_us"] > 0
