@@ -51,3 +51,17 @@ def test_threads_that_end_within_the_grace_are_not_logged():
 
 def test_a_thread_that_ended_meanwhile_says_so():
     assert stacks_of({"gone": -1}) == {"gone": "(ended)\n"}
+
+
+def test_a_process_that_outlives_its_bound_writes_every_threads_stack():
+    import subprocess
+    import sys
+
+    script = ("import time\nfrom omni_triton.stages.running_threads import dump_if_still_alive\n"
+              "def unloading():\n    dump_if_still_alive(0.2)\n    time.sleep(2)\nunloading()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "most recent call first" in done.stderr and "unloading" in done.stderr, done.stderr
+    quick = subprocess.run([sys.executable, "-c", script.replace("time.sleep(2)", "pass")], capture_output=True,
+                           text=True, timeout=60)
+    assert quick.returncode == 0 and "most recent call first" not in quick.stderr, quick.stderr

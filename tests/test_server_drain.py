@@ -18,6 +18,9 @@ from omni_triton.shared.settings import STAGES, LaunchConfig
 from server_fixture import servable_models
 
 
+UNLOAD_ROOM_S = 30  # the drain test's exit timeout (serve's is 10 s): see the test
+
+
 def test_control_words_are_cancel_and_drain_and_anything_else_names_control():
     assert control_word(b"cancel") == "cancel" and control_word(b"drain") == "drain"
     for word in (b"abort", b"", b"Drain", b"\xff"):
@@ -38,8 +41,13 @@ def test_a_stop_drains_the_stream_in_flight_and_exits_without_the_exit_timeout(t
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, torch_threads={stage: 1 for stage in STAGES},
                           max_audio_frames_cap=4096)
     repository = render_repository(config, tmp_path / "repository", servable_models())
-    # a short drain: the stream below runs far longer, so it is the bound that ends it (cancelled by the drain)
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), drain_s=0.5)
+    # a short drain: the stream below runs far longer, so it is the bound that ends it (cancelled by the drain).
+    # tritonserver's exit timeout bounds two waits: for the requests in flight (what the drain empties: asserted
+    # below from its own count at the stop), then for the models to unload, which on a loaded 2-core runner took
+    # past 10 s (six Python stubs finalising beside other servers' tests; the in-flight count 0 at once): room
+    # for the second, so that an expiry here still means the stop waited on something
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), drain_s=0.5,
+                            exit_timeout_s=UNLOAD_ROOM_S)
     server = TritonServer(repository, find_tritonserver(), options, log_path=tmp_path / "tritonserver.log").start()
     playing, ended = threading.Event(), {}
 
@@ -62,7 +70,7 @@ def test_a_stop_drains_the_stream_in_flight_and_exits_without_the_exit_timeout(t
         assert playing.wait(60), "the stream sent no audio"
         assert not ended, f"the stream ended before the stop: {ended}"
     finally:
-        server.stop()
+        server.stop(timeout_s=UNLOAD_ROOM_S + 10)
     streaming.join(30)
 
     error = ended.get("error")

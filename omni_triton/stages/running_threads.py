@@ -2,11 +2,14 @@
 
 The orchestrator's unload waits for its request threads (their pool joins them, and Triton's exit timeout runs
 meanwhile). A request still running after the drain is a request whose thread waits somewhere it should not;
-``report_still_running`` waits a short grace for such threads and then logs each one's stack.
+``report_still_running`` waits a short grace for such threads and then logs each one's stack; ``dump_if_still_alive``
+has every thread's stack written out if the process outlives its unload by a bound (whatever it waits on: a hang
+after the model's own code, in the interpreter's exit, shows there too).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 import threading
 import time
@@ -52,3 +55,9 @@ def report_still_running(running: RunningThreads, grace_s: float, log: Callable[
     for name, stack in stacks.items():
         log(f"unloading: {name} still running {grace_s:.1f} s after the stop began, at:\n{stack}")
     return stacks
+
+
+def dump_if_still_alive(after_s: float) -> None:
+    """Every thread's stack to stderr (the server log) once ``after_s`` have passed, unless the process exited
+    first: faulthandler's own watchdog thread, which runs whatever the Python threads are blocked on."""
+    faulthandler.dump_traceback_later(after_s, exit=False)

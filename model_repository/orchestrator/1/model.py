@@ -14,8 +14,12 @@ from omni_triton.stages.metrics import StageMetrics
 from omni_triton.stages.model_args import (chunk_policy, launch_settings, prepare_stage_process, orchestrator_slot,
                                            report_native_crashes, stage_device)
 from omni_triton.stages.orchestrator import Orchestrator, pipeline_route
+from omni_triton.stages.running_threads import dump_if_still_alive
 from omni_triton.stages.stage_io import configure_interstage_memory
 from omni_triton.stage_profile import start_watching
+
+
+UNLOAD_STACKS_AFTER_S = 6.0
 
 
 class TritonPythonModel:
@@ -52,5 +56,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        # an unload past this says where it waits (tritonserver's exit timeout is 10 s by default)
+        dump_if_still_alive(UNLOAD_STACKS_AFTER_S)
         self.orchestrator.shutdown()
         self.metrics.stop()
