@@ -257,6 +257,27 @@ def test_talker_inputs_wait_for_thinker_rows(stack):
 
 
 @torch.no_grad()
+def test_talker_inputs_take_the_rows_projection_from_the_caller(stack):
+    """The served talker projects a running request's appended rows on Triton's thread (``projected_text``): the
+    inputs then hold the very rows their own projection gives, and the prefill is untouched."""
+    config, talker = stack["config"], stack["talker"]
+    prompt = stack["prompt_ids"]
+    ids, embeds, hidden = _thinker_rows(stack, prompt + [11, 12, 13, 14, 15])
+    p = len(prompt)
+    own, given = (TalkerInputs(talker, config, prompt, "aiden", embeds[:3]) for _ in range(2))
+    for inputs in (own, given):
+        inputs.feed(ids[:p + 1], embeds[:p + 1], hidden[:p + 1])
+    for start in (p + 1, p + 3):
+        rows = slice(start, start + 2)
+        own.feed(ids[rows], embeds[rows])
+        given.feed(ids[rows], embeds[rows], projected_text=talker.project_text(embeds[rows]))
+    assert torch.equal(own.take_prefill()[0], given.take_prefill()[0])
+    for _ in range(4):
+        assert torch.equal(own.next_trailing(), given.next_trailing())
+    assert own.next_trailing() is None and given.next_trailing() is None
+
+
+@torch.no_grad()
 def test_seeded_sampling_is_reproducible(stack):
     config = stack["config"]
     kwargs = dict(thinker_max_new_tokens=6, thinker_eos_token_ids=(), talker_max_new_tokens=4,

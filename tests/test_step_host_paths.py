@@ -15,7 +15,7 @@ from engine_toy_model import ToyTalker
 from omni_triton.engine import EngineConfig, LLMEngine, SamplingParams, TalkerStage
 from omni_triton.engine.embed_rows import EmbedRows
 from omni_triton.engine.sampling import draw_seed, draw_seed_bases, draw_seeds_into
-from omni_triton.engine.sequence import Sequence
+from omni_triton.engine.sequence import Sequence, chunk_positions
 
 
 def test_embed_rows_read_as_the_row_views_they_stand_for():
@@ -178,3 +178,47 @@ def test_talker_takes_inputs_ahead_again_only_for_the_same_rows_and_texts():
         assert all(row.data_ptr() != ahead[i].data_ptr() for i, row in enumerate(rows))  # made again
         assert torch.equal(torch.stack(rows), codec + pad)
     assert stage._inputs_ahead is None  # taken by after_sample either way
+
+
+def test_chunk_positions_are_each_chunks_positions_concatenated():
+    rng = random.Random(3)
+    params = SamplingParams()
+    for _ in range(30):
+        chunks = []
+        for index in range(rng.randint(1, 8)):
+            prompt = rng.randint(1, 12)
+            explicit = None
+            if rng.random() < 0.4:  # an M-RoPE prompt: explicit positions, the rest after their max
+                explicit = torch.randint(0, 40, (3, prompt))
+            seq = Sequence(f"r{index}", params, num_prompt_positions=prompt, prompt_positions=explicit)
+            start = rng.randint(0, prompt + 4)
+            chunks.append((seq, start, start + rng.randint(0, 6)))
+        expected = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
+        got = chunk_positions(chunks)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_a_history_slot_takes_its_banned_row_from_a_shared_one_and_a_freed_slot_starts_clean():
+    from omni_triton.engine.sampling import SampleRow, TokenHistory
+
+    history = TokenHistory(2, 16, torch.device("cpu"))
+    plain = SamplingParams(stop_token_ids=(3,), suppressed_token_ids=(7, 9))
+    other = SamplingParams(stop_token_ids=(4,))
+
+    def expected(params):
+        row = torch.zeros(16, dtype=torch.int8)
+        row[list(params.stop_token_ids)] = TokenHistory.UNDER_MIN
+        row[list(params.suppressed_token_ids)] = TokenHistory.ALWAYS
+        return row
+
+    a = history.slot("a", SampleRow(plain, None, seen_ids={1, 5}))
+    b = history.slot("b", SampleRow(plain, None))
+    assert torch.equal(history.banned[a], expected(plain)) and torch.equal(history.banned[b], expected(plain))
+    assert history.seen[a].nonzero().flatten().tolist() == [1, 5] and not history.seen[b].any()
+    history.banned[a, 0] = 2  # a slot's row is its own: the shared one is not written through it
+    history.release("a")
+    c = history.slot("c", SampleRow(other, None))
+    assert c == a and torch.equal(history.banned[c], expected(other)) and not history.seen[c].any()
+    history.release("b")
+    d = history.slot("d", SampleRow(plain, None))
+    assert torch.equal(history.banned[d], expected(plain))

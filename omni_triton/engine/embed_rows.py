@@ -19,6 +19,13 @@ class EmbedRows:
     def __init__(self, rows=()):
         self._items: list = list(rows)  # a tensor [H], or (batch [N, H], index) for a row not read yet
 
+    @classmethod
+    def of_batch(cls, batch: torch.Tensor) -> "EmbedRows":
+        """Every row of ``batch`` [N, H], as references (a prompt's prefill: no view made per row)."""
+        rows = cls()
+        rows._items = [(batch, index) for index in range(batch.shape[0])]
+        return rows
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -36,6 +43,17 @@ class EmbedRows:
 
     def __iter__(self):
         return (self._row(i) for i in range(len(self._items)))
+
+    def tensor(self, start: int, end: int) -> torch.Tensor:
+        """Rows start..end-1 as one [end - start, H] tensor: a slice of their batch where they are consecutive rows
+        of one (a prompt's prefill), else a stack of the rows."""
+        items = self._items[start:end]
+        if items and isinstance(items[0], tuple):
+            batch, index = items[0]
+            if all(isinstance(item, tuple) and item[0] is batch and item[1] == index + k
+                   for k, item in enumerate(items)):
+                return batch[index:index + len(items)]
+        return torch.stack([self._row(i) for i in range(start, end)])
 
     def _row(self, i: int) -> torch.Tensor:
         item = self._items[i]

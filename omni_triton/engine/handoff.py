@@ -44,8 +44,7 @@ class OutputStream:
                  tensors: Iterable[torch.Tensor]) -> Iterator[None]:
         """Inside: the current stream is this one, after ``events`` (each distinct one waited for once: events
         of steps whose output work was queued out of launch order come in any order), with ``tensors`` (made
-        on the step stream) marked as used here: each distinct storage once, as the allocator marks a tensor's
-        storage (a step's outputs are row views of a few tensors: at 64 streams, 64 marks of one storage)."""
+        on the step stream) marked as used here (``mark_used_on``)."""
         if self.stream is None:
             yield
             return
@@ -54,13 +53,7 @@ class OutputStream:
             if event is not None and id(event) not in waited:
                 waited.add(id(event))
                 self.stream.wait_event(event)
-        marked = set()  # storages, by their StorageImpl (``_cdata``: the tensors are all alive here)
-        for tensor in tensors:
-            if tensor.is_cuda:
-                storage = tensor.untyped_storage()._cdata
-                if storage not in marked:
-                    marked.add(storage)
-                    tensor.record_stream(self.stream)
+        mark_used_on(tensors, self.stream)
         with torch.cuda.stream(self.stream):
             yield
 
@@ -94,10 +87,39 @@ class InputStream:
             if check is not None:
                 check(*copies)
         self.stream.synchronize()
-        for copy in copies:
-            if copy.is_cuda:
-                copy.record_stream(consumer)
+        mark_used_on(copies, consumer)
         return copies
+
+    @contextmanager
+    def building(self) -> Iterator[Callable[[Iterable[torch.Tensor]], None]]:
+        """Inside: what the calling thread queues runs on this stream, so a host read of what it makes waits for
+        that work alone, not for the engine steps queued on the default stream (a talker request's prefill built
+        on Triton's thread, and its prefix-cache keys read from it). Yields ``hand_over(tensors)``: tensors made
+        inside that the stream current at entry (the engine's) uses later, marked used there. On a normal exit
+        the stream is synchronised: what was built is complete before the engine can see it. Inputs must be
+        complete already (owned copies, weights): this stream does not wait for the default one."""
+        if self.stream is None:
+            yield lambda tensors: None
+            return
+        consumer = torch.cuda.current_stream(self.device)
+        handed: list[torch.Tensor] = []
+        with torch.cuda.stream(self.stream):
+            yield handed.extend
+        self.stream.synchronize()
+        mark_used_on(handed, consumer)
+
+
+def mark_used_on(tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """Tell the allocator that ``tensors`` (made on another stream) are used on ``stream``: their memory is not
+    reused before the work queued there so far is done. Each distinct storage once, as the allocator marks a
+    tensor's storage (a step's outputs are row views of a few tensors: at 64 streams, 64 marks of one storage)."""
+    marked = set()  # storages, by their StorageImpl (``_cdata``: the tensors are all alive here)
+    for tensor in tensors:
+        if tensor.is_cuda:
+            storage = tensor.untyped_storage()._cdata
+            if storage not in marked:
+                marked.add(storage)
+                tensor.record_stream(stream)
 
 
 def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

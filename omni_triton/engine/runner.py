@@ -26,11 +26,12 @@ import torch
 from omni_triton.graph_buckets import bucket_for, capture_buckets, fill_padded
 from omni_triton.engine.block_manager import kv_slots
 from omni_triton.engine.decode_inputs import DecodeRows
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.host_copies import StagingGuard
 from omni_triton.engine.prefill_graphs import PrefillGraphs
 from omni_triton.engine.sampling import DeviceSampler, TokenHistory, sample
 from omni_triton.engine.scheduler import ScheduledBatch
-from omni_triton.engine.sequence import Sequence
+from omni_triton.engine.sequence import Sequence, chunk_positions
 from omni_triton.engine.stage import Chunk, StageModel
 from omni_triton.models.layers.attention import AttentionBatch, DecodeBatch
 from omni_triton.models.layers.fast_kernels import fused_steps_on, set_fast_kernels, set_linear_launch
@@ -108,8 +109,8 @@ class ModelRunner:
         return AttentionBatch(
             query_lens=[end - start for _, start, end in chunks],
             context_lens=[end for _, _, end in chunks],
-            slot_mapping=_to_device(torch.from_numpy(slots), self.device),
-            block_tables=_to_device(torch.tensor(tables, dtype=torch.int32), self.device),
+            slot_mapping=to_device_async(torch.from_numpy(slots), self.device),
+            block_tables=to_device_async(torch.tensor(tables, dtype=torch.int32), self.device),
             kv_caches=self.kv_caches,
             block_size=bs,
             use_kernels=self.fast,
@@ -126,20 +127,20 @@ class ModelRunner:
         for _, start, end in chunks:
             offsets.append(row)
             row += end - start
-        positions = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
+        positions = chunk_positions(chunks)
         inputs_embeds = self.stage.embed_inputs(chunks)
         if self.prefill_graphs is not None and self.prefill_graphs.serves(chunks):
             hidden, captured = self.prefill_graphs.forward(chunks, inputs_embeds, positions)
         else:
-            hidden, captured = self.stage.forward(inputs_embeds, _to_device(positions, self.device),
+            hidden, captured = self.stage.forward(inputs_embeds, to_device_async(positions, self.device),
                                                   self.attention_batch(chunks))
 
         sampling = [(i, seq) for i, (seq, _, end) in enumerate(chunks) if seq.samples_after(end)]
         sampled_seqs = [seq for _, seq in sampling]
         sampled_hidden = sampled_ids = None
         if sampling:
-            last_rows = _to_device(torch.tensor([offsets[i] + chunks[i][2] - chunks[i][1] - 1 for i, _ in sampling]),
-                                   hidden.device)
+            last_rows = to_device_async(
+                torch.tensor([offsets[i] + chunks[i][2] - chunks[i][1] - 1 for i, _ in sampling]), hidden.device)
             sampled_hidden = hidden[last_rows]
             sampled_ids = self.sample(sampled_seqs, self.stage.compute_logits(sampled_hidden))
         return StepResult(chunks, offsets, captured, sampled_seqs, sampled_hidden, sampled_ids)
@@ -159,9 +160,10 @@ class ModelRunner:
                                    tokens_ahead=tokens_ahead)
         # eagerly (the CPU, or no decode graphs): as the graph does, a stage whose completion samples (the talker)
         # completes every row here too, its frame's draws one token further on (the step's own main token)
-        positions = torch.cat([seq.positions(start, end) for seq, start, end in chunks], dim=1)
+        positions = chunk_positions(chunks)
         inputs = self.stage.embed_token_ids(token_ids) if token_ids is not None else inputs_embeds
-        hidden, captured = self.stage.forward(inputs, _to_device(positions, self.device), self.attention_batch(chunks))
+        hidden, captured = self.stage.forward(inputs, to_device_async(positions, self.device),
+                                              self.attention_batch(chunks))
         ids = self.sample(seqs, self.stage.compute_logits(hidden), tokens_ahead=tokens_ahead)
         completed = (self.complete_step(seqs, hidden, ids, tokens_ahead=_plus(tokens_ahead, 1))
                      if len(self.streams) > 1 else None)
@@ -389,9 +391,3 @@ def _general(sampler: DeviceSampler):
 def _general_sample_fns(runner: ModelRunner) -> dict:
     """The extra streams' sample functions inside a graph (decode and completion graphs alike)."""
     return {name: _general(sampler) for name, sampler in runner.samplers.items() if name != MAIN_STREAM}
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omni_triton.engine.handoff import to_device_async
 from omni_triton.engine.host_copies import StagingGuard
 
 
@@ -101,7 +102,7 @@ class SampleRow:
 
 @functools.lru_cache(maxsize=64)
 def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    return to_device_async(torch.tensor(ids, dtype=torch.long), device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -215,6 +216,9 @@ def draw_seeds_into(bases: np.ndarray, draws: np.ndarray, out: np.ndarray) -> No
     x >>= _SHIFTS[3]
 
 
+MAX_BANNED_ROWS = 64  # TokenHistory's banned rows kept, one per distinct (stop ids, suppressed ids)
+
+
 class TokenHistory:
     """Per-request rows on the device: ``seen`` (ids the repetition penalty applies to) and ``banned``
     (1: always, the suppressed ids; 2: while under min_new_tokens, the stop ids). A request gets a slot when
@@ -231,6 +235,7 @@ class TokenHistory:
         self.version = 0  # bumped whenever a slot is given or freed (DeviceSampler.prepare's cache reads it)
         self._free = list(range(num_slots))
         self._slots: dict[str, int] = {}
+        self._banned_rows: dict[tuple, torch.Tensor] = {}  # (stop ids, suppressed ids) -> a slot's banned row
 
     def slot(self, key: str, row: SampleRow) -> int:
         if key in self._slots:
@@ -242,12 +247,29 @@ class TokenHistory:
         device = self.seen.device
         self.seen[slot] = False
         if row.seen_ids:
-            self.seen[slot, torch.tensor(sorted(row.seen_ids), device=device)] = True
-        self.banned[slot] = 0
-        for ids, kind in ((row.params.stop_token_ids, self.UNDER_MIN), (row.params.suppressed_token_ids, self.ALWAYS)):
-            if ids:
-                self.banned[slot, _id_tensor(ids, device)] = kind
+            # No copy that waits for the stream, behind every step queued on it (a row's first sampler preparation
+            # is on the engine thread): the ids from pinned memory (``torch.tensor(ids, device=...)`` copies from
+            # pageable memory, then synchronises), the value a scalar argument (``x[ids] = True`` makes a CPU tensor
+            # of it and ``index_put_`` copies that to the device, synchronising)
+            self.seen[slot].index_fill_(0, to_device_async(torch.tensor(sorted(row.seen_ids)), device), True)
+        # one copy of a row made once per pair of id lists (requests share them), not a fill and two index writes per
+        # new row (each write's value was copied to the device with a stream synchronisation: ~27% of the H200
+        # talker's steps with prefill rows, benchmarks/results/cpu-talker-admission)
+        self.banned[slot] = self._banned_row(row.params.stop_token_ids, row.params.suppressed_token_ids)
         return slot
+
+    def _banned_row(self, stop_ids: tuple[int, ...], suppressed_ids: tuple[int, ...]) -> torch.Tensor:
+        key = (stop_ids, suppressed_ids)
+        banned = self._banned_rows.get(key)
+        if banned is None:
+            if len(self._banned_rows) >= MAX_BANNED_ROWS:  # (requests with ever new lists: made again when due)
+                self._banned_rows.clear()
+            device = self.banned.device
+            banned = self._banned_rows[key] = torch.zeros(self.banned.shape[1], dtype=torch.int8, device=device)
+            for ids, kind in ((stop_ids, self.UNDER_MIN), (suppressed_ids, self.ALWAYS)):
+                if ids:
+                    banned.index_fill_(0, _id_tensor(ids, device), kind)  # (a scalar argument: no copy, as above)
+        return banned
 
     def record(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         self.seen.index_put_((slots, ids), self._true)

@@ -22,7 +22,7 @@ import torch
 
 from omni_triton.engine.embed_rows import EmbedRows
 from omni_triton.engine.handoff import to_device_async
-from omni_triton.engine.prefix_cache import audio_position_keys, embedding_keys, tensor_digest, token_keys
+from omni_triton.engine.prefix_cache import KEY_BYTES, audio_position_keys, embedding_keys, tensor_digest, token_keys
 from omni_triton.engine.sampling import SampleRow, SamplingParams
 from omni_triton.engine.sequence import Sequence
 
@@ -141,15 +141,18 @@ class ThinkerStage:
     def embed_inputs(self, chunks: list[Chunk]) -> torch.Tensor:
         device = next(self.model.parameters()).device
         ids = [tid for seq, start, end in chunks for tid in _token_ids(seq, start, end)]
-        embeds = self.model.embed(torch.tensor(ids, dtype=torch.long, device=device))
+        # (ids and row indices from pinned memory: a copy from pageable memory waits for the engine's stream, behind
+        # the step launched ahead of this one)
+        embeds = self.model.embed(to_device_async(torch.tensor(ids, dtype=torch.long), device))
         row = 0
         for seq, start, end in chunks:
             if seq.stage_state is not None:
                 where, audio, _ = seq.stage_state
                 inside = (where >= start) & (where < end)
                 if inside.any():
-                    rows = (where[inside] - start + row).to(device)
-                    embeds[rows] = audio[inside.nonzero().squeeze(1)].to(device=device, dtype=embeds.dtype)
+                    rows = to_device_async(where[inside] - start + row, device)
+                    taken = to_device_async(inside.nonzero().squeeze(1), audio.device)
+                    embeds[rows] = audio[taken].to(device=device, dtype=embeds.dtype)
             row += end - start
         return embeds
 
@@ -239,6 +242,7 @@ class TalkerState:
     predictor_row: SampleRow
     trailing: object  # TrailingTextQueue or TalkerInputs: next_trailing() / peek_trailing() -> [H] | None
     pending_codec_embeds: torch.Tensor | None = None  # last frame's codec embeds, waiting for trailing text
+    prompt_keys: np.ndarray | None = None  # the prompt's prefix-cache keys, when the caller made them
 
 
 class TalkerStage:
@@ -272,8 +276,12 @@ class TalkerStage:
         return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
 
     def init_sequence(self, seq: Sequence, prompt_embeds: torch.Tensor, talker_inputs=None,
-                      trailing_text_embeds: torch.Tensor | None = None, thinker_finished: bool = False) -> None:
-        """``prompt_embeds`` [P, H]: the talker prefill (user segments + assistant positions)."""
+                      trailing_text_embeds: torch.Tensor | None = None, thinker_finished: bool = False,
+                      prompt_keys: np.ndarray | None = None) -> None:
+        """``prompt_embeds`` [P, H]: the talker prefill (user segments + assistant positions). ``prompt_keys``
+        [P, 16]: ``prefix_cache.embedding_keys(prompt_embeds)``, made already by the caller (the served talker reads
+        the prefill to the host on Triton's thread, on the stream it was built on: read here, on the engine's
+        stream, the copy would wait for every step queued there)."""
         if prompt_embeds.shape != (seq.num_prompt_positions, self.hidden_size):
             raise ValueError(f"request {seq.request_id!r}: prompt_embeds shape {tuple(prompt_embeds.shape)}, "
                              f"expected ({seq.num_prompt_positions}, {self.hidden_size})")
@@ -285,17 +293,25 @@ class TalkerStage:
         predictor_params = seq.params.extra.get("predictor") or self.default_predictor_params(seq.params)
         predictor_row = SampleRow(predictor_params, seq.sample_row.generator,
                                   seed=(seq.sample_row.seed + PREDICTOR_SEED_OFFSET) % (1 << 62))
-        seq.stage_state = TalkerState(EmbedRows(prompt_embeds.unbind(0)), predictor_row, talker_inputs)
+        if prompt_keys is not None and prompt_keys.shape != (seq.num_prompt_positions, KEY_BYTES):
+            raise ValueError(f"request {seq.request_id!r}: prompt_keys shape {prompt_keys.shape}, "
+                             f"expected ({seq.num_prompt_positions}, {KEY_BYTES})")
+        seq.stage_state = TalkerState(EmbedRows.of_batch(prompt_embeds), predictor_row, talker_inputs,
+                                      prompt_keys=prompt_keys)
         self.append_input(seq, trailing_text_embeds=trailing_text_embeds, finished=thinker_finished)
 
     def embed_inputs(self, chunks):
-        return torch.stack([row for seq, start, end in chunks for row in seq.stage_state.input_embeds[start:end]])
+        # (a copy, as a stack made it: a prefill's rows are a slice of its prompt's tensor, kept for recomputes)
+        return torch.cat([seq.stage_state.input_embeds.tensor(start, end) for seq, start, end in chunks])
 
     def cache_keys(self, seq):
         """Digests of the prompt embeddings' bytes: a later turn's prompt repeats the earlier turns' user rows, the
-        same values where the thinker streamed the same states for them and their projection rounded alike. (A
-        copy to the host at admission, where the sequence's rope positions were copied already.)"""
-        return embedding_keys(torch.stack(seq.stage_state.input_embeds[:seq.num_prompt_positions]))
+        same values where the thinker streamed the same states for them and their projection rounded alike. (The
+        caller's ``prompt_keys`` where it gave them; else a copy to the host here, behind the queued steps.)"""
+        state: TalkerState = seq.stage_state
+        if state.prompt_keys is not None:
+            return state.prompt_keys
+        return embedding_keys(state.input_embeds.tensor(0, seq.num_prompt_positions))
 
     def recompute_states(self, seq, start, end):
         return {}
@@ -360,7 +376,9 @@ class TalkerStage:
         return [{"codes": codes} for codes in completed["codes"].split(1)]  # (a row's view each, in one call)
 
     def append_input(self, seq, trailing_text_embeds: torch.Tensor | None = None, thinker_rows=None,
-                     finished: bool = False) -> None:
+                     finished: bool = False, projected_text: torch.Tensor | None = None) -> None:
+        """``projected_text``: the talker's projection of ``thinker_rows``' input embeds, when the caller made it
+        (``TalkerInputs.feed``)."""
         source = seq.stage_state.trailing
         try:
             if isinstance(source, TrailingTextQueue):
@@ -371,7 +389,7 @@ class TalkerStage:
                 if trailing_text_embeds is not None:
                     raise ValueError("trailing_text_embeds given for a request fed through talker_inputs")
                 if thinker_rows is not None:
-                    source.feed(*thinker_rows)
+                    source.feed(*thinker_rows, projected_text=projected_text)
                 if finished and not source.finished:
                     source.finish()
         except (ValueError, RuntimeError) as exc:

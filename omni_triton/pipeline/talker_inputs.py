@@ -57,10 +57,12 @@ class TalkerInputs:
 
     # ---- input side
     def feed(self, token_ids: torch.Tensor, input_embeds: torch.Tensor,
-             accept_hidden: torch.Tensor | None = None) -> None:
+             accept_hidden: torch.Tensor | None = None, projected_text: torch.Tensor | None = None) -> None:
         """Next thinker input rows (ids [N], input embeds [N, Ht], accept-layer hidden [N, Ht]).
 
-        ``accept_hidden`` is only needed for prompt rows that hold audio/image/video placeholders."""
+        ``accept_hidden`` is only needed for prompt rows that hold audio/image/video placeholders.
+        ``projected_text`` [N, H]: ``talker.project_text(input_embeds)``, made already by the caller (the served
+        talker launches it on Triton's thread, not on the engine thread that feeds a running request)."""
         if self.finished:
             raise RuntimeError("feed() after finish()")
         n = token_ids.shape[0]
@@ -76,11 +78,18 @@ class TalkerInputs:
                 self._user_embeds = self._project_user_rows()
         start = max(self.assistant_start - first, 0)
         if start < n:
-            self._assistant.extend(self.talker.project_text(input_embeds[start:]).unbind(0))
+            projected = (self.talker.project_text(input_embeds[start:]) if projected_text is None
+                         else projected_text[start:])
+            self._assistant.extend(projected.unbind(0))
 
     def finish(self) -> None:
         """The thinker is done: after the remaining rows, trailing text is tts_eos, then tts_pad."""
         self.finished = True
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The device tensors this keeps for the talker's steps (the projected tts rows, the assistant rows): what
+        a caller that builds these inputs on a stream of its own hands over to the engine's stream."""
+        return [self.tts_bos, self.tts_eos, self.tts_pad, *self._assistant]
 
     # ---- output side
     @property

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, TalkerStage
-from omni_triton.engine.handoff import complete_to_host, to_device_async
+from omni_triton.engine.handoff import InputStream, complete_to_host, to_device_async
+from omni_triton.engine.prefix_cache import embedding_keys
 from omni_triton.engine.warmup import warm_up
 from omni_triton.load_timeline import LoadTimeline
 from omni_triton.models.config import OmniConfig
@@ -73,6 +74,12 @@ class TalkerService:
         # requests whose prefill is not complete yet (thinker rows still arriving), by request id
         self._pending: dict[str, tuple[TalkerInputs, TalkerRequest, Callable[[TalkerOutput], None]]] = {}
         self._lock = threading.Lock()
+        # where a pending request's inputs are built on Triton's thread: its prefill, read to the host for the
+        # prefix cache's keys there, waits for that work alone. (Built on the engine's stream, each read waited
+        # for every step queued there; made on the engine thread, an admission held the step loop ~15 ms at 64
+        # streams on an H200: benchmarks/results/h200-gil-6fd62db.)
+        self._build_stream = InputStream(self.device)
+        self._prefill_keys = self.engine.block_manager.prefix_caching
 
     @property
     def num_pending(self) -> int:
@@ -111,7 +118,9 @@ class TalkerService:
                              f"({sorted(self._speaker_names)})")
         # the rows are the request's owned copy, complete (InputStream): read without waiting for queued steps
         prompt_ids = complete_to_host(first_chunk.row_ids[:first_chunk.prompt_len]).tolist()
-        inputs = TalkerInputs(self.model, self.config, prompt_ids, speaker, self.tts_token_embeds)
+        with self._build_stream.building() as hand_over:
+            inputs = TalkerInputs(self.model, self.config, prompt_ids, speaker, self.tts_token_embeds)
+            hand_over(inputs.kept_tensors())
         with self._lock:
             self._pending[request_id] = (inputs, request, on_output)
         self._feed_pending(request_id, first_chunk)
@@ -125,8 +134,12 @@ class TalkerService:
             return
         # (no inference mode: nothing here is seen by autograd, and entering it took about a tenth of a talker
         # request's Python on Triton's execute thread, once per thinker chunk)
-        rows = (to_device_async(chunk.row_ids, self.device), chunk.embeds.to(self.device), None)
-        self.loop.append(request_id, thinker_rows=rows, finished=chunk.finished)
+        embeds = chunk.embeds.to(self.device)
+        rows = (to_device_async(chunk.row_ids, self.device), embeds, None)
+        # the rows' projection launched here, on the engine's stream (its steps that read it are launched after),
+        # not by the engine thread when it applies the append: ~0.7 ms of its loop an append at 64 streams
+        projected = self.model.project_text(embeds) if embeds.shape[0] else None
+        self.loop.append(request_id, thinker_rows=rows, projected_text=projected, finished=chunk.finished)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -146,27 +159,38 @@ class TalkerService:
             return
         inputs, request, on_output = entry
         p = chunk.prompt_len
-        # ids arrive on the host: copied without waiting for the talker's queued steps (to_device_async)
-        row_ids = to_device_async(chunk.row_ids, self.device)
-        inputs.feed(row_ids[:p], chunk.embeds[:p].to(self.device), chunk.hidden[:p].to(self.device) if p else None)
-        inputs.feed(row_ids[p:], chunk.embeds[p:].to(self.device))
-        if chunk.finished:
-            inputs.finish()
-        if not (inputs.prefill_ready or inputs.nothing_to_speak):
-            return
+        with self._build_stream.building() as hand_over:
+            # ids arrive on the host: copied without waiting for the talker's queued steps (to_device_async)
+            row_ids = to_device_async(chunk.row_ids, self.device)
+            inputs.feed(row_ids[:p], chunk.embeds[:p].to(self.device),
+                        chunk.hidden[:p].to(self.device) if p else None)
+            inputs.feed(row_ids[p:], chunk.embeds[p:].to(self.device))
+            hand_over(inputs.kept_tensors())
+            if chunk.finished:
+                inputs.finish()
+            if not inputs.prefill_ready:
+                embeds = None
+            else:
+                # (its positions are 0..L-1 in all three rope rows: the engine's own without explicit ones, which
+                # it would copy to the host at admission, behind the queued steps)
+                embeds, _ = inputs.take_prefill()
+                hand_over([embeds])
+                keys = embedding_keys(embeds) if self._prefill_keys else None
+        # complete here, and marked used on the engine's stream: the engine may take them
+        if embeds is None and not inputs.nothing_to_speak:
+            return  # more thinker rows to come
         with self._lock:
             self._pending.pop(request_id, None)
-        if inputs.nothing_to_speak:
+        if embeds is None:
             on_output(self.no_frames(finished=True))
             return
-        embeds, positions = inputs.take_prefill()
         try:
             sampling = self.sampling_params(request, embeds.shape[0])
         except ValueError as error:
             on_output(TalkerOutput(self.no_frames().codes, True, str(error)))
             return
         self.loop.add_request(request_id, sampling, callback=self._frames(on_output),
-                              prompt_embeds=embeds, prompt_positions=positions, talker_inputs=inputs)
+                              prompt_embeds=embeds, talker_inputs=inputs, prompt_keys=keys)
 
     def _frames(self, on_output: Callable[[TalkerOutput], None]) -> Callable[[RequestOutput], None]:
         def deliver(output: RequestOutput) -> None:
