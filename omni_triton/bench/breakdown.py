@@ -6,7 +6,10 @@ milestone before it). The served pipeline has every milestone; the in-process pi
 missing are left out, so the segments present always add up to the span from the first to the last
 milestone present: with ``client.sent`` and ``client.first_audio``, that is the client's TTFA.
 
-The hand-offs between processes: "BLS request to the thinker", "talker request to the talker", and, since the
+The hand-offs between processes: "BLS request to the thinker", "talker request to the talker's stub" (since the
+talker traces ``talker.received`` and ``talker.queued``, the talker request's hop splits in three: to the stub's
+execute, its prefill built there, to the engine thread's ``talker.added``; traces without them hold one segment,
+"talker request to its engine thread"), and, since the
 engines trace ``<engine>.first_response`` (the first tokens handed to the stage's send), "first thinker chunk to the
 orchestrator" and "first frame to the orchestrator"; in traces without it those two segments also hold the stage's
 first chunk being made and held (the talker's first response waits for its first chunk's frames).
@@ -34,7 +37,9 @@ MILESTONES = (
     ("thinker.first_response", "thinker's first chunk, held until sent"),
     ("session.thinker_first_chunk", "first thinker chunk to the orchestrator"),
     ("session.talker_start", "text out, talker request made"),
-    ("talker.added", "talker request to the talker"),
+    ("talker.received", "talker request to the talker's stub"),
+    ("talker.queued", "talker's prefill built (the stub's execute)"),
+    ("talker.added", "talker request to its engine thread"),
     ("talker.prefill_start", "talker queueing"),
     ("talker.first_token", "talker prefill + first frame"),
     ("talker.first_response", "talker's first chunk of frames, made and held until sent"),

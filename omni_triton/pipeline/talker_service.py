@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from omni_triton import trace
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, RequestOutput, SamplingParams, TalkerStage
 from omni_triton.engine.handoff import InputStream, complete_to_host, to_device_async
 from omni_triton.engine.prefix_cache import embedding_keys
@@ -189,6 +190,7 @@ class TalkerService:
         except ValueError as error:
             on_output(TalkerOutput(self.no_frames().codes, True, str(error)))
             return
+        trace.event(request_id, "talker.queued")  # built: what follows is the wait for the engine thread
         self.loop.add_request(request_id, sampling, callback=self._frames(on_output),
                               prompt_embeds=embeds, talker_inputs=inputs, prompt_keys=keys)
 

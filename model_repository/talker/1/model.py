@@ -2,6 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
+from omni_triton import trace
 from omni_triton.engine.handoff import InputStream
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
@@ -53,6 +54,8 @@ class TritonPythonModel:
             return
         tensors = request_inputs(request)  # one pass over the inputs, not one per name
         is_start = bool(host_array(tensors.get("START")).reshape(-1)[0])
+        if is_start:
+            trace.event(request_id, "talker.received")  # the BLS hop's end: its parse and prefill come next
         caller = caller_of(request)
 
         def send(out):
