@@ -40,6 +40,13 @@ def test_bench_writes_a_report_for_every_system_and_level(triton_server, tiny_ch
     assert rows["inprocess", 1]["server_cpu_ms_per_request"] is None
     assert "CPU per completed request, ms" in (out / "results.md").read_text()
     assert "| system | conc | tritonserver | code2wav_0_0 |" in (out / "results.md").read_text()
+    # Triton's own statistics per model over the level: every request of it reached each stage once at least
+    models = rows["server", 2]["triton_models"]
+    assert models["thinker"]["requests"] == 2 and models["talker"]["requests"] >= 2
+    assert all(models[stage]["executions"] >= 1 and models[stage]["queue_ms"] >= 0 and models[stage]["compute_ms"] > 0
+               for stage in ("thinker", "talker", "code2wav"))
+    assert rows["inprocess", 1]["triton_models"] is None
+    assert "Triton's statistics per model during each level" in (out / "results.md").read_text()
     # --trace: a TTFA breakdown per level; this server was started without a trace dir, so its rows hold the
     # client's own span only, while the in-process pipeline's show every stage (tests/test_trace_breakdown.py
     # covers a traced server)

@@ -55,6 +55,7 @@ from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak, gpu_memory_used_mib
 from omni_triton.bench.metrics import LevelSummary, ratios_to, summarize
+from omni_triton.bench.scheduler_stats import SchedulerStats
 from omni_triton.bench.server_cpu import ServerCpu, ms_per_request
 from omni_triton.bench.stage_profiles import ProfileWindows
 from omni_triton.bench.workload import PRESETS, Workload, client_tensors, prompt_text, with_overrides
@@ -258,7 +259,7 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
     and its TTFA breakdown row is appended to ``breakdowns``; ``after_level`` is called after each level with
     ``summaries`` (this system's so far) not yet returned: see main's ``save_partial``. With ``server_url`` (a
     server on this machine), each level also records its processes' CPU (bench.server_cpu), as % of a core and per
-    completed request (printed too)."""
+    completed request (printed too), and Triton's statistics per model (bench.scheduler_stats)."""
     from tqdm import tqdm
 
     tensors = client_tensors(workload, text, sequential=runner.sequential)
@@ -274,6 +275,7 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             progress.set_postfix(concurrency=concurrency)
             level_dir = trace_dir / f"{runner.name}-c{concurrency}" if trace_dir is not None else None
             with (trace.traced_into(level_dir), GpuMemoryPeak() as gpu_memory, ServerCpu(server_url) as server_cpu,
+                  SchedulerStats(server_url) as scheduler,
                   profile.during(f"{runner.name}-c{concurrency}") if profile else contextlib.nullcontext()):
                 timings, wall_s = run_level(runner, tensors, concurrency, workload.requests_at(concurrency),
                                             on_done=lambda _: progress.update())
@@ -281,7 +283,8 @@ def bench_system(runner, workload: Workload, text: str, trace_dir: Path | None =
             cpu_ms = ms_per_request(server_cpu.seconds, summary.requests - summary.failed)
             summaries.append(replace(summary, gpu_memory_peak_gib=gpu_memory.gib,
                                      gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu,
-                                     server_cpu_pct=server_cpu.percent, server_cpu_ms_per_request=cpu_ms))
+                                     server_cpu_pct=server_cpu.percent, server_cpu_ms_per_request=cpu_ms,
+                                     triton_models=scheduler.summary))
             if cpu_ms:
                 progress.write(f"{runner.name} c{concurrency}: server CPU ms per completed request: "
                                + ", ".join(f"{name} {value:.1f}" for name, value in cpu_ms.items()), file=sys.stderr)

@@ -131,6 +131,8 @@ class LevelSummary:
     # a local server's processes (tritonserver, each stage instance's stub): CPU during the level, % of one core
     server_cpu_pct: dict[str, float] | None = None
     server_cpu_ms_per_request: dict[str, float] | None = None  # the same processes' CPU ms per completed request
+    # Triton's statistics per model over the level (bench.scheduler_stats): requests, executions, mean ms queued...
+    triton_models: dict[str, dict[str, float]] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -30,6 +30,7 @@ from omni_triton.bench.goodput import Search, highest_passing, verdict
 from omni_triton.bench.open_loop import (LATE_START_S, RateSummary, StreamPool, arrival_times, run_rate,
                                          summarize_rate)
 from omni_triton.bench.runners.triton_stream import TritonStreamRunner
+from omni_triton.bench.scheduler_stats import SchedulerStats
 from omni_triton.bench.server_cpu import ServerCpu, ms_per_request
 from omni_triton.bench.soak_requests import SoakRunner, ended_as_meant
 from omni_triton.bench.workload import Workload, client_tensors
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
         rate_dir = rate_trace_dir(args.trace, runner.name, rate) if args.trace is not None else None
         # (without --trace, this process's tracing is left as it is)
         traced = trace.traced_into(rate_dir) if rate_dir is not None else contextlib.nullcontext()
-        with traced, GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu:
+        with traced, GpuMemoryPeak() as gpu_memory, ServerCpu(url) as server_cpu, SchedulerStats(url) as scheduler:
             rate_run = run_rate(pool, requests, arrivals, max_in_flight=args.max_client_streams,
                                 drain_timeout_s=args.drain_timeout)
         if rate_dir is not None:
@@ -174,7 +175,8 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
                              ended_as_meant if mix is not None else None)
         row.metrics = replace(row.metrics, gpu_memory_peak_gib=gpu_memory.gib,
                               gpu_memory_peak_gib_per_gpu=gpu_memory.gib_per_gpu, server_cpu_pct=server_cpu.percent,
-                              server_cpu_ms_per_request=ms_per_request(server_cpu.seconds, row.completed))
+                              server_cpu_ms_per_request=ms_per_request(server_cpu.seconds, row.completed),
+                              triton_models=scheduler.summary)
         row.verdict = verdict(row, limit_s)
         rows.append(row)
         print(f"  {row.completed}/{row.sent} completed, TTFA p50/p95 {reporting.ms(row.metrics.ttfa_p50)}/"

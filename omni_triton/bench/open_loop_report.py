@@ -9,7 +9,8 @@ from pathlib import Path
 
 from omni_triton.bench import breakdown
 from omni_triton.bench.metrics import RAN_DRY_S
-from omni_triton.bench.report import merged_commands, ms, num, server_cpu_table, workload_line, write_report
+from omni_triton.bench.report import (merged_commands, ms, num, server_cpu_table, triton_models_table, workload_line,
+                                      write_report)
 
 
 def goodput_line(goodput: dict, mix: bool = False) -> str:
@@ -80,6 +81,8 @@ def markdown(report: dict) -> str:
                           f"{row['rate']:g}/s: {row.get('ended_as_meant', 0)}" for row in rows) + "."]
     lines += server_cpu_table([(row["system"], f"{row['rate']:g}/s", row["server_cpu_pct"]) for row in rows], "rate",
                               [row.get("server_cpu_ms_per_request") for row in rows])
+    lines += triton_models_table([(row["system"], f"{row['rate']:g}/s", row.get("triton_models")) for row in rows],
+                                 "rate")
     failures = [(row["system"], row["rate"], code, count) for row in report["rates"]
                 for code, count in row["failed_by_code"].items()]
     failures += [(row["system"], row["rate"], "not sent (client cap)", row["not_started"])

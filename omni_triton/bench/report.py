@@ -114,6 +114,7 @@ def markdown(report: dict, summaries: list[LevelSummary], ratios: list[dict], re
     lines += listener_table(summaries)
     lines += server_cpu_table([(s.system, str(s.concurrency), s.server_cpu_pct) for s in summaries], "conc",
                               [s.server_cpu_ms_per_request for s in summaries])
+    lines += triton_models_table([(s.system, str(s.concurrency), s.triton_models) for s in summaries], "conc")
     if ratios:
         lines += ["", f"Ratio to `{reference}` at the same concurrency (latency/RTF: >1 is slower; "
                       "audio s/s: <1 is less throughput):", "",
@@ -160,6 +161,25 @@ def server_cpu_table(levels: list[tuple[str, str, dict[str, float] | None]], lev
         lines += _process_table([(system, level, cpu) for (system, level, _), cpu in zip(levels, per_request)],
                                 level_name, "Server processes' CPU per completed request, ms (a stub's one core "
                                 "serves at most 1000 / ms requests/s):", 1)
+    return lines
+
+
+def triton_models_table(levels: list[tuple[str, str, dict[str, dict[str, float]] | None]],
+                        level_name: str) -> list[str]:
+    """Triton's statistics per model and level (bench.scheduler_stats), from (system, level, its summary) per
+    level: requests, executions and their mean batch, and the mean ms a request spent queued in the model's
+    scheduler and in the backend (compute: a Python-backend model's execute)."""
+    rows = [(system, level, name, model) for system, level, models in levels if models
+            for name, model in models.items()]
+    if not rows:
+        return []
+    lines = ["", "Triton's statistics per model during each level (BLS requests between stages included; queue: "
+                 "arrival -> handed to the backend; compute: the backend's execute of it; means per request):", "",
+             f"| system | {level_name} | model | requests | executions | batch mean | queue ms | compute ms |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for system, level, name, model in rows:
+        lines.append(f"| {system} | {level} | {name} | {model['requests']} | {model['executions']} | "
+                     f"{num(model['batch_mean'], 2)} | {num(model['queue_ms'], 2)} | {num(model['compute_ms'], 2)} |")
     return lines
 
 
