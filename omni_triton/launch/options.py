@@ -79,7 +79,7 @@ def add_memory_arguments(group) -> None:
                             "stream's state: one-pass audio at the cost of the new frames), exact (re-decode the "
                             "vocoder's whole receptive field per chunk), or a frame count (less compute than exact, "
                             "audio no longer equal to a one-pass decode) (default: stateful with --code2wav-runtime "
-                            "torch, exact with the others)")
+                            "torch and one code2wav instance, exact otherwise)")
     group.add_argument("--code2wav-max-batch", type=int, default=LaunchConfig.code2wav_max_batch,
                        help="audio chunks decoded together in one vocoder call; its activations grow with it "
                             "(default: %(default)s)")
