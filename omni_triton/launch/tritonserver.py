@@ -38,10 +38,11 @@ from omni_triton.shared.drain import DRAIN_S
 from omni_triton.shared.procfs import PARENT, stat_fields
 from omni_triton.shared.placement import model_stage
 from omni_triton.shared.repository_api import reload_model
-from omni_triton.shared.stub_processes import find_stub_instances, stub_alive
+from omni_triton.shared.stub_processes import ask_for_stacks, find_stub_instances, stub_alive
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
+STACK_DUMP_WAIT_S = 1.0  # for the stacks of stubs that outlived a stop's unload, before it escalates
 # The project root, so every Python-backend stub imports this checkout's omni_triton.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -379,7 +380,8 @@ class TritonServer:
                 self.mps.stop()  # after the server: its clients must be gone first
 
     def _stop_server(self, timeout_s: float, graceful: bool) -> int | None:
-        stubs = list(self.stub_pids().values())
+        stub_names = self.stub_pids()
+        stubs = list(stub_names.values())
         process, self.process = self.process, None
         if process is None:
             return None
@@ -397,6 +399,7 @@ class TritonServer:
             if sig == signal.SIGINT:  # its whole wait is the unload's: past it, on to SIGTERM (not a second wait)
                 if self._wait_for_unload(process, stubs, wait_s):
                     break
+                self._report_stuck_unload(process.pid, stub_names, wait_s)
                 continue
             try:
                 process.wait(wait_s)
@@ -407,6 +410,16 @@ class TritonServer:
         remove_registry(process.pid)  # what the orchestrator instances' cancel registry held when it went
         remove_boards(process.pid)  # and their admission records
         return process.returncode
+
+    def _report_stuck_unload(self, server_pid: int, stubs: dict[str, int], waited_s: float) -> None:
+        """The unload outlived its wait: the stubs still alive (instance name -> pid) write their threads' stacks
+        to the server's log (``ask_for_stacks``) before the stop escalates, so the log says what each waited on."""
+        asked = ask_for_stacks(list(stubs.values()), server_pid)
+        if asked:
+            time.sleep(STACK_DUMP_WAIT_S)  # (faulthandler writes from the signal handler: at once)
+            names = [name for name, pid in stubs.items() if pid in asked]
+            print(f"tritonserver: models still loaded {waited_s:g} s after the stop; the stacks of "
+                  f"{', '.join(names)} are in {self.log_path}", file=sys.stderr)
 
     @staticmethod
     def _wait_for_unload(process: subprocess.Popen, stubs: list[int], timeout_s: float) -> bool:

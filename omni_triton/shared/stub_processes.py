@@ -5,11 +5,30 @@ supervisor to reload a stage, the bench to read their CPU time."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from pathlib import Path
 from typing import Callable
 
 from omni_triton.shared.procfs import FLAGS, PARENT, PF_EXITING, START_TICKS, STATE, parse_stat, stat_fields
+
+
+# A stage's stub asked with this signal writes every thread's Python stack to the server's log and goes on
+# (stages.model_args.report_native_crashes registers it): a stop or a request that hangs says where.
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def ask_for_stacks(pids: list[int], parent: int) -> list[int]:
+    """Send ``STACK_DUMP_SIGNAL`` to the stubs of ``pids`` still alive under ``parent``; the pids asked."""
+    asked = []
+    for pid in pids:
+        if stub_alive(pid, parent):
+            try:
+                os.kill(pid, STACK_DUMP_SIGNAL)
+            except ProcessLookupError:
+                continue
+            asked.append(pid)
+    return asked
 
 
 def stub_alive(pid: int, parent: int) -> bool:

@@ -16,6 +16,7 @@ from omni_triton.engine.output_batching import OutputBatching
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.shared.placement import OrchestratorSlot, model_stage, orchestrator_instance
 from omni_triton.shared.settings import LaunchConfig
+from omni_triton.shared.stub_processes import STACK_DUMP_SIGNAL
 
 
 def launch_settings(args: dict) -> LaunchConfig:
@@ -146,6 +147,9 @@ def report_native_crashes() -> None:
     """A stub that dies of a signal (a native crash) prints every thread's Python stack to the server's log
     first: Triton itself only notices later that the stub is gone, and says nothing about why. Not while the
     interpreter shuts down: the stubs of this Triton build crash in their final garbage collection after
-    every model is unloaded, which is harmless and would fill the log with alarms at every shutdown."""
+    every model is unloaded, which is harmless and would fill the log with alarms at every shutdown. Asked with
+    ``STACK_DUMP_SIGNAL`` (a stop whose unload outlives its timeout: ``launch.tritonserver``), the stub writes the
+    same stacks and goes on."""
     faulthandler.enable(all_threads=True)
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     atexit.register(faulthandler.disable)
