@@ -60,3 +60,18 @@ def test_only_live_children_of_the_server_are_asked():
         assert ask_for_stacks([child.pid], parent=os.getpid()) == []  # exited (reaped): nothing to ask
     finally:
         child.kill()
+
+
+def test_an_unload_still_running_past_its_slow_mark_is_reported_once():
+    server = subprocess.Popen(["sleep", "30"])  # a server whose models never unload
+    reported = []
+    try:
+        assert not TritonServer._wait_for_unload(server, [], 1.5, slow_after_s=0.3, on_slow=reported.append)
+    finally:
+        server.kill()
+        server.wait()
+    assert reported == [0.3]
+    # one that exits before the mark is not reported
+    quick = subprocess.Popen(["true"])
+    assert TritonServer._wait_for_unload(quick, [], 5.0, slow_after_s=4.0, on_slow=reported.append)
+    assert reported == [0.3]

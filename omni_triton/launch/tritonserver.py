@@ -42,7 +42,8 @@ from omni_triton.shared.stub_processes import ask_for_stacks, find_stub_instance
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 STUB_NAME = "triton_python_backend_stub"
-STACK_DUMP_WAIT_S = 1.0  # for the stacks of stubs that outlived a stop's unload, before it escalates
+STACK_DUMP_WAIT_S = 1.0  # for the stacks of stubs whose unload runs long, written before the stop goes on
+STACKS_BEFORE_EXIT_S = 3.0  # stacks asked for this long before tritonserver's exit timeout ends a slow unload
 # The project root, so every Python-backend stub imports this checkout's omni_triton.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -397,9 +398,13 @@ class TritonServer:
             except ProcessLookupError:
                 break
             if sig == signal.SIGINT:  # its whole wait is the unload's: past it, on to SIGTERM (not a second wait)
-                if self._wait_for_unload(process, stubs, wait_s):
+                # stubs still alive near the server's own exit timeout write their stacks while they still can
+                # (past it tritonserver exits, models loaded or not, and its stubs go with it)
+                slow_after_s = max(min(wait_s, self.options.exit_timeout_s) - STACKS_BEFORE_EXIT_S, 1.0)
+                if self._wait_for_unload(process, stubs, wait_s, slow_after_s,
+                                         lambda waited_s: self._report_stuck_unload(process.pid, stub_names,
+                                                                                    waited_s)):
                     break
-                self._report_stuck_unload(process.pid, stub_names, wait_s)
                 continue
             try:
                 process.wait(wait_s)
@@ -412,8 +417,8 @@ class TritonServer:
         return process.returncode
 
     def _report_stuck_unload(self, server_pid: int, stubs: dict[str, int], waited_s: float) -> None:
-        """The unload outlived its wait: the stubs still alive (instance name -> pid) write their threads' stacks
-        to the server's log (``ask_for_stacks``) before the stop escalates, so the log says what each waited on."""
+        """An unload still running ``waited_s`` into a stop: the stubs still alive (instance name -> pid) write
+        their threads' stacks to the server's log (``ask_for_stacks``), so the log says what each waited on."""
         asked = ask_for_stacks(list(stubs.values()), server_pid)
         if asked:
             time.sleep(STACK_DUMP_WAIT_S)  # (faulthandler writes from the signal handler: at once)
@@ -422,15 +427,21 @@ class TritonServer:
                   f"{', '.join(names)} are in {self.log_path}", file=sys.stderr)
 
     @staticmethod
-    def _wait_for_unload(process: subprocess.Popen, stubs: list[int], timeout_s: float) -> bool:
+    def _wait_for_unload(process: subprocess.Popen, stubs: list[int], timeout_s: float,
+                         slow_after_s: float | None = None, on_slow: Callable[[float], None] = lambda s: None) -> bool:
         """After SIGINT: True once the server has exited, or has unloaded every model. On shutdown Triton
         (2.51) looks for models still loaded once a second and exits at the first look that finds none, so up
         to a second passes after the last stub process exited with nothing left to do; a server whose every
-        stub has exited (each after its model's finalize) is ended then instead of at that look."""
-        deadline = time.monotonic() + timeout_s
+        stub has exited (each after its model's finalize) is ended then instead of at that look. ``on_slow``
+        is called once with ``slow_after_s`` if the unload is still running then."""
+        started = time.monotonic()
+        deadline = started + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 return True
+            if slow_after_s is not None and time.monotonic() - started >= slow_after_s:
+                on_slow(slow_after_s)
+                slow_after_s = None
             if stubs and not any(stub_alive(pid, process.pid) for pid in stubs):
                 try:
                     process.wait(0.2)  # the usual case when the last model unloads just before a look
