@@ -11,7 +11,8 @@ import torch
 from engine_toy_model import ToyThinker
 from omni_triton.engine import EngineConfig, EngineLoop, LLMEngine, SamplingParams, ThinkerStage
 from omni_triton.engine.engine import RequestOutput, merge_outputs
-from omni_triton.engine.handoff import InputStream, OutputStream, complete_to_host, ready_event, to_device_async
+from omni_triton.engine.handoff import (InputStream, OutputStream, complete_to_host, complete_to_host_all, ready_event,
+                                       to_device_async)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -121,6 +122,28 @@ def test_a_complete_tensor_reaches_the_host_without_waiting_for_the_default_stre
 def test_complete_to_host_keeps_a_host_tensor():
     ids = torch.arange(4)
     assert complete_to_host(ids) is ids
+
+
+@cuda
+def test_several_complete_tensors_reach_the_host_in_one_wait_with_their_dtypes():
+    device = torch.device("cuda")
+    ids, flag, length = (torch.arange(5, device=device), torch.tensor([True], device=device),
+                         torch.tensor([108], dtype=torch.int32, device=device))
+    host = torch.tensor([7])
+    complete_to_host_all([ids])  # its stream made before the timed part
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # engine steps queued on the default stream (about a second)
+    read = complete_to_host_all([ids, host, flag, length])
+    assert not torch.cuda.current_stream(device).query()  # read while the queued steps still run
+    assert read[1] is host and all(not tensor.is_cuda for tensor in read)
+    assert [t.tolist() for t in read] == [[0, 1, 2, 3, 4], [7], [True], [108]]
+    assert [t.dtype for t in read] == [torch.int64, torch.int64, torch.bool, torch.int32]
+    torch.cuda.synchronize()
+
+
+def test_complete_to_host_all_keeps_host_tensors():
+    tensors = [torch.arange(3), torch.tensor([True])]
+    assert all(a is b for a, b in zip(complete_to_host_all(tensors), tensors))
 
 
 @cuda

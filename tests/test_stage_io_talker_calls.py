@@ -93,3 +93,25 @@ def test_a_thinker_response_sends_its_ids_as_int64(id_dtype):
     tensors = {tensor.name(): tensor for tensor in stage_io.thinker_output_tensors(bench.fake_pb(), out)}
     same(torch.utils.dlpack.from_dlpack(tensors["TOKEN_IDS"].value), torch.arange(3))
     same(torch.utils.dlpack.from_dlpack(tensors["ROW_IDS"].value), torch.arange(5))
+
+
+class TorchInput(bench.FakeTensor):
+    """A request input as the stub sees it, held in a torch tensor: on a GPU it has no host buffer."""
+
+    def is_cpu(self) -> bool:
+        return not self.value.is_cuda
+
+    def as_numpy(self):
+        return self.value.numpy()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_arrays_read_ids_flags_and_lengths_with_their_dtypes(device):
+    ids = TorchInput("TOKEN_IDS", torch.tensor([[5, 6, 7]], device=device))
+    finished = TorchInput("FINISHED", torch.tensor([True], device=device))
+    prompt_len = TorchInput("PROMPT_LEN", torch.tensor([108], dtype=torch.int32, device=device))
+    read = stage_io.host_arrays(ids, finished, prompt_len)
+    assert [array.tolist() for array in read] == [[[5, 6, 7]], [True], [108]]
+    # an INT32 stays int32: the orchestrator sends the prompt length on to the talker as it read it
+    assert [array.dtype for array in read] == [np.int64, np.bool_, np.int32]
+    assert stage_io.host_array(prompt_len).tolist() == [108]

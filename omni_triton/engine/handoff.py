@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -136,10 +136,25 @@ def complete_to_host(tensor: torch.Tensor) -> torch.Tensor:
     for) on the host, read on a stream of its own: read on the thread's current stream, the copy would wait for
     every engine step queued there first. Only for such tensors: one still being written by work queued on the
     current stream would be read before that work ran."""
-    if not tensor.is_cuda:
-        return tensor
-    with torch.cuda.stream(side_stream(tensor.device).stream):
-        return tensor.cpu()
+    return complete_to_host_all([tensor])[0]
+
+
+def complete_to_host_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``complete_to_host`` of several tensors in one wait: their copies queued together on the side stream, then
+    one synchronise (a thinker chunk's ids, flag and prompt length: one wait for the three, not three). Host ones
+    are returned as they are."""
+    copies: dict[int, torch.Tensor] = {}
+    streams = []
+    for device in {tensor.device for tensor in tensors if tensor.is_cuda}:  # (a copy runs on its device's stream)
+        stream = side_stream(device).stream
+        with torch.cuda.stream(stream):
+            # non_blocking: a device-to-host copy lands in pinned memory and returns; the synchronize waits for it
+            copies.update({index: tensor.to("cpu", non_blocking=True) for index, tensor in enumerate(tensors)
+                           if tensor.device == device})
+        streams.append(stream)
+    for stream in streams:
+        stream.synchronize()
+    return [copies.get(index, tensor) for index, tensor in enumerate(tensors)]
 
 
 _side_streams: dict[torch.device, InputStream] = {}

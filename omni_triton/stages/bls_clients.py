@@ -28,7 +28,7 @@ from omni_triton.pipeline.session import ThinkerChunk
 from omni_triton.stages.callers import caller_parameters
 from omni_triton.stages.code2wav_call_log import send_stamp
 from omni_triton.stages.stage_io import (THINKER_ROW_TENSORS, bls_stream, concat_rows, device_tensors_between_stages,
-                                         from_torch, host_array, owned_copy, to_torch)
+                                         from_torch, host_array, host_arrays, owned_copy, to_torch)
 
 THINKER_OUTPUTS = ["TOKEN_IDS", "ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN", "FINISHED"]
 # Thinker outputs forwarded to the talker as they are (FINISHED becomes THINKER_FINISHED).
@@ -85,8 +85,12 @@ class BlsStageClients:
                 continue  # the empty final response that closes the stream
             # ids and flags are read on the host (text goes to the client); embeddings stay where they are
             self._check_device(outputs["EMBEDS"], outputs["HIDDEN"])
-            token_ids = host_array(outputs["TOKEN_IDS"]).reshape(-1).tolist()
-            finished = bool(host_array(outputs["FINISHED"]).reshape(-1)[0])
+            token_ids, finished, prompt_len = host_arrays(outputs["TOKEN_IDS"], outputs["FINISHED"],
+                                                          outputs["PROMPT_LEN"])
+            # read with the ids in one wait, the prompt length goes on from the host: the talker's stub and
+            # merge_payloads then read it without a wait of their own (one per append in the talker's execute)
+            outputs["PROMPT_LEN"] = self._pb.Tensor("PROMPT_LEN", prompt_len)
+            token_ids, finished = token_ids.reshape(-1).tolist(), bool(finished.reshape(-1)[0])
             yield ThinkerChunk(token_ids=token_ids, finished=finished, payload=outputs)
 
     # -- talker --------------------------------------------------------------------------------------

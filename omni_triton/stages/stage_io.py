@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 
-from omni_triton.engine.handoff import InputStream, complete_to_host, side_stream
+from omni_triton.engine.handoff import InputStream, complete_to_host_all, side_stream
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 from omni_triton.shared import bundled_backend
@@ -112,9 +112,16 @@ def host_array(tensor: Any) -> np.ndarray:
     """A small tensor (ids, flags, scalars) on the host. One on a GPU (a stage's host output that the orchestrator
     asked for on its GPU) is read on a stream of its own: on the thread's current stream the read would wait for
     every engine step queued there first. The input is complete when Triton hands it over."""
-    if tensor.is_cpu():
-        return tensor.as_numpy()
-    return np.asarray(complete_to_host(to_torch(tensor)).tolist())
+    return host_arrays(tensor)[0]
+
+
+def host_arrays(*tensors: Any) -> list[np.ndarray]:
+    """``host_array`` of several tensors, those on a GPU read in one wait (``complete_to_host_all``), with their
+    dtypes (an INT32 stays int32: it may be sent on as it is)."""
+    on_gpu = [index for index, tensor in enumerate(tensors) if not tensor.is_cpu()]
+    read = iter(complete_to_host_all([to_torch(tensors[index]) for index in on_gpu]))
+    return [np.asarray(next(read).numpy()) if index in on_gpu else tensor.as_numpy()
+            for index, tensor in enumerate(tensors)]
 
 
 def request_inputs(request: Any) -> dict[str, Any]:
