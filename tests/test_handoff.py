@@ -195,7 +195,7 @@ class _Sender:
     def __init__(self, fail: bool = False):
         self.sent, self.fail = [], fail
 
-    def send(self, response, flags=0):
+    def send(self, response=None, flags=0):
         if self.fail:
             raise RuntimeError("client gone")
         self.sent.append((response, flags))
@@ -221,3 +221,23 @@ def test_deferred_sends_answer_every_request_once_and_finally():
     (response, flags), = broken.sent
     assert flags == 1 and "ValueError: bad rows" in response.error.message
     assert after.sent[0][0].tensors == ["later"]  # a sender that raised did not stop the thread
+
+
+def test_deferred_sends_send_a_final_flag_alone_in_order():
+    # the talker's acknowledgement of a thinker chunk: no response, only the final flag, after what was queued first
+    from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
+
+    sends = DeferredSends(_FakePb, torch.device("cpu"))
+    order = []
+
+    class Recording(_Sender):
+        def send(self, response=None, flags=0):
+            super().send(response, flags)
+            order.append(self)
+
+    first, gone, ack = Recording(), _Sender(fail=True), Recording()
+    sends.send_after(None, [], [PendingResponse(first, lambda: _FakePb.InferenceResponse(["frames"]))])
+    sends.send_after(None, [], [PendingResponse(gone), PendingResponse(ack)])
+    sends.close()
+    assert ack.sent == [(None, 1)]  # the flag alone: no response object
+    assert order == [first, ack]

@@ -1,12 +1,14 @@
 """Triton adapter for omni_triton.pipeline.talker_service.TalkerService (sequence-batched, decoupled)."""
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from omni_triton import trace
 from omni_triton.engine.handoff import InputStream
 from omni_triton.pipeline.stage_requests import talker_request
 from omni_triton.pipeline.talker_service import TalkerService
-from omni_triton.stages.callers import Callers, caller_of
+from omni_triton.stages.callers import Callers, GuardedSender, caller_of
+from omni_triton.stages.deferred_sends import DeferredSends, PendingResponse
 from omni_triton.stages.metrics import HostHopCounter, StageMetrics, engine_snapshot
 from omni_triton.stages.model_args import (engine_config, launch_settings, prepare_stage_process, load_options,
                                            quantization, replica_labels, report_native_crashes, stage_device)
@@ -41,6 +43,9 @@ class TritonPythonModel:
         # frees the sequence's slot there and routes the END to this instance
         self.orphans = OrphanSequences(pb_utils, args["model_name"])
         self.callers = Callers("talker", self.orphans.end)
+        # a thinker chunk's final response (a flag, no tensors: no stream needed) sent from a thread of its own,
+        # so that execute takes the next batch meanwhile
+        self.acks = DeferredSends(pb_utils, torch.device("cpu"))
 
     def execute(self, requests):
         for request in requests:
@@ -78,7 +83,8 @@ class TritonPythonModel:
                 self.service.start(request_id, talker, chunk, send)
             else:
                 self.service.append(request_id, chunk)
-                self.callers.send(request_id, caller, lambda: sender.send(flags=FINAL))
+                self.acks.send_after(None, [], [PendingResponse(GuardedSender(self.callers, request_id, caller,
+                                                                              sender))])
         except (AttributeError, KeyError, ValueError) as error:
             sender.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"talker request {request_id}: {error}", pb_utils.TritonError.INVALID_ARG)),
@@ -89,6 +95,7 @@ class TritonPythonModel:
                 flags=FINAL)
 
     def finalize(self):
+        self.acks.close()
         self.callers.stop()
         self.service.shutdown()
         self.metrics.stop()
