@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PendingResponse:
     sender: Any  # the request's response sender
-    # -> the InferenceResponse (exports its tensors: runs on the sending thread); None: the final flag alone
+    # -> the InferenceResponse (exports its tensors: runs on the sending thread), or None: the final flag alone
+    # (so does a PendingResponse without ``make``)
     make: Callable[[], Any] | None = None
 
 
@@ -76,19 +77,16 @@ class DeferredSends:
 
     def _send(self, pending: PendingResponse) -> None:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if pending.make is None:
-            try:
-                pending.sender.send(flags=final)
-            except Exception:  # the caller is gone (cancelled)
-                logger.info("final flag not delivered", exc_info=True)
-            return
         try:
-            response = pending.make()
+            response = pending.make() if pending.make is not None else None
         except Exception as error:  # the request must still get its final response
             logger.exception("building a response failed")
             response = self._pb.InferenceResponse(
                 error=self._pb.TritonError(f"{type(error).__name__}: {error}"))
         try:
-            pending.sender.send(response, flags=final)
+            if response is None:
+                pending.sender.send(flags=final)
+            else:
+                pending.sender.send(response, flags=final)
         except Exception:  # the caller is gone (cancelled): nothing left to tell it
             logger.info("response not delivered", exc_info=True)
