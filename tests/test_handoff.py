@@ -235,9 +235,16 @@ def test_deferred_sends_send_a_final_flag_alone_in_order():
             super().send(response, flags)
             order.append(self)
 
-    first, gone, ack = Recording(), _Sender(fail=True), Recording()
+    first, gone, ack, taken, refused = Recording(), _Sender(fail=True), Recording(), Recording(), Recording()
+    work = []
     sends.send_after(None, [], [PendingResponse(first, lambda: _FakePb.InferenceResponse(["frames"]))])
     sends.send_after(None, [], [PendingResponse(gone), PendingResponse(ack)])
+    # work done on the sending thread before the flag (the talker's append): None when it went well, else the error
+    sends.send_after(None, [], [PendingResponse(taken, lambda: work.append("rows") or None),
+                                PendingResponse(refused, lambda: _FakePb.InferenceResponse(error="no such request"))])
     sends.close()
-    assert ack.sent == [(None, 1)]  # the flag alone: no response object
-    assert order == [first, ack]
+    assert ack.sent == [(None, 1)] and taken.sent == [(None, 1)]  # the flag alone: no response object
+    assert work == ["rows"]
+    (response, flags), = refused.sent
+    assert flags == 1 and response.error == "no such request"
+    assert order == [first, ack, taken, refused]
