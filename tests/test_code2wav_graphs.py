@@ -103,6 +103,13 @@ def test_stream_frame_buckets_every_count_to_8_then_every_4th_and_the_ramp_exact
     assert stream_frame_buckets(10) == (*range(1, 9), 10)
 
 
+def test_stream_graphs_reach_a_chunk_size_past_the_default_bound():
+    # --next-chunk-frames 50: the steady chunks replay a graph of their own length instead of running eagerly
+    longer = GraphSettings.for_stream(8, (4, 8, 24, 50))
+    assert longer.max_frames == 50 and longer.frame_buckets[-1] == 50 and 24 in longer.frame_buckets
+    assert GraphSettings.for_stream(8, (4, 8, 24, 25)).max_frames == DEFAULT_MAX_FRAMES  # the default: unchanged
+
+
 def test_graph_key_pads_stream_frames_up_to_their_bucket():
     buckets, frames = (1, 2, 4), stream_frame_buckets(32, (4, 8, 24, 25))
     assert graph_key(3, 9, buckets, 32, frames) == (4, 12)
@@ -404,3 +411,30 @@ def test_frame_padded_stream_chunks_replay_and_equal_the_one_pass(gpu_stateful_r
         with torch.inference_mode():
             expected = runtime.model(codes[b:b + 1, :, :done[b]]).float()[0]
         torch.testing.assert_close(torch.cat(pieces[b]), expected, rtol=0, atol=5e-3)
+
+
+@cuda
+def test_a_chunk_size_past_the_default_bound_replays_and_equals_the_one_pass(tiny_checkpoint):
+    """``--next-chunk-frames 50``: the steady 50-frame chunks replay a graph of that length (captured on first
+    use), not eager launches, and two streams equal the one pass."""
+    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
+
+    graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 50, "stateful"), max_batch=2, warm_start=False)
+    runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True, **graphs)
+    calibrate_output_gain_(runtime.model)
+    states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
+                                  runtime.device)
+    ramp = [4, 8, 24, 50]
+    codes = random_codes(runtime, 2, sum(ramp), seed=50, device="cuda")
+    pieces, done, replays = [[], []], 0, runtime.stream_graphs.replays
+    for index, frames in enumerate(ramp):
+        chunks = [StreamChunk(f"long{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(2)]
+        for b, samples in enumerate(states.decode(chunks)):
+            pieces[b].append(samples)
+        done += frames
+    assert (2, 50) in runtime.stream_graphs.captured_shapes
+    assert runtime.stream_graphs.replays == replays + len(ramp)
+    with torch.inference_mode():
+        expected = runtime.model(codes).float()
+    for b in range(2):  # other shapes than one pass: cuDNN may round differently (TF32 convs)
+        torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)

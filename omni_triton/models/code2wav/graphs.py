@@ -120,7 +120,8 @@ class GraphSettings:
         ramp's, the first chunk first) exact; at start the first chunk's bucket, or with ``every_short_call``
         (warm start) every frame bucket, at every batch bucket. ``served=False``: nothing at start."""
         first_chunk_frames = chunk_sizes[0]
-        max_frames = max(DEFAULT_MAX_FRAMES, first_chunk_frames)
+        # up to the longest chunk (a deployment's --next-chunk-frames past the bound replays, not eager launches)
+        max_frames = max(DEFAULT_MAX_FRAMES, *chunk_sizes)
         buckets = stream_frame_buckets(max_frames, chunk_sizes)
         at_start = tuple(reversed(buckets)) if every_short_call else (bucket_for(buckets, first_chunk_frames),)
         return cls(max_batch=max_batch, max_frames=max_frames, frames_at_start=at_start if served else (),
