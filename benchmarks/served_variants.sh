@@ -19,7 +19,8 @@
 # unless over TRACE_PACK_MB, default 100 MB: e.g. the step log's records, `trace.read_records(DIR, "step")`).
 # PYSPY="DELAY SECONDS RATE [STREAMS [MODE]]" adds a py-spy profile of every stage stub to each run
 # (benchmarks/pyspy_stages.sh: from the server's ready, once the orchestrators hold STREAMS requests when given, plus
-# DELAY, SECONDS long, RATE Hz; MODE idle (default: every thread, waits included) or gil (only the GIL's holder);
+# DELAY, SECONDS long, RATE Hz; MODE idle (default: every thread, waits included), gil (only the GIL's holder) or native (idle with C/C++ frames;
+# pauses each stub per sample: a low RATE);
 # py-spy on PATH, else installed from the carried .whl/py_spy*.whl), in NAME/pyspy/ of its .tgz; then
 # python -m omni_triton.bench.pyspy_summary NAME/pyspy. E.g. PYSPY="2 8 200 48" at LEVELS=64: the level's steady
 # state.
