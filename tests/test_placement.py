@@ -188,6 +188,17 @@ def test_serve_gives_tritonserver_a_cuda_pool_on_every_gpu_it_uses(tiny_checkpoi
     command = TritonServer(tiny_checkpoint, install, options).command()
     pools = [arg for arg in command if arg.startswith("--cuda-memory-pool-byte-size=")]
     assert [pool.split("=")[1].split(":")[0] for pool in pools] == ["0", "2"]
+    assert {pool.split(":")[1] for pool in pools} == {str(256 << 20)}  # the default
+    larger = cli.build_parser().parse_args(["serve", "--device", "cuda", "--cuda-memory-pool-mb", "2048"])
+    command = TritonServer(tiny_checkpoint, install, serve.server_options(larger, config)).command()
+    assert {arg.split(":")[1] for arg in command if arg.startswith("--cuda-memory-pool")} == {str(2048 << 20)}
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "lots"])
+def test_a_pool_size_that_is_not_whole_mib_is_refused_naming_the_flag(value, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--cuda-memory-pool-mb", value])
+    assert "--cuda-memory-pool-mb" in capsys.readouterr().err
 
 
 def test_pipelines_render_each_stage_once_per_pipeline_on_its_gpu_group(tiny_checkpoint, tmp_path):

@@ -101,12 +101,28 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "daemon when it sees this server's GPUs (CUDA_VISIBLE_DEVICES), else starts one of its "
                              "own on them when nvidia-cuda-mps-control is installed, else goes without; on insists; "
                              "off never (default: %(default)s)")
+    server.add_argument("--cuda-memory-pool-mb", type=_pool_mb, default=ServerOptions.cuda_memory_pool_bytes >> 20,
+                        help="cuda: tritonserver's CUDA memory pool per GPU, MiB: GPU tensors between the stages cross "
+                             "processes through it, and a tensor that finds it full gets a cudaMalloc and an IPC "
+                             "open and close of its own, silently; it comes out of the memory the KV plan leaves "
+                             "(default: %(default)s)")
     server.add_argument("--drain-seconds", type=_drain_seconds, default=DRAIN_S,
                         help="on stop (Ctrl-C, SIGTERM), streams in flight may run this long before they are ended with "
                              "UNAVAILABLE 'server shutting down'; new requests are refused meanwhile; keep it below "
                              "tritonserver's 10 s exit timeout (default: %(default)s)")
     server.add_argument("--ready-timeout", type=float, default=900.0,
                         help="seconds; warm start (--warmup) is part of it (default: %(default)s)")
+
+
+def _pool_mb(text: str) -> int:
+    """--cuda-memory-pool-mb: a whole number of MiB, at least 1."""
+    try:
+        mib = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of MiB, got {text!r}") from None
+    if mib < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 MiB, got {text}")
+    return mib
 
 
 def _drain_seconds(text: str) -> float:
@@ -146,7 +162,7 @@ def server_options(args: argparse.Namespace, config: LaunchConfig) -> ServerOpti
     return ServerOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                          metrics_port=args.metrics_port, gpu=config.device == "cuda",
                          gpu_ids=config.placement.used_gpus(), stage_reload=args.allow_stage_reload, mps=args.mps,
-                         drain_s=args.drain_seconds)
+                         drain_s=args.drain_seconds, cuda_memory_pool_bytes=args.cuda_memory_pool_mb << 20)
 
 
 def start_server(args: argparse.Namespace, echo_log: bool) -> TritonServer:
