@@ -8,8 +8,10 @@
 #   LEVELS=64 bash benchmarks/served_variants.sh $OUT "base|.baseline|" "new||" \
 #     "talker2||--instances talker=2" "ms8||--admission-max-starting 8"
 #
-# A variant is NAME|TREE|SERVE_ARGS: TREE a directory with its own copy of the project (e.g. `git archive REV` in
-# .baseline; empty: this tree), SERVE_ARGS added to the sweep's SERVE_ARGS. Every run is cut at what is left of
+# A variant is NAME|TREE|SERVE_ARGS[|ENV]: TREE a directory with its own copy of the project (e.g. `git archive REV`
+# in .baseline; empty: this tree), SERVE_ARGS added to the sweep's SERVE_ARGS, ENV space-separated VAR=VALUE set
+# for its run only (e.g. OMNI_TRITON_PYTHON_BACKEND_DIR=/tmp/pb-other: a backend built from another tree's patches,
+# `build python-backend --out /tmp/pb-other` run in that tree). Every run is cut at what is left of
 # BUDGET_S (default 560 s: a device call's 600 less its start); a variant starts only while RUN_S (default 150 s,
 # a full-size server's start, a level and its stop) are left, else it is named as skipped in OUT/variants.txt.
 # The sweep's other settings (LEVELS, SEQ_LEVELS, LEFT_CONTEXT, BENCH_ARGS, MODEL_ARGS, PORT, DEVICE_CHECK)
@@ -43,7 +45,11 @@ mkdir -p "$out"
 summary="$out/variants.txt"
 : >"$summary"
 for variant in "$@"; do
-  IFS='|' read -r name tree args <<<"$variant"
+  IFS='|' read -r name tree args envs <<<"$variant"
+  read -ra envs <<<"${envs:-}"
+  for setting in "${envs[@]}"; do
+    [[ "$setting" =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] || { echo "$name: ENV takes VAR=VALUE words, got '$setting'" >&2; exit 2; }
+  done
   case "$name" in
     ''|*[!A-Za-z0-9_.-]*) echo "a variant's name is letters, digits, . _ -: got '$name'" >&2; exit 2 ;;
   esac
@@ -64,7 +70,7 @@ for variant in "$@"; do
   fi
   # this tree's sweep script in the variant's directory (`python3 -m` imports the package from there): an older
   # tree's script may lack a fix (before 73a6b29 its server outlived its part and the part hung until its timeout)
-  (cd "$tree" && LABEL=${LABEL_PREFIX:-}$name SERVE_ARGS="${SERVE_ARGS:-} $args" \
+  (cd "$tree" && env "${envs[@]}" LABEL=${LABEL_PREFIX:-}$name SERVE_ARGS="${SERVE_ARGS:-} $args" \
      timeout "$left" bash "$root/benchmarks/full_size_sweep.sh" served "$work/$name") >"$work/$name.log" 2>&1
   rc=$?
   if [ -n "$spy" ]; then  # a profile still waiting (the run ended first) must not record the next run's server
@@ -81,6 +87,7 @@ for variant in "$@"; do
     echo "$name: its traces (${trace_mb} MB) left out of $name.tgz (TRACE_PACK_MB=$TRACE_PACK_MB)" | tee -a "$summary"
   fi
   tar czf "$out/$name.tgz" -C "$work" "${leave_out[@]}" "$name"
-  echo "$name: exit $rc in $((SECONDS - start)) s (tree $tree, serve args '${SERVE_ARGS:-} $args')" | tee -a "$summary"
+  echo "$name: exit $rc in $((SECONDS - start)) s (tree $tree, serve args '${SERVE_ARGS:-} $args'${envs[*]:+, env ${envs[*]}})" \
+    | tee -a "$summary"
   grep -h "^| server |" "$work/$name/served/results.md" 2>/dev/null | head -"${SUMMARY_ROWS:-4}" | tee -a "$summary"
 done
