@@ -21,8 +21,8 @@
 # unless over TRACE_PACK_MB, default 100 MB: e.g. the step log's records, `trace.read_records(DIR, "step")`).
 # PYSPY="DELAY SECONDS RATE [STREAMS [MODE]]" adds a py-spy profile of every stage stub to each run
 # (benchmarks/pyspy_stages.sh: from the server's ready, once the orchestrators hold STREAMS requests when given, plus
-# DELAY, SECONDS long, RATE Hz; MODE idle (default: every thread, waits included), gil (only the GIL's holder) or native (idle with C/C++ frames;
-# pauses each stub per sample: a low RATE);
+# DELAY, SECONDS long, RATE Hz; MODE idle (default: every thread, waits included), gil (only the GIL's holder) or
+# native (idle with C/C++ frames; pauses each stub per sample: a low RATE);
 # py-spy on PATH, else installed from the carried .whl/py_spy*.whl), in NAME/pyspy/ of its .tgz; then
 # python -m omni_triton.bench.pyspy_summary NAME/pyspy. E.g. PYSPY="2 8 200 48" at LEVELS=64: the level's steady
 # state.
@@ -48,7 +48,8 @@ for variant in "$@"; do
   IFS='|' read -r name tree args envs <<<"$variant"
   read -ra envs <<<"${envs:-}"
   for setting in "${envs[@]}"; do
-    [[ "$setting" =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] || { echo "$name: ENV takes VAR=VALUE words, got '$setting'" >&2; exit 2; }
+    [[ "$setting" =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] ||
+      { echo "$name: ENV takes VAR=VALUE words, got '$setting'" >&2; exit 2; }
   done
   case "$name" in
     ''|*[!A-Za-z0-9_.-]*) echo "a variant's name is letters, digits, . _ -: got '$name'" >&2; exit 2 ;;
@@ -87,7 +88,7 @@ for variant in "$@"; do
     echo "$name: its traces (${trace_mb} MB) left out of $name.tgz (TRACE_PACK_MB=$TRACE_PACK_MB)" | tee -a "$summary"
   fi
   tar czf "$out/$name.tgz" -C "$work" "${leave_out[@]}" "$name"
-  echo "$name: exit $rc in $((SECONDS - start)) s (tree $tree, serve args '${SERVE_ARGS:-} $args'${envs[*]:+, env ${envs[*]}})" \
-    | tee -a "$summary"
+  ran_with="tree $tree, serve args '${SERVE_ARGS:-} $args'${envs[*]:+, env ${envs[*]}}"
+  echo "$name: exit $rc in $((SECONDS - start)) s ($ran_with)" | tee -a "$summary"
   grep -h "^| server |" "$work/$name/served/results.md" 2>/dev/null | head -"${SUMMARY_ROWS:-4}" | tee -a "$summary"
 done
