@@ -3,6 +3,7 @@
     python benchmarks/code2wav_state_bench.py --device cuda --dtype bfloat16 --config qwen3_omni_30b_a3b \
         --out-dir benchmarks/results/h200-code2wav-state
     python benchmarks/code2wav_state_bench.py --config tiny --batch-sizes 1,2      # CPU smoke run
+    ... --cudnn-autotune on        # cuda: cuDNN times its convolution algorithms (serve's default)
 
 Per batch size (default 1, 8, 32, 64), one later chunk of ``--chunk-frames`` (25) new frames per stream, each way
 the code2wav stage can decode it, all eager (no CUDA graphs), seeded random weights with the dims of ``--config``:
@@ -115,19 +116,24 @@ def profile_call(runtime: Code2WavRuntime, batch: int, chunk: int, generator: to
     call()
     on_gpu = runtime.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         call()
         if on_gpu:
             torch.cuda.synchronize(runtime.device)
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    return (f"One stateful call, batch {batch}, {chunk} new frames a stream, eager, ops by {sort_by}:\n"
-            + prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=50))
+    autotune = f", cuDNN autotune {'on' if torch.backends.cudnn.benchmark else 'off'}" if on_gpu else ""
+    return (f"One stateful call, batch {batch}, {chunk} new frames a stream, eager{autotune}, ops by {sort_by}:\n"
+            + prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=50)
+            + "\n\nThe same, by input shapes (which convolution is which):\n"
+            + prof.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=25,
+                                                                 max_name_column_width=40, max_shapes_column_width=90))
 
 
 def markdown(result: dict) -> str:
     ramp = result["ramp"]
     lines = [f"Device: {result['device_name']}; {result['config']} Code2Wav (random {result['dtype']} weights); "
-             f"torch {result['torch']}.", "", f"Command: `{result['command']}`", "",
+             f"torch {result['torch']}; cuDNN autotune {result['cudnn_autotune']}.", "",
+             f"Command: `{result['command']}`", "",
              f"One later chunk of {result['chunk_frames']} new frames per stream, eager: stateful (the stage's "
              f"state slots + decode of the new frames), context 25 ({CONTEXT_25} + {result['chunk_frames']} frames), "
              f"exact ({result['exact_left_context_frames']} + {result['chunk_frames']} frames):", "",
@@ -155,6 +161,9 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-frames", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
     parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--cudnn-autotune", choices=["on", "off"], default="off",
+                        help="cuda: cuDNN times its convolution algorithms per shape (serve's "
+                             "--code2wav-cudnn-autotune; default: %(default)s, cuDNN's heuristic)")
     parser.add_argument("--profile-batch", type=int, metavar="N",
                         help="also profile one stateful call at batch N (code2wav_profile.txt)")
     args = parser.parse_args(argv)
@@ -163,7 +172,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    source = dict(device=device, dtype=getattr(torch, args.dtype), load_format="dummy")
+    source = dict(device=device, dtype=getattr(torch, args.dtype), load_format="dummy",
+                  cudnn_autotune=args.cudnn_autotune == "on")
     runtime = Code2WavRuntime.create("torch", config_dir(args.config, 0), **source)
     # same seeded weights; graphs of every bucket up to the largest batch, captured on first use
     graph_runtime = (Code2WavRuntime.create("torch", config_dir(args.config, 0), **source, cuda_graphs=True,
@@ -174,6 +184,7 @@ def main(argv=None) -> None:
     generator = torch.Generator().manual_seed(0)
     result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                   config=args.config, dtype=args.dtype, torch=torch.__version__, chunk_frames=args.chunk_frames,
+                  cudnn_autotune=args.cudnn_autotune,
                   exact_left_context_frames=exact,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   ramp=ramp_error(runtime, generator), rows=[])

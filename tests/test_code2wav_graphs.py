@@ -25,6 +25,8 @@ from omni_triton.models.code2wav.graphs import (DEFAULT_MAX_FRAMES, Code2WavGrap
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.pipeline.code2wav.warmup import capture_count, stage_graph_settings
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
+from omni_triton import cli
+from omni_triton.launch.options import flag_settings
 from omni_triton.launch.repository import render_repository
 from omni_triton.shared.settings import LaunchConfig
 from server_fixture import rendered_settings, stage_args
@@ -195,6 +197,17 @@ def test_stream_captures_of_one_batch_bucket_share_their_lengths_and_state_input
     assert other_bucket[1].shape == (3,) and len(other_bucket) == len(second)
 
 
+def test_cudnn_autotune_leaves_the_cpu_and_the_process_flag_alone_there(tiny_checkpoint):
+    """On the CPU the switch changes nothing, not even torch's process-wide cuDNN flag (the CPU's other work
+    stays on cuDNN's defaults)."""
+    before = torch.backends.cudnn.benchmark
+    runtime = Code2WavRuntime.create("torch", tiny_checkpoint, cudnn_autotune=True)
+    assert torch.backends.cudnn.benchmark is before
+    codes = random_codes(runtime, 2, 6, seed=3)
+    with torch.inference_mode():
+        assert torch.equal(runtime.decode(codes), runtime.model(codes).float())
+
+
 def test_graphs_refuse_a_cpu_device():
     with pytest.raises(ValueError, match="CUDA device"):
         Code2WavGraphs(lambda codes: codes, 16, torch.device("cpu"))
@@ -209,6 +222,16 @@ def test_code2wav_config_renders_the_switch_and_first_chunk(tiny_checkpoint, tmp
     settings = rendered_settings(out, "code2wav")
     assert settings.cuda_graphs is cuda_graphs
     assert settings.first_chunk_frames == 6
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--code2wav-cudnn-autotune", "off"], False)])
+def test_the_cudnn_autotune_flag_reaches_the_code2wav_stage(tiny_checkpoint, tmp_path, flag, expected):
+    args = cli.build_parser().parse_args(["serve", *flag])
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint, **{
+        name: value for name, value in flag_settings(args).items() if name == "code2wav_cudnn_autotune"})
+    assert config.code2wav_cudnn_autotune is expected
+    out = render_repository(config, tmp_path / "repository", ["code2wav"])
+    assert rendered_settings(out, "code2wav").code2wav_cudnn_autotune is expected
 
 
 class _Metric:
@@ -255,6 +278,7 @@ def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_pa
         torch.set_num_threads(threads)  # the stage caps torch's threads for its process
     (kwargs,) = calls
     assert kwargs["cuda_graphs"] is True
+    assert kwargs["cudnn_autotune"] is True  # the default
     # the CPU default: stateful streaming, no warm start: the stream chunks' first chunk only
     assert kwargs["graph_settings"] == GraphSettings.for_stage(max_batch=5, first_chunk_frames=6, served=False)
     assert kwargs["stream_graph_settings"] == GraphSettings.for_stream(5, (6, 12, 25))
@@ -438,3 +462,36 @@ def test_a_chunk_size_past_the_default_bound_replays_and_equals_the_one_pass(tin
         expected = runtime.model(codes).float()
     for b in range(2):  # other shapes than one pass: cuDNN may round differently (TF32 convs)
         torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)
+
+
+@cuda
+def test_cudnn_autotuned_stream_chunks_replay_and_equal_the_one_pass(tiny_checkpoint):
+    """``--code2wav-cudnn-autotune on`` (the default): cuDNN's timed algorithm picks, made in the warm-up calls
+    before each capture, are what the graphs replay; two streams still equal the one pass. The process-wide flag is
+    put back after (the other GPU tests run on cuDNN's heuristic)."""
+    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
+
+    before = torch.backends.cudnn.benchmark
+    try:
+        graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "stateful"), max_batch=2, warm_start=False)
+        runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True,
+                                         cudnn_autotune=True, **graphs)
+        assert torch.backends.cudnn.benchmark is True
+        calibrate_output_gain_(runtime.model)
+        states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
+                                      runtime.device)
+        ramp = [4, 8, 24, 25]
+        codes = random_codes(runtime, 2, sum(ramp), seed=44, device="cuda")
+        pieces, done, replays = [[], []], 0, runtime.stream_graphs.replays
+        for index, frames in enumerate(ramp):
+            chunks = [StreamChunk(f"tuned{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(2)]
+            for b, samples in enumerate(states.decode(chunks)):
+                pieces[b].append(samples)
+            done += frames
+        assert runtime.stream_graphs.replays == replays + len(ramp)
+        with torch.inference_mode():
+            expected = runtime.model(codes).float()
+        for b in range(2):  # other algorithms than the one pass's: cuDNN may round differently
+            torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)
+    finally:
+        torch.backends.cudnn.benchmark = before

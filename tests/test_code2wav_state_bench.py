@@ -18,6 +18,11 @@ def test_the_bench_writes_its_table_and_the_profile_of_one_call(tmp_path):
     profile = (tmp_path / "code2wav_profile.txt").read_text()
     assert profile.startswith("One stateful call, batch 2, 4 new frames a stream")
     assert "convolution" in profile and "self_cpu_time_total" in profile  # the vocoder's convs, CPU time
+    # which convolution is which: the second table groups by input shapes, [batch, channels, ...] of each conv
+    by_shape = profile.split("by input shapes")[1]
+    assert "[[2, " in by_shape and "convolution" in by_shape
+    assert result["cudnn_autotune"] == "off"
+    assert "cuDNN autotune off" in (tmp_path / "code2wav_state_bench.md").read_text()
 
 
 def test_a_profile_batch_below_one_is_refused():

@@ -87,6 +87,11 @@ def add_memory_arguments(group) -> None:
                        help="cuda: a code2wav call returns to Triton once the previous call's decode is done, so "
                             "the next call's host work runs while this one decodes (two calls queued on the GPU; "
                             "a chunk may wait one decode longer) (default: %(default)s)")
+    group.add_argument("--code2wav-cudnn-autotune", choices=["on", "off"],
+                       default=on_off(LaunchConfig.code2wav_cudnn_autotune),
+                       help="torch code2wav on cuda: cuDNN times its convolution algorithms once per call shape and "
+                            "keeps the fastest (off: its heuristic's pick; each shape's first call is slower with "
+                            "it on, before its CUDA graph is captured) (default: %(default)s)")
 
 
 def add_engine_arguments(group) -> None:

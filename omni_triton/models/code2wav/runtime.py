@@ -105,10 +105,13 @@ class Code2WavRuntime:
                dtype: torch.dtype = torch.float32, load_format: str = "safetensors",
                seed: int = 0, cuda_graphs: bool = False,
                graph_settings: GraphSettings = GraphSettings(),
-               stream_graph_settings: GraphSettings | None = None) -> "Code2WavRuntime":
+               stream_graph_settings: GraphSettings | None = None,
+               cudnn_autotune: bool = False) -> "Code2WavRuntime":
         """``load_format``/``seed``: the torch backend's weights (``models.weights.load_code2wav``).
         ``cuda_graphs``/``graph_settings``/``stream_graph_settings``: the torch backend's graph replay of short
-        one-pass / ``decode_stream`` calls, on CUDA only (the TensorRT and ONNX Runtime backends ignore them)."""
+        one-pass / ``decode_stream`` calls, on CUDA only (the TensorRT and ONNX Runtime backends ignore them).
+        ``cudnn_autotune``: the torch backend on CUDA has cuDNN time its convolution algorithms per shape
+        (``torch.backends.cudnn.benchmark``, process-wide) instead of taking its heuristic's pick."""
         if kind not in KINDS:
             raise ValueError(f"Code2Wav runtime kind {kind!r} is not one of {KINDS}")
         device = torch.device(device)
@@ -118,7 +121,7 @@ class Code2WavRuntime:
         if kind == "torch":
             return TorchCode2Wav(checkpoint_dir, config, device, dtype, load_format, seed,
                                  cuda_graphs=cuda_graphs, graph_settings=graph_settings,
-                                 stream_graph_settings=stream_graph_settings)
+                                 stream_graph_settings=stream_graph_settings, cudnn_autotune=cudnn_autotune)
         if kind == "onnxruntime":
             return OnnxRuntimeCode2Wav(_existing(onnx_path, "onnx_path"), config, device)
         return TensorRTCode2Wav(_existing(plan_path, "plan_path"), config, device)
@@ -162,9 +165,16 @@ class TorchCode2Wav(Code2WavRuntime):
     def __init__(self, checkpoint_dir, config: Code2WavConfig, device: torch.device, dtype: torch.dtype,
                  load_format: str = "safetensors", seed: int = 0, *, cuda_graphs: bool = False,
                  graph_settings: GraphSettings = GraphSettings(),
-                 stream_graph_settings: GraphSettings | None = None):
+                 stream_graph_settings: GraphSettings | None = None, cudnn_autotune: bool = False):
         super().__init__(config, device)
         from omni_triton.models.weights import load_code2wav
+
+        if cudnn_autotune and device.type == "cuda":
+            # Set before the graphs below are captured: their warm-up calls time each shape's algorithms, the
+            # capture records the fastest. cuDNN's heuristic alone picks a generic non-tensor-core kernel for some
+            # of the bf16 convolutions here (a third of a call's GPU time at full size on an H200). Process-wide,
+            # and the code2wav stage runs nothing else; the in-process pipeline (the reference) leaves it off.
+            torch.backends.cudnn.benchmark = True
 
         self.model = load_code2wav(checkpoint_dir, device, dtype, load_format=load_format, seed=seed)
         # None: every call eager (CPU, or graphs off)
