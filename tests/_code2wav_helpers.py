@@ -70,3 +70,28 @@ def stateful_decode(streaming, codes: torch.Tensor, splits: list[list[int]],
             states[b] = [tensor[row:row + 1] for tensor in state]
             decoded[b] += n
     return [torch.cat(p) for p in pieces]
+
+
+def stream_ramp(runtime, codes: torch.Tensor, ramp: list[int]) -> list[torch.Tensor]:
+    """Each row of ``codes`` [B, G, sum(ramp)] streamed in chunks of ``ramp``'s sizes, all rows batched in one
+    stateful call per chunk (the stage's ``Code2WavStreamStates``): each row's samples, joined."""
+    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
+
+    states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
+                                  runtime.device)
+    pieces, done = [[] for _ in range(codes.shape[0])], 0
+    for index, frames in enumerate(ramp):
+        chunks = [StreamChunk(f"row{b}", row[:, done:done + frames], first=index == 0) for b, row in enumerate(codes)]
+        for b, samples in enumerate(states.decode(chunks)):
+            pieces[b].append(samples)
+        done += frames
+    return [torch.cat(row) for row in pieces]
+
+
+def assert_equals_one_pass(runtime, codes: torch.Tensor, streamed: list[torch.Tensor]) -> None:
+    """Each streamed row equals the one-pass decode of its codes (other shapes than one pass: cuDNN may pick other
+    kernels and round differently, TF32 convs included)."""
+    with torch.inference_mode():
+        expected = runtime.model(codes).float()
+    for row, samples in enumerate(streamed):
+        torch.testing.assert_close(samples, expected[row], rtol=0, atol=5e-3)

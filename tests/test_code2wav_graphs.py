@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from _code2wav_helpers import calibrate_output_gain_
+from _code2wav_helpers import assert_equals_one_pass, calibrate_output_gain_, stream_ramp
 from omni_triton.graph_buckets import bucket_for, fill_padded
 from omni_triton.models.code2wav.graphs import (DEFAULT_MAX_FRAMES, Code2WavGraphs, GraphSettings, batch_buckets,
                                                 fill_padded_frames, graph_key, output_rows, stream_frame_buckets)
@@ -441,27 +441,16 @@ def test_frame_padded_stream_chunks_replay_and_equal_the_one_pass(gpu_stateful_r
 def test_a_chunk_size_past_the_default_bound_replays_and_equals_the_one_pass(tiny_checkpoint):
     """``--next-chunk-frames 50``: the steady 50-frame chunks replay a graph of that length (captured on first
     use), not eager launches, and two streams equal the one pass."""
-    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
-
     graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 50, "stateful"), max_batch=2, warm_start=False)
     runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True, **graphs)
     calibrate_output_gain_(runtime.model)
-    states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
-                                  runtime.device)
     ramp = [4, 8, 24, 50]
     codes = random_codes(runtime, 2, sum(ramp), seed=50, device="cuda")
-    pieces, done, replays = [[], []], 0, runtime.stream_graphs.replays
-    for index, frames in enumerate(ramp):
-        chunks = [StreamChunk(f"long{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(2)]
-        for b, samples in enumerate(states.decode(chunks)):
-            pieces[b].append(samples)
-        done += frames
+    replays = runtime.stream_graphs.replays
+    streamed = stream_ramp(runtime, codes, ramp)
     assert (2, 50) in runtime.stream_graphs.captured_shapes
     assert runtime.stream_graphs.replays == replays + len(ramp)
-    with torch.inference_mode():
-        expected = runtime.model(codes).float()
-    for b in range(2):  # other shapes than one pass: cuDNN may round differently (TF32 convs)
-        torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)
+    assert_equals_one_pass(runtime, codes, streamed)
 
 
 @cuda
@@ -469,8 +458,6 @@ def test_cudnn_autotuned_stream_chunks_replay_and_equal_the_one_pass(tiny_checkp
     """``--code2wav-cudnn-autotune on`` (the default): cuDNN's timed algorithm picks, made in the warm-up calls
     before each capture, are what the graphs replay; two streams still equal the one pass. The process-wide flag is
     put back after (the other GPU tests run on cuDNN's heuristic)."""
-    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
-
     before = torch.backends.cudnn.benchmark
     try:
         graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "stateful"), max_batch=2, warm_start=False)
@@ -478,20 +465,11 @@ def test_cudnn_autotuned_stream_chunks_replay_and_equal_the_one_pass(tiny_checkp
                                          cudnn_autotune=True, **graphs)
         assert torch.backends.cudnn.benchmark is True
         calibrate_output_gain_(runtime.model)
-        states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
-                                      runtime.device)
         ramp = [4, 8, 24, 25]
         codes = random_codes(runtime, 2, sum(ramp), seed=44, device="cuda")
-        pieces, done, replays = [[], []], 0, runtime.stream_graphs.replays
-        for index, frames in enumerate(ramp):
-            chunks = [StreamChunk(f"tuned{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(2)]
-            for b, samples in enumerate(states.decode(chunks)):
-                pieces[b].append(samples)
-            done += frames
+        replays = runtime.stream_graphs.replays
+        streamed = stream_ramp(runtime, codes, ramp)
         assert runtime.stream_graphs.replays == replays + len(ramp)
-        with torch.inference_mode():
-            expected = runtime.model(codes).float()
-        for b in range(2):  # other algorithms than the one pass's: cuDNN may round differently
-            torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)
+        assert_equals_one_pass(runtime, codes, streamed)  # other algorithms than the one pass's
     finally:
         torch.backends.cudnn.benchmark = before
