@@ -92,6 +92,11 @@ def add_memory_arguments(group) -> None:
                        help="torch code2wav on cuda: cuDNN times its convolution algorithms once per call shape and "
                             "keeps the fastest (off: its heuristic's pick; each shape's first call is slower with "
                             "it on, before its CUDA graph is captured) (default: %(default)s)")
+    group.add_argument("--code2wav-dilated-phases", choices=["on", "off"],
+                       default=on_off(LaunchConfig.code2wav_dilated_phases),
+                       help="torch code2wav on cuda: its dilated convolutions as undilated ones over the input's "
+                            "interleaved phases, which cuDNN's heuristic serves with its fast kernels (the same "
+                            "sums; not yet measured on a GPU) (default: %(default)s)")
 
 
 def add_engine_arguments(group) -> None:

@@ -114,6 +114,9 @@ class LaunchConfig:
     # shape, before its CUDA graph's capture) instead of its heuristic's pick, which for some of this vocoder's bf16
     # convolutions is a slow generic kernel (benchmarks/results/h200-code2wav-cudnn: 0.75x GPU time a call at 8)
     code2wav_cudnn_autotune: bool = True
+    # torch code2wav on a GPU: its dilated convolutions as undilated ones over the input's phases
+    # (models/code2wav/phase_conv.py), a shape cuDNN's heuristic serves with a tensor-core kernel without timing
+    code2wav_dilated_phases: bool = False
     # every stage process's GIL switch interval (sys.setswitchinterval), in ms; None: Python's own (5 ms). A thread
     # that waited with the GIL released (an engine's step thread on its step's sampled ids) may wait this long to get
     # it back from a thread busy in Python (the stub's response sends): benchmarks/gil_switch_probe.py

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from omni_triton.models.code2wav.vocoder import Code2Wav, Code2WavConfig
+from omni_triton.models.code2wav.vocoder import CausalConv1d, Code2Wav, Code2WavConfig
 from omni_triton.models.code2wav.graphs import Code2WavGraphs, GraphSettings
 from omni_triton.models.code2wav.stateful import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
                                                   StateSpec, StreamingCode2Wav, chunk_samples)
@@ -106,12 +106,14 @@ class Code2WavRuntime:
                seed: int = 0, cuda_graphs: bool = False,
                graph_settings: GraphSettings = GraphSettings(),
                stream_graph_settings: GraphSettings | None = None,
-               cudnn_autotune: bool = False) -> "Code2WavRuntime":
+               cudnn_autotune: bool = False, dilated_phases: bool = False) -> "Code2WavRuntime":
         """``load_format``/``seed``: the torch backend's weights (``models.weights.load_code2wav``).
         ``cuda_graphs``/``graph_settings``/``stream_graph_settings``: the torch backend's graph replay of short
         one-pass / ``decode_stream`` calls, on CUDA only (the TensorRT and ONNX Runtime backends ignore them).
         ``cudnn_autotune``: the torch backend on CUDA has cuDNN time its convolution algorithms per shape
-        (``torch.backends.cudnn.benchmark``, process-wide) instead of taking its heuristic's pick."""
+        (``torch.backends.cudnn.benchmark``, process-wide) instead of taking its heuristic's pick.
+        ``dilated_phases``: the torch backend on CUDA runs its dilated convolutions as undilated ones over the
+        input's phases (``phase_conv``), which the heuristic serves with its fast kernels."""
         if kind not in KINDS:
             raise ValueError(f"Code2Wav runtime kind {kind!r} is not one of {KINDS}")
         device = torch.device(device)
@@ -121,7 +123,8 @@ class Code2WavRuntime:
         if kind == "torch":
             return TorchCode2Wav(checkpoint_dir, config, device, dtype, load_format, seed,
                                  cuda_graphs=cuda_graphs, graph_settings=graph_settings,
-                                 stream_graph_settings=stream_graph_settings, cudnn_autotune=cudnn_autotune)
+                                 stream_graph_settings=stream_graph_settings, cudnn_autotune=cudnn_autotune,
+                                 dilated_phases=dilated_phases)
         if kind == "onnxruntime":
             return OnnxRuntimeCode2Wav(_existing(onnx_path, "onnx_path"), config, device)
         return TensorRTCode2Wav(_existing(plan_path, "plan_path"), config, device)
@@ -165,7 +168,8 @@ class TorchCode2Wav(Code2WavRuntime):
     def __init__(self, checkpoint_dir, config: Code2WavConfig, device: torch.device, dtype: torch.dtype,
                  load_format: str = "safetensors", seed: int = 0, *, cuda_graphs: bool = False,
                  graph_settings: GraphSettings = GraphSettings(),
-                 stream_graph_settings: GraphSettings | None = None, cudnn_autotune: bool = False):
+                 stream_graph_settings: GraphSettings | None = None, cudnn_autotune: bool = False,
+                 dilated_phases: bool = False):
         super().__init__(config, device)
         from omni_triton.models.weights import load_code2wav
 
@@ -177,6 +181,10 @@ class TorchCode2Wav(Code2WavRuntime):
             torch.backends.cudnn.benchmark = True
 
         self.model = load_code2wav(checkpoint_dir, device, dtype, load_format=load_format, seed=seed)
+        if dilated_phases and device.type == "cuda":  # before the graphs below capture the convs
+            for module in self.model.modules():
+                if isinstance(module, CausalConv1d):
+                    module.phase_split = True
         # None: every call eager (CPU, or graphs off)
         self.graphs = (Code2WavGraphs(self._eager, self.num_quantizers, device, graph_settings)
                        if cuda_graphs and device.type == "cuda" else None)

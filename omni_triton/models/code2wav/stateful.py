@@ -167,7 +167,7 @@ class _StatefulConvRunner:
         padded = torch.cat([past, x], dim=-1)
         self.new_states.append(_window(padded, self.valid, past.shape[-1], dim=-1))
         if isinstance(conv, CausalConv1d):
-            return conv.conv(padded)
+            return conv.conv_padded(padded)
         return self._transposed(conv, padded)
 
     def _transposed(self, conv: CausalTransConv1d, padded: torch.Tensor) -> torch.Tensor:

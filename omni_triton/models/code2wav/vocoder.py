@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_triton.models.code2wav.phase_conv import dilated_conv_as_phases
+
 
 @dataclass(frozen=True)
 class Code2WavConfig:
@@ -85,9 +87,17 @@ class CausalConv1d(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.left_pad = (kernel_size - 1) * dilation
+        # a dilated conv over its input's phases (phase_conv.py); set by the torch runtime on a GPU, the same sums
+        self.phase_split = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (self.left_pad, 0)))
+        return self.conv_padded(F.pad(x, (self.left_pad, 0)))
+
+    def conv_padded(self, padded: torch.Tensor) -> torch.Tensor:
+        """The conv of an input that already has its ``left_pad`` past steps (zeros, or a stream's state)."""
+        if self.phase_split and self.conv.dilation[0] > 1:
+            return dilated_conv_as_phases(self.conv, padded)
+        return self.conv(padded)
 
 
 class CausalTransConv1d(nn.Module):
