@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from _code2wav_helpers import calibrate_output_gain_
+from _code2wav_helpers import assert_equals_one_pass, calibrate_output_gain_, stream_ramp
 from omni_triton import cli
 from omni_triton.launch.options import flag_settings
 from omni_triton.launch.repository import render_repository
@@ -18,7 +18,6 @@ from omni_triton.models.code2wav.phase_conv import dilated_conv_as_phases
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
 from omni_triton.models.code2wav.vocoder import CausalConv1d
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
-from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
 from omni_triton.pipeline.code2wav.warmup import stage_graph_settings
 from omni_triton.shared.settings import LaunchConfig
 from server_fixture import rendered_settings
@@ -79,16 +78,8 @@ def test_the_one_pass_and_the_stream_equal_the_dilated_model(runtime):
         expected = runtime.decode(codes)
         _phase_split(runtime.model, True)
         torch.testing.assert_close(runtime.decode(codes), expected, rtol=0, atol=1e-5)  # fp32 sums' order
-        states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
-                                      runtime.device)
-        pieces, done = [[], []], 0
-        for index, frames in enumerate([4, 8, 4]):
-            chunks = [StreamChunk(f"p{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(2)]
-            for b, samples in enumerate(states.decode(chunks)):
-                pieces[b].append(samples)
-            done += frames
-        for b in range(2):
-            torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=1e-5)
+        for row, samples in enumerate(stream_ramp(runtime, codes, [4, 8, 4])):
+            torch.testing.assert_close(samples, expected[row], rtol=0, atol=1e-5)
     finally:
         _phase_split(runtime.model, False)
 
@@ -132,20 +123,11 @@ def test_stream_chunks_with_phases_replay_graphs_and_equal_the_one_pass(tiny_che
                                      dilated_phases=True, **graphs)
     assert _phase_split(runtime.model, True) >= 2  # the runtime set them; (re)setting is a no-op
     calibrate_output_gain_(runtime.model)
-    states = Code2WavStreamStates(runtime.decode_stream, runtime.state_specs(), runtime.streaming_samples,
-                                  runtime.device)
     ramp = [4, 8, 24, 25]
     codes = torch.randint(0, runtime.config.codebook_size, (2, runtime.num_quantizers, sum(ramp)),
                           generator=torch.Generator().manual_seed(5)).cuda()
-    pieces, done, replays = [[], []], 0, runtime.stream_graphs.replays
-    for index, frames in enumerate(ramp):
-        chunks = [StreamChunk(f"g{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(2)]
-        for b, samples in enumerate(states.decode(chunks)):
-            pieces[b].append(samples)
-        done += frames
+    replays = runtime.stream_graphs.replays
+    streamed = stream_ramp(runtime, codes, ramp)
     assert runtime.stream_graphs.replays == replays + len(ramp)
     _phase_split(runtime.model, False)
-    with torch.inference_mode():
-        expected = runtime.model(codes).float()  # the dilated convs themselves
-    for b in range(2):
-        torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)
+    assert_equals_one_pass(runtime, codes, streamed)  # against the dilated convs themselves
