@@ -92,6 +92,11 @@ def add_memory_arguments(group) -> None:
                        help="torch code2wav on cuda: cuDNN times its convolution algorithms once per call shape and "
                             "keeps the fastest (off: its heuristic's pick; each shape's first call is slower with "
                             "it on, before its CUDA graph is captured) (default: %(default)s)")
+    group.add_argument("--code2wav-triton-snake", choices=["on", "off"],
+                       default=on_off(LaunchConfig.code2wav_triton_snake),
+                       help="torch code2wav on cuda: each SnakeBeta activation as one fused Triton kernel (fp32 "
+                            "inside, rounded once) instead of torch's five to six elementwise launches; off until "
+                            "measured on a GPU (default: %(default)s)")
 
 
 def add_engine_arguments(group) -> None:

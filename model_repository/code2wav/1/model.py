@@ -65,7 +65,8 @@ class TritonPythonModel:
             self.vocoder = Code2WavRuntime.create(kind, str(settings.checkpoint_dir), device=self.device,
                                                   dtype=getattr(torch, settings.resolved_dtype), **engine,
                                                   **load_options(settings), cuda_graphs=settings.cuda_graphs,
-                                                  cudnn_autotune=settings.code2wav_cudnn_autotune, **graphs)
+                                                  cudnn_autotune=settings.code2wav_cudnn_autotune,
+                                                  triton_snake=settings.code2wav_triton_snake, **graphs)
             if getattr(self.vocoder, "graphs", None) is not None:  # torch on a GPU with --cuda-graphs on
                 print(f"code2wav: {PROGRESS_MARK}: {capture_count(graphs)} CUDA graphs captured at start (one-pass "
                       f"{graphs['graph_settings'].captures_at_start}, stream chunks "
