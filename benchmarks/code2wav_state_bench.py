@@ -133,7 +133,7 @@ def markdown(result: dict) -> str:
     ramp = result["ramp"]
     lines = [f"Device: {result['device_name']}; {result['config']} Code2Wav (random {result['dtype']} weights); "
              f"torch {result['torch']}; cuDNN autotune {result['cudnn_autotune']}, dilated phases "
-             f"{result['dilated_phases']}.", "",
+             f"{result['dilated_phases']}, Triton SnakeBeta {result['triton_snake']}.", "",
              f"Command: `{result['command']}`", "",
              f"One later chunk of {result['chunk_frames']} new frames per stream, eager: stateful (the stage's "
              f"state slots + decode of the new frames), context 25 ({CONTEXT_25} + {result['chunk_frames']} frames), "
@@ -167,6 +167,9 @@ def main(argv=None) -> None:
                              "--code2wav-cudnn-autotune; default: %(default)s, cuDNN's heuristic)")
     parser.add_argument("--dilated-phases", choices=["on", "off"], default="off",
                         help="cuda: dilated convolutions over the input's phases (serve's --code2wav-dilated-phases)")
+    parser.add_argument("--triton-snake", choices=["on", "off"], default="off",
+                        help="cuda: SnakeBeta as one fused Triton kernel (serve's --code2wav-triton-snake; "
+                             "default: %(default)s, torch's elementwise ops)")
     parser.add_argument("--profile-batch", type=int, metavar="N",
                         help="also profile one stateful call at batch N (code2wav_profile.txt)")
     args = parser.parse_args(argv)
@@ -176,7 +179,8 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     source = dict(device=device, dtype=getattr(torch, args.dtype), load_format="dummy",
-                  cudnn_autotune=args.cudnn_autotune == "on", dilated_phases=args.dilated_phases == "on")
+                  cudnn_autotune=args.cudnn_autotune == "on", dilated_phases=args.dilated_phases == "on",
+                  triton_snake=args.triton_snake == "on")
     runtime = Code2WavRuntime.create("torch", config_dir(args.config, 0), **source)
     # same seeded weights; graphs of every bucket up to the largest batch, captured on first use
     graph_runtime = (Code2WavRuntime.create("torch", config_dir(args.config, 0), **source, cuda_graphs=True,
@@ -188,6 +192,7 @@ def main(argv=None) -> None:
     result = dict(device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                   config=args.config, dtype=args.dtype, torch=torch.__version__, chunk_frames=args.chunk_frames,
                   cudnn_autotune=args.cudnn_autotune, dilated_phases=args.dilated_phases,
+                  triton_snake=args.triton_snake,
                   exact_left_context_frames=exact,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   ramp=ramp_error(runtime, generator), rows=[])

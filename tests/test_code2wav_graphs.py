@@ -224,14 +224,16 @@ def test_code2wav_config_renders_the_switch_and_first_chunk(tiny_checkpoint, tmp
     assert settings.first_chunk_frames == 6
 
 
-@pytest.mark.parametrize("flag, expected", [([], True), (["--code2wav-cudnn-autotune", "off"], False)])
-def test_the_cudnn_autotune_flag_reaches_the_code2wav_stage(tiny_checkpoint, tmp_path, flag, expected):
+@pytest.mark.parametrize("flag, setting, expected", [
+    ([], "code2wav_cudnn_autotune", True), (["--code2wav-cudnn-autotune", "off"], "code2wav_cudnn_autotune", False),
+    ([], "code2wav_triton_snake", False), (["--code2wav-triton-snake", "on"], "code2wav_triton_snake", True)])
+def test_the_code2wav_switch_flags_reach_the_code2wav_stage(tiny_checkpoint, tmp_path, flag, setting, expected):
     args = cli.build_parser().parse_args(["serve", *flag])
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, **{
-        name: value for name, value in flag_settings(args).items() if name == "code2wav_cudnn_autotune"})
-    assert config.code2wav_cudnn_autotune is expected
+        name: value for name, value in flag_settings(args).items() if name == setting})
+    assert getattr(config, setting) is expected
     out = render_repository(config, tmp_path / "repository", ["code2wav"])
-    assert rendered_settings(out, "code2wav").code2wav_cudnn_autotune is expected
+    assert getattr(rendered_settings(out, "code2wav"), setting) is expected
 
 
 class _Metric:
@@ -283,6 +285,7 @@ def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_pa
     assert kwargs["graph_settings"] == GraphSettings.for_stage(max_batch=5, first_chunk_frames=6, served=False)
     assert kwargs["stream_graph_settings"] == GraphSettings.for_stream(5, (6, 12, 25))
     assert model.vocoder.graphs is None  # on the CPU the switch changes nothing
+    assert kwargs["triton_snake"] is False  # the default, not yet measured on a GPU (tests/test_snake_kernel.py)
 
 
 # ---------------------------------------------------------------- GPU: replay == eager
@@ -437,20 +440,31 @@ def test_frame_padded_stream_chunks_replay_and_equal_the_one_pass(gpu_stateful_r
         torch.testing.assert_close(torch.cat(pieces[b]), expected, rtol=0, atol=5e-3)
 
 
+def stage_streams_replay_the_one_pass(checkpoint, seed: int, next_chunk_frames: int = 25,
+                                      **runtime_options) -> Code2WavRuntime:
+    """A stateful stage's torch runtime on the GPU (max batch 2, no warm start, ``runtime_options`` on top: the
+    switch under test) whose two streams of the 4, 8, 24, ``next_chunk_frames`` ramp replay a graph a chunk and equal
+    the one pass (asserted here); the runtime, for the caller's own checks."""
+    graphs = stage_graph_settings(ChunkPolicy.from_setting(4, next_chunk_frames, "stateful"), max_batch=2,
+                                  warm_start=False)
+    runtime = Code2WavRuntime.create("torch", checkpoint, device="cuda", cuda_graphs=True, **runtime_options,
+                                     **graphs)
+    calibrate_output_gain_(runtime.model)
+    ramp = [4, 8, 24, next_chunk_frames]
+    codes = random_codes(runtime, 2, sum(ramp), seed=seed, device="cuda")
+    replays = runtime.stream_graphs.replays
+    streamed = stream_ramp(runtime, codes, ramp)
+    assert runtime.stream_graphs.replays == replays + len(ramp)
+    assert_equals_one_pass(runtime, codes, streamed)
+    return runtime
+
+
 @cuda
 def test_a_chunk_size_past_the_default_bound_replays_and_equals_the_one_pass(tiny_checkpoint):
     """``--next-chunk-frames 50``: the steady 50-frame chunks replay a graph of that length (captured on first
     use), not eager launches, and two streams equal the one pass."""
-    graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 50, "stateful"), max_batch=2, warm_start=False)
-    runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True, **graphs)
-    calibrate_output_gain_(runtime.model)
-    ramp = [4, 8, 24, 50]
-    codes = random_codes(runtime, 2, sum(ramp), seed=50, device="cuda")
-    replays = runtime.stream_graphs.replays
-    streamed = stream_ramp(runtime, codes, ramp)
+    runtime = stage_streams_replay_the_one_pass(tiny_checkpoint, seed=50, next_chunk_frames=50)
     assert (2, 50) in runtime.stream_graphs.captured_shapes
-    assert runtime.stream_graphs.replays == replays + len(ramp)
-    assert_equals_one_pass(runtime, codes, streamed)
 
 
 @cuda
@@ -460,16 +474,7 @@ def test_cudnn_autotuned_stream_chunks_replay_and_equal_the_one_pass(tiny_checkp
     put back after (the other GPU tests run on cuDNN's heuristic)."""
     before = torch.backends.cudnn.benchmark
     try:
-        graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "stateful"), max_batch=2, warm_start=False)
-        runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True,
-                                         cudnn_autotune=True, **graphs)
+        stage_streams_replay_the_one_pass(tiny_checkpoint, seed=44, cudnn_autotune=True)
         assert torch.backends.cudnn.benchmark is True
-        calibrate_output_gain_(runtime.model)
-        ramp = [4, 8, 24, 25]
-        codes = random_codes(runtime, 2, sum(ramp), seed=44, device="cuda")
-        replays = runtime.stream_graphs.replays
-        streamed = stream_ramp(runtime, codes, ramp)
-        assert runtime.stream_graphs.replays == replays + len(ramp)
-        assert_equals_one_pass(runtime, codes, streamed)  # other algorithms than the one pass's
     finally:
         torch.backends.cudnn.benchmark = before

@@ -97,6 +97,11 @@ def add_memory_arguments(group) -> None:
                        help="torch code2wav on cuda: its dilated convolutions as undilated ones over the input's "
                             "interleaved phases, which cuDNN's heuristic serves with its fast kernels (the same "
                             "sums; not yet measured on a GPU) (default: %(default)s)")
+    group.add_argument("--code2wav-triton-snake", choices=["on", "off"],
+                       default=on_off(LaunchConfig.code2wav_triton_snake),
+                       help="torch code2wav on cuda: each SnakeBeta activation as one fused Triton kernel (fp32 "
+                            "inside, rounded once) instead of torch's five to six elementwise launches; off until "
+                            "measured on a GPU (default: %(default)s)")
 
 
 def add_engine_arguments(group) -> None:

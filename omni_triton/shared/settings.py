@@ -117,6 +117,10 @@ class LaunchConfig:
     # torch code2wav on a GPU: its dilated convolutions as undilated ones over the input's phases
     # (models/code2wav/phase_conv.py), a shape cuDNN's heuristic serves with a tensor-core kernel without timing
     code2wav_dilated_phases: bool = False
+    # torch code2wav on a GPU: each SnakeBeta activation as one fused Triton kernel (kernels/snake.py) instead of
+    # torch's five to six elementwise launches (~7 of a stateful call's ~15 ms GPU time at batch 8 on an H200 are
+    # elementwise kernels, mostly these). Off until its GPU tests and a code2wav_state_bench run side by side.
+    code2wav_triton_snake: bool = False
     # every stage process's GIL switch interval (sys.setswitchinterval), in ms; None: Python's own (5 ms). A thread
     # that waited with the GIL released (an engine's step thread on its step's sampled ids) may wait this long to get
     # it back from a thread busy in Python (the stub's response sends): benchmarks/gil_switch_probe.py

@@ -66,7 +66,8 @@ class TritonPythonModel:
                                                   dtype=getattr(torch, settings.resolved_dtype), **engine,
                                                   **load_options(settings), cuda_graphs=settings.cuda_graphs,
                                                   cudnn_autotune=settings.code2wav_cudnn_autotune,
-                                                  dilated_phases=settings.code2wav_dilated_phases, **graphs)
+                                                  dilated_phases=settings.code2wav_dilated_phases,
+                                                  triton_snake=settings.code2wav_triton_snake, **graphs)
             if getattr(self.vocoder, "graphs", None) is not None:  # torch on a GPU with --cuda-graphs on
                 print(f"code2wav: {PROGRESS_MARK}: {capture_count(graphs)} CUDA graphs captured at start (one-pass "
                       f"{graphs['graph_settings'].captures_at_start}, stream chunks "

@@ -31,6 +31,7 @@ from omni_triton.models.code2wav.vocoder import CausalConv1d, Code2Wav, Code2Wav
 from omni_triton.models.code2wav.graphs import Code2WavGraphs, GraphSettings
 from omni_triton.models.code2wav.stateful import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
                                                   StateSpec, StreamingCode2Wav, chunk_samples)
+from omni_triton.models.layers.fast_kernels import set_fast_kernels
 
 KINDS = ("torch", "onnxruntime", "tensorrt", "auto")
 INPUT_NAME, OUTPUT_NAME = "codes", "waveform"
@@ -106,14 +107,17 @@ class Code2WavRuntime:
                seed: int = 0, cuda_graphs: bool = False,
                graph_settings: GraphSettings = GraphSettings(),
                stream_graph_settings: GraphSettings | None = None,
-               cudnn_autotune: bool = False, dilated_phases: bool = False) -> "Code2WavRuntime":
+               cudnn_autotune: bool = False, dilated_phases: bool = False,
+               triton_snake: bool = False) -> "Code2WavRuntime":
         """``load_format``/``seed``: the torch backend's weights (``models.weights.load_code2wav``).
         ``cuda_graphs``/``graph_settings``/``stream_graph_settings``: the torch backend's graph replay of short
         one-pass / ``decode_stream`` calls, on CUDA only (the TensorRT and ONNX Runtime backends ignore them).
         ``cudnn_autotune``: the torch backend on CUDA has cuDNN time its convolution algorithms per shape
         (``torch.backends.cudnn.benchmark``, process-wide) instead of taking its heuristic's pick.
         ``dilated_phases``: the torch backend on CUDA runs its dilated convolutions as undilated ones over the
-        input's phases (``phase_conv``), which the heuristic serves with its fast kernels."""
+        input's phases (``phase_conv``), which the heuristic serves with its fast kernels.
+        ``triton_snake``: the torch backend on CUDA runs the vocoder's SnakeBeta activations as one fused Triton
+        kernel each (``kernels.snake``) instead of torch's five to six elementwise launches."""
         if kind not in KINDS:
             raise ValueError(f"Code2Wav runtime kind {kind!r} is not one of {KINDS}")
         device = torch.device(device)
@@ -124,7 +128,7 @@ class Code2WavRuntime:
             return TorchCode2Wav(checkpoint_dir, config, device, dtype, load_format, seed,
                                  cuda_graphs=cuda_graphs, graph_settings=graph_settings,
                                  stream_graph_settings=stream_graph_settings, cudnn_autotune=cudnn_autotune,
-                                 dilated_phases=dilated_phases)
+                                 dilated_phases=dilated_phases, triton_snake=triton_snake)
         if kind == "onnxruntime":
             return OnnxRuntimeCode2Wav(_existing(onnx_path, "onnx_path"), config, device)
         return TensorRTCode2Wav(_existing(plan_path, "plan_path"), config, device)
@@ -169,7 +173,7 @@ class TorchCode2Wav(Code2WavRuntime):
                  load_format: str = "safetensors", seed: int = 0, *, cuda_graphs: bool = False,
                  graph_settings: GraphSettings = GraphSettings(),
                  stream_graph_settings: GraphSettings | None = None, cudnn_autotune: bool = False,
-                 dilated_phases: bool = False):
+                 dilated_phases: bool = False, triton_snake: bool = False):
         super().__init__(config, device)
         from omni_triton.models.weights import load_code2wav
 
@@ -185,6 +189,9 @@ class TorchCode2Wav(Code2WavRuntime):
             for module in self.model.modules():
                 if isinstance(module, CausalConv1d):
                     module.phase_split = True
+        # Before the graphs below are captured: their warm-up calls compile the kernel for each shape, the capture
+        # records its launches. The vocoder's only kernel switches are its SnakeBetas.
+        set_fast_kernels(self.model, triton_snake and device.type == "cuda")
         # None: every call eager (CPU, or graphs off)
         self.graphs = (Code2WavGraphs(self._eager, self.num_quantizers, device, graph_settings)
                        if cuda_graphs and device.type == "cuda" else None)

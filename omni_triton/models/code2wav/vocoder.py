@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_triton.models.code2wav.phase_conv import dilated_conv_as_phases
+from omni_triton.models.layers.fast_kernels import KernelSwitch
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,14 @@ class ConvNeXtBlock(nn.Module):
         return x + (self.gamma * h).transpose(1, 2)
 
 
-class SnakeBeta(nn.Module):
-    """x + sin^2(x * e^alpha) / e^beta, per channel (alpha, beta stored in log scale)."""
+class SnakeBeta(KernelSwitch, nn.Module):
+    """x + sin^2(x * e^alpha) / e^beta, per channel (alpha, beta stored in log scale).
+
+    The torch code below is the CPU path and the reference; with ``use_kernels`` on, CUDA tensors take the fused
+    kernel (``kernels.snake``: one launch for the five to six here, computed in fp32 and rounded once)."""
+
+    # off until measured on a GPU: the torch runtime switches it on with ``triton_snake`` (--code2wav-triton-snake)
+    use_kernels = False
 
     def __init__(self, channels: int):
         super().__init__()
@@ -141,6 +148,10 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, T]
+        if self.kernels_for(x):
+            from omni_triton.kernels.snake import snake_beta
+
+            return snake_beta(x, self.alpha, self.beta)
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
         return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
