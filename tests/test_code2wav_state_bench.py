@@ -4,9 +4,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
 import pytest
 from benchmark_scripts import load_script
+
+SWITCHES = Path(__file__).resolve().parents[1] / "benchmarks" / "code2wav_switches.sh"
 
 
 def test_the_bench_writes_its_table_and_the_profile_of_one_call(tmp_path):
@@ -29,3 +36,26 @@ def test_a_profile_batch_below_one_is_refused():
     bench = load_script("code2wav_state_bench")
     with pytest.raises(SystemExit):
         bench.main(["--config", "tiny", "--profile-batch", "0"])
+
+
+def test_the_switches_script_benches_each_combination_and_tables_the_ratios(tmp_path):
+    """benchmarks/code2wav_switches.sh on the CPU (the switches change nothing there): one combination's bench packed
+    into its .tgz with the md/json, profile and log, and the table of ms per call with its ratio to the first."""
+    # the script runs python3: this interpreter's, as on the device machine
+    env = dict(os.environ, DEVICE="cpu", CONFIG="tiny", DTYPE="float32", BATCHES="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(SWITCHES), str(tmp_path), "base:off,off,off"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "base (autotune off, phases off, snake off): exit 0" in done.stdout
+    with tarfile.open(tmp_path / "base.tgz") as packed:
+        names = set(packed.getnames())
+    assert {"base/code2wav_state_bench.json", "base/code2wav_profile.txt", "base/bench.log"} <= names
+    table = (tmp_path / "switches.md").read_text()
+    assert "| base | 1 | " in table and table.rstrip().endswith("| 1.00 | - |")  # no graphs on the CPU
+
+
+def test_the_switches_script_refuses_a_value_that_is_not_on_or_off(tmp_path):
+    done = subprocess.run(["bash", str(SWITCHES), str(tmp_path), "x:on,yes,off"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "takes on/off each, got 'yes'" in done.stderr
