@@ -87,22 +87,20 @@ def add_memory_arguments(group) -> None:
                        help="cuda: a code2wav call returns to Triton once the previous call's decode is done, so "
                             "the next call's host work runs while this one decodes (two calls queued on the GPU; "
                             "a chunk may wait one decode longer) (default: %(default)s)")
-    group.add_argument("--code2wav-cudnn-autotune", choices=["on", "off"],
-                       default=on_off(LaunchConfig.code2wav_cudnn_autotune),
-                       help="torch code2wav on cuda: cuDNN times its convolution algorithms once per call shape and "
-                            "keeps the fastest (off: its heuristic's pick; each shape's first call is slower with "
-                            "it on, before its CUDA graph is captured) (default: %(default)s)")
-    group.add_argument("--code2wav-dilated-phases", choices=["on", "off"],
-                       default=on_off(LaunchConfig.code2wav_dilated_phases),
-                       help="torch code2wav on cuda: its dilated convolutions as undilated ones over the input's "
-                            "interleaved phases, which cuDNN's heuristic serves with its fast kernels (the same "
-                            "sums; not yet measured on a GPU) (default: %(default)s)")
-    group.add_argument("--code2wav-triton-snake", choices=["on", "off"],
-                       default=on_off(LaunchConfig.code2wav_triton_snake),
-                       help="torch code2wav on cuda: each SnakeBeta activation as one fused Triton kernel (fp32 "
-                            "inside, rounded once) instead of torch's five to six elementwise launches; off until "
-                            "measured on a GPU (default: %(default)s)")
-
+    # the torch code2wav's GPU switches: each an on/off flag named after its LaunchConfig field
+    for flag, why in (
+            ("--code2wav-cudnn-autotune", "cuDNN times its convolution algorithms once per call shape and keeps the "
+                                          "fastest (off: its heuristic's pick; each shape's first call is slower with "
+                                          "it on, before its CUDA graph is captured)"),
+            ("--code2wav-dilated-phases", "its dilated convolutions as undilated ones over the input's interleaved "
+                                          "phases, which cuDNN's heuristic serves with its fast kernels (the same "
+                                          "sums; not yet measured on a GPU)"),
+            ("--code2wav-triton-snake", "each SnakeBeta activation as one fused Triton kernel (fp32 inside, rounded "
+                                        "once) instead of torch's five to six elementwise launches; off until "
+                                        "measured on a GPU")):
+        field = flag[2:].replace("-", "_")
+        group.add_argument(flag, choices=["on", "off"], default=on_off(getattr(LaunchConfig, field)),
+                           help=f"torch code2wav on cuda: {why} (default: %(default)s)")
 
 def add_engine_arguments(group) -> None:
     group.add_argument("--fast-path", choices=["on", "off"], default=on_off(LaunchConfig.fast_path),
