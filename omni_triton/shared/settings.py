@@ -112,7 +112,7 @@ class LaunchConfig:
     code2wav_overlap: bool = False
     # torch code2wav on a GPU: cuDNN times its algorithms for each convolution shape and keeps the fastest (once per
     # shape, before its CUDA graph's capture) instead of its heuristic's pick, which for some of this vocoder's bf16
-    # convolutions is a slow generic kernel (benchmarks/results/h200-code2wav-cudnn: 0.75x GPU time a call at 8)
+    # convolutions is a slow generic kernel (benchmarks/results/h200-code2wav-cudnn: 0.72x GPU time a call at batch 8)
     code2wav_cudnn_autotune: bool = True
     # every stage process's GIL switch interval (sys.setswitchinterval), in ms; None: Python's own (5 ms). A thread
     # that waited with the GIL released (an engine's step thread on its step's sampled ids) may wait this long to get
