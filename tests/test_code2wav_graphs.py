@@ -375,23 +375,12 @@ def test_stream_chunks_replay_and_equal_the_one_pass(gpu_runtime):
     captured at start; three streams, batched in their own bucket (3: every size up to 8 is one), equal the
     one-pass decode. Padding rows (lengths 0, above 8 rows) are checked on the CPU:
     test_code2wav_streaming.py::test_a_call_padded_to_its_frame_bucket_gives_the_calls_samples_and_state."""
-    from omni_triton.pipeline.code2wav.stream_states import Code2WavStreamStates, StreamChunk
-
     assert {(b, FIRST_CHUNK) for b in (1, 2, 4)} <= gpu_runtime.stream_graphs.captured_shapes
-    states = Code2WavStreamStates(gpu_runtime.decode_stream, gpu_runtime.state_specs(),
-                                  gpu_runtime.streaming_samples, gpu_runtime.device)
     codes = random_codes(gpu_runtime, 3, 4 + 8 + 12, seed=7, device="cuda")
-    replays, pieces, done = gpu_runtime.stream_graphs.replays, [[], [], []], 0
-    for index, frames in enumerate([FIRST_CHUNK, 8, 12]):
-        chunks = [StreamChunk(f"s{b}", codes[b, :, done:done + frames], first=index == 0) for b in range(3)]
-        for b, samples in enumerate(states.decode(chunks)):
-            pieces[b].append(samples)
-        done += frames
+    replays = gpu_runtime.stream_graphs.replays
+    streamed = stream_ramp(gpu_runtime, codes, [FIRST_CHUNK, 8, 12])
     assert gpu_runtime.stream_graphs.replays == replays + 3
-    with torch.inference_mode():
-        expected = gpu_runtime.model(codes).float()
-    for b in range(3):  # other shapes than one pass: cuDNN may round differently (TF32 convs)
-        torch.testing.assert_close(torch.cat(pieces[b]), expected[b], rtol=0, atol=5e-3)
+    assert_equals_one_pass(gpu_runtime, codes, streamed)
 
 
 @pytest.fixture(scope="module")

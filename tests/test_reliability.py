@@ -18,7 +18,7 @@ import signal
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import numpy as np
 import pytest
@@ -536,12 +536,7 @@ def test_killed_stage_stub_fails_its_requests_and_is_restarted(reloading_server,
         with StubStarts(server.server.process.pid, victim) as starts:
             with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
                 futures = [pool.submit(in_flight, index) for index in range(MAX_INFLIGHT)]
-                _wait_for_gauges(server, {("omni_active_requests", "thinker"): MAX_INFLIGHT,
-                                          ("omni_active_requests", "talker"): MAX_INFLIGHT})
-                # the gauges count a request before its first text reaches the client (a loaded CI runner showed the
-                # gap): kill only once every stream has text, which is what "killed while streaming" asserts below
-                for index, started in enumerate(streaming):
-                    assert started.wait(20.0), f"fault request {index} streamed no text within 20 s"
+                _wait_until_held(server, victim, streaming, futures)
                 killed_unix = time.time()
                 os.kill(stubs[victim], signal.SIGKILL)
                 killed_at = time.monotonic()
@@ -615,11 +610,34 @@ def _log_since(server, offset: int) -> str:
     return server.server.log_path.read_bytes()[offset:].decode(errors="replace")
 
 
-def _wait_for_gauges(server, expected: dict[tuple[str, str], float], timeout_s: float = 20.0) -> None:
-    start = time.monotonic()
-    while (gauges := read_gauges(server.metrics_url)) and any(gauges.get(k) != v for k, v in expected.items()):
-        assert time.monotonic() - start < timeout_s, f"gauges never reached {expected}: {gauges}"
-        time.sleep(0.02)
+# what a stage holds of a request, by its gauge: the thinker and the talker their engine's requests (the thinker until
+# its last token, the talker until its last frame), code2wav the vocoder state of its open audio streams
+HELD_BY = {"thinker": ("omni_active_requests", "thinker"), "talker": ("omni_active_requests", "talker"),
+           "code2wav": ("omni_code2wav_streams", "code2wav")}
+
+
+def _wait_until_held(server, victim: str, streaming: list[threading.Event], futures: list, timeout_s: float = 20.0
+                     ) -> None:
+    """Until what killing ``victim`` must find for every fault request to fail as killed while streaming: each has
+    text at its client (a stage's gauge counts a request before its first text gets there: a loaded CI runner showed
+    the gap) and none has ended, and the victim holds all of them (only they are in flight). The victim's own
+    gauge alone: thinker and talker counting all of them at one look (as this used to wait) is a window only from
+    the last request's talker start to the first one's last thinker token, which requests started apart on a loaded
+    machine can miss (one CI run never saw it in 20 s), where the victim's own lasts until the first of them leaves
+    it. A request that ended before (refused, failed) fails this at once, with its outcome."""
+    gauge = HELD_BY[victim]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ended = {index: future.exception() or future.result().error or "completed"
+                 for index, future in enumerate(futures) if future.done()}
+        assert not ended, f"fault requests ended before the kill: {ended}"
+        silent = [index for index, started in enumerate(streaming) if not started.is_set()]
+        held = read_gauges(server.metrics_url).get(gauge)
+        if not silent and held == len(futures):
+            return
+        assert time.monotonic() < deadline, (f"within {timeout_s:.0f} s the {victim} stage held {held} of the "
+                                             f"{len(futures)} fault requests; no text yet at the client of {silent}")
+        wait(futures, timeout=0.02, return_when=FIRST_COMPLETED)  # the next look, at once if a request ended
 
 
 def _until_served(server, since: float, timeout_s: float = 60.0, expect_served: bool = True

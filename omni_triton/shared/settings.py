@@ -112,7 +112,7 @@ class LaunchConfig:
     code2wav_overlap: bool = False
     # torch code2wav on a GPU: cuDNN times its algorithms for each convolution shape and keeps the fastest (once per
     # shape, before its CUDA graph's capture) instead of its heuristic's pick, which for some of this vocoder's bf16
-    # convolutions is a slow generic kernel (benchmarks/results/h200-code2wav-cudnn: 0.75x GPU time a call at 8)
+    # convolutions is a slow generic kernel (benchmarks/results/h200-code2wav-cudnn: 0.72x GPU time a call at batch 8)
     code2wav_cudnn_autotune: bool = True
     # torch code2wav on a GPU: its dilated convolutions as undilated ones over the input's phases
     # (models/code2wav/phase_conv.py), a shape cuDNN's heuristic serves with a tensor-core kernel without timing
