@@ -225,8 +225,8 @@ def test_code2wav_config_renders_the_switch_and_first_chunk(tiny_checkpoint, tmp
 
 
 @pytest.mark.parametrize("flag, setting, expected", [
-    ([], "code2wav_cudnn_autotune", True), (["--code2wav-cudnn-autotune", "off"], "code2wav_cudnn_autotune", False),
-    ([], "code2wav_triton_snake", False), (["--code2wav-triton-snake", "on"], "code2wav_triton_snake", True)])
+    ([], "code2wav_cudnn_autotune", False), (["--code2wav-cudnn-autotune", "on"], "code2wav_cudnn_autotune", True),
+    ([], "code2wav_triton_snake", True), (["--code2wav-triton-snake", "off"], "code2wav_triton_snake", False)])
 def test_the_code2wav_switch_flags_reach_the_code2wav_stage(tiny_checkpoint, tmp_path, flag, setting, expected):
     args = cli.build_parser().parse_args(["serve", *flag])
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, **{
@@ -280,12 +280,12 @@ def test_code2wav_model_passes_the_switch_to_its_runtime(tiny_checkpoint, tmp_pa
         torch.set_num_threads(threads)  # the stage caps torch's threads for its process
     (kwargs,) = calls
     assert kwargs["cuda_graphs"] is True
-    assert kwargs["cudnn_autotune"] is True  # the default
+    # the defaults: the dilated phases and the fused SnakeBeta, not cuDNN's timed picks
+    assert (kwargs["cudnn_autotune"], kwargs["dilated_phases"], kwargs["triton_snake"]) == (False, True, True)
     # the CPU default: stateful streaming, no warm start: the stream chunks' first chunk only
     assert kwargs["graph_settings"] == GraphSettings.for_stage(max_batch=5, first_chunk_frames=6, served=False)
     assert kwargs["stream_graph_settings"] == GraphSettings.for_stream(5, (6, 12, 25))
     assert model.vocoder.graphs is None  # on the CPU the switch changes nothing
-    assert kwargs["triton_snake"] is False  # the default, not yet measured on a GPU (tests/test_snake_kernel.py)
 
 
 # ---------------------------------------------------------------- GPU: replay == eager
@@ -458,7 +458,7 @@ def test_a_chunk_size_past_the_default_bound_replays_and_equals_the_one_pass(tin
 
 @cuda
 def test_cudnn_autotuned_stream_chunks_replay_and_equal_the_one_pass(tiny_checkpoint):
-    """``--code2wav-cudnn-autotune on`` (the default): cuDNN's timed algorithm picks, made in the warm-up calls
+    """``--code2wav-cudnn-autotune on``: cuDNN's timed algorithm picks, made in the warm-up calls
     before each capture, are what the graphs replay; two streams still equal the one pass. The process-wide flag is
     put back after (the other GPU tests run on cuDNN's heuristic)."""
     before = torch.backends.cudnn.benchmark

@@ -89,7 +89,7 @@ def test_the_runtime_leaves_the_cpu_path_dilated(tiny_checkpoint):
     assert not any(getattr(m, "phase_split", False) for m in runtime.model.modules())
 
 
-@pytest.mark.parametrize("flag, expected", [([], False), (["--code2wav-dilated-phases", "on"], True)])
+@pytest.mark.parametrize("flag, expected", [([], True), (["--code2wav-dilated-phases", "off"], False)])
 def test_the_flag_reaches_the_code2wav_stage(tiny_checkpoint, tmp_path, flag, expected):
     args = cli.build_parser().parse_args(["serve", *flag])
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, **{

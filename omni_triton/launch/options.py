@@ -94,10 +94,9 @@ def add_memory_arguments(group) -> None:
                                           "it on, before its CUDA graph is captured)"),
             ("--code2wav-dilated-phases", "its dilated convolutions as undilated ones over the input's interleaved "
                                           "phases, which cuDNN's heuristic serves with its fast kernels (the same "
-                                          "sums; not yet measured on a GPU)"),
+                                          "sums, in a shape that needs no timing)"),
             ("--code2wav-triton-snake", "each SnakeBeta activation as one fused Triton kernel (fp32 inside, rounded "
-                                        "once) instead of torch's five to six elementwise launches; off until "
-                                        "measured on a GPU")):
+                                        "once) instead of torch's five to six elementwise launches")):
         field = flag[2:].replace("-", "_")
         group.add_argument(flag, choices=["on", "off"], default=on_off(getattr(LaunchConfig, field)),
                            help=f"torch code2wav on cuda: {why} (default: %(default)s)")

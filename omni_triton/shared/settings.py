@@ -111,16 +111,17 @@ class LaunchConfig:
     # host work (Triton's batch, parsing, launches) runs while this one decodes (stages/decode_pacing.py)
     code2wav_overlap: bool = False
     # torch code2wav on a GPU: cuDNN times its algorithms for each convolution shape and keeps the fastest (once per
-    # shape, before its CUDA graph's capture) instead of its heuristic's pick, which for some of this vocoder's bf16
-    # convolutions is a slow generic kernel (benchmarks/results/h200-code2wav-cudnn: 0.72x GPU time a call at batch 8)
-    code2wav_cudnn_autotune: bool = True
+    # shape, before its CUDA graph's capture) instead of its heuristic's pick, which for this vocoder's bf16 dilated
+    # convolutions is a slow generic kernel. Off: the dilated phases below get the same speed from the heuristic
+    # without the timing's ~95 s of stage start (benchmarks/results/h200-code2wav-switches)
+    code2wav_cudnn_autotune: bool = False
     # torch code2wav on a GPU: its dilated convolutions as undilated ones over the input's phases
     # (models/code2wav/phase_conv.py), a shape cuDNN's heuristic serves with a tensor-core kernel without timing
-    code2wav_dilated_phases: bool = False
+    # (0.78x GPU time a call at batch 8 on an H200, as the timed picks' 0.74x)
+    code2wav_dilated_phases: bool = True
     # torch code2wav on a GPU: each SnakeBeta activation as one fused Triton kernel (kernels/snake.py) instead of
-    # torch's five to six elementwise launches (~7 of a stateful call's ~15 ms GPU time at batch 8 on an H200 are
-    # elementwise kernels, mostly these). Off until its GPU tests and a code2wav_state_bench run side by side.
-    code2wav_triton_snake: bool = False
+    # torch's five to six elementwise launches (with the phases: 0.58x GPU time a call at batch 8 on an H200)
+    code2wav_triton_snake: bool = True
     # every stage process's GIL switch interval (sys.setswitchinterval), in ms; None: Python's own (5 ms). A thread
     # that waited with the GIL released (an engine's step thread on its step's sampled ids) may wait this long to get
     # it back from a thread busy in Python (the stub's response sends): benchmarks/gil_switch_probe.py

@@ -139,7 +139,8 @@ class SnakeBeta(KernelSwitch, nn.Module):
     The torch code below is the CPU path and the reference; with ``use_kernels`` on, CUDA tensors take the fused
     kernel (``kernels.snake``: one launch for the five to six here, computed in fp32 and rounded once)."""
 
-    # off until measured on a GPU: the torch runtime switches it on with ``triton_snake`` (--code2wav-triton-snake)
+    # off here (the CPU path); the torch runtime on CUDA switches it on with ``triton_snake`` (--code2wav-triton-snake,
+    # on by default)
     use_kernels = False
 
     def __init__(self, channels: int):
