@@ -59,3 +59,11 @@ def test_the_switches_script_refuses_a_value_that_is_not_on_or_off(tmp_path):
     done = subprocess.run(["bash", str(SWITCHES), str(tmp_path), "x:on,yes,off"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "takes on/off each, got 'yes'" in done.stderr
+
+
+def test_the_switches_script_refuses_a_name_the_device_would_not_return(tmp_path):
+    """A device call returns no file whose name has a ``+`` (a run's phases+snake.tgz was dropped so)."""
+    done = subprocess.run(["bash", str(SWITCHES), str(tmp_path), "phases+snake:off,on,on"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "got 'phases+snake'" in done.stderr
+    assert not list(tmp_path.iterdir())
