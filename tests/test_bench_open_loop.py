@@ -18,8 +18,8 @@ from omni_triton.bench import open_loop_report
 from omni_triton.bench.cli import parse_args
 from omni_triton.bench.goodput import Search, highest_passing, verdict
 from omni_triton.bench.metrics import RequestTiming
-from omni_triton.bench.open_loop import (DRAIN_TIMEOUT_CODE, LATE_START_S, RateRun, StreamPool, arrival_times,
-                                         run_rate, summarize_rate)
+from omni_triton.bench.open_loop import (ARRIVAL_COUNTS, ARRIVALS_LINE, DRAIN_TIMEOUT_CODE, EXACT, LATE_START_S,
+                                         POISSON, RateRun, StreamPool, arrival_times, run_rate, summarize_rate)
 from omni_triton.bench.open_loop_cli import request_rates
 
 RATE = 24000
@@ -27,25 +27,69 @@ RATE = 24000
 
 # -- arrival schedule ------------------------------------------------------------------------------
 
-def test_arrivals_are_seeded_sorted_and_inside_the_window():
-    first = arrival_times(4.0, 30.0, seed=7)
-    assert np.array_equal(first, arrival_times(4.0, 30.0, seed=7))
-    assert not np.array_equal(first, arrival_times(4.0, 30.0, seed=8))
+def old_arrival_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
+    """arrival_times as it was before `--arrivals` (its formula, copied): the free count that --arrivals poisson
+    keeps, so that a run compares with older results."""
+    rng = np.random.default_rng(seed)
+    expected = rate * duration_s
+    gaps = rng.standard_exponential(int(expected + 6 * np.sqrt(expected) + 16))
+    while gaps.sum() / rate < duration_s:
+        gaps = np.concatenate([gaps, rng.standard_exponential(gaps.size)])
+    times = np.cumsum(gaps) / rate
+    return times[times < duration_s]
+
+
+@pytest.mark.parametrize("count", ARRIVAL_COUNTS)
+def test_arrivals_are_seeded_sorted_and_inside_the_window(count):
+    first = arrival_times(4.0, 30.0, seed=7, count=count)
+    assert np.array_equal(first, arrival_times(4.0, 30.0, seed=7, count=count))
+    assert not np.array_equal(first, arrival_times(4.0, 30.0, seed=8, count=count))
     assert np.all(np.diff(first) > 0) and first[0] > 0 and first[-1] < 30.0
 
 
-def test_a_higher_rate_plays_the_same_schedule_faster():
-    slow = arrival_times(2.0, 20.0, seed=3)
-    assert np.allclose(arrival_times(4.0, 10.0, seed=3), slow / 2)
+@pytest.mark.parametrize("rate, duration, count", [
+    (14, 20, 280), (16, 20, 320), (18, 20, 360), (4, 30, 120), (1000, 5, 5000), (0.5, 4, 2),
+    (2.5, 1, 3), (0.3, 4, 1), (0.1, 4, 1),  # rounded half up, and never none
+])
+def test_exact_arrivals_offer_the_rate_named(rate, duration, count):
+    """N = round(rate x duration) whatever the seed; before (the free count, seed 0, 20 s) 14, 16 and 18/s offered
+    249, 280 and 317 arrivals: 12.45, 14.00 and 15.85/s."""
+    for seed in (0, 1, 2, 12345):
+        times = arrival_times(rate, duration, seed)
+        assert times.size == count, (seed, times.size)
+        assert np.all(np.diff(times) >= 0) and times[0] >= 0 and times[-1] < duration
+    assert [len(arrival_times(rate, 20.0, 0, POISSON)) for rate in (14, 16, 18)] == [249, 280, 317]
 
 
-def test_arrivals_are_poisson():
+def test_exact_arrivals_at_a_higher_rate_are_a_lower_rate_s_and_more():
+    """The same seeded uniforms at every rate, more of them at a higher one: no rate's draw luckier than another's."""
+    low, high = arrival_times(4.0, 10.0, seed=3), arrival_times(8.0, 10.0, seed=3)
+    assert high.size == 2 * low.size and np.isin(low, high).all()
+
+
+def test_the_free_count_is_the_draw_from_before_the_option():
+    for rate, duration, seed in ((16.0, 20.0, 0), (14.0, 20.0, 0), (18.0, 20.0, 0), (4.0, 30.0, 7), (0.5, 4.0, 1),
+                                 (1000.0, 5.0, 0)):
+        assert np.array_equal(arrival_times(rate, duration, seed, count=POISSON),
+                              old_arrival_times(rate, duration, seed)), (rate, duration, seed)
+
+
+def test_a_higher_rate_plays_the_same_free_count_schedule_faster():
+    slow = arrival_times(2.0, 20.0, seed=3, count=POISSON)
+    assert np.allclose(arrival_times(4.0, 10.0, seed=3, count=POISSON), slow / 2)
+
+
+@pytest.mark.parametrize("count", ARRIVAL_COUNTS)
+def test_arrivals_are_poisson(count):
     """Counts per second are Poisson (mean = variance = rate), gaps exponential (mean 1/rate, P(gap > mean) =
-    1/e), over a long schedule: bounds of several standard errors, so a correct sampler never fails them."""
+    1/e), over a long schedule: bounds of several standard errors, so a correct sampler never fails them. The exact
+    count is the Poisson process given its count: as bursty, only its total fixed."""
     rate, duration = 20.0, 2000.0
-    times = arrival_times(rate, duration, seed=11)
+    times = arrival_times(rate, duration, seed=11, count=count)
     expected = rate * duration
     assert abs(times.size - expected) < 5 * np.sqrt(expected)
+    if count == EXACT:
+        assert times.size == expected
     counts = np.bincount(times.astype(int), minlength=int(duration))
     assert counts.mean() == pytest.approx(rate, rel=0.02)
     assert counts.var() == pytest.approx(rate, rel=0.15)
@@ -54,14 +98,19 @@ def test_arrivals_are_poisson():
     assert np.mean(gaps > 1 / rate) == pytest.approx(np.exp(-1), abs=0.02)
 
 
-def test_a_long_schedule_draws_more_than_its_first_guess():
-    assert arrival_times(1000.0, 5.0, seed=0)[-1] > 4.9
+def test_a_long_free_count_schedule_draws_more_than_its_first_guess():
+    assert arrival_times(1000.0, 5.0, seed=0, count=POISSON)[-1] > 4.9
 
 
 @pytest.mark.parametrize("rate, duration", [(0, 10), (-1, 10), (1, 0)])
 def test_arrivals_refuse_a_rate_or_duration_that_is_not_positive(rate, duration):
     with pytest.raises(ValueError, match="must be > 0"):
         arrival_times(rate, duration, seed=0)
+
+
+def test_arrivals_refuse_an_unknown_count():
+    with pytest.raises(ValueError, match="count must be one of exact, poisson, got 'uniform'"):
+        arrival_times(1.0, 10.0, seed=0, count="uniform")
 
 
 # -- one rate over fake streams --------------------------------------------------------------------
@@ -257,6 +306,38 @@ def test_open_loop_defaults():
     assert parse_args([]).max_inflight is None
 
 
+def test_arrivals_default_to_the_exact_count_and_refuse_another_kind(capsys):
+    assert parse_args(["--request-rate", "1"]).arrivals == EXACT
+    assert parse_args(["--request-rate", "1", "--arrivals", "poisson"]).arrivals == POISSON
+    with pytest.raises(SystemExit):
+        parse_args(["--request-rate", "1", "--arrivals", "uniform"])
+    assert "argument --arrivals: invalid choice: 'uniform'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", ARRIVAL_COUNTS)
+def test_the_arrivals_flag_reaches_the_schedule_and_the_report(count, tmp_path, monkeypatch):
+    from omni_triton.bench import open_loop_cli
+    from omni_triton.bench.cli import main
+
+    rate, duration, seed = 16.0, 0.5, 1
+    assert len(arrival_times(rate, duration, seed, POISSON)) != len(arrival_times(rate, duration, seed)), \
+        "a seed whose free count is not the exact one: the rows tell which the run drew"
+    monkeypatch.setattr(open_loop_cli, "TritonStreamRunner", lambda url, sequential: FakeRunner())
+    out = tmp_path / "report"
+    assert main(["--url", "127.0.0.1:1", "--quick", "--warmup", "0", "--request-rate", f"{rate:g}", "--duration",
+                 f"{duration:g}", "--arrival-seed", str(seed), "--arrivals", count, "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["open_loop"]["arrivals"] == count
+    [row] = report["rates"]
+    scheduled = len(arrival_times(rate, duration, seed, count))
+    assert row["arrivals"] == row["sent"] == row["completed"] == scheduled
+    if count == EXACT:
+        assert scheduled == 8 and row["achieved_rate"] == rate
+    text = (out / "results.md").read_text()
+    assert f"Arrivals: {ARRIVALS_LINE[count]}." in text
+    assert all(line not in text for kind, line in ARRIVALS_LINE.items() if kind != count)
+
+
 # -- report ----------------------------------------------------------------------------------------
 
 def synthetic_report(tmp_path) -> dict:
@@ -287,6 +368,15 @@ def test_markdown_has_the_goodput_line_and_a_row_per_rate(tmp_path):
     assert "- server @ 4/s: UNAVAILABLE x 1" in text and "a note" in text
     assert "| system | rate | tritonserver | thinker_0_0 |" in text and "| server | 4/s | 40 | 50 |" in text
     assert "CPU per completed request, ms" in text and "| server | 4/s | 4.0 | 50.0 |" in text
+
+
+def test_the_report_says_which_arrivals_and_a_report_from_before_the_option_had_the_free_count(tmp_path):
+    report = synthetic_report(tmp_path)  # no "arrivals": written before --arrivals
+    assert f"Arrivals: {ARRIVALS_LINE[POISSON]}." in open_loop_report.markdown(report)
+    report["open_loop"]["arrivals"] = EXACT
+    text = open_loop_report.markdown(report)
+    assert "Arrivals: N = rate x duration (rounded half up, at least 1), uniform times (a Poisson process given its " \
+           "count): every rate offers the rate it names." in text and ARRIVALS_LINE[POISSON] not in text
 
 
 def test_plot_draws_the_png(tmp_path):
@@ -397,6 +487,8 @@ def test_open_loop_runs_merge_into_one_report_with_the_goodput_of_all(tmp_path):
     text = (out / "results.md").read_text()
     assert "Merged from:" in text and f"--out {high}" not in text and "--out high`" in text
     assert "Goodput: **2 requests/s**" in text
+    # runs from before --arrivals: their merge says they had the free count
+    assert report["open_loop"]["arrivals"] == POISSON and ARRIVALS_LINE[POISSON] in text
 
 
 def test_open_loop_merge_refuses_a_rate_twice_other_settings_and_closed_loop_runs(tmp_path):
@@ -409,6 +501,10 @@ def test_open_loop_merge_refuses_a_rate_twice_other_settings_and_closed_loop_run
         write_merged([first, write_run(tmp_path, "c", {4.0}, duration_s=60.0)], tmp_path / "out")
     with pytest.raises(MergeError, match="open_loop mix"):  # the soak's mix is another workload
         write_merged([first, write_run(tmp_path, "d", {4.0}, mix={"seed": 0})], tmp_path / "out")
+    # exact arrivals offered another load than a run from before --arrivals (the free count) at the same rates
+    with pytest.raises(MergeError, match="open_loop arrivals: .*'poisson'.*'exact'"):
+        write_merged([first, write_run(tmp_path, "e", {4.0}, arrivals=EXACT)], tmp_path / "out")
+    write_merged([first, write_run(tmp_path, "f", {4.0}, arrivals=POISSON)], tmp_path / "out")  # the same kind
     closed = tmp_path / "closed"
     closed.mkdir()
     (closed / "results.json").write_text(json.dumps({"results": [], "workload": {}, "machine": {}, "command": "x"}))

@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from omni_triton.bench.open_loop import arrival_times
+from omni_triton.bench.open_loop import ARRIVALS_LINE, EXACT, POISSON, RateRun, arrival_times
 from omni_triton.bench.soak import _recovered_after, other_errors, thread_counts, unexpected_around_kill
 from omni_triton.bench.soak_probes import leaks
 from omni_triton.bench.soak_requests import CANCEL, COMPLETE, DEADLINE, RequestMix, SoakTiming, speakers_of
@@ -108,6 +108,36 @@ def test_thread_counts_tell_a_pool_filling_from_threads_left_behind():
     assert left == ["talker_0_0: 21 threads, 14 earlier in the run"]
 
 
+@pytest.mark.parametrize("count", [EXACT, POISSON])
+def test_each_phase_offers_its_rate_and_the_report_says_how(count, monkeypatch):
+    """A burst's phases (1/s for 2 s, 20/s for 1 s, 1/s for 2 s): exact arrivals, 2 + 20 + 2 of them, each phase's
+    in its own window and drawn with its own seed; --arrivals poisson, the free count of before."""
+    from omni_triton.bench import soak, soak_report
+
+    sent = {}
+
+    def run_rate(pool, requests, arrivals, **_):
+        sent["arrivals"] = arrivals
+        return RateRun([], [], 0, 0, 0, 0.0)
+
+    monkeypatch.setattr(soak, "run_rate", run_rate)
+    mix = RequestMix(thinker_tokens=(4, 16), audio_frames=(40, 60), seed=0)
+    load = soak.LoadSettings(url="127.0.0.1:1", mix=mix, seed=5, arrivals=count)
+    phases = [("before", 1.0, 2.0), ("burst", 20.0, 1.0), ("after", 1.0, 2.0)]
+    _, phase_of, _ = soak.run_phases(load, phases)
+    expected = [arrival_times(rate, seconds, 5 + number, count) + start for number, ((_, rate, seconds), start)
+                in enumerate(zip(phases, (0.0, 2.0, 3.0)))]
+    assert np.array_equal(sent["arrivals"], np.concatenate(expected))
+    assert phase_of == [name for (name, *_), times in zip(phases, expected) for _ in times]
+    if count == EXACT:
+        assert [phase_of.count(name) for name, *_ in phases] == [2, 20, 2]
+    report = {"label": "x", "command": "omni-triton bench --soak burst", "machine": {}, "scenarios": {},
+              "settings": {"goodput": 5.0, "rates": {"burst": 20.0}, "mix": mix.describe(), "arrivals": count}}
+    assert f"Arrivals: {ARRIVALS_LINE[count]}." in soak_report.markdown(report)
+    del report["settings"]["arrivals"]  # a report from before --arrivals: the free count
+    assert f"Arrivals: {ARRIVALS_LINE[POISSON]}." in soak_report.markdown(report)
+
+
 def test_mix_goes_with_the_open_loop_of_one_streaming_server(capsys):
     from omni_triton.bench.cli import parse_args
 
@@ -161,11 +191,11 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
     status = main(["--start-server", "--checkpoint", str(tiny_checkpoint), "--kv-cache-tokens", "2048",
                    "--max-inflight", "8", "--warmup", "1",
                    "--soak", "soak,burst,kill", "--kill-stages", "code2wav", "--goodput", "1",
-                   # the soak: 8 requests (seed 0: 2 to cancel, 2 to expire) over 6 s: room for all 8 at once
+                   # the soak: 8 requests (seed 0: 2 to cancel, 2 to expire) over 8 s: room for all 8 at once
                    # (--max-inflight 8), so none is refused however slowly a loaded machine serves them (with 4, a
                    # busy CI machine had 4 streaming when the fifth came, and it was refused); two TTFA windows
                    # (the drift between them)
-                   "--soak-load", "1", "--soak-duration", "6", "--ttfa-window", "3", "--sample-every", "0.5",
+                   "--soak-load", "1", "--soak-duration", "8", "--ttfa-window", "3", "--sample-every", "0.5",
                    # the burst: some 20 arrivals within a second against 8 places (running and waiting together)
                    "--burst-load", "20", "--burst-seconds", "1", "--burst-around", "2", "2",
                    # killed once code2wav holds a stream 1 s in (back some 4 s later: the last arrivals are served)
@@ -179,8 +209,11 @@ def test_soak_burst_and_killed_code2wav_hold_their_invariants(tiny_checkpoint, t
                if check["kind"] == "invariant" and not check["ok"]]
     assert status == 0 and not failed and not report["partial"], failed
     assert (out / "results.md").read_text().startswith("# omni-triton soak") and (out / "soak.png").is_file()
+    assert report["settings"]["arrivals"] == EXACT and f"Arrivals: {ARRIVALS_LINE[EXACT]}." in \
+        (out / "results.md").read_text()
 
     soak = report["scenarios"]["soak"]
+    assert soak["requests"] == 8, "1/s for 8 s: exactly 8 arrivals"
     codes = soak["errors_by_fate_and_code"]
     assert set(codes.get(COMPLETE, {})) <= {"ok"}, codes
     assert set(codes[CANCEL]) <= {"ok", "CANCELLED"} and codes[CANCEL].get("CANCELLED"), codes

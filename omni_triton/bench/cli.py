@@ -22,9 +22,10 @@ included) and OUT/results.md (every command listed). It refuses runs that measur
 concurrency, runs whose workloads differ in prompt, thinker tokens or audio frames, and runs on another CPU or
 GPU model (omni_triton/bench/merge.py).
 
---request-rate R[,R...]|auto: the open loop instead (bench/open_loop_cli.py): Poisson arrivals at each rate for
---duration seconds, each request on its own stream, and the goodput: the highest rate with TTFA p95 <= 500 ms, no
-stream dry, none failed (bench/goodput.py); `auto` searches it.
+--request-rate R[,R...]|auto: the open loop instead (bench/open_loop_cli.py): at each rate R, R x --duration arrivals
+at uniform random times (a Poisson process given its count; --arrivals poisson: the free count of results before
+that option, which offered more or less than R), each request on its own stream, and the goodput: the highest rate
+with TTFA p95 <= 500 ms, no stream dry, none failed (bench/goodput.py); `auto` searches it.
 
 --soak soak,burst,kill --goodput R: issue 48's soak (open loop at 0.8 R with a mixed, partly cancelled and expiring
 load; errors by code, dry streams, TTFA drift, memory per process, nothing left behind), burst (4 R for 5 s) and

@@ -9,7 +9,8 @@ tokens, audio frames), on the same CPU and GPU model, with no system measured tw
 
 Open-loop runs (--request-rate) merge with each other the same way: their rates concatenated (none measured
 twice), the goodput recomputed as the highest passing rate of them all; they must have measured the same system
-with the same duration, arrival seed and TTFA limit. A closed-loop run and an open-loop one do not merge.
+with the same duration, arrival seed, arrivals (`--arrivals`; a run from before it had poisson ones) and TTFA limit.
+A closed-loop run and an open-loop one do not merge.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from omni_triton.bench import breakdown, open_loop_report
 from omni_triton.bench import report as reporting
 from omni_triton.bench.goodput import highest_passing
 from omni_triton.bench.metrics import LevelSummary, ratios_to
+from omni_triton.bench.open_loop import arrivals_of
 
 # Workload fields that must agree: what a request does. The rest (concurrencies, requests per level, warm-up)
 # may differ between the runs of one sweep.
@@ -29,8 +31,8 @@ SAME_WORKLOAD = ("prompt_tokens", "thinker_tokens", "audio_frames")
 # Machine fields that must agree: what the numbers were measured on (load average, git commit may differ).
 SAME_MACHINE = ("cpu", "gpu")
 # Open-loop settings that must agree: what a rate's row means.
-# "mix": the soak's requests (--mix), another workload than the fixed one
-SAME_OPEN_LOOP = ("system", "duration_s", "arrival_seed", "mix")
+# "mix": the soak's requests (--mix), another workload than the fixed one; "arrivals": how many a rate offers
+SAME_OPEN_LOOP = ("system", "duration_s", "arrival_seed", "arrivals", "mix")
 
 
 class MergeError(ValueError):
@@ -49,6 +51,8 @@ def read_run(run_dir: Path) -> dict:
     for key in (rows_key, "workload", "machine", "command"):
         if key not in report:
             raise MergeError(f"{path}: no {key!r}: not an `omni-triton bench` results.json")
+    if "open_loop" in report:  # a run from before --arrivals says so
+        report["open_loop"]["arrivals"] = arrivals_of(report["open_loop"])
     return report
 
 

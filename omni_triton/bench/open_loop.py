@@ -1,5 +1,6 @@
-"""Open-loop load (DESIGN.md section 6): Poisson arrivals at a fixed rate for a fixed duration, each request sent
-at its arrival time on a stream of its own, however many are still in flight.
+"""Open-loop load (DESIGN.md section 6): random arrivals at a fixed rate for a fixed duration (by default exactly
+rate x duration of them, at uniform times: a Poisson process given its count), each request sent at its arrival
+time on a stream of its own, however many are still in flight.
 
 A closed loop (bench/driver.py) sends a client's next request only when its last one ended, so an overloaded
 server slows its own load down and its TTFA turns into admission wait. Here the load does not wait for the
@@ -30,14 +31,47 @@ LATE_START_S = 0.050
 DRAIN_TIMEOUT_CODE = "DRAIN_TIMEOUT"  # a request still running --drain-timeout after the last arrival: cancelled
 
 
-def arrival_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
-    """Poisson arrivals: seconds since the start of each arrival in [0, duration_s), exponential gaps of mean
-    1 / rate from a generator seeded with ``seed``. The gaps are the same unit exponentials at every rate, scaled
-    by 1 / rate: a higher rate is the same schedule played faster."""
+# How arrival_times counts its arrivals (`bench --arrivals`), and what each is, for the reports.
+EXACT, POISSON = "exact", "poisson"
+ARRIVAL_COUNTS = (EXACT, POISSON)
+ARRIVALS_LINE = {
+    EXACT: "N = rate x duration (rounded half up, at least 1), uniform times (a Poisson process given its count): "
+           "every rate offers the rate it names",
+    POISSON: "Poisson with a free count (seeded exponential gaps of mean 1/rate, `--arrivals poisson`, the only kind "
+             "before that option): a sample offers more or less than the rate it names (achieved /s)",
+}
+
+
+def arrivals_of(settings: dict) -> str:
+    """How a report's arrivals were counted (its open-loop or soak settings' "arrivals"): a report from before
+    `bench --arrivals` has none recorded, and had the free count."""
+    return settings.get("arrivals", POISSON)
+
+
+def arrivals_line(settings: dict) -> str:
+    """The reports' line saying how the arrivals of ``settings`` were drawn."""
+    return f"Arrivals: {ARRIVALS_LINE[arrivals_of(settings)]}."
+
+
+def arrival_times(rate: float, duration_s: float, seed: int, count: str = EXACT) -> np.ndarray:
+    """Seconds since the start of each arrival in [0, duration_s), sorted, drawn from a generator seeded with
+    ``seed``. ``count``:
+
+    - ``"exact"``: N = rate * duration_s arrivals (rounded half up, at least 1), their times i.i.d. uniform on
+      [0, duration_s). Given its count in a window, a Poisson process's times are i.i.d. uniform: this is a Poisson
+      process conditioned on N, as bursty, offering exactly ``rate``. The same uniforms at every rate, more of
+      them at a higher one: a rate's arrivals are a lower rate's and some more.
+    - ``"poisson"``: the free count (before ``bench --arrivals``, the only one): exponential gaps of mean 1 / rate,
+      the same unit exponentials at every rate scaled by 1 / rate (a higher rate is the same schedule played
+      faster). Its count varies about rate * duration_s (seed 0, 20 s at 16/s: 280 arrivals, 14/s offered)."""
     if rate <= 0 or duration_s <= 0:
         raise ValueError(f"rate and duration_s must be > 0, got {rate} and {duration_s}")
+    if count not in ARRIVAL_COUNTS:
+        raise ValueError(f"count must be one of {', '.join(ARRIVAL_COUNTS)}, got {count!r}")
     rng = np.random.default_rng(seed)
     expected = rate * duration_s
+    if count == EXACT:
+        return np.sort(rng.random(max(1, math.floor(expected + 0.5))) * duration_s)
     gaps = rng.standard_exponential(int(expected + 6 * math.sqrt(expected) + 16))
     while gaps.sum() / rate < duration_s:  # a schedule longer than the draw: more gaps from the same stream
         gaps = np.concatenate([gaps, rng.standard_exponential(gaps.size)])
@@ -180,7 +214,7 @@ class RateSummary:
     flight at once and its throughput counts completed requests from the schedule's start to the last request's
     end, the drain included, as ``vllm bench serve`` does: past capacity it is what the server completes)."""
 
-    rate: float                    # offered: requests/s the schedule was drawn at
+    rate: float                    # named: requests/s the schedule was drawn at (offered exactly by EXACT arrivals)
     duration_s: float              # arrivals were drawn over this window
     arrivals: int                  # arrivals in the window (sent + not_started)
     sent: int

@@ -27,8 +27,8 @@ from omni_triton.bench import report as reporting
 from omni_triton.bench.driver import run_level
 from omni_triton.bench.gpu_memory import GpuMemoryPeak
 from omni_triton.bench.goodput import Search, highest_passing, verdict
-from omni_triton.bench.open_loop import (LATE_START_S, RateSummary, StreamPool, arrival_times, run_rate,
-                                         summarize_rate)
+from omni_triton.bench.open_loop import (ARRIVAL_COUNTS, EXACT, LATE_START_S, RateSummary, StreamPool, arrival_times,
+                                         run_rate, summarize_rate)
 from omni_triton.bench.runners.triton_stream import TritonStreamRunner
 from omni_triton.bench.scheduler_stats import SchedulerStats
 from omni_triton.bench.server_cpu import ServerCpu, ms_per_request
@@ -61,16 +61,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "open loop (instead of --concurrency: DESIGN.md section 6, benchmarks/README.md)")
     group.add_argument("--request-rate", type=request_rates, metavar="R[,R...]|auto",
-                       help="Poisson arrivals at each rate (requests/s) for --duration, each request on its own "
-                            "gRPC stream whatever is in flight; the goodput is the highest rate that passes. auto: "
+                       help="arrivals at each rate (requests/s) for --duration (--arrivals), each request on its "
+                            "own gRPC stream whatever is in flight; the goodput is the highest rate that passes. auto: "
                             "search it (from --goodput-start, doubling while a rate passes, halving while it fails, "
                             "then --goodput-bisections steps between the highest pass and the lowest fail) "
                             "(default: closed loop)")
     group.add_argument("--duration", type=float, default=30.0, metavar="S",
                        help="seconds of arrivals per rate (default: %(default)s)")
     group.add_argument("--arrival-seed", type=int, default=0,
-                       help="seed of the arrival schedule; every rate plays the same schedule scaled "
+                       help="seed of the arrival schedule, the same for every rate (exact: a rate's arrivals are a "
+                            "lower rate's and some more; poisson: the same schedule played faster) "
                             "(default: %(default)s)")
+    group.add_argument("--arrivals", choices=ARRIVAL_COUNTS, default=EXACT,
+                       help="exact: round(R x --duration) arrivals at uniform random times (a Poisson process given "
+                            "its count), so rate R offers R requests/s; poisson: a free count, exponential gaps of "
+                            "mean 1/R (every result before this option: a sample offers more or less than R, e.g. 280 "
+                            "arrivals in 20 s at 16/s with seed 0, 14/s); also the soak's (default: %(default)s)")
     group.add_argument("--ttfa-p95-limit-ms", type=float, default=500.0,
                        help="goodput criterion: a rate passes with TTFA p95 at most this, no stream dry (> 50 ms), "
                             "no request failed or unsent (default: %(default)s)")
@@ -143,8 +149,9 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
     header = {**header, "workload": {key: value for key, value in header["workload"].items()
                                      if key not in ("concurrencies", "requests_per_level")}}
     settings = {"system": runner.name, "duration_s": args.duration, "arrival_seed": args.arrival_seed,
-                "max_client_streams": args.max_client_streams, "drain_timeout_s": args.drain_timeout,
-                "late_start_s": LATE_START_S, **({"mix": mix.describe()} if mix is not None else {})}
+                "arrivals": args.arrivals, "max_client_streams": args.max_client_streams,
+                "drain_timeout_s": args.drain_timeout, "late_start_s": LATE_START_S,
+                **({"mix": mix.describe()} if mix is not None else {})}
 
     def build_report() -> dict:
         tried = [(row.rate, row.verdict is None) for row in rows]
@@ -157,7 +164,7 @@ def run(args: argparse.Namespace, workload: Workload, text: str, url: str, heade
                 "ttfa_breakdown": breakdowns, "notes": notes + _goodput_notes(search, goodput)}
 
     def measure(rate: float) -> bool:
-        arrivals = arrival_times(rate, args.duration, args.arrival_seed)
+        arrivals = arrival_times(rate, args.duration, args.arrival_seed, args.arrivals)
         print(f"{runner.name} at {rate:g} requests/s: {len(arrivals)} arrivals over {args.duration:g} s",
               file=sys.stderr)
         if mix is not None and len(drawn) < len(arrivals):

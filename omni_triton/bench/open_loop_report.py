@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omni_triton.bench import breakdown
 from omni_triton.bench.metrics import RAN_DRY_S
+from omni_triton.bench.open_loop import arrivals_line
 from omni_triton.bench.report import (merged_commands, ms, num, server_cpu_table, triton_models_table, workload_line,
                                       write_report)
 
@@ -49,9 +50,11 @@ def markdown(report: dict) -> str:
         "Machine: " + ", ".join(f"{key} {value}" for key, value in report["machine"].items()),
         "",
         (mix_line if "mix" in open_loop else workload_line)(
-            report, "open loop: Poisson arrivals for "
+            report, "open loop: random arrivals (below) over "
                     f"{open_loop['duration_s']:g} s per rate (arrival seed {open_loop['arrival_seed']}), "
                     "each request on its own gRPC stream"),
+        "",
+        arrivals_line(open_loop),
         "",
         goodput_line(report["goodput"], "mix" in open_loop),
         "",
@@ -69,8 +72,9 @@ def markdown(report: dict) -> str:
             f"{'-' if row['ran_dry'] is None else row['ran_dry']} | {num(row['requests_per_s'])} | "
             f"{num(row['audio_s_per_s'])} | {num(row['rtf_mean'], 3)} | {num(row['gpu_memory_peak_gib'], 1)} | "
             f"{'yes' if row['passes'] else 'no: ' + row['verdict']} |")
-    lines += ["", "rate: offered (the schedule's mean); achieved: requests sent / duration (this sample of "
-                  "arrivals); failed: by error code below, plus arrivals not sent at the client's in-flight cap "
+    lines += ["", "rate: named (exact arrivals offer it, rounded to whole arrivals; poisson ones, as their mean); "
+                  "achieved: requests sent / duration (what this sample of arrivals offered); failed: by error "
+                  "code below, plus arrivals not sent at the client's in-flight cap "
                   f"(--max-client-streams {open_loop['max_client_streams']}); late starts: sent > "
                   f"{open_loop['late_start_s'] * 1000:.0f} ms after their arrival time (the client fell behind); "
                   "peak in flight: most requests running at once; req/s, audio s/s: completed requests over the "

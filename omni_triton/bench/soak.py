@@ -1,9 +1,10 @@
 """Issue 48's three scenarios against a served pipeline, on the open loop (bench.open_loop) with the soak's request
 mix (bench.soak_requests), each returning its part of the report: what happened and its checks.
 
-- soak: Poisson arrivals at a rate for a duration; errors by code and by what each request was meant to end with,
-  streams that ran dry, TTFA p50/p95 per window (drift), each process's memory and threads sampled every few
-  seconds, and what the idle server holds at the end against the start (bench.soak_probes.leaks).
+- soak: open-loop arrivals at a rate for a duration (by default exactly rate x duration of them: LoadSettings.arrivals);
+  errors by code and by what each request was meant to end with, streams that ran dry, TTFA p50/p95 per window
+  (drift), each process's memory and threads sampled every few seconds, and what the idle server holds at the end
+  against the start (bench.soak_probes.leaks).
 - burst: a base rate, then ``factor`` times it for a few seconds, then the base rate again: every admitted stream
   completes, every other is refused with UNAVAILABLE naming the limit, and how long TTFA takes to be normal again.
 - kill: at a rate, one stage's stub process killed: how the requests in flight end, what new requests get until the
@@ -26,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from omni_triton.bench.metrics import RAN_DRY_S, dry_time, percentile, ttfa
-from omni_triton.bench.open_loop import DRAIN_TIMEOUT_CODE, StreamPool, arrival_times, run_rate
+from omni_triton.bench.open_loop import DRAIN_TIMEOUT_CODE, EXACT, StreamPool, arrival_times, run_rate
 from omni_triton.bench.soak_probes import Sampler, ServerProbe, held, leaks, read_gauges
 from omni_triton.bench.soak_requests import RequestMix, SoakRunner, SoakTiming, ended_as_meant, fate_of
 from omni_triton.client import OmniStreamClient
@@ -49,6 +50,7 @@ class LoadSettings:
     max_in_flight: int = 512
     drain_timeout_s: float = 120.0
     request_timeout_s: float = 120.0  # a request silent this long fails (DEADLINE_EXCEEDED "no response"): a hang
+    arrivals: str = EXACT  # bench.open_loop.arrival_times's count: a phase offers exactly its rate, or a free count
 
 
 def check(name: str, ok: bool, detail: str, kind: str = "invariant") -> dict:
@@ -63,7 +65,7 @@ def run_phases(load: LoadSettings, phases: list[tuple[str, float, float]], mix: 
     mix = mix or load.mix
     offsets, phase_of, start = [], [], 0.0
     for number, (name, rate, seconds) in enumerate(phases):
-        times = arrival_times(rate, seconds, load.seed + number) + start
+        times = arrival_times(rate, seconds, load.seed + number, load.arrivals) + start
         offsets.append(times)
         phase_of += [name] * len(times)
         start += seconds

@@ -54,7 +54,7 @@ def _int_range(text: str) -> tuple[int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "soak, burst, killed stages (instead of --concurrency: issue 48, benchmarks/README.md; also uses "
-        "--arrival-seed, --drain-timeout, --max-client-streams)")
+        "--arrival-seed, --arrivals, --drain-timeout, --max-client-streams)")
     group.add_argument("--soak", type=_names(SCENARIOS), metavar="SCENARIO[,...]",
                        help=f"run these of {','.join(SCENARIOS)}: an open-loop soak with cancels and deadlines, a "
                             "burst on the warm server, each --kill-stages stage killed under load on a fresh server "
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_
         "ttfa_window_s": args.ttfa_window, "sample_every_s": args.sample_every, "burst_s": args.burst_seconds,
         "burst_around_s": list(args.burst_around), "normal_ttfa_x": args.normal_ttfa,
         "kill_stages": list(args.kill_stages) if "kill" in args.soak else [], "kill_after_s": args.kill_after,
-        "kill_duration_s": args.kill_duration, "arrival_seed": args.arrival_seed,
+        "kill_duration_s": args.kill_duration, "arrival_seed": args.arrival_seed, "arrivals": args.arrivals,
         "max_client_streams": args.max_client_streams, "drain_timeout_s": args.drain_timeout},
         "scenarios": {}, "notes": notes}
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, workload, header: dict, notes: list[str], out_
 
     def load_for(url: str) -> soak.LoadSettings:
         return soak.LoadSettings(url=url, mix=mix, seed=args.arrival_seed, max_in_flight=args.max_client_streams,
-                                 drain_timeout_s=args.drain_timeout)
+                                 drain_timeout_s=args.drain_timeout, arrivals=args.arrivals)
 
     idle_timeout_s = 30.0
     if {"soak", "burst"} & set(args.soak):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from omni_triton.bench.open_loop import arrivals_line
 from omni_triton.bench.report import write_report
 
 
@@ -40,7 +41,8 @@ def markdown(report: dict) -> str:
              "Machine: " + ", ".join(f"{key} {value}" for key, value in report["machine"].items()), "",
              f"Goodput given: {settings['goodput']:g} requests/s; rates: "
              + ", ".join(f"{name} {rate:g}/s" for name, rate in settings["rates"].items())
-             + f". Request mix: `{json.dumps(settings['mix'])}`.", ""]
+             + f". Request mix: `{json.dumps(settings['mix'])}`.", "",
+             arrivals_line(settings), ""]
     failed = failed_invariants(report)
     lines += [f"Invariants: {'all hold' if not failed else f'{len(failed)} failed'}.", ""]
     if "soak" in report["scenarios"]:
