@@ -77,6 +77,16 @@ def test_server_ready_with_metrics(triton_server, client):
           f"{triton_server.rss_bytes() / 2**20:.0f} MiB, models {triton_server.models}")
 
 
+def test_the_model_stages_keep_their_loaded_objects_out_of_collection(triton_server, client):
+    """--stage-gc-freeze (on by default): each model stage's process froze what its loading left (its log line)."""
+    assert client.is_server_ready()
+    log = triton_server.server.log_path.read_text(errors="replace")
+    for stage in ("thinker", "talker", "code2wav"):
+        frozen = re.search(rf"^{stage}: (\d+) objects from loading kept out of garbage collection", log, re.M)
+        assert frozen, f"no freeze line from the {stage} stage in {triton_server.server.log_path}"
+        assert int(frozen.group(1)) > 10_000  # a loaded torch stage: the model's and torch's own objects
+
+
 def hf_prompt_ids(checkpoint_dir, content) -> list[int]:
     from transformers import AutoTokenizer
 

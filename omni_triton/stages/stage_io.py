@@ -18,6 +18,7 @@ from omni_triton.engine.handoff import InputStream, complete_to_host_all, side_s
 from omni_triton.pipeline.talker_service import TalkerOutput
 from omni_triton.pipeline.thinker_service import ThinkerOutput
 from omni_triton.shared import bundled_backend
+from omni_triton.stages.collector import freeze_loaded_objects
 
 THINKER_ROW_TENSORS = ("ROW_IDS", "EMBEDS", "HIDDEN", "PROMPT_LEN")
 
@@ -45,11 +46,12 @@ MEMORY_OPTIONS = ("--kv-cache-tokens (or --gpu-memory-utilization with --kv-cach
 
 
 @contextmanager
-def stage_loading(stage: str) -> Iterator[None]:
+def stage_loading(stage: str, freeze_collector: bool = False) -> Iterator[None]:
     """Around a stage's loading: a CUDA out-of-memory error becomes one that says which options make it fit. On
     a GPU, what loading freed goes back to the device (modules built in fp32 before their cast, the dummy
     embedding table the talker's rows come from: other stages' KV caches are planned on that memory), and the
-    stage logs what it holds (the server log: to set against the launch's memory plan)."""
+    stage logs what it holds (the server log: to set against the launch's memory plan). ``freeze_collector``
+    (``--stage-gc-freeze``): then the objects loading left are kept out of garbage collection (stages/collector.py)."""
     try:
         yield
     except torch.cuda.OutOfMemoryError as error:
@@ -61,6 +63,8 @@ def stage_loading(stage: str) -> Iterator[None]:
         free, total = torch.cuda.mem_get_info()
         print(f"{stage}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated after loading (weights, KV "
               f"cache), GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
+    if freeze_collector:
+        freeze_loaded_objects(stage)
 
 
 def to_torch(tensor: Any) -> torch.Tensor:

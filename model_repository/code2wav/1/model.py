@@ -61,7 +61,7 @@ class TritonPythonModel:
         policy = chunk_policy(settings)
         graphs = stage_graph_settings(policy, max_batch, warmup)
         start = time.monotonic()
-        with stage_loading("code2wav"):
+        with stage_loading("code2wav", freeze_collector=settings.stage_gc_freeze):
             self.vocoder = Code2WavRuntime.create(kind, str(settings.checkpoint_dir), device=self.device,
                                                   dtype=getattr(torch, settings.resolved_dtype), **engine,
                                                   **load_options(settings), cuda_graphs=settings.cuda_graphs,

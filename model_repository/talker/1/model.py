@@ -32,7 +32,7 @@ class TritonPythonModel:
         device = stage_device(settings, args)
         config, dtype = engine_config(settings, "talker", device)
         self.inputs = InputStream(device)  # request inputs copied without waiting for the talker's steps
-        with stage_loading("talker"):
+        with stage_loading("talker", freeze_collector=settings.stage_gc_freeze):
             self.service = TalkerService(settings.checkpoint_dir, config, dtype, **load_options(settings),
                                          quantization=quantization(settings))
         labels = replica_labels(args)

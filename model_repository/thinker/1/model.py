@@ -26,7 +26,7 @@ class TritonPythonModel:
         prepare_stage_process(settings, "thinker")
         configure_interstage_memory(settings.interstage_memory)
         config, dtype = engine_config(settings, "thinker", stage_device(settings, args))
-        with stage_loading("thinker"):
+        with stage_loading("thinker", freeze_collector=settings.stage_gc_freeze):
             self.service = ThinkerService(settings.checkpoint_dir, config, dtype, **load_options(settings),
                                           quantization=quantization(settings))
         self.metrics = StageMetrics(pb_utils, "thinker", lambda: engine_snapshot(self.service.loop.stats()),
