@@ -3,7 +3,13 @@
 import pytest
 
 from omni_triton.engine.engine import RequestOutput
+from omni_triton import cli
 from omni_triton.engine.output_batching import HeldOutputs, OutputBatching
+from omni_triton.launch.options import flag_settings
+from omni_triton.launch.repository import render_repository
+from omni_triton.shared.settings import LaunchConfig
+from omni_triton.stages.model_args import output_batching
+from server_fixture import rendered_settings
 
 
 def out(tokens, finished=False, request_id="a"):
@@ -89,3 +95,56 @@ def test_bad_policies_are_refused():
     for bad in (dict(first_tokens=0), dict(min_tokens=0), dict(eager_tokens=-1), dict(max_hold_s=-1)):
         with pytest.raises(ValueError):
             OutputBatching(**bad)
+
+
+# ---------------------------------------------------------------- the stages' policies from the settings
+
+def test_the_default_policies_are_the_ones_measured_before_the_thinker_settings():
+    settings = LaunchConfig(checkpoint_dir="x")
+    assert output_batching(settings, "thinker") == OutputBatching(first_tokens=1, eager_tokens=8, min_tokens=4,
+                                                                  max_hold_s=0.04)
+    assert output_batching(settings, "talker") == OutputBatching(first_tokens=4, min_tokens=8, max_hold_s=0.04)
+
+
+def test_the_thinker_settings_change_the_thinker_alone():
+    settings = LaunchConfig(checkpoint_dir="x", thinker_tokens_per_output=16, thinker_output_hold_ms=200)
+    assert output_batching(settings, "thinker") == OutputBatching(first_tokens=1, eager_tokens=8, min_tokens=16,
+                                                                  max_hold_s=0.2)
+    assert output_batching(settings, "talker").max_hold_s == 0.04
+
+
+@pytest.mark.parametrize("stage_hold, thinker_hold, thinker_every_step, talker_every_step", [
+    (0, None, True, True), (0, 100, False, True), (40, 0, True, False)])
+def test_a_hold_of_zero_sends_every_step(stage_hold, thinker_hold, thinker_every_step, talker_every_step):
+    settings = LaunchConfig(checkpoint_dir="x", stage_output_hold_ms=stage_hold, thinker_output_hold_ms=thinker_hold)
+    assert (output_batching(settings, "thinker") == OutputBatching()) is thinker_every_step
+    assert (output_batching(settings, "talker") == OutputBatching()) is talker_every_step
+
+
+def test_the_flags_reach_the_thinker_stage(tiny_checkpoint, tmp_path):
+    args = cli.build_parser().parse_args(["serve", "--thinker-tokens-per-output", "12",
+                                          "--thinker-output-hold-ms", "150"])
+    names = ("thinker_tokens_per_output", "thinker_output_hold_ms")
+    config = LaunchConfig(checkpoint_dir=tiny_checkpoint,
+                          **{name: value for name, value in flag_settings(args).items() if name in names})
+    out = render_repository(config, tmp_path / "repository", ["thinker"])
+    settings = rendered_settings(out, "thinker")
+    assert (settings.thinker_tokens_per_output, settings.thinker_output_hold_ms) == (12, 150.0)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--thinker-tokens-per-output", "0", "must be a whole number >= 1, got '0'"),
+    ("--thinker-tokens-per-output", "2.5", "must be a whole number >= 1, got '2.5'"),
+    ("--thinker-output-hold-ms", "1500", "must be milliseconds within 0-1000, got '1500'"),
+    ("--stage-output-hold-ms", "-1", "must be milliseconds within 0-1000, got '-1'")])
+def test_a_bad_value_is_refused_naming_the_flag(capsys, flag, value, message):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", flag, value])
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_the_settings_refuse_what_the_flags_would():
+    with pytest.raises(ValueError, match="thinker_tokens_per_output must be >= 1"):
+        LaunchConfig(checkpoint_dir="x", thinker_tokens_per_output=0)
+    with pytest.raises(ValueError, match="thinker_output_hold_ms must be within 0-1000"):
+        LaunchConfig(checkpoint_dir="x", thinker_output_hold_ms=1001)

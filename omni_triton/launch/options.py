@@ -131,11 +131,20 @@ def add_engine_arguments(group) -> None:
                        help="the thinker and the talker reuse the KV blocks (and streamed states) of prompt prefixes "
                             "computed before: a conversation's later turns and a shared system prompt cost only "
                             "their new tokens (docs/prefix_caching.md) (default: %(default)s)")
-    group.add_argument("--stage-output-hold-ms", type=float, metavar="MS", default=LaunchConfig.stage_output_hold_ms,
+    group.add_argument("--stage-output-hold-ms", type=_hold_ms, metavar="MS", default=LaunchConfig.stage_output_hold_ms,
                        help="the thinker and the talker send each stream's outputs a few steps at a time (the talker's "
                             "first at --first-chunk-frames frames, then 8; the thinker's first 8 tokens at once, then "
                             "4), none held longer than this: fewer, larger responses for the orchestrator to handle "
                             "under load; 0: every step (docs/performance.md) (default: %(default)s)")
+    group.add_argument("--thinker-tokens-per-output", type=_positive_int, metavar="N",
+                       default=LaunchConfig.thinker_tokens_per_output,
+                       help="the thinker's responses after its first 8 tokens carry at least N tokens (each becomes "
+                            "one talker append request and one text delta), within --thinker-output-hold-ms "
+                            "(default: %(default)s)")
+    group.add_argument("--thinker-output-hold-ms", type=_hold_ms, metavar="MS",
+                       default=LaunchConfig.thinker_output_hold_ms,
+                       help="the longest the thinker holds a stream's tokens for --thinker-tokens-per-output; "
+                            "0: every step (default: --stage-output-hold-ms)")
     group.add_argument("--gil-switch-interval-ms", type=float, metavar="MS", default=LaunchConfig.gil_switch_interval_ms,
                        help="every stage process's GIL switch interval (sys.setswitchinterval): how long a thread "
                             "back from a GPU wait may wait for a thread busy in Python to hand the GIL over (an "
@@ -183,6 +192,27 @@ def _seconds(text: str) -> float:
         return seconds_setting("seconds", float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _hold_ms(text: str) -> float:
+    """An output hold's milliseconds, within LaunchConfig's 0-1000 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be milliseconds within 0-1000, got {text!r}")
+    return value
 
 
 def _admission_capacity(text: str) -> str:

@@ -94,6 +94,12 @@ class LaunchConfig:
     # thinker and talker send a stream's outputs a few steps at a time, none held longer than this (0: every step;
     # EngineConfig.output_batching)
     stage_output_hold_ms: float = 40.0
+    # the thinker's outputs after its first 8 tokens: at least this many tokens a response, held at most
+    # thinker_output_hold_ms (None: stage_output_hold_ms). Each response becomes a talker append request, and the
+    # talker's request hop is its queue behind one execute per batch of them (issue 42): fewer, larger appends are
+    # the experiment; 4 and 40 ms were the defaults before these settings
+    thinker_tokens_per_output: int = 4
+    thinker_output_hold_ms: float | None = None
     # Warm start: each stage runs every kernel shape and captures every CUDA graph that serving up to
     # max_inflight_requests streams will use before it reports ready. None: on for cuda, off for cpu.
     warmup: bool | None = None
@@ -162,7 +168,7 @@ class LaunchConfig:
             raise ValueError(f"code2wav_runtime {self.code2wav_runtime} needs code2wav_engine_path")
         for name in ("first_chunk_frames", "next_chunk_frames", "kv_cache_tokens", "kv_block_size",
                      "max_batched_tokens", "max_inflight_requests", "max_tokens_cap", "default_max_tokens",
-                     "code2wav_max_batch"):
+                     "code2wav_max_batch", "thinker_tokens_per_output"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.talker_kv_cache_tokens is not None and self.talker_kv_cache_tokens < 1:
@@ -170,8 +176,10 @@ class LaunchConfig:
         if self.left_context_frames not in (None, "stateful", "exact") and (
                 not isinstance(self.left_context_frames, int) or self.left_context_frames < 1):
             raise ValueError(f"left_context_frames must be 'stateful', 'exact' or >= 1, got {self.left_context_frames!r}")
-        if not 0 <= self.stage_output_hold_ms <= 1000:
-            raise ValueError(f"stage_output_hold_ms must be within 0-1000, got {self.stage_output_hold_ms}")
+        for name in ("stage_output_hold_ms", "thinker_output_hold_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1000:
+                raise ValueError(f"{name} must be within 0-1000, got {value}")
         if self.chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {self.chunk_pacing!r}")
         if self.admission_queue is not None and self.admission_queue < 0:

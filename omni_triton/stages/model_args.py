@@ -62,19 +62,22 @@ def engine_config(settings: LaunchConfig, stage: str, device: torch.device) -> t
 # (--first-chunk-frames, doubling) needs; the thinker's text runs ahead of the talker, which takes a token a frame,
 # but its first tokens go one by one so the talker's first frames never wait for a batch.
 TALKER_FRAMES_PER_OUTPUT = 8
-THINKER_EAGER_TOKENS, THINKER_TOKENS_PER_OUTPUT = 8, 4
+# (after those, --thinker-tokens-per-output a response)
+THINKER_EAGER_TOKENS = 8
 
 
 def output_batching(settings: LaunchConfig, stage: str) -> OutputBatching:
     """When ``stage``'s engine hands a stream's outputs to its response sender (engine/output_batching.py)."""
-    hold_s = settings.stage_output_hold_ms / 1000
-    if hold_s == 0:
+    hold_ms = settings.stage_output_hold_ms
+    if stage == "thinker" and settings.thinker_output_hold_ms is not None:
+        hold_ms = settings.thinker_output_hold_ms
+    if hold_ms == 0:
         return OutputBatching()
     if stage == "talker":  # its first response carries the first audio chunk's frames
         return OutputBatching(first_tokens=settings.first_chunk_frames, min_tokens=TALKER_FRAMES_PER_OUTPUT,
-                              max_hold_s=hold_s)
-    return OutputBatching(first_tokens=1, eager_tokens=THINKER_EAGER_TOKENS, min_tokens=THINKER_TOKENS_PER_OUTPUT,
-                          max_hold_s=hold_s)
+                              max_hold_s=hold_ms / 1000)
+    return OutputBatching(first_tokens=1, eager_tokens=THINKER_EAGER_TOKENS,
+                          min_tokens=settings.thinker_tokens_per_output, max_hold_s=hold_ms / 1000)
 
 
 def chunk_policy(settings: LaunchConfig) -> ChunkPolicy:
