@@ -133,8 +133,8 @@ def test_the_flags_reach_the_thinker_stage(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--thinker-tokens-per-output", "0", "must be a whole number >= 1, got '0'"),
-    ("--thinker-tokens-per-output", "2.5", "must be a whole number >= 1, got '2.5'"),
+    ("--thinker-tokens-per-output", "0", "expected a whole number >= 1, got '0'"),
+    ("--thinker-tokens-per-output", "2.5", "expected a whole number >= 1, got '2.5'"),
     ("--thinker-output-hold-ms", "1500", "must be milliseconds within 0-1000, got '1500'"),
     ("--stage-output-hold-ms", "-1", "must be milliseconds within 0-1000, got '-1'")])
 def test_a_bad_value_is_refused_naming_the_flag(capsys, flag, value, message):

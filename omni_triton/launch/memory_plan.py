@@ -438,7 +438,7 @@ def kv_tokens_setting(text: str) -> int | str:
 
 
 def word_or_count(text: str, words: tuple[str, ...], count: str) -> int | str:
-    """argparse type of a setting that is one of ``words`` or a ``count`` >= 1."""
+    """argparse type of a setting that is one of ``words`` (maybe none) or a ``count`` >= 1."""
     if text in words:
         return text
     try:
@@ -448,5 +448,6 @@ def word_or_count(text: str, words: tuple[str, ...], count: str) -> int | str:
     if number < 1:
         import argparse
 
-        raise argparse.ArgumentTypeError(f"expected {', '.join(words)} or {count} >= 1, got {text!r}")
+        either = f"{', '.join(words)} or " if words else ""
+        raise argparse.ArgumentTypeError(f"expected {either}{count} >= 1, got {text!r}")
     return number

@@ -195,13 +195,7 @@ def _seconds(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
+    return word_or_count(text, (), "a whole number")
 
 
 def _hold_ms(text: str) -> float:
