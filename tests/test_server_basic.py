@@ -78,10 +78,11 @@ def test_server_ready_with_metrics(triton_server, client):
 
 
 def test_the_model_stages_keep_their_loaded_objects_out_of_collection(triton_server, client):
-    """--stage-gc-freeze (on by default): each model stage's process froze what its loading left (its log line)."""
+    """--stage-gc-freeze (on by default): each stage process that serves streams froze what its loading left (its
+    log line)."""
     assert client.is_server_ready()
     log = triton_server.server.log_path.read_text(errors="replace")
-    for stage in ("thinker", "talker", "code2wav"):
+    for stage in ("thinker", "talker", "code2wav", "orchestrator"):
         frozen = re.search(rf"^{stage}: (\d+) objects from loading kept out of garbage collection", log, re.M)
         assert frozen, f"no freeze line from the {stage} stage in {triton_server.server.log_path}"
         assert int(frozen.group(1)) > 10_000  # a loaded torch stage: the model's and torch's own objects

@@ -64,11 +64,11 @@ def test_stage_loading_freezes_only_when_asked(unfrozen, freeze):
 
 
 @pytest.mark.parametrize("flag, expected", [([], True), (["--stage-gc-freeze", "off"], False)])
-def test_the_flag_reaches_every_model_stage(tiny_checkpoint, tmp_path, flag, expected):
+def test_the_flag_reaches_every_stage_that_freezes(tiny_checkpoint, tmp_path, flag, expected):
     args = cli.build_parser().parse_args(["serve", *flag])
     config = LaunchConfig(checkpoint_dir=tiny_checkpoint, **{
         name: value for name, value in flag_settings(args).items() if name == "stage_gc_freeze"})
-    stages = ["thinker", "talker", "code2wav"]
+    stages = ["thinker", "talker", "code2wav", "orchestrator"]
     out = render_repository(config, tmp_path / "repository", stages)
     for stage in stages:
         assert rendered_settings(out, stage).stage_gc_freeze is expected

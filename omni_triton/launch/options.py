@@ -150,10 +150,10 @@ def add_engine_arguments(group) -> None:
                             "back from a GPU wait may wait for a thread busy in Python to hand the GIL over (an "
                             "engine's step thread, the stub's response thread); default: Python's own, 5 ms")
     group.add_argument("--stage-gc-freeze", choices=["on", "off"], default=on_off(LaunchConfig.stage_gc_freeze),
-                       help="the thinker, talker and code2wav processes keep the objects their loading left out of "
-                            "Python's garbage collection (gc.freeze): a full collection walks only what serving "
-                            "allocated instead of stopping the stage's threads for a walk over the loaded model "
-                            "(default: %(default)s)")
+                       help="the thinker, talker, code2wav and orchestrator processes keep the objects their "
+                            "loading left out of Python's garbage collection (gc.freeze): a full collection walks only "
+                            "what serving allocated instead of stopping the stage's threads for a walk over the loaded "
+                            "model (default: %(default)s)")
 
 
 def add_load_arguments(group) -> None:

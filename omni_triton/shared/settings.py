@@ -132,9 +132,9 @@ class LaunchConfig:
     # that waited with the GIL released (an engine's step thread on its step's sampled ids) may wait this long to get
     # it back from a thread busy in Python (the stub's response sends): benchmarks/gil_switch_probe.py
     gil_switch_interval_ms: float | None = None
-    # thinker, talker and code2wav: once loaded (warm-up included), the objects loading left are kept out of garbage
-    # collection (gc.freeze, stages/collector.py): a full collection then walks only what serving allocated, instead
-    # of holding every thread of the stub for ~200 ms at full size (the talker's, on an H200)
+    # thinker, talker, code2wav and orchestrator: once loaded (warm-up included), the objects loading left are kept
+    # out of garbage collection (gc.freeze, stages/collector.py): a full collection then walks only what serving
+    # allocated, instead of holding every thread of the stub for ~200 ms at full size (the talker's, on an H200)
     stage_gc_freeze: bool = True
     placement: Placement = field(default_factory=Placement)  # GPUs, instances, pipelines (see placement.py)
 

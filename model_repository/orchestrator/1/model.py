@@ -10,6 +10,7 @@ from omni_triton.shared.cancel_registry import CancelRegistry, registry_dir
 from omni_triton.shared.placement import GPU_STAGES
 from omni_triton.shared.settings import admission_capacity_setting
 from omni_triton.stages.admission import RealtimeCapacity
+from omni_triton.stages.collector import freeze_loaded_objects
 from omni_triton.stages.metrics import StageMetrics
 from omni_triton.stages.model_args import (chunk_policy, launch_settings, prepare_stage_process, orchestrator_slot,
                                            report_native_crashes, stage_device)
@@ -49,6 +50,8 @@ class TritonPythonModel:
             # preprocess refuses before its work when every instance would (admission_board)
             board=BoardWriter(board_path(os.getppid(), f"{pipeline}.{slot.index}")))
         self.metrics = StageMetrics(pb_utils, "orchestrator", self.orchestrator.snapshot, labels=labels)
+        if settings.stage_gc_freeze:  # every stream's hops go through this process: no full walk of its imports
+            freeze_loaded_objects("orchestrator")
 
     def execute(self, requests):
         for request in requests:
