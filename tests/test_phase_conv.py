@@ -16,7 +16,7 @@ from omni_triton.launch.options import flag_settings
 from omni_triton.launch.repository import render_repository
 from omni_triton.models.code2wav.phase_conv import dilated_conv_as_phases
 from omni_triton.models.code2wav.runtime import Code2WavRuntime
-from omni_triton.models.code2wav.vocoder import CausalConv1d
+from omni_triton.models.code2wav.vocoder import set_phase_split
 from omni_triton.pipeline.code2wav.chunking import ChunkPolicy
 from omni_triton.pipeline.code2wav.warmup import stage_graph_settings
 from omni_triton.shared.settings import LaunchConfig
@@ -54,13 +54,6 @@ def test_phases_refuse_strided_or_padded_convs_and_inputs_shorter_than_the_reach
         dilated_conv_as_phases(nn.Conv1d(2, 2, 7, dilation=3), torch.zeros(1, 2, 18))
 
 
-def _phase_split(model, on: bool) -> int:
-    convs = [m for m in model.modules() if isinstance(m, CausalConv1d)]
-    for conv in convs:
-        conv.phase_split = on
-    return sum(conv.conv.dilation[0] > 1 for conv in convs)
-
-
 @pytest.fixture(scope="module")
 def runtime(tiny_checkpoint):
     runtime = Code2WavRuntime.create("torch", tiny_checkpoint)
@@ -74,14 +67,14 @@ def test_the_one_pass_and_the_stream_equal_the_dilated_model(runtime):
     codes = torch.randint(0, runtime.config.codebook_size, (2, runtime.num_quantizers, 16),
                           generator=torch.Generator().manual_seed(1))
     try:
-        assert _phase_split(runtime.model, False) >= 2  # the residual units' dilations 3 and 9
+        assert set_phase_split(runtime.model, False) >= 2  # the residual units' dilations 3 and 9
         expected = runtime.decode(codes)
-        _phase_split(runtime.model, True)
+        set_phase_split(runtime.model, True)
         torch.testing.assert_close(runtime.decode(codes), expected, rtol=0, atol=1e-5)  # fp32 sums' order
         for row, samples in enumerate(stream_ramp(runtime, codes, [4, 8, 4])):
             torch.testing.assert_close(samples, expected[row], rtol=0, atol=1e-5)
     finally:
-        _phase_split(runtime.model, False)
+        set_phase_split(runtime.model, False)
 
 
 def test_the_runtime_leaves_the_cpu_path_dilated(tiny_checkpoint):
@@ -121,7 +114,7 @@ def test_stream_chunks_with_phases_replay_graphs_and_equal_the_one_pass(tiny_che
     graphs = stage_graph_settings(ChunkPolicy.from_setting(4, 25, "stateful"), max_batch=2, warm_start=False)
     runtime = Code2WavRuntime.create("torch", tiny_checkpoint, device="cuda", cuda_graphs=True,
                                      dilated_phases=True, **graphs)
-    assert _phase_split(runtime.model, True) >= 2  # the runtime set them; (re)setting is a no-op
+    assert set_phase_split(runtime.model, True) >= 2  # the runtime set them; (re)setting is a no-op
     calibrate_output_gain_(runtime.model)
     ramp = [4, 8, 24, 25]
     codes = torch.randint(0, runtime.config.codebook_size, (2, runtime.num_quantizers, sum(ramp)),
@@ -129,5 +122,5 @@ def test_stream_chunks_with_phases_replay_graphs_and_equal_the_one_pass(tiny_che
     replays = runtime.stream_graphs.replays
     streamed = stream_ramp(runtime, codes, ramp)
     assert runtime.stream_graphs.replays == replays + len(ramp)
-    _phase_split(runtime.model, False)
+    set_phase_split(runtime.model, False)
     assert_equals_one_pass(runtime, codes, streamed)  # against the dilated convs themselves

@@ -21,8 +21,8 @@ from omni_triton.launch.memory_plan import (DEFAULT_UTILIZATION, THINKER_KV_SHAR
 from omni_triton.shared.placement import (GPU_STAGES, REPLICABLE_STAGES, Placement, PlacementError, parse_instances,
                                           parse_stage_gpus)
 from omni_triton.shared.settings import (CHUNK_PACING, CPU_KV_CACHE_TOKENS, LINEAR_LAUNCHES, LOAD_FORMATS,
-                                         QUANTIZATIONS, LaunchConfig, admission_capacity_setting, on_off,
-                                         seconds_setting)
+                                         QUANTIZATIONS, LaunchConfig, admission_capacity_setting, hold_ms_setting,
+                                         on_off, seconds_setting)
 
 
 class LaunchOptionError(ValueError):
@@ -199,14 +199,11 @@ def _positive_int(text: str) -> int:
 
 
 def _hold_ms(text: str) -> float:
-    """An output hold's milliseconds, within LaunchConfig's 0-1000 (argparse names the flag in its error)."""
+    """An output hold's milliseconds, checked as LaunchConfig checks them (argparse names the flag in its error)."""
     try:
-        value = float(text)
+        return hold_ms_setting("hold", float(text))
     except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"must be milliseconds within 0-1000, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"must be milliseconds within 0-1000, got {text!r}") from None
 
 
 def _admission_capacity(text: str) -> str:

@@ -177,9 +177,8 @@ class LaunchConfig:
                 not isinstance(self.left_context_frames, int) or self.left_context_frames < 1):
             raise ValueError(f"left_context_frames must be 'stateful', 'exact' or >= 1, got {self.left_context_frames!r}")
         for name in ("stage_output_hold_ms", "thinker_output_hold_ms"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 1000:
-                raise ValueError(f"{name} must be within 0-1000, got {value}")
+            if getattr(self, name) is not None:
+                hold_ms_setting(name, getattr(self, name))
         if self.chunk_pacing not in CHUNK_PACING:
             raise ValueError(f"chunk_pacing must be one of {CHUNK_PACING}, got {self.chunk_pacing!r}")
         if self.admission_queue is not None and self.admission_queue < 0:
@@ -268,6 +267,13 @@ def seconds_setting(name: str, seconds: float) -> float:
     if not 0 <= seconds < math.inf:
         raise ValueError(f"{name} must be >= 0 seconds, got {seconds}")
     return seconds
+
+
+def hold_ms_setting(name: str, ms: float) -> float:
+    """An output hold in milliseconds within 0-1000, else ValueError naming the setting."""
+    if not 0 <= ms <= 1000:
+        raise ValueError(f"{name} must be within 0-1000, got {ms}")
+    return ms
 
 
 def admission_capacity_setting(text: str) -> float | str:

@@ -5,7 +5,7 @@ walks all of them: a loaded stage's modules, parameters, CUDA graphs and their b
 caches, none of which ever becomes garbage. The collection runs on whichever thread allocated past the threshold
 and holds the GIL throughout, so every thread of the stub stops with it. On an H200 at full size the talker's
 engine thread paused 150-212 ms in a full collection twice in 20 s of load, and the streams whose next frames were
-due then ran dry (benchmarks/results/h200-code2wav-switches/README.md, the dry streams). ``gc.freeze()`` after
+due then ran dry (benchmarks/results/h200-code2wav-switches/talker-gc-pauses.md). ``gc.freeze()`` after
 loading moves those objects into the permanent generation, which no collection walks; what serving allocates is
 collected as before. A cycle among the frozen objects that became garbage later stays until the process ends: the
 loaded objects live that long anyway. At exit they are unfrozen, so that the interpreter's last collections finalize

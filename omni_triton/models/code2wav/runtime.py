@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from omni_triton.models.code2wav.vocoder import CausalConv1d, Code2Wav, Code2WavConfig
+from omni_triton.models.code2wav.vocoder import Code2Wav, Code2WavConfig, set_phase_split
 from omni_triton.models.code2wav.graphs import Code2WavGraphs, GraphSettings
 from omni_triton.models.code2wav.stateful import (CODES_NAME, LENGTHS_NAME, NEW_STATE_PREFIX, WAVEFORM_NAME,
                                                   StateSpec, StreamingCode2Wav, chunk_samples)
@@ -185,10 +185,7 @@ class TorchCode2Wav(Code2WavRuntime):
             torch.backends.cudnn.benchmark = True
 
         self.model = load_code2wav(checkpoint_dir, device, dtype, load_format=load_format, seed=seed)
-        if dilated_phases and device.type == "cuda":  # before the graphs below capture the convs
-            for module in self.model.modules():
-                if isinstance(module, CausalConv1d):
-                    module.phase_split = True
+        set_phase_split(self.model, dilated_phases and device.type == "cuda")  # before the graphs capture the convs
         # Before the graphs below are captured: their warm-up calls compile the kernel for each shape, the capture
         # records its launches. The vocoder's only kernel switches are its SnakeBetas.
         set_fast_kernels(self.model, triton_snake and device.type == "cuda")

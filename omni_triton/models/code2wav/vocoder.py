@@ -101,6 +101,15 @@ class CausalConv1d(nn.Module):
         return self.conv(padded)
 
 
+def set_phase_split(model: nn.Module, enabled: bool) -> int:
+    """Every ``CausalConv1d`` of ``model`` over its input's phases, or not (``phase_split``); returns how many of them
+    are dilated (those it changes)."""
+    convs = [module for module in model.modules() if isinstance(module, CausalConv1d)]
+    for conv in convs:
+        conv.phase_split = enabled
+    return sum(conv.conv.dilation[0] > 1 for conv in convs)
+
+
 class CausalTransConv1d(nn.Module):
     """Upsample by ``stride``; the ``kernel - stride`` overhang is cut equally from both ends.
 
